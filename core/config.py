@@ -1,0 +1,280 @@
+"""The one validated configuration model for params.yaml.
+
+Every entry point (DVC stages, `tcnn` verbs, Ray trials) calls :func:`load_params` before any compute.
+Errors are raised as :class:`ConfigError` with a single line that names the offending dotted key.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DATASETS = ("fashion_mnist", "cifar10", "cifar100", "imagefolder")
+MODEL_KINDS = ("cnn", "tcnn", "convit", "psa", "hybrid_scratch", "aa_resnet", "cmhsa")
+FINETUNE_MODES = ("fresh", "continue")
+STRIDE_MODES = ("exact", "s1")
+ALL_CORRUPTIONS = (
+    "gaussian_noise", "shot_noise", "impulse_noise",
+    "defocus_blur", "glass_blur", "motion_blur", "zoom_blur",
+    "snow", "frost", "fog", "brightness",
+    "contrast", "elastic_transform", "pixelate", "jpeg_compression",
+    "speckle_noise", "gaussian_blur", "spatter", "saturate",
+)  # fmt: skip
+
+
+class ConfigError(ValueError):
+    """A bad configuration: the message is one line naming the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Strict):
+    name: Literal["fashion_mnist", "cifar10", "cifar100", "imagefolder"] = "fashion_mnist"
+    source: Path | None = None  # raw files; None = the dataset's default location (or a download)
+    dir: Path = Path("data/fashion_mnist")  # Parquet shards + manifest.json
+    sample_fraction: float = Field(1.0, gt=0.0, le=1.0)
+    val_size: int = Field(5000, ge=0)
+    image_size: int = Field(28, ge=8, le=1024)
+    num_workers: int = Field(0, ge=0, le=64)
+    shard_rows: int = Field(10000, ge=16)
+
+    @field_validator("source")
+    @classmethod
+    def _readable(cls, v: Path | None) -> Path | None:
+        if v is not None and not os.access(v, os.R_OK):
+            raise ValueError(f"path {str(v)!r} does not exist or is not readable")
+        return v
+
+
+class ModelConfig(_Strict):
+    kind: Literal["cnn", "tcnn", "convit", "psa", "hybrid_scratch", "aa_resnet", "cmhsa"] = "tcnn"
+    arch: str = "resnet10_cifar"
+    drop_path: float = Field(0.0, ge=0.0, lt=1.0)
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("arch")
+    @classmethod
+    def _known_arch(cls, v: str) -> str:
+        from core.models import is_known_arch  # lazy: imports timm/torch only when a config is checked
+
+        if not is_known_arch(v):
+            raise ValueError(f"unknown arch {v!r} (not a timm model name nor a project-registered net)")
+        return v
+
+
+class AugmentConfig(_Strict):
+    crop_padding: int = Field(2, ge=0)
+    hflip: bool = True
+    randaugment: str | None = None  # a timm RandAugment spec, e.g. "rand-m9-mstd0.5"
+    mixup: float = Field(0.0, ge=0.0)
+    cutmix: float = Field(0.0, ge=0.0)
+    label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)
+
+
+class PretrainConfig(_Strict):
+    epochs: int = Field(6, gt=0)
+    batch_size: int = Field(128, gt=0)
+    lr: float = Field(0.1, gt=0.0)
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    weight_decay: float = Field(5e-4, ge=0.0)
+    warmup_epochs: float = Field(1.0, ge=0.0)
+    checkpoint_epochs: list[int] = Field(default_factory=list)  # extra t1 epochs to keep
+    augment: AugmentConfig = Field(default_factory=AugmentConfig)
+
+
+class ReparamConfig(_Strict):
+    epoch: int = Field(6, ge=0)  # t1; 0 = reparameterize the untrained CNN
+    alpha_init: float = Field(1.0, gt=0.0)
+    lambda_init: float = 1.0
+    stride_mode: Literal["exact", "s1"] = "exact"
+    stages: list[int] = Field(default_factory=lambda: [-1])
+
+
+class FinetuneConfig(_Strict):
+    epochs: int = Field(3, gt=0)
+    mode: Literal["fresh", "continue"] = "fresh"
+    lr: float = Field(1e-4, gt=0.0)  # at batch 1024, scaled linearly with batch_size (000, Sec. 3)
+    gate_lr: float = Field(0.1, gt=0.0)
+    batch_size: int = Field(128, gt=0)
+    weight_decay: float = Field(0.05, ge=0.0)
+    warmup_epochs: float = Field(1.0, ge=0.0)
+    drop_path: float = Field(0.1, ge=0.0, lt=1.0)
+    image_size: int | None = Field(None, ge=8, le=1024)  # None = pretraining resolution
+    augment: AugmentConfig = Field(default_factory=AugmentConfig)
+
+
+class RobustnessConfig(_Strict):
+    n_images: int = Field(2000, gt=0)
+    corruptions: list[str] = Field(default_factory=lambda: list(ALL_CORRUPTIONS))
+    severities: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5])
+    dir: Path = Path("data/fashion_mnist-c")
+    batch_size: int = Field(500, gt=0)
+
+    @field_validator("corruptions")
+    @classmethod
+    def _known_corruptions(cls, v: list[str]) -> list[str]:
+        bad = [c for c in v if c not in ALL_CORRUPTIONS]
+        if bad:
+            raise ValueError(f"unknown corruption(s) {bad}; choose from {list(ALL_CORRUPTIONS)}")
+        if not v:
+            raise ValueError("must name at least one corruption")
+        return v
+
+    @field_validator("severities")
+    @classmethod
+    def _severity_range(cls, v: list[int]) -> list[int]:
+        if not v or any(s < 1 or s > 5 for s in v):
+            raise ValueError(f"severities must be a non-empty subset of 1..5, got {v}")
+        return sorted(set(v))
+
+
+class SweepConfig(_Strict):
+    grid: dict[str, list[Any]] = Field(default_factory=dict)
+    cpus_per_trial: float = Field(1.0, gt=0.0)
+    gpus_per_trial: float = Field(0.0, ge=0.0)
+    max_failures: int = Field(2, ge=0)
+    fraction_scales_epochs: bool = True  # 001 Table 2: epochs x 1/f at fraction f
+    storage: Path = Path("sweeps")
+
+
+class TrackingConfig(_Strict):
+    enabled: bool = True
+    uri: str = "sqlite:///mlruns.db"
+    experiment: str = Field("tcnn", min_length=1)
+
+
+class Params(_Strict):
+    seed: int = Field(0, ge=0)
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    pretrain: PretrainConfig = Field(default_factory=PretrainConfig)
+    reparam: ReparamConfig = Field(default_factory=ReparamConfig)
+    finetune: FinetuneConfig = Field(default_factory=FinetuneConfig)
+    robustness: RobustnessConfig = Field(default_factory=RobustnessConfig)
+    sweep: SweepConfig = Field(default_factory=SweepConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> Params:
+        if self.reparam.epoch > self.pretrain.epochs:
+            raise ValueError(
+                f"reparam.epoch: t1={self.reparam.epoch} exceeds pretrain.epochs={self.pretrain.epochs}"
+            )
+        return self
+
+    def with_overrides(self, overrides: dict[str, Any]) -> Params:
+        """A validated copy with dotted keys replaced (used by `-S key=value` and sweep grids)."""
+        raw = self.model_dump(mode="json")
+        for key, value in overrides.items():
+            set_dotted(raw, key, value)
+        return validate_params(raw)
+
+
+def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    node = raw
+    *parents, leaf = key.split(".")
+    for part in parents:
+        if not isinstance(node.get(part), dict):
+            raise ConfigError(f"{key}: unknown key")
+        node = node[part]
+    if leaf not in node and not (parents and parents[-1] in ("grid", "options")):
+        raise ConfigError(f"{key}: unknown key")
+    node[leaf] = value
+
+
+def _format_error(err: ValidationError) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "params"
+    msg = first["msg"].removeprefix("Value error, ")
+    kind = first["type"]
+    if kind == "extra_forbidden":
+        msg = "unknown key"
+    elif kind not in ("value_error", "missing") and isinstance(first.get("input"), (str, int, float, bool)):
+        msg = f"{msg}, got {first['input']!r}"
+    if not first["loc"] and ":" in msg:  # model-level errors already start with their key
+        return msg
+    return f"{loc}: {msg}"
+
+
+def validate_params(raw: Any) -> Params:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"params: expected a mapping at the top level, got {type(raw).__name__}")
+    try:
+        params = Params.model_validate(copy.deepcopy(raw))
+    except ValidationError as err:
+        raise ConfigError(_format_error(err)) from None
+    for key, values in params.sweep.grid.items():
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"sweep.grid.{key}: expected a non-empty list of values")
+        for value in values:
+            try:
+                base = params.model_dump(mode="json")
+                base["sweep"]["grid"] = {}
+                set_dotted(base, key, value)
+                Params.model_validate(base)
+            except ValidationError as err:
+                raise ConfigError(
+                    f"sweep.grid.{key}: value {value!r} is invalid ({_format_error(err)})"
+                ) from None
+            except ConfigError as err:
+                raise ConfigError(f"sweep.grid.{key}: {err}") from None
+    return params
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`key=value` with the value parsed as YAML (so `3`, `0.5`, `true`, `[1, 2]` get their types)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key=value")
+    key, value = text.split("=", 1)
+    return key.strip(), yaml.safe_load(value)
+
+
+def load_params(path: str | os.PathLike = "params.yaml", overrides: list[str] | None = None) -> Params:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such params file") from None
+    except yaml.YAMLError as err:
+        line = getattr(getattr(err, "problem_mark", None), "line", None)
+        where = f" (line {line + 1})" if line is not None else ""
+        raise ConfigError(f"{path}: not valid YAML{where}") from None
+    if raw is None:
+        raw = {}
+    if overrides:
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level")
+        for text in overrides:
+            key, value = parse_override(text)
+            set_dotted(raw, key, value) if _has_path(raw, key) else _set_new(raw, key, value)
+    try:
+        return validate_params(raw)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+
+
+def _has_path(raw: dict, key: str) -> bool:
+    node: Any = raw
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def _set_new(raw: dict, key: str, value: Any) -> None:
+    """Overrides may name keys that params.yaml leaves at their defaults; the model still rejects unknowns."""
+    node = raw
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{key}: unknown key")
+    node[leaf] = value

@@ -1,0 +1,1 @@
+"""Composition: the chain a trial runs, the Ray Tune sweep, SLURM launch, the tracking adapter."""

@@ -1,0 +1,37 @@
+"""The `tcnn` console script: user verbs around the pipeline."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from core.config import ConfigError, load_params
+
+
+def _validate(args: argparse.Namespace) -> int:
+    params = load_params(args.file, args.set)
+    print(f"{args.file}: ok ({params.data.name}, {params.model.kind}/{params.model.arch})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tcnn", description="Transformed CNNs research pipeline")
+    sub = parser.add_subparsers(dest="verb", required=True)
+    p = sub.add_parser("validate", help="validate a params file")
+    p.add_argument("file", nargs="?", default="params.yaml")
+    p.add_argument("-S", "--set", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(func=_validate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as err:
+        print(f"tcnn {args.verb}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,20 @@
+"""Shared pytest fixtures. Tests never touch the repo's own data/, runs/ or mlruns.db: they use tmp_path."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+
+# Keep tests deterministic and light on a 2-core machine.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO
