@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 DATASETS = ("fashion_mnist", "cifar10", "cifar100", "imagefolder")
 MODEL_KINDS = ("cnn", "tcnn", "convit", "psa", "hybrid_scratch", "aa_resnet", "cmhsa")
@@ -33,6 +41,19 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        # pydantic's lax mode reads True as 1 / 1.0 (YAML also reads yes/no/on/off as booleans).
+        if isinstance(v, bool) and cls.model_fields[info.field_name].annotation in (
+            int,
+            float,
+            int | None,
+            float | None,
+        ):
+            raise ValueError(f"expected a number, got {v!r}")
+        return v
 
 
 class DataConfig(_Strict):
@@ -76,6 +97,18 @@ class AugmentConfig(_Strict):
     mixup: float = Field(0.0, ge=0.0)
     cutmix: float = Field(0.0, ge=0.0)
     label_smoothing: float = Field(0.0, ge=0.0, lt=1.0)
+
+    @field_validator("randaugment")
+    @classmethod
+    def _randaugment_spec(cls, v: str | None) -> str | None:
+        if v is not None:
+            from timm.data.auto_augment import rand_augment_transform  # lazy, like the arch check
+
+            try:
+                rand_augment_transform(v, {})
+            except (AssertionError, ValueError, KeyError, IndexError):
+                raise ValueError(f"invalid RandAugment spec {v!r} (e.g. 'rand-m9-mstd0.5-inc1')") from None
+        return v
 
 
 class PretrainConfig(_Strict):
@@ -167,6 +200,13 @@ class Params(_Strict):
             raise ValueError(
                 f"reparam.epoch: t1={self.reparam.epoch} exceeds pretrain.epochs={self.pretrain.epochs}"
             )
+        bad = [e for e in self.pretrain.checkpoint_epochs if not 0 <= e <= self.pretrain.epochs]
+        if bad:
+            raise ValueError(
+                f"pretrain.checkpoint_epochs: {bad} outside 0..pretrain.epochs={self.pretrain.epochs}"
+            )
+        if self.data.name == "imagefolder" and self.data.source is None:
+            raise ValueError("data.source: an imagefolder dataset needs the path of its tree")
         return self
 
     def with_overrides(self, overrides: dict[str, Any]) -> Params:
@@ -177,7 +217,25 @@ class Params(_Strict):
         return validate_params(raw)
 
 
+GRID_PREFIX = "sweep.grid."
+
+
+def _set_grid(raw: dict[str, Any], key: str, value: Any) -> bool:
+    """`sweep.grid.<dotted param>`: everything after the prefix is one grid key (DESIGN section 4)."""
+    if not key.startswith(GRID_PREFIX) or len(key) == len(GRID_PREFIX):
+        return False
+    sweep = raw.setdefault("sweep", {})
+    if not isinstance(sweep, dict):
+        raise ConfigError(f"{key}: sweep is not a mapping")
+    if not isinstance(sweep.get("grid"), dict):
+        sweep["grid"] = {}
+    sweep["grid"][key[len(GRID_PREFIX) :]] = value
+    return True
+
+
 def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    if _set_grid(raw, key, value):
+        return
     node = raw
     *parents, leaf = key.split(".")
     for part in parents:
@@ -196,7 +254,11 @@ def _format_error(err: ValidationError) -> str:
     kind = first["type"]
     if kind == "extra_forbidden":
         msg = "unknown key"
-    elif kind not in ("value_error", "missing") and isinstance(first.get("input"), (str, int, float, bool)):
+    elif (
+        kind not in ("value_error", "missing")
+        and isinstance(first.get("input"), (str, int, float, bool))
+        and ", got " not in msg
+    ):
         msg = f"{msg}, got {first['input']!r}"
     if not first["loc"] and ":" in msg:  # model-level errors already start with their key
         return msg
@@ -253,7 +315,8 @@ def load_params(path: str | os.PathLike = "params.yaml", overrides: list[str] | 
             raise ConfigError(f"{path}: expected a mapping at the top level")
         for text in overrides:
             key, value = parse_override(text)
-            set_dotted(raw, key, value) if _has_path(raw, key) else _set_new(raw, key, value)
+            if not _set_grid(raw, key, value):
+                set_dotted(raw, key, value) if _has_path(raw, key) else _set_new(raw, key, value)
     try:
         return validate_params(raw)
     except ConfigError as err:

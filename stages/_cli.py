@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable
 
 from core.config import ConfigError, Params, load_params
+from core.importers import DataError
 
 
 class StageError(RuntimeError):
@@ -23,7 +24,7 @@ def stage_main(name: str, run: Callable[[Params], object], argv: list[str] | Non
     try:
         params = load_params(args.params, args.set)
         run(params)
-    except (ConfigError, StageError) as err:
+    except (ConfigError, StageError, DataError) as err:
         print(f"{name}: error: {err}", file=sys.stderr)
         return 2
     return 0
