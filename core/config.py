@@ -149,6 +149,9 @@ class RobustnessConfig(_Strict):
     severities: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5])
     dir: Path = Path("data/fashion_mnist-c")
     batch_size: int = Field(500, gt=0)
+    # CE/mCE normaliser: "cnn" (this run's pretrained CNN), "alexnet" (ImageNet-C only), or a baseline JSON
+    baseline: str = Field("cnn", min_length=1)
+    workers: int = Field(0, ge=0, le=256)  # corrupt-stage processes; 0 = all cores
 
     @field_validator("corruptions")
     @classmethod

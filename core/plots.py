@@ -1,0 +1,165 @@
+"""Robustness figures (matplotlib, Agg backend): 000 Fig. 3-style gains and corruption contact sheets.
+
+Both functions write their PNG atomically (temporary file in the same directory, fsync, os.replace).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from core.corruptions import CATEGORIES, CORRUPTIONS, SEVERITIES  # noqa: E402
+
+
+def _save(fig: Any, path: Path, dpi: int) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fig.savefig(fh, format="png", dpi=dpi)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    finally:
+        plt.close(fig)
+    return path
+
+
+def contact_sheet(
+    clean: np.ndarray,
+    sets: Mapping[tuple[str, int], np.ndarray],
+    path: str | os.PathLike,
+    *,
+    corruptions: Sequence[str] | None = None,
+    severities: Sequence[int] | None = None,
+    title: str | None = None,
+    tile: int = 84,
+) -> Path:
+    """A grid of images: one row per corruption, for each example image the clean one then its severities.
+
+    `clean` is uint8 [K, H, W, C] (K example images), ``sets[(corruption, severity)]`` uint8 [K, H, W, C]
+    (the same K images corrupted). Tiles are upscaled to about `tile` px with nearest-neighbour so a 28 px
+    image stays pixel-exact, and drawn on a fixed 0..255 scale (no per-image autoscaling, which would hide
+    contrast and brightness corruptions).
+    """
+    clean = np.asarray(clean)
+    if clean.ndim == 3:
+        clean = clean[..., None]
+    k, h, w, c = clean.shape
+    if corruptions is None:
+        corruptions = [x for x in CORRUPTIONS if any((x, s) in sets for s in SEVERITIES)]
+    if severities is None:
+        severities = sorted({s for (x, s) in sets if x in corruptions})
+    if not corruptions or not severities:
+        raise ValueError("contact_sheet: no corrupted sets to show")
+    scale = max(1, round(tile / max(h, w)))
+    th, tw, gap, group_gap = h * scale, w * scale, 2, 10
+    cols = 1 + len(severities)
+    width = k * cols * (tw + gap) + (k - 1) * group_gap
+    height = len(corruptions) * (th + gap)
+    mosaic = np.full((height, width, 3), 255, dtype=np.uint8)
+
+    def put(img: np.ndarray, row: int, col: int, group: int) -> None:
+        img = np.repeat(np.repeat(img, scale, axis=0), scale, axis=1)
+        if img.shape[2] == 1:
+            img = np.repeat(img, 3, axis=2)
+        y = row * (th + gap)
+        x = group * (cols * (tw + gap) + group_gap) + col * (tw + gap)
+        mosaic[y : y + th, x : x + tw] = img
+
+    for r, name in enumerate(corruptions):
+        for g in range(k):
+            put(clean[g], r, 0, g)
+            for j, s in enumerate(severities):
+                imgs = sets.get((name, s))
+                if imgs is not None:
+                    im = np.asarray(imgs)[g]
+                    put(im if im.ndim == 3 else im[..., None], r, j + 1, g)
+
+    dpi = 100
+    left, top = 1.6, 0.5 if title is None else 0.8
+    fig = plt.figure(figsize=(width / dpi + left + 0.2, height / dpi + top + 0.2), dpi=dpi)
+    ax = fig.add_axes(
+        (left / fig.get_figwidth(), 0.2 / fig.get_figheight(), width / dpi / fig.get_figwidth(),
+         height / dpi / fig.get_figheight())
+    )  # fmt: skip
+    ax.imshow(mosaic, interpolation="nearest", vmin=0, vmax=255)
+    ax.set_yticks([r * (th + gap) + th / 2 for r in range(len(corruptions))], list(corruptions), fontsize=9)
+    xticks, xlabels = [], []
+    for g in range(k):
+        for j, lab in enumerate(["clean", *[str(s) for s in severities]]):
+            xticks.append(g * (cols * (tw + gap) + group_gap) + j * (tw + gap) + tw / 2)
+            xlabels.append(lab)
+    ax.set_xticks(xticks, xlabels, fontsize=9)
+    ax.xaxis.tick_top()
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    if title:
+        fig.suptitle(title, fontsize=11, y=1 - 0.15 / fig.get_figheight(), va="top")
+    return _save(fig, Path(path), dpi)
+
+
+def _group_accuracy(rows: list[dict[str, Any]], model: str, key: str) -> dict[Any, float]:
+    acc: dict[Any, list[float]] = {}
+    for r in rows:
+        if (
+            r["model"] == model
+            and r["severity"] > 0
+            and r.get("meaningful", True)
+            and r["category"] != "extra"
+        ):
+            acc.setdefault(r[key], []).append(r["accuracy"])
+    return {g: float(np.mean(v)) for g, v in acc.items()}
+
+
+def relative_improvement(table: Any, model_a: str, model_b: str) -> dict[str, dict[Any, float]]:
+    """000 Fig. 3: ``acc_B / acc_A - 1`` per corruption category and per severity, where acc is the mean
+    top-1 accuracy over the (benchmark, meaningful) corruption x severity cells of the group."""
+    rows = table.to_pylist() if hasattr(table, "to_pylist") else list(table)
+    out: dict[str, dict[Any, float]] = {}
+    for key, name in (("category", "per_category"), ("severity", "per_severity")):
+        a, b = _group_accuracy(rows, model_a, key), _group_accuracy(rows, model_b, key)
+        missing = set(a) ^ set(b)
+        if not a or missing:
+            raise ValueError(
+                f"relative_improvement: models {model_a!r} and {model_b!r} lack matching rows ({sorted(map(str, missing))})"
+            )
+        order = [x for x in CATEGORIES if x in a] if key == "category" else sorted(a)
+        out[name] = {g: (b[g] / a[g] - 1.0) if a[g] > 0 else float("nan") for g in order}
+    return out
+
+
+def plot_relative_improvement(
+    table: Any, model_a: str, model_b: str, path: str | os.PathLike, *, title: str | None = None
+) -> dict[str, dict[Any, float]]:
+    """Bar charts of :func:`relative_improvement` of `model_b` over `model_a` (in %), per category (left)
+    and per severity (right), as 000 Fig. 3. Returns the plotted numbers."""
+    gains = relative_improvement(table, model_a, model_b)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), dpi=120, gridspec_kw={"width_ratios": [4, 5]})
+    for ax, (name, xlabel) in zip(axes, (("per_category", "category"), ("per_severity", "severity"))):
+        groups = list(gains[name])
+        vals = [100 * gains[name][g] for g in groups]
+        colors = ["tab:red" if v >= 0 else "tab:blue" for v in vals]
+        ax.bar([str(g) for g in groups], vals, color=colors)
+        ax.axhline(0, color="black", lw=0.8)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("relative improvement (%)")
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title or f"{model_b} over {model_a}: top-1 accuracy on corrupted images", fontsize=10)
+    fig.tight_layout()
+    _save(fig, Path(path), 120)
+    return gains

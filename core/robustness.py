@@ -1,0 +1,492 @@
+"""Robustness evaluation: accuracy on clean and corrupted sets, and the corruption-error metrics.
+
+Metrics (Hendrycks & Dietterich 2019, "Benchmarking neural network robustness to common corruptions";
+used by 000 Table 2 and Fig. 3). With E(f, s, c) the top-1 error of model f on corruption c at severity s:
+
+- corruption error        CE(f, c)  = sum_s E(f, s, c) / sum_s E(base, s, c)
+- mean corruption error   mCE(f)    = mean over the 15 benchmark corruptions of CE(f, c)  (mean of ratios)
+- relative CE             rCE(f, c) = sum_s (E(f, s, c) - E(f, clean)) / sum_s (E(base, s, c) - E(base, clean))
+- relative mCE                      = mean over the 15 of rCE(f, c)
+- mean corruption accuracy mCA(f)   = mean over the 15 x 5 cells of 1 - E(f, s, c)  (unnormalised; 000 Table 2
+  reports this as "ImageNet-C top-1")
+
+Also reported: per category (mean of the category's CEs; mean accuracy over its cells), per severity
+(mCE_s = mean over the 15 of E(f, s, c) / E(base, s, c); mean accuracy over the 15 at that severity), and
+the 4 extra corruptions separately (never inside mCE). Sums run over the severities evaluated (all 5 by
+default). A cell flagged not meaningful (saturate on grayscale data, see core.corruptions) is left out of
+every number and listed under ``excluded``.
+
+The baseline is AlexNet on ImageNet-C (:meth:`Baseline.alexnet`, per-severity errors embedded below, equal
+to ``reference/alexnet_imagenet_c_errors.json``) or, on any other data set, a frozen baseline of the project:
+its 19 x 5 errors and clean error from an :func:`evaluate_model` table (:meth:`Baseline.from_table`), stored
+with :meth:`Baseline.save`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+import torch.nn.functional as F
+
+from core.corruptions import (
+    BENCHMARK_CORRUPTIONS,
+    CATEGORIES,
+    CATEGORY_OF,
+    CORRUPTIONS,
+    EXTRA_CORRUPTIONS,
+    read_set,
+    set_path,
+    write_json_atomic,
+)
+
+#: Columns of an evaluation table (one row per model x corruption x severity; the clean row has corruption
+#: "clean", category "clean", severity 0).
+TABLE_SCHEMA = pa.schema(
+    [
+        ("model", pa.string()),
+        ("corruption", pa.string()),
+        ("category", pa.string()),
+        ("severity", pa.int64()),
+        ("n", pa.int64()),
+        ("correct", pa.int64()),
+        ("accuracy", pa.float64()),
+        ("error", pa.float64()),
+        ("meaningful", pa.bool_()),
+    ]
+)
+
+# AlexNet top-1 error on ImageNet-C per severity 1..5 (hendrycks/robustness; the per-corruption means are the
+# usual CE normalisers) and on clean ImageNet validation.
+_ALEXNET_CLEAN = 0.4348
+_ALEXNET = {
+    "gaussian_noise": (0.69528, 0.82542, 0.93554, 0.98138, 0.99452),
+    "shot_noise": (0.71224, 0.85108, 0.93574, 0.98182, 0.99146),
+    "impulse_noise": (0.78374, 0.89808, 0.9487, 0.9872, 0.99548),
+    "defocus_blur": (0.65624, 0.73202, 0.85036, 0.91364, 0.94714),
+    "glass_blur": (0.64308, 0.75054, 0.88806, 0.91622, 0.93344),
+    "motion_blur": (0.5843, 0.70048, 0.82108, 0.8975, 0.92638),
+    "zoom_blur": (0.70008, 0.76992, 0.80784, 0.84198, 0.87198),
+    "snow": (0.71726, 0.88392, 0.86468, 0.9187, 0.94952),
+    "frost": (0.6139, 0.79734, 0.8879, 0.89942, 0.9343),
+    "fog": (0.67474, 0.7605, 0.84378, 0.8726, 0.945),
+    "brightness": (0.4514, 0.48502, 0.54048, 0.62166, 0.7244),
+    "contrast": (0.64548, 0.7615, 0.88874, 0.9776, 0.9927),
+    "elastic_transform": (0.52596, 0.70116, 0.55686, 0.64076, 0.80554),
+    "pixelate": (0.52218, 0.5462, 0.73728, 0.87092, 0.91262),
+    "jpeg_compression": (0.51002, 0.54718, 0.57294, 0.65458, 0.74778),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Baselines
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """Errors of the normalising model: ``errors[corruption][severity]`` and the clean error."""
+
+    name: str
+    clean_error: float
+    errors: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
+
+    @classmethod
+    def alexnet(cls) -> Baseline:
+        """AlexNet on ImageNet-C (the 15 benchmark corruptions; no trusted per-severity extras exist)."""
+        return cls(
+            "alexnet",
+            _ALEXNET_CLEAN,
+            {c: {s + 1: e for s, e in enumerate(v)} for c, v in _ALEXNET.items()},
+        )
+
+    @classmethod
+    def from_table(cls, table: pa.Table, model: str | None = None, name: str | None = None) -> Baseline:
+        """A frozen baseline from an :func:`evaluate_model` table (all its corruptions and severities)."""
+        rows = _rows(table, model)
+        clean = [r for r in rows if r["corruption"] == "clean"]
+        if not clean:
+            raise ValueError("Baseline.from_table: the table has no clean row")
+        errors: dict[str, dict[int, float]] = {}
+        for r in rows:
+            if r["corruption"] != "clean":
+                errors.setdefault(r["corruption"], {})[int(r["severity"])] = float(r["error"])
+        return cls(name or rows[0]["model"], float(clean[0]["error"]), errors)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The reference JSON layout: ``{"name", "clean", "per_severity": {corruption: [e1, .., e5]}}``
+        (missing severities as null)."""
+        per = {
+            c: [self.errors[c].get(s) for s in range(1, 6)] for c in CORRUPTIONS if c in self.errors
+        }  # fmt: skip
+        return {"name": self.name, "clean": self.clean_error, "per_severity": per}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], name: str | None = None) -> Baseline:
+        try:
+            per = d["per_severity"]
+            errors = {
+                c: {s + 1: float(e) for s, e in enumerate(v) if e is not None} for c, v in per.items()
+            }  # fmt: skip
+            return cls(name or str(d.get("name", "baseline")), float(d["clean"]), errors)
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"baseline: expected {{'clean', 'per_severity'}}, got {err!r}") from None
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write as JSON, atomically."""
+        return write_json_atomic(self.to_dict(), Path(path))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Baseline:
+        path = Path(path)
+        try:
+            return cls.from_dict(json.loads(path.read_text()), name=None)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: baseline file not found") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON ({err.msg}, line {err.lineno})") from None
+
+
+def _as_baseline(baseline: Any) -> Baseline | None:
+    if baseline is None or isinstance(baseline, Baseline):
+        return baseline
+    if isinstance(baseline, str):
+        if baseline == "alexnet":
+            return Baseline.alexnet()
+        return Baseline.load(baseline)
+    if isinstance(baseline, os.PathLike):
+        return Baseline.load(baseline)
+    if isinstance(baseline, pa.Table):
+        return Baseline.from_table(baseline)
+    if isinstance(baseline, Mapping):
+        return Baseline.from_dict(baseline)
+    raise TypeError(
+        f"baseline: expected Baseline, 'alexnet', a path, a table or a dict, got {type(baseline)}"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Evaluation
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _normaliser(mean: Sequence[float], std: Sequence[float], channels: int, device: torch.device) -> tuple:
+    m = torch.as_tensor(list(mean), dtype=torch.float32, device=device).reshape(1, -1, 1, 1)
+    s = torch.as_tensor(list(std), dtype=torch.float32, device=device).reshape(1, -1, 1, 1)
+    if m.shape[1] not in (1, channels) or s.shape[1] not in (1, channels):
+        raise ValueError(f"mean/std have {m.shape[1]}/{s.shape[1]} entries for {channels}-channel images")
+    return m, s
+
+
+@torch.inference_mode()
+def count_correct(
+    model: torch.nn.Module,
+    batches: Iterable[tuple[np.ndarray, np.ndarray]],
+    *,
+    mean: Sequence[float],
+    std: Sequence[float],
+    device: str | torch.device = "cpu",
+    image_size: int | None = None,
+    class_subset: Sequence[int] | np.ndarray | None = None,
+) -> tuple[int, int]:
+    """(top-1 correct, images) of `model` over batches of (uint8 images [B, H, W, C], int labels [B]).
+
+    Images are scaled to [0, 1], normalised with the per-channel `mean`/`std` and, when `image_size` is
+    given and differs, resized (bilinear). With `class_subset` (indices into the model's classes, e.g. the
+    200 ImageNet-A classes in the 1000-class head) the prediction is the best class of the subset, as in
+    the ImageNet-A/R evaluation; labels are then in the model's full class space.
+    """
+    device = torch.device(device)
+    model.eval()
+    subset = None
+    if class_subset is not None:
+        subset = torch.as_tensor(np.asarray(class_subset, dtype=np.int64), device=device)
+    correct = total = 0
+    norm = None
+    for images, labels in batches:
+        images = np.asarray(images)
+        if images.ndim == 3:
+            images = images[..., None]
+        images = np.ascontiguousarray(images)
+        if not images.flags.writeable:  # memory-mapped / Arrow-backed arrays
+            images = images.copy()
+        x = torch.from_numpy(images).to(device)
+        x = x.permute(0, 3, 1, 2).float().div_(255.0)
+        if norm is None:
+            norm = _normaliser(mean, std, x.shape[1], device)
+        x = (x - norm[0]) / norm[1]
+        if image_size is not None and tuple(x.shape[-2:]) != (image_size, image_size):
+            x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False)
+        logits = model(x)
+        if subset is not None:
+            pred = subset[logits.index_select(1, subset).argmax(1)]
+        else:
+            pred = logits.argmax(1)
+        y = torch.as_tensor(np.asarray(labels, dtype=np.int64), device=device)
+        correct += int((pred == y).sum())
+        total += len(y)
+    return correct, total
+
+
+def _array_batches(images: np.ndarray, labels: np.ndarray, batch_size: int):
+    for a in range(0, len(images), batch_size):
+        yield images[a : a + batch_size], labels[a : a + batch_size]
+
+
+def evaluate_model(
+    model: torch.nn.Module,
+    clean: tuple[np.ndarray, np.ndarray],
+    corrupted_dir: str | os.PathLike,
+    corruptions: Sequence[str],
+    severities: Sequence[int],
+    *,
+    mean: Sequence[float],
+    std: Sequence[float],
+    batch_size: int = 500,
+    device: str | torch.device = "cpu",
+    model_name: str = "model",
+    image_size: int | None = None,
+) -> pa.Table:
+    """Top-1 accuracy of `model` on the clean images and on every stored corrupted set.
+
+    `clean` is (uint8 images [N, H, W, C], labels [N]); the sets are read from
+    ``<corrupted_dir>/<corruption>/<severity>.parquet`` (written by the corrupt stage). Returns a table with
+    :data:`TABLE_SCHEMA`: a clean row (corruption "clean", severity 0) then one row per corruption x
+    severity, with ``meaningful`` copied from the set (False: saturate on grayscale). Concatenate the tables
+    of several models (``pa.concat_tables``) to compare them.
+    """
+    images, labels = clean
+    if len(images) != len(labels):
+        raise ValueError(f"clean: {len(images)} images but {len(labels)} labels")
+    rows = []
+    correct, n = count_correct(
+        model, _array_batches(images, np.asarray(labels), batch_size), mean=mean, std=std, device=device,
+        image_size=image_size,
+    )  # fmt: skip
+    rows.append(_row(model_name, "clean", 0, correct, n, True))
+    for c in corruptions:
+        if c not in CATEGORY_OF:
+            raise ValueError(f"unknown corruption {c!r}")
+        for s in severities:
+            stored = read_set(set_path(corrupted_dir, c, s))
+            correct, n = count_correct(
+                model, _array_batches(stored.images, stored.labels, batch_size), mean=mean, std=std,
+                device=device, image_size=image_size,
+            )  # fmt: skip
+            rows.append(_row(model_name, c, int(s), correct, n, bool(stored.meta.get("meaningful", True))))
+    return pa.Table.from_pylist(rows, schema=TABLE_SCHEMA)
+
+
+def _row(
+    model: str, corruption: str, severity: int, correct: int, n: int, meaningful: bool
+) -> dict[str, Any]:
+    acc = correct / n if n else float("nan")
+    return {
+        "model": model,
+        "corruption": corruption,
+        "category": "clean" if corruption == "clean" else CATEGORY_OF[corruption],
+        "severity": severity,
+        "n": n,
+        "correct": correct,
+        "accuracy": acc,
+        "error": 1.0 - acc,
+        "meaningful": meaningful,
+    }
+
+
+def table_from_errors(
+    model: str, clean_error: float, errors: Mapping[str, Sequence[float] | Mapping[int, float]], n: int = 0
+) -> pa.Table:
+    """An evaluation table from known errors (``errors[corruption]`` = 5 errors or {severity: error});
+    handy for tests and for published numbers."""
+    rows = [_row(model, "clean", 0, 0, 0, True) | {"accuracy": 1 - clean_error, "error": clean_error, "n": n}]
+    for c, v in errors.items():
+        items = v.items() if isinstance(v, Mapping) else enumerate(v, start=1)
+        for s, e in items:
+            rows.append(_row(model, c, int(s), 0, 0, True) | {"accuracy": 1 - e, "error": float(e), "n": n})
+    return pa.Table.from_pylist(rows, schema=TABLE_SCHEMA)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Metrics
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _rows(table: pa.Table | Iterable[Mapping[str, Any]], model: str | None) -> list[dict[str, Any]]:
+    rows = table.to_pylist() if isinstance(table, pa.Table) else [dict(r) for r in table]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    if model is None:
+        if len(models) != 1:
+            raise ValueError(f"the table holds models {models}: name one")
+        model = models[0]
+    elif model not in models:
+        raise ValueError(f"model {model!r} not in the table (has {models})")
+    return [r for r in rows if r["model"] == model]
+
+
+def corruption_error(errors: Sequence[float], base_errors: Sequence[float]) -> float:
+    """CE = sum_s E(f, s, c) / sum_s E(base, s, c)."""
+    return float(sum(errors) / sum(base_errors))
+
+
+def relative_corruption_error(
+    errors: Sequence[float], clean_error: float, base_errors: Sequence[float], base_clean_error: float
+) -> float | None:
+    """rCE = sum_s (E(f, s, c) - E(f, clean)) / sum_s (E(base, s, c) - E(base, clean)); None when the
+    baseline's degradation is not positive (the ratio is then meaningless)."""
+    den = sum(e - base_clean_error for e in base_errors)
+    if den <= 0:
+        return None
+    return float(sum(e - clean_error for e in errors) / den)
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    vals = [v for v in values if v is not None]
+    return float(np.mean(vals)) if vals else None
+
+
+def summarize(
+    table: pa.Table | Iterable[Mapping[str, Any]],
+    baseline: Baseline | str | Mapping[str, Any] | pa.Table | None = None,
+    *,
+    model: str | None = None,
+) -> dict[str, Any]:
+    """Robustness summary of one model of an :func:`evaluate_model` table (see the module docstring).
+
+    `baseline`: a :class:`Baseline`, "alexnet", a baseline JSON path, a baseline model's table, a dict in
+    the reference layout, or None (accuracies only; CE entries are None). CE of a corruption is None when
+    the baseline lacks one of its evaluated severities; mCE / relative mCE are None unless every evaluated
+    benchmark corruption has one. Keys: model, baseline, clean_accuracy, clean_error, mca, mce,
+    relative_mce, per_corruption, per_category, per_severity, extra, excluded, corruptions, complete.
+    """
+    rows = _rows(table, model)
+    name = rows[0]["model"]
+    base = _as_baseline(baseline)
+    clean = [r for r in rows if r["corruption"] == "clean"]
+    if len(clean) != 1:
+        raise ValueError(f"model {name!r}: expected one clean row, found {len(clean)}")
+    clean_err = float(clean[0]["error"])
+    cells: dict[str, dict[int, float]] = {}
+    excluded: set[str] = set()
+    for r in rows:
+        c = r["corruption"]
+        if c == "clean":
+            continue
+        if not r.get("meaningful", True):
+            excluded.add(c)
+            continue
+        cells.setdefault(c, {})[int(r["severity"])] = float(r["error"])
+    excluded -= set(cells)  # only fully excluded corruptions
+    present = [c for c in CORRUPTIONS if c in cells]
+
+    per_corruption: dict[str, dict[str, Any]] = {}
+    for c in present:
+        sev = sorted(cells[c])
+        errs = [cells[c][s] for s in sev]
+        ce = rce = None
+        if base is not None and c in base.errors and all(s in base.errors[c] for s in sev):
+            b = [base.errors[c][s] for s in sev]
+            ce = corruption_error(errs, b)
+            rce = relative_corruption_error(errs, clean_err, b, base.clean_error)
+        per_corruption[c] = {
+            "category": CATEGORY_OF[c],
+            "accuracy": 1.0 - float(np.mean(errs)),
+            "error": float(np.mean(errs)),
+            "ce": ce,
+            "relative_ce": rce,
+            "per_severity": {str(s): 1.0 - cells[c][s] for s in sev},
+        }
+
+    bench = [c for c in present if c in BENCHMARK_CORRUPTIONS]
+    extra = [c for c in present if c in EXTRA_CORRUPTIONS]
+
+    def group_mce(cs: list[str], key: str) -> float | None:
+        vals = [per_corruption[c][key] for c in cs]
+        return float(np.mean(vals)) if cs and all(v is not None for v in vals) else None
+
+    def group_acc(cs: list[str]) -> float | None:
+        vals = [1.0 - e for c in cs for e in cells[c].values()]
+        return float(np.mean(vals)) if vals else None
+
+    per_category = {}
+    for cat, members in CATEGORIES.items():
+        cs = [c for c in present if c in members]
+        if cs:
+            per_category[cat] = {
+                "accuracy": group_acc(cs),
+                "mce": group_mce(cs, "ce"),
+                "relative_mce": group_mce(cs, "relative_ce"),
+                "corruptions": cs,
+            }
+
+    per_severity = {}
+    for s in sorted({s for c in bench for s in cells[c]}):
+        cs = [c for c in bench if s in cells[c]]
+        ratios = []
+        for c in cs:
+            b = base.errors.get(c, {}).get(s) if base is not None else None
+            ratios.append(cells[c][s] / b if b else None)
+        per_severity[str(s)] = {
+            "accuracy": float(np.mean([1.0 - cells[c][s] for c in cs])),
+            "error": float(np.mean([cells[c][s] for c in cs])),
+            "mce": float(np.mean(ratios)) if ratios and all(v is not None for v in ratios) else None,
+        }
+
+    complete = set(bench) == set(BENCHMARK_CORRUPTIONS) and all(
+        sorted(cells[c]) == [1, 2, 3, 4, 5] for c in bench
+    )
+    return {
+        "model": name,
+        "baseline": base.name if base is not None else None,
+        "clean_accuracy": 1.0 - clean_err,
+        "clean_error": clean_err,
+        "mca": group_acc(bench),
+        "mce": group_mce(bench, "ce"),
+        "relative_mce": group_mce(bench, "relative_ce"),
+        "per_corruption": per_corruption,
+        "per_category": per_category,
+        "per_severity": per_severity,
+        "extra": {
+            "accuracy": group_acc(extra),
+            "mce": group_mce(extra, "ce"),
+            "relative_mce": group_mce(extra, "relative_ce"),
+            "corruptions": extra,
+        },
+        "excluded": sorted(excluded, key=CORRUPTIONS.index),
+        "corruptions": bench,
+        "complete": complete,
+    }
+
+
+def flat_metrics(summary: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
+    """The summary as flat ``name -> number`` pairs for metrics.json / MLflow (None values left out):
+    clean_accuracy, mca, mce, relative_mce, extra_accuracy, extra_mce, mca_<category>, mce_<category>,
+    mca_sev<s>, mce_sev<s>, ce_<corruption>, acc_<corruption>."""
+    out: dict[str, Any] = {
+        "clean_accuracy": summary["clean_accuracy"],
+        "mca": summary["mca"],
+        "mce": summary["mce"],
+        "relative_mce": summary["relative_mce"],
+        "extra_accuracy": summary["extra"]["accuracy"],
+        "extra_mce": summary["extra"]["mce"],
+    }
+    for cat, v in summary["per_category"].items():
+        out[f"mca_{cat}"] = v["accuracy"]
+        out[f"mce_{cat}"] = v["mce"]
+    for s, v in summary["per_severity"].items():
+        out[f"mca_sev{s}"] = v["accuracy"]
+        out[f"mce_sev{s}"] = v["mce"]
+    for c, v in summary["per_corruption"].items():
+        out[f"acc_{c}"] = v["accuracy"]
+        out[f"ce_{c}"] = v["ce"]
+    return {
+        f"{prefix}{k}": float(v) for k, v in out.items() if v is not None and not math.isnan(float(v))
+    }  # fmt: skip

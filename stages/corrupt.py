@@ -1,0 +1,179 @@
+"""Stage `corrupt`: corrupted copies of the test set, one Parquet file per corruption x severity.
+
+    python -m stages.corrupt [--params params.yaml] [-S robustness.n_images=500]
+
+Reads the test split of ``data.dir``, keeps ``robustness.n_images`` images chosen class-stratified (classes
+take turns in index order, see ``core.corruptions.select_indices``; deterministic, and growing n keeps the
+images already chosen) and writes, under ``robustness.dir``:
+
+- ``<corruption>/<severity>.parquet`` for every ``robustness.corruptions`` x ``robustness.severities``
+  (columns index, label, image; metadata: band, seed, code version, source fingerprint, meaningful flag);
+- ``clean.parquet``: the chosen clean images (same layout, severity 0);
+- ``index.json``: what was generated (band, selection, per-set file and sha256, sets excluded from
+  summaries);
+- ``contact_sheet.png``: three test images across all corruptions and severities.
+
+Image i is seeded by (seed, corruption, severity, its index in the test split), so the files are
+byte-identical across runs, machines with the same libraries, and worker counts. A set already present
+with matching metadata (and a readable footer) is kept, so re-runs and Ray trials only fill in what is
+missing; every write is atomic. Work runs in parallel over all cores (``robustness.workers`` when that key
+exists; 0 = all), with a progress bar.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from core import corruptions as C
+from core.config import Params
+from stages._cli import StageError, stage_main
+
+CONTACT_SHEET = "contact_sheet.png"
+INDEX = "index.json"
+SELECTION = "stratified"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _load_test(params: Params, data_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+    from core.data import DataError, load_split, read_manifest
+
+    try:
+        manifest = read_manifest(data_dir)
+        size = None if manifest.get("image_shape") else params.data.image_size
+        return load_split(data_dir, "test", image_size=size)
+    except (DataError, FileNotFoundError, ValueError) as err:
+        raise StageError(f"data.dir: {err}") from None
+
+
+def _sheet_picks(labels: np.ndarray, k: int = 3) -> list[int]:
+    """The first image of each of the first `k` classes met in index order."""
+    picks: list[int] = []
+    for i, y in enumerate(labels.tolist()):
+        if all(labels[j] != y for j in picks):
+            picks.append(i)
+        if len(picks) == k:
+            break
+    return picks
+
+
+def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
+    """Generate the missing corrupted sets; returns counts and timing."""
+    rb = params.robustness
+    data_dir = Path(root) / params.data.dir
+    out_dir = Path(root) / rb.dir
+    images, labels = _load_test(params, data_dir)
+    if len(images) == 0:
+        raise StageError(f"data.dir: {data_dir} has an empty test split")
+    if rb.n_images > len(images):
+        raise StageError(
+            f"robustness.n_images: {rb.n_images} exceeds the {len(images)} test images of {data_dir}"
+        )
+    if min(images.shape[1:3]) < 8:
+        raise StageError(
+            f"data.dir: test images of {list(images.shape[1:3])} px are too small to corrupt (< 8)"
+        )
+    idx = C.select_indices(labels, rb.n_images, SELECTION)
+    images, labels = np.ascontiguousarray(images[idx]), labels[idx]
+    band = C.band_for_size(*images.shape[1:3])
+    source = C.fingerprint(images, labels, idx)
+    common = {"seed": params.seed, "band": band, "image_shape": list(images.shape[1:]), "n": len(images)}
+
+    def expected(c: str, s: int) -> dict[str, Any]:
+        return C.set_meta(c, s, source=source, **common)
+
+    pairs = [(c, s) for c in rb.corruptions for s in rb.severities]
+    todo = [(c, s) for c, s in pairs if not C.set_is_valid(C.set_path(out_dir, c, s), expected(c, s))]
+    t0 = time.perf_counter()
+    if not C.set_is_valid(C.set_path(out_dir, "clean", 0), expected("clean", 0)):
+        C.write_set(C.set_path(out_dir, "clean", 0), images, labels, idx, expected("clean", 0))
+    workers = int(getattr(rb, "workers", 0) or 0) or C.default_workers()
+    chunk = max(50, min(1000, -(-len(images) // (4 * workers))))
+    print(
+        f"corrupt: {len(pairs)} sets of {len(images)} images ({band} band, {SELECTION} selection) -> {out_dir}: "
+        f"{len(pairs) - len(todo)} up to date, {len(todo)} to generate on {workers} workers",
+        file=sys.stderr,
+    )
+    picks = _sheet_picks(labels)
+    shown: dict[tuple[str, int], np.ndarray] = {}
+    for c, s, out in C.iter_sets(
+        images,
+        todo,
+        seed=params.seed,
+        indices=idx,
+        band=band,
+        workers=workers,
+        chunk_size=chunk,
+        progress=True,
+    ):
+        C.write_set(C.set_path(out_dir, c, s), out, labels, idx, expected(c, s))
+        shown[(c, s)] = out[picks]
+    seconds = time.perf_counter() - t0
+
+    sheet = out_dir / CONTACT_SHEET
+    if todo or not sheet.is_file():
+        from core.plots import contact_sheet
+
+        for c, s in pairs:
+            if (c, s) not in shown:
+                shown[(c, s)] = C.read_set(C.set_path(out_dir, c, s)).images[picks]
+        contact_sheet(
+            images[picks], shown, sheet,
+            title=f"{params.data.name} test images {[int(idx[p]) for p in picks]}, {band} band constants",
+        )  # fmt: skip
+
+    grayscale = images.shape[3] == 1
+    index = {
+        "version": C.CORRUPTION_VERSION,
+        "data_dir": str(params.data.dir),
+        "selection": SELECTION,
+        "source": source,
+        "excluded_from_summaries": sorted({c for c, _ in pairs if not C.is_meaningful(c, images.shape[3])}),
+        "grayscale": grayscale,
+        **common,
+        "sets": [
+            {
+                "corruption": c,
+                "severity": s,
+                "category": C.CATEGORY_OF[c],
+                "meaningful": C.is_meaningful(c, images.shape[3]),
+                "file": str(C.set_path(Path("."), c, s)),
+                "sha256": _sha256(C.set_path(out_dir, c, s)),
+            }
+            for c, s in pairs
+        ],
+    }
+    C.write_json_atomic(index, out_dir / INDEX)
+    result = {
+        "n_images": len(images),
+        "n_sets": len(pairs),
+        "generated": len(todo),
+        "skipped": len(pairs) - len(todo),
+        "seconds": round(seconds, 2),
+        "band": band,
+    }
+    print(
+        f"corrupt: generated {len(todo)}, kept {len(pairs) - len(todo)} sets in {seconds:.1f} s",
+        file=sys.stderr,
+    )
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage_main("corrupt", run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
