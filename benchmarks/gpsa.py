@@ -1,0 +1,365 @@
+"""GPSA benchmark: ratios measured side by side in one run (issue 3).
+
+    .venv/bin/python benchmarks/gpsa.py [--quick] [--device cpu|cuda] [--threads 2] [--sections convit,tcnn,model]
+
+1. ConViT-mode GPSA (core.gpsa) vs timm's GPSA, forward and forward+backward, at (batch, tokens, dim, heads) =
+   (64, 14x14, 252, 9), (32, 16x16, 378, 9), (8, 28x28, 252, 9), (64, 7x7, 504, 9); and peak memory of one
+   forward+backward.
+2. T-CNN-mode GPSA vs the 3x3 conv it replaces (dim -> dim, padding 1) at the same shapes (NCHW maps).
+3. Whole models, T-CNN (to_tcnn, paper init alpha = lambda = 1) vs its CNN: resnet10_cifar at 28 px and
+   resnet50 at 224 px, images/s in eval forward and in a training step.
+
+Timing: the contenders run interleaved (A, B, A, B, ...) after warm-up and each reports its median, so load
+from other processes on the shared machine hits both alike; only the ratios are meant to be compared.
+
+Peak memory (CPU): the PyTorch profiler with ``profile_memory=True`` records every allocation and free made
+through the c10 CPU allocator (including the temporaries inside fused kernels) with the running "Total
+Allocated"; the peak is its maximum minus its value when the measured call starts, so inputs and parameters
+that exist beforehand do not count. This is exact bookkeeping of tensor memory, unlike RSS deltas (glibc keeps
+freed pages, other allocations interfere) or tracemalloc (blind to the tensor allocator). On CUDA:
+``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # silence the profiler's "no GPU" chatter on CPU machines
+# Idle OpenMP threads sleep instead of spinning: spinning would burn CPU time that other processes on the shared
+# machine need and would count as "work" in the CPU-time measure. Applies to all contenders alike.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from core.gpsa import GPSA  # noqa: E402
+from core.models import build  # noqa: E402
+from core.reparam import to_tcnn  # noqa: E402
+
+SHAPES = [(64, 14, 252, 9), (32, 16, 378, 9), (8, 28, 252, 9), (64, 7, 504, 9)]
+GOALS = {14: 3.5, 16: 3.5, 28: 7.0, 7: 1.1}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench(fns: dict[str, Callable[[], object]], device: torch.device, reps: int, warmup: int = 2) -> dict:
+    """Per-call seconds for each fn, run interleaved: {name: (wall, cpu)}, each the minimum over ``reps``.
+
+    Load from other processes only ever adds time, so the minimum is the least-disturbed estimate. ``cpu`` is
+    the process CPU time (all threads; OpenMP threads wait passively, see main), which a busy machine does
+    not inflate: the contention-robust measure of the work done.
+    """
+    wall: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(warmup):
+        for f in fns.values():
+            f()
+    _sync(device)
+    for _ in range(reps):
+        for k, f in fns.items():
+            c0, t0 = time.process_time(), time.perf_counter()
+            f()
+            _sync(device)
+            wall[k].append(time.perf_counter() - t0)
+            cpu[k].append(time.process_time() - c0)
+    return {k: (min(wall[k]), min(cpu[k])) for k in fns}
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence the profiler's C++ start/stop chatter on fd 2 (it bypasses Python's sys.stderr)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def peak_memory(fn: Callable[[], object], device: torch.device) -> int:
+    """Peak bytes allocated during fn() beyond what was allocated when it started (see module docstring)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    from torch.profiler import ProfilerActivity, profile
+
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as fh:
+            events = json.load(fh)["traceEvents"]
+    mem = sorted((e for e in events if e.get("name") == "[memory]"), key=lambda e: e["ts"])
+    if not mem:
+        return 0
+    start = mem[0]["args"]["Total Allocated"] - mem[0]["args"]["Bytes"]
+    return max(e["args"]["Total Allocated"] for e in mem) - start
+
+
+def _fwd(m: nn.Module, x: torch.Tensor) -> Callable[[], object]:
+    def f() -> object:
+        with torch.no_grad():
+            return m(x)
+
+    return f
+
+
+def _fwd_bwd(m: nn.Module, x: torch.Tensor) -> Callable[[], object]:
+    def f() -> None:
+        m(x).float().sum().backward()
+
+    return f
+
+
+def _zero_grads(*mods: nn.Module) -> None:
+    for m in mods:
+        m.zero_grad(set_to_none=True)
+
+
+def section_convit(device: torch.device, reps: int) -> list[dict]:
+    from timm.models.convit import GPSA as TimmGPSA
+
+    rows = []
+    for b, s, d, h in SHAPES:
+        torch.manual_seed(0)
+        ref = TimmGPSA(d, num_heads=h).to(device)
+        ref.local_init()
+        with torch.no_grad():
+            ref.gating_param.normal_()
+        ours = GPSA(d, num_heads=h, mode="convit").to(device)
+        ours.load_state_dict(ref.state_dict())
+        x = torch.randn(b, s * s, d, device=device, requires_grad=True)
+        with torch.no_grad():
+            err = (ours(x) - ref(x)).abs().max().item()
+        f = bench({"timm": _fwd(ref, x), "ours": _fwd(ours, x)}, device, reps)
+        fb = bench({"timm": _fwd_bwd(ref, x), "ours": _fwd_bwd(ours, x)}, device, max(3, reps // 2))
+        _zero_grads(ref, ours)
+        x.grad = None
+        mem_t = peak_memory(_fwd_bwd(ref, x), device)
+        _zero_grads(ref, ours)
+        x.grad = None
+        mem_o = peak_memory(_fwd_bwd(ours, x), device)
+        rows.append(
+            dict(
+                shape=f"({b}, {s}x{s}, {d}, {h})",
+                fwd_timm_ms=f["timm"][0] * 1e3,
+                fwd_ours_ms=f["ours"][0] * 1e3,
+                fwd_speedup=f["timm"][0] / f["ours"][0],
+                fwd_speedup_cpu=f["timm"][1] / f["ours"][1],
+                fb_timm_ms=fb["timm"][0] * 1e3,
+                fb_ours_ms=fb["ours"][0] * 1e3,
+                fb_speedup=fb["timm"][0] / fb["ours"][0],
+                fb_speedup_cpu=fb["timm"][1] / fb["ours"][1],
+                mem_timm_mb=mem_t / 2**20,
+                mem_ours_mb=mem_o / 2**20,
+                mem_ratio=mem_o / max(mem_t, 1),
+                goal=GOALS[s],
+                max_abs_diff=err,
+            )
+        )
+        print(_fmt_row(rows[-1]), flush=True)
+    return rows
+
+
+def section_tcnn(device: torch.device, reps: int) -> list[dict]:
+    rows = []
+    for b, s, d, _ in SHAPES:
+        torch.manual_seed(0)
+        conv = nn.Conv2d(d, d, 3, padding=1, bias=False).to(device)
+        gpsa = GPSA.from_conv(conv)
+        x = torch.randn(b, d, s, s, device=device, requires_grad=True)
+        f = bench({"conv": _fwd(conv, x), "gpsa": _fwd(gpsa, x)}, device, reps)
+        fb = bench({"conv": _fwd_bwd(conv, x), "gpsa": _fwd_bwd(gpsa, x)}, device, max(3, reps // 2))
+        rows.append(
+            dict(
+                shape=f"({b}, {s}x{s}, {d}, 9)",
+                fwd_conv_ms=f["conv"][0] * 1e3,
+                fwd_gpsa_ms=f["gpsa"][0] * 1e3,
+                fwd_cost_ratio=f["gpsa"][0] / f["conv"][0],
+                fwd_cost_ratio_cpu=f["gpsa"][1] / f["conv"][1],
+                fb_conv_ms=fb["conv"][0] * 1e3,
+                fb_gpsa_ms=fb["gpsa"][0] * 1e3,
+                fb_cost_ratio=fb["gpsa"][0] / fb["conv"][0],
+                fb_cost_ratio_cpu=fb["gpsa"][1] / fb["conv"][1],
+            )
+        )
+        print(_fmt_row(rows[-1]), flush=True)
+    return rows
+
+
+def section_model(device: torch.device, reps: int, quick: bool) -> list[dict]:
+    rows = []
+    cases = [("resnet10_cifar", 1, 28, 128, 10)]
+    if not quick:
+        cases.append(("resnet50", 3, 224, 8, 1000))
+    for arch, cin, px, batch, ncls in cases:
+        torch.manual_seed(0)
+        cnn = build("cnn", arch, ncls, in_chans=cin).to(device)
+        tcnn = to_tcnn(cnn)
+        x = torch.randn(batch, cin, px, px, device=device)
+        cnn.eval()
+        tcnn.eval()
+        f = bench({"cnn": _fwd(cnn, x), "tcnn": _fwd(tcnn, x)}, device, reps)
+        cnn.train()
+        tcnn.train()
+        fb = bench({"cnn": _fwd_bwd(cnn, x), "tcnn": _fwd_bwd(tcnn, x)}, device, max(3, reps // 2))
+        rows.append(
+            dict(
+                model=f"{arch} @ {px} px, batch {batch}",
+                eval_cnn_img_s=batch / f["cnn"][0],
+                eval_tcnn_img_s=batch / f["tcnn"][0],
+                eval_ratio=f["cnn"][0] / f["tcnn"][0],
+                eval_ratio_cpu=f["cnn"][1] / f["tcnn"][1],
+                train_cnn_img_s=batch / fb["cnn"][0],
+                train_tcnn_img_s=batch / fb["tcnn"][0],
+                train_ratio=fb["cnn"][0] / fb["tcnn"][0],
+                train_ratio_cpu=fb["cnn"][1] / fb["tcnn"][1],
+            )
+        )
+        print(_fmt_row(rows[-1]), flush=True)
+    return rows
+
+
+EQUIV_CASES = [
+    ("resnet10_cifar", 1, [(28, 28), (27, 21)]),
+    ("resnet18", 3, [(64, 64), (99, 75)]),
+    ("resnet26d", 3, [(64, 64), (99, 75)]),
+    ("seresnet18", 3, [(64, 64), (99, 75)]),
+    ("resnet50", 3, [(224, 224), (131, 97)]),
+    ("resnetrs50", 3, [(160, 160), (131, 97)]),
+]
+
+
+def section_equivalence(quick: bool) -> list[dict]:
+    """max |logits(T-CNN) - logits(CNN)| in float32 eval mode, random init with non-trivial BatchNorm."""
+    import timm
+
+    rows = []
+    cases = EQUIV_CASES[:2] if quick else EQUIV_CASES
+    for arch, cin, sizes in cases:
+        torch.manual_seed(0)
+        cnn = timm.create_model(arch, num_classes=10, in_chans=cin)
+        g = torch.Generator().manual_seed(0)
+        for m in cnn.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                with torch.no_grad():
+                    m.weight.copy_(torch.rand(m.weight.shape, generator=g) + 0.5)
+                    m.bias.copy_(torch.rand(m.bias.shape, generator=g) * 0.4 - 0.2)
+                m.reset_running_stats()
+                m.momentum = None
+        cnn.train()
+        with torch.no_grad():
+            for _ in range(3):
+                cnn(torch.randn(3, cin, *sizes[1], generator=g))
+        cnn.eval()
+        xs = [torch.randn(2, cin, *hw, generator=g) for hw in sizes]
+        with torch.no_grad():
+            ref = [cnn(x) for x in xs]
+        for mode in ("exact", "s1"):
+            for init in (50.0, 1.0):
+                tcnn = to_tcnn(cnn, alpha_init=init, lambda_init=init, stride_mode=mode).eval()
+                with torch.no_grad():
+                    errs = [(tcnn(x) - r).abs().max().item() for x, r in zip(xs, ref)]
+                row = dict(arch=arch, stride_mode=mode, alpha_lambda=init)
+                for hw, e in zip(sizes, errs):
+                    row[f"err@{hw[0]}x{hw[1]}"] = e
+                row["logit_std"] = ref[0].std().item()
+                rows.append(row)
+                print(_fmt_row(row), flush=True)
+    return rows
+
+
+def _fmt_row(row: dict) -> str:
+    return "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+
+
+def _table(title: str, rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    keys = list(rows[0])
+    out = [f"### {title}", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for r in rows:
+        out.append(
+            "| " + " | ".join(f"{r[k]:.3g}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions, small model only")
+    ap.add_argument("--sections", default="convit,tcnn,model", help="any of convit,tcnn,model,equiv")
+    ap.add_argument("--shapes", default="", help="comma-separated subset of spatial sizes, e.g. 14,7")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    reps = 3 if args.quick else args.reps
+    if args.shapes:
+        keep = {int(v) for v in args.shapes.split(",")}
+        SHAPES[:] = [sh for sh in SHAPES if sh[1] in keep]
+    sections = set(args.sections.split(","))
+    unknown = sections - {"convit", "tcnn", "model", "equiv"}
+    if unknown:
+        print(f"benchmarks/gpsa.py: unknown section(s) {sorted(unknown)}", file=sys.stderr)
+        return 2
+    print(f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}, reps {reps}")
+    report = []
+    if "convit" in sections:
+        report.append(
+            _table("ConViT-mode GPSA vs timm GPSA (speedup = timm time / ours)", section_convit(device, reps))
+        )
+    if "tcnn" in sections:
+        report.append(
+            _table(
+                "T-CNN-mode GPSA vs conv3x3 (cost ratio = GPSA time / conv time)", section_tcnn(device, reps)
+            )
+        )
+    if "model" in sections:
+        report.append(
+            _table(
+                "Whole model, T-CNN vs CNN (ratio = T-CNN img/s / CNN img/s)",
+                section_model(device, reps, args.quick),
+            )
+        )
+    if "equiv" in sections:
+        rows = section_equivalence(args.quick)
+        # one table per resolution pair: the column names differ per architecture
+        for arch in dict.fromkeys(r["arch"] for r in rows):
+            report.append(
+                _table(
+                    f"Equivalence error, {arch} (max |logit diff|, float32 eval)",
+                    [r for r in rows if r["arch"] == arch],
+                )
+            )
+    print()
+    print("\n".join(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,484 @@
+"""GPSA layer (core.gpsa): against the paper's formula written out naively, a direct conv, finite differences."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from core.gpsa import ALPHA_MIN, GPSA, relative_encodings, softplus_inverse
+
+
+def _randomize(g: GPSA, *, lam_scale: float = 1.5, qk_std: float = 0.5) -> GPSA:
+    """Random gates (both branches matter), content projections and positional parameters."""
+    with torch.no_grad():
+        g.gating_param.normal_(0.0, lam_scale)
+        nq = 2 * g.num_heads * g.qk_head_dim
+        g.qkv_weight[:nq].normal_(0.0, qk_std)
+        g.qkv_weight[nq:].add_(0.3 * torch.randn_like(g.qkv_weight[nq:]))
+        if g.qkv_bias is not None:
+            g.qkv_bias.normal_()
+        if g.bias is not None:
+            g.bias.normal_()
+        if g.positional == "softplus":
+            g.pos_alpha.uniform_(-0.5, 2.0)
+            g.pos_center.add_(0.7 * torch.randn_like(g.pos_center))
+        else:
+            g.pos_weight.normal_()
+    return g
+
+
+def reference_gpsa(g: GPSA, x: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
+    """000 Eq. 5-7 / 001 Eq. 6-7 evaluated literally, head by head, with the dense encodings r_ij.
+
+    T-CNN mode: queries at the conv's output positions, positional softmax over the zero-padded key grid
+    (padded keys hold zero values), content softmax over the real pixels; output [B, D_out, Hq, Wq].
+    ConViT mode: tokens [B, N, C] on grid ``size``.
+    """
+    nh, dq = g.num_heads, g.qk_head_dim
+    if g.mode == "tcnn":
+        b, c, h, w = x.shape
+        tokens = x.flatten(2).transpose(1, 2)  # [B, L, C]
+    else:
+        b, _, c = x.shape
+        h, w = size
+        tokens = x
+    p, s = g.padding, (g.stride if g.stride_mode == "exact" else 1)
+    hp, wp = h + 2 * p, w + 2 * p
+    # padded grid tokens (zeros outside)
+    grid = torch.zeros(b, hp, wp, c, dtype=x.dtype)
+    grid[:, p : p + h, p : p + w] = tokens.reshape(b, h, w, c)
+    keys_pad = grid.reshape(b, hp * wp, c)
+    real = torch.zeros(hp, wp, dtype=torch.bool)
+    real[p : p + h, p : p + w] = True
+    real = real.flatten()
+    qrows = list(range(0, h, s))
+    qcols = list(range(0, w, s))
+    qidx = torch.tensor([(r + p) * wp + (cc + p) for r in qrows for cc in qcols])
+    xq = keys_pad[:, qidx]  # [B, Lq, C]
+    # relative encodings from every query to every padded key
+    pos_all = torch.stack(
+        torch.meshgrid(torch.arange(hp) - p, torch.arange(wp) - p, indexing="ij"), -1
+    ).reshape(-1, 2)
+    qpos = pos_all[qidx].to(x.dtype)
+    delta = pos_all.to(x.dtype)[None] - qpos[:, None]  # [Lq, Lk_pad, 2] (row, col)
+    r = torch.cat([(delta**2).sum(-1, keepdim=True), delta], -1)  # (|d|^2, d1, d2)
+    if g.positional == "softplus":
+        a = g.alpha().to(x.dtype)
+        cen = g.centers().to(x.dtype)
+        vpos = -a[:, None] * torch.cat([torch.ones(nh, 1, dtype=x.dtype), -2 * cen], 1)  # 000 Eq. 4
+    else:
+        vpos = g.pos_weight.to(x.dtype)
+    wqkv = g.qkv_weight.to(x.dtype)
+    bqkv = None if g.qkv_bias is None else g.qkv_bias.to(x.dtype)
+    qkv_pad = F.linear(keys_pad, wqkv, bqkv)
+    qkv_q = F.linear(xq, wqkv, bqkv)
+    lam = g.gating_param.to(x.dtype)
+    out = 0.0
+    for hd in range(nh):
+        q = qkv_q[..., hd * dq : (hd + 1) * dq]
+        k = qkv_pad[:, real, nh * dq + hd * dq : nh * dq + (hd + 1) * dq]
+        if g.mode == "tcnn":
+            vals = qkv_pad[..., 2 * nh * dq :]  # shared W_val, all channels
+            ky, kx = divmod(hd, g.kernel_size)
+            wout = g.weight[:, :, ky, kx].to(x.dtype)  # [D_out, C]
+        else:
+            dv = g.v_dim // nh
+            vals = qkv_pad[..., 2 * nh * dq + hd * dv : 2 * nh * dq + (hd + 1) * dv]
+            wout = g.weight[:, hd * dv : (hd + 1) * dv].to(x.dtype)
+        vals = vals * real[None, :, None]  # padded keys carry zero values (a conv's zero padding)
+        content = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(dq), -1)  # over real keys
+        positional = torch.softmax(r @ vpos[hd], -1)  # over all (padded) keys
+        gate = torch.sigmoid(lam[hd])
+        y = (1 - gate) * content @ vals[:, real] + gate * positional @ vals
+        out = out + y @ wout.t()
+    if g.bias is not None:
+        out = out + g.bias.to(x.dtype)
+    if g.mode == "tcnn":
+        out = out.transpose(1, 2).reshape(b, -1, len(qrows), len(qcols))
+        if g.stride > 1 and g.stride_mode == "s1":
+            out = F.avg_pool2d(out, g.stride, g.stride, ceil_mode=True, count_include_pad=False)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ encodings
+def test_relative_encodings_by_hand() -> None:
+    r = relative_encodings(2, 3)  # tokens row-major: i=(0,0) -> 0, j=(1,2) -> 5
+    assert r.shape == (6, 6, 3)
+    assert r[0, 5].tolist() == [5.0, 1.0, 2.0]
+    assert r[5, 0].tolist() == [5.0, -1.0, -2.0]
+    assert r[1, 3].tolist() == [2.0, 1.0, -1.0]  # (0,1) -> (1,0)
+    assert torch.all(r.diagonal(dim1=0, dim2=1) == 0)
+
+
+@pytest.mark.parametrize("positional", ["softplus", "linear"])
+def test_positional_factors_equal_dense_softmax(positional: str) -> None:
+    torch.manual_seed(0)
+    g = _randomize(GPSA(16, num_heads=4, positional=positional)).double()
+    h, w = 3, 5
+    r = relative_encodings(h, w, dtype=torch.float64)
+    if positional == "softplus":
+        vpos = -g.alpha()[:, None] * torch.cat([torch.ones(4, 1, dtype=torch.float64), -2 * g.centers()], 1)
+    else:
+        vpos = g.pos_weight
+    dense = torch.softmax(torch.einsum("ijr,hr->hij", r, vpos), -1)
+    with torch.no_grad():
+        torch.testing.assert_close(g.positional_attention(h, w), dense, rtol=1e-12, atol=1e-14)
+
+
+def test_softplus_alpha_init_is_exact_and_positive() -> None:
+    for a in [1e-3, 0.5, 1.0, 50.0, 1e3]:
+        g = GPSA(8, num_heads=4, alpha_init=a)
+        torch.testing.assert_close(g.alpha(), torch.full((4,), a), rtol=1e-6, atol=0.0)
+        assert float(softplus_inverse(a)) == pytest.approx(
+            a + math.log(-math.expm1(-5 * a)) / 5, rel=1e-12
+        )  # x = a + log(1 - e^{-5a}) / 5
+    # footnote 1 of 000 writes softplus(-alpha~); ours is softplus(+alpha~): increasing in alpha~
+    g = GPSA(8, num_heads=4)
+    a0 = g.alpha().detach().clone()
+    with torch.no_grad():
+        g.pos_alpha.add_(1.0)
+    assert torch.all(g.alpha() > a0)
+
+
+def test_alpha_stays_positive_after_large_lr_steps() -> None:
+    torch.manual_seed(0)
+    g = GPSA(8, num_heads=4)
+    opt = torch.optim.Adam([g.pos_alpha], lr=10.0)
+    for _ in range(30):  # push alpha~ far negative: Adam's step does not shrink with the softplus slope
+        opt.zero_grad()
+        g.alpha().sum().backward()
+        opt.step()
+    raw = g.pos_alpha.detach()
+    assert float(raw.max()) < -30
+    assert float(F.softplus(raw, beta=5).max()) == 0.0  # a plain softplus has underflowed to exactly 0 here
+    assert torch.all(g.alpha() >= ALPHA_MIN)
+    y = g(torch.randn(2, 9, 8))
+    assert torch.isfinite(y).all()
+    # and plain SGD at a huge learning rate on the positional parameters of a real loss
+    g2 = _randomize(GPSA(8, num_heads=4, lambda_init=3.0))
+    opt2 = torch.optim.SGD([g2.pos_alpha, g2.pos_center], lr=1e4)
+    x = torch.randn(2, 16, 8)
+    for _ in range(5):
+        opt2.zero_grad()
+        (g2(x) ** 2).sum().backward()
+        opt2.step()
+    assert torch.isfinite(g2.pos_alpha).all() and torch.all(g2.alpha() > 0)
+
+
+# ------------------------------------------------------------------------------ against the formula
+@pytest.mark.parametrize("impl", ["sdpa", "dense"])
+@pytest.mark.parametrize("positional", ["softplus", "linear"])
+def test_convit_mode_matches_reference(impl: str, positional: str) -> None:
+    torch.manual_seed(1)
+    for qk_head_dim in (None, 5):  # timm's D / heads, and a different q/k width
+        g = GPSA(
+            12, num_heads=4, positional=positional, qkv_bias=True, attn_impl=impl, qk_head_dim=qk_head_dim
+        )
+        g = _randomize(g)
+        x = torch.randn(2, 15, 12)
+        with torch.no_grad():
+            y = g(x, (3, 5))  # non-square grid
+            ref = reference_gpsa(g.double(), x.double(), (3, 5)).float()
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "dense"])
+@pytest.mark.parametrize(
+    "stride,dilation,stride_mode,hw",
+    [(1, 1, "exact", (5, 7)), (2, 1, "exact", (7, 6)), (2, 1, "s1", (5, 8)), (1, 2, "exact", (6, 5))],
+)
+def test_tcnn_mode_matches_reference(
+    impl: str, stride: int, dilation: int, stride_mode: str, hw: tuple
+) -> None:
+    torch.manual_seed(2)
+    conv = nn.Conv2d(6, 5, 3, stride=stride, padding=dilation, dilation=dilation, bias=True)
+    g = _randomize(GPSA.from_conv(conv, stride_mode=stride_mode, attn_impl=impl))
+    x = torch.randn(2, 6, *hw)
+    with torch.no_grad():
+        y = g(x)
+        ref = reference_gpsa(g.double(), x.double()).float()
+    assert y.shape == ref.shape
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- T-CNN equivalence to conv
+def test_head_to_tap_mapping_with_asymmetric_kernel() -> None:
+    torch.manual_seed(3)
+    conv = nn.Conv2d(3, 4, 3, padding=1, bias=False)
+    x = torch.randn(2, 3, 6, 5)
+    for ky in range(3):
+        for kx in range(3):  # a kernel with a single nonzero tap: the output is a pure shift of x
+            with torch.no_grad():
+                conv.weight.zero_()
+                conv.weight[:, :, ky, kx] = torch.randn(4, 3)
+            g = GPSA.from_conv(conv, alpha_init=50.0, lambda_init=50.0)
+            h = 3 * ky + kx
+            assert g.centers()[h].tolist() == [ky - 1, kx - 1]
+            with torch.no_grad():
+                torch.testing.assert_close(g(x), conv(x), rtol=0, atol=1e-5)
+                # the head's attention for an interior query sits on query + (ky - 1, kx - 1)
+                maps = g.attention_maps(x, part="positional")[0, h].reshape(6, 5, 6, 5)
+                assert maps[2, 2].argmax().item() == (2 + ky - 1) * 5 + (2 + kx - 1)
+    # a fully asymmetric kernel; its transpose gives a different function, so an ordering bug shows
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn_like(conv.weight))
+    g = GPSA.from_conv(conv, alpha_init=50.0, lambda_init=50.0)
+    with torch.no_grad():
+        y = g(x)
+        torch.testing.assert_close(y, conv(x), rtol=0, atol=1e-5)
+        flipped = F.conv2d(x, conv.weight.transpose(2, 3), padding=1)
+        assert (y - flipped).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("hw", [(7, 7), (6, 9), (5, 8), (9, 4)])
+@pytest.mark.parametrize("stride,dilation,bias", [(1, 1, True), (2, 1, False), (2, 1, True), (1, 2, False)])
+def test_tcnn_equals_conv_at_large_alpha_lambda(hw: tuple, stride: int, dilation: int, bias: bool) -> None:
+    torch.manual_seed(4)
+    conv = nn.Conv2d(8, 12, 3, stride=stride, padding=dilation, dilation=dilation, bias=bias)
+    if bias:
+        with torch.no_grad():
+            conv.bias.normal_()
+    g = GPSA.from_conv(conv, alpha_init=50.0, lambda_init=50.0)
+    assert g.weight.shape == conv.weight.shape and torch.equal(g.weight, conv.weight)
+    x = torch.randn(3, 8, *hw)
+    with torch.no_grad():
+        y, ref = g(x), conv(x)
+    assert y.shape == ref.shape
+    torch.testing.assert_close(y, ref, rtol=0, atol=2e-5)
+
+
+def test_s1_mode_is_stride1_conv_then_avg_pool() -> None:
+    torch.manual_seed(5)
+    conv = nn.Conv2d(4, 6, 3, stride=2, padding=1, bias=False)
+    g = GPSA.from_conv(conv, alpha_init=50.0, lambda_init=50.0, stride_mode="s1")
+    for hw in [(8, 8), (7, 5)]:
+        x = torch.randn(2, 4, *hw)
+        with torch.no_grad():
+            y = g(x)
+            ref = F.avg_pool2d(
+                F.conv2d(x, conv.weight, padding=1), 2, 2, ceil_mode=True, count_include_pad=False
+            )
+            assert y.shape == conv(x).shape
+            torch.testing.assert_close(y, ref, rtol=0, atol=1e-5)
+            assert (y - conv(x)).abs().max() > 1e-2  # BoTNet-style: not the strided conv's function
+
+
+def test_paper_init_is_not_exact_but_large_init_is() -> None:
+    torch.manual_seed(6)
+    conv = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+    x = torch.randn(2, 8, 6, 6)
+    errs = {}
+    for a in (1.0, 5.0, 50.0):
+        g = GPSA.from_conv(conv, alpha_init=a, lambda_init=a)
+        with torch.no_grad():
+            errs[a] = (g(x) - conv(x)).abs().max().item()
+    assert errs[1.0] > errs[5.0] > errs[50.0]
+    assert errs[50.0] < 1e-5 < 1e-2 < errs[1.0]
+
+
+# ------------------------------------------------------------------------------------------ paths
+@pytest.mark.parametrize("mode", ["convit", "tcnn"])
+def test_sdpa_and_dense_paths_agree(mode: str) -> None:
+    torch.manual_seed(7)
+    if mode == "convit":
+        a = _randomize(GPSA(18, num_heads=9, attn_impl="sdpa"))
+        x = torch.randn(3, 40, 18)
+        args: tuple = (x, (5, 8))
+    else:
+        a = _randomize(GPSA.from_conv(nn.Conv2d(10, 7, 3, padding=1), attn_impl="sdpa"))
+        x = torch.randn(3, 10, 9, 10)  # 9 x 10 takes the factorised positional path, 5 x 5 the dense one
+        args = (x,)
+    b = GPSA(**_init_kwargs(a), attn_impl="dense")
+    b.load_state_dict(a.state_dict())
+    for xx in (args, (torch.randn(3, 10, 5, 5),) if mode == "tcnn" else (torch.randn(2, 25, 18),)):
+        with torch.no_grad():
+            torch.testing.assert_close(a(*xx), b(*xx), rtol=1e-5, atol=1e-5)
+
+
+def _init_kwargs(g: GPSA) -> dict:
+    kw = dict(in_dim=g.in_dim, out_dim=g.out_dim, mode=g.mode, positional=g.positional)
+    kw["qkv_bias"] = g.qkv_bias is not None
+    kw["bias"] = g.bias is not None
+    if g.mode == "tcnn":
+        kw.update(kernel_size=g.kernel_size, stride=g.stride, dilation=g.dilation, stride_mode=g.stride_mode)
+    else:
+        kw["num_heads"] = g.num_heads
+    return kw
+
+
+@pytest.mark.parametrize(
+    "mode,impl,stride",
+    [("convit", "sdpa", 1), ("convit", "dense", 1), ("tcnn", "sdpa", 2), ("tcnn", "dense", 1)],
+)
+def test_gradcheck(mode: str, impl: str, stride: int) -> None:
+    torch.manual_seed(8)
+    if mode == "convit":
+        g = GPSA(8, num_heads=4, attn_impl=impl, qkv_bias=True)
+        x = torch.randn(2, 12, 8, dtype=torch.float64)
+        extra: tuple = ((3, 4),)
+    else:
+        g = GPSA(4, 6, mode="tcnn", stride=stride, attn_impl=impl)
+        x = torch.randn(2, 4, 5, 3, dtype=torch.float64)
+        extra = ()
+    g = _randomize(g).double()
+    names = [n for n, _ in g.named_parameters()]
+
+    def f(xx: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(g, dict(zip(names, params)), (xx, *extra))
+
+    assert torch.autograd.gradcheck(
+        f, (x.requires_grad_(), *g.parameters()), eps=1e-6, atol=1e-6, fast_mode=True
+    )
+
+
+@pytest.mark.parametrize("mode", ["convit", "tcnn"])
+def test_gradients_reach_every_parameter(mode: str) -> None:
+    torch.manual_seed(9)
+    if mode == "convit":
+        g = GPSA(12, num_heads=4, lambda_init=0.0)
+        y = g(torch.randn(2, 16, 12))
+    else:
+        g = GPSA.from_conv(nn.Conv2d(6, 6, 3, padding=1, bias=True), lambda_init=0.0)
+        with torch.no_grad():
+            g.qkv_weight[: 2 * g.num_heads * g.qk_head_dim].normal_(0, 0.3)
+        y = g(torch.randn(2, 6, 5, 5))
+    (y**2).sum().backward()
+    nq = g.num_heads * g.qk_head_dim
+    grads = {
+        "q": g.qkv_weight.grad[:nq],
+        "k": g.qkv_weight.grad[nq : 2 * nq],
+        "v": g.qkv_weight.grad[2 * nq :],
+        "out": g.weight.grad,
+        "bias": g.bias.grad,
+        "lambda": g.gating_param.grad,
+        "alpha": g.pos_alpha.grad,
+        "centers": g.pos_center.grad,
+    }
+    for name, gr in grads.items():
+        assert gr is not None and torch.isfinite(gr).all() and gr.abs().max() > 0, name
+    assert (g.gating_param.grad != 0).all() and (g.pos_alpha.grad != 0).all()
+
+
+# -------------------------------------------------------------------------------- cache, dtype, device
+def test_encoding_cache_per_size_and_follows_to() -> None:
+    g = GPSA(8, num_heads=4)
+    g(torch.randn(1, 15, 8), (3, 5))
+    g(torch.randn(1, 16, 8))
+    keys = {(k[1], k[2], str(k[4]), k[5]) for k in g._enc_cache}
+    assert (3, 3, "cpu", torch.float32) in keys and (5, 5, "cpu", torch.float32) in keys
+    g.double()
+    assert g._enc_cache == {}  # .to()/.double() drop the cached encodings
+    y = g(torch.randn(1, 15, 8, dtype=torch.float64), (3, 5))
+    assert y.dtype == torch.float64
+    assert all(k[5] == torch.float64 for k in g._enc_cache)
+    g.to("meta")
+    assert g._enc_cache == {}
+
+
+@pytest.mark.parametrize("mode", ["convit", "tcnn"])
+def test_positional_reuse_without_grad_tracks_parameter_updates(mode: str) -> None:
+    torch.manual_seed(13)
+    if mode == "convit":
+        g, x = _randomize(GPSA(12, num_heads=4)), torch.randn(2, 20, 12)
+        args: tuple = ((4, 5),)
+    else:
+        g, x = _randomize(GPSA.from_conv(nn.Conv2d(4, 4, 3, padding=1))), torch.randn(2, 4, 5, 6)
+        args = ()
+    with torch.no_grad():
+        y0 = g(x, *args)
+        assert torch.equal(g(x, *args), y0)  # reused
+        opt = torch.optim.SGD(g.parameters(), lr=0.5)
+        for p in g.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()  # in-place updates bump the parameters' version counters
+        y1 = g(x, *args)
+    y_fresh = g(x, *args)  # grad mode: always recomputed
+    assert (y1 - y0).abs().max() > 1e-3
+    torch.testing.assert_close(y1, y_fresh.detach(), rtol=0, atol=0)
+
+
+def test_convit_grid_size_and_errors() -> None:
+    g = GPSA(8, num_heads=4)
+    with pytest.raises(ValueError, match="not a square grid"):
+        g(torch.randn(1, 15, 8))
+    g.grid_size = (3, 5)
+    assert g(torch.randn(1, 15, 8)).shape == (1, 15, 8)
+    with pytest.raises(ValueError, match="odd"):
+        GPSA(8, mode="tcnn", kernel_size=2)
+    with pytest.raises(ValueError, match="grouped"):
+        GPSA.from_conv(nn.Conv2d(4, 4, 3, padding=1, groups=2))
+    with pytest.raises(ValueError, match="padding"):
+        GPSA.from_conv(nn.Conv2d(4, 4, 3, padding=0))
+    with pytest.raises(ValueError, match="mode"):
+        GPSA(8, num_heads=4, mode="bogus")
+    with pytest.raises(ValueError, match="divisible"):
+        GPSA(10, num_heads=4)
+
+
+def test_autocast_bfloat16_cpu() -> None:
+    torch.manual_seed(10)
+    for g, x in [
+        (_randomize(GPSA(16, num_heads=4)), torch.randn(2, 16, 16)),
+        (_randomize(GPSA.from_conv(nn.Conv2d(8, 8, 3, padding=1))), torch.randn(2, 8, 5, 5)),
+    ]:
+        ref = g(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = g(x)
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.float(), ref, rtol=0.05, atol=0.05 * ref.abs().max().item())
+
+
+# ---------------------------------------------------------------------------------------- analysis
+def test_accessors_and_nonlocality_by_hand() -> None:
+    torch.manual_seed(11)
+    conv = nn.Conv2d(4, 4, 3, padding=1, bias=False)
+    g = GPSA.from_conv(conv, alpha_init=50.0, lambda_init=50.0)
+    torch.testing.assert_close(g.gate(), torch.sigmoid(torch.tensor(50.0)).expand(9))
+    torch.testing.assert_close(g.alpha(), torch.full((9,), 50.0))
+    assert g.centers().shape == (9, 2)
+    h, w = 4, 5
+    x = torch.randn(2, 4, h, w)
+    maps = g.attention_maps(x)
+    assert maps.shape == (2, 9, h * w, h * w)
+    rows = maps.sum(-1)[0]  # keys outside the image (padding) are not in the map: border rows sum below 1
+    assert torch.allclose(rows[4], torch.ones(h * w))  # center tap: always inside
+    assert rows[0].min() < 0.5  # tap (-1, -1): the top row and left column fall on the padding
+    # nonlocality (001 Eq. 8): one-hot at Delta_h when the tap is inside the image, nothing otherwise
+    expected = []
+    for hd in range(9):
+        dy, dx = hd // 3 - 1, hd % 3 - 1
+        inside = sum(1 for r in range(h) for c in range(w) if 0 <= r + dy < h and 0 <= c + dx < w)
+        expected.append(inside * math.hypot(dy, dx) / (h * w))
+    torch.testing.assert_close(g.nonlocality(x), torch.tensor(expected), rtol=1e-5, atol=1e-6)
+    assert set(GPSA.positional_parameter_names()) >= {"gating_param", "pos_alpha", "pos_center"}
+    assert GPSA.gating_parameter_names() == ("gating_param",)
+
+
+# -------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["convit", "tcnn"])
+def test_cuda_matches_cpu_and_autocast(mode: str) -> None:
+    torch.manual_seed(12)
+    if mode == "convit":
+        g = _randomize(GPSA(36, num_heads=9))
+        x = torch.randn(4, 35, 36)
+        args: tuple = ((5, 7),)
+    else:
+        g = _randomize(GPSA.from_conv(nn.Conv2d(16, 16, 3, stride=2, padding=1)))
+        x = torch.randn(4, 16, 9, 7)
+        args = ()
+    ref = g(x, *args)
+    gc = g.to("cuda")
+    y = gc(x.cuda(), *args)
+    torch.testing.assert_close(y.cpu(), ref, rtol=1e-4, atol=1e-4)
+    with torch.autocast("cuda", dtype=torch.float16):
+        yh = gc(x.cuda(), *args)
+    assert yh.dtype == torch.float16
+    torch.testing.assert_close(yh.float().cpu(), ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
+    yh.float().sum().backward()
+    assert gc.pos_alpha.grad is not None and torch.isfinite(gc.pos_alpha.grad).all()
