@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401  (SLURM test-cluster fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")

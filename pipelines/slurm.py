@@ -1,0 +1,505 @@
+"""SLURM launch: submitit executors and a Ray cluster on a SLURM allocation.
+
+Only ``pipelines/`` and ``infra/`` know SLURM (DESIGN section 2). The pieces:
+
+- :func:`make_executor`: a submitit SLURM executor with one task per node (the Ray layout) whose status
+  polling falls back to ``squeue`` when ``sacct`` has no accounting database (small or test clusters).
+- :class:`RayPorts`: every port a Ray node opens, pinned (``from_base``) or chosen free (``find_free``).
+- :class:`RayClusterJob`: the submitit callable. Task 0 (first node) runs
+  ``ray start --head --block`` with explicit ``--num-cpus/--num-gpus``, pinned ports and a short per-job
+  ``--temp-dir`` (unix socket paths must stay under 107 bytes), writes a rendezvous file with the head's
+  address to a shared folder, waits for all nodes to join, then runs the driver function with
+  ``ray.init(address=...)`` done and ``RAY_ADDRESS`` set. The other tasks poll the rendezvous file, join with
+  ``ray start --address=... --block`` and leave when the head writes its ``done`` marker.
+  It is ``Checkpointable``: on the preemption/time-limit signal (USR2) submitit requeues the job and the
+  driver runs again from the start, so drivers must resume from their own state (``Tuner.restore``).
+- :func:`launch_ray_cluster` submits it; :func:`wait_result` follows the job to its result.
+
+``infra/slurm/ray_cluster.sbatch`` is the plain-sbatch equivalent (srun instead of submitit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import submitit
+from submitit.slurm.slurm import SlurmInfoWatcher, SlurmJob
+
+RAY_SOCKET_LIMIT = 107  # bytes in a unix socket path (sun_path)
+# <temp>/session_YYYY-MM-DD_HH-MM-SS_ffffff_<pid>/sockets/plasma_store: ~68 bytes after <temp>
+_RAY_SOCKET_SUFFIX = 70
+
+
+class SlurmLaunchError(RuntimeError):
+    """The Ray cluster on the allocation could not be brought up (one line, with the log to read)."""
+
+
+# ------------------------------------------------------------------------------------ submitit plumbing
+
+
+class SqueueFallbackWatcher(SlurmInfoWatcher):
+    """submitit's watcher asks ``sacct``; without slurmdbd that fails, so ask ``squeue --states=all``."""
+
+    def update(self) -> None:
+        command = self._make_command()
+        if command is None:
+            return
+        self._num_calls += 1
+        job_ids = ",".join(arg for prev, arg in zip(command, command[1:]) if prev == "-j")
+        attempts = (
+            (command, self.read_info),
+            (["squeue", "--noheader", "--states=all", "-o", "%i|%T|%N", "-j", job_ids], self._read_squeue),
+        )
+        for cmd, parse in attempts:
+            try:
+                out = subprocess.check_output(cmd, stderr=subprocess.DEVNULL, timeout=60)
+            except (OSError, subprocess.SubprocessError):
+                continue
+            self._info_dict.update(parse(out))
+            break
+        self._last_status_check = time.time()
+        for job_id in self._registered - self._finished:
+            if self.is_done(job_id, mode="cache"):
+                self._finished.add(job_id)
+
+    def _read_squeue(self, output: bytes | str) -> dict[str, dict[str, str]]:
+        text = output.decode() if isinstance(output, bytes) else output
+        return self.read_info("JobID|State|NodeList\n" + text)
+
+
+class SqueueSlurmJob(SlurmJob):
+    watcher = SqueueFallbackWatcher(delay_s=60)
+
+
+class SlurmExecutor(submitit.SlurmExecutor):
+    """submitit's SLURM executor with the squeue fallback for job states."""
+
+    job_class = SqueueSlurmJob
+
+
+def make_executor(
+    folder: str | os.PathLike,
+    *,
+    nodes: int = 1,
+    cpus_per_node: int = 1,
+    gpus_per_node: int = 0,
+    mem_gb: float | None = None,
+    timeout_min: int = 60,
+    partition: str | None = None,
+    job_name: str = "tcnn",
+    signal_delay_s: int = 120,
+    additional: dict[str, Any] | None = None,
+    max_num_timeout: int = 3,
+) -> SlurmExecutor:
+    """A submitit executor for ``nodes`` nodes, one task per node with ``cpus_per_node`` CPUs and
+    ``gpus_per_node`` GPUs. ``folder`` must be on a filesystem every node sees (logs, pickles, rendezvous).
+
+    ``signal_delay_s``: SLURM sends USR2 that long before the time limit; submitit then checkpoints and
+    requeues (``max_num_timeout`` times at most).
+    """
+    if nodes < 1 or cpus_per_node < 1 or gpus_per_node < 0:
+        raise ValueError(
+            f"make_executor: bad resources nodes={nodes} cpus={cpus_per_node} gpus={gpus_per_node}"
+        )
+    executor = SlurmExecutor(folder=folder, max_num_timeout=max_num_timeout)
+    kwargs: dict[str, Any] = {
+        "nodes": nodes,
+        "ntasks_per_node": 1,
+        "cpus_per_task": cpus_per_node,
+        "time": timeout_min,
+        "job_name": job_name,
+        "signal_delay_s": signal_delay_s,
+    }
+    if gpus_per_node:
+        kwargs["gpus_per_node"] = gpus_per_node
+    if mem_gb is not None:
+        kwargs["mem"] = f"{int(mem_gb * 1024)}MB"
+    if partition:
+        kwargs["partition"] = partition
+    if additional:
+        kwargs["additional_parameters"] = dict(additional)
+    executor.update_parameters(**kwargs)
+    return executor
+
+
+def wait_result(
+    job: submitit.Job, *, timeout_s: float | None = None, poll_s: float = 1.0, state_every_s: float = 10.0
+) -> Any:
+    """Block until ``job`` ends; return task 0's result (the driver's, for a Ray cluster job).
+
+    The result file is checked every ``poll_s``, the scheduler (sacct, else squeue) every ``state_every_s``.
+    Raises ``TimeoutError`` after ``timeout_s`` (the job keeps running: cancel it yourself), and submitit's
+    ``FailedJobError`` / ``UncompletedJobError`` (with the job's stderr) when it failed or was killed.
+    """
+    start = time.monotonic()
+    last_state = start
+    while True:
+        now = time.monotonic()
+        force = now - last_state >= state_every_s
+        if force:
+            last_state = now
+        if job.done(force_check=force):
+            break
+        if timeout_s is not None and now - start > timeout_s:
+            raise TimeoutError(f"SLURM job {job.job_id} not done after {timeout_s:.0f}s (state {job.state})")
+        time.sleep(poll_s)
+    return job.results()[0]
+
+
+# ------------------------------------------------------------------------------------------ Ray ports
+
+
+def _port_free(port: int, host: str = "") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class RayPorts:
+    """Every port a Ray node listens on. Head-only: ``gcs``, ``dashboard``."""
+
+    gcs: int = 6379
+    node_manager: int = 6380
+    object_manager: int = 6381
+    runtime_env_agent: int = 6382
+    metrics_export: int = 6383
+    dashboard_agent_listen: int = 6384
+    dashboard_agent_grpc: int = 6385
+    dashboard: int = 6386
+    min_worker: int = 6479
+    max_worker: int = 7478
+
+    @classmethod
+    def from_base(cls, base: int, n_worker_ports: int = 1000) -> RayPorts:
+        """``base`` .. ``base+7`` for the services, ``base+100`` .. for worker processes."""
+        if base < 1024 or base + 100 + n_worker_ports > 65535:
+            raise ValueError(f"RayPorts.from_base: base {base} out of range")
+        return cls(*range(base, base + 8), base + 100, base + 99 + n_worker_ports)
+
+    @classmethod
+    def find_free(cls, n_worker_ports: int = 64, *, low: int = 20000, high: int = 32000) -> RayPorts:
+        """A ``from_base`` layout whose ports are all free on this host now (for tests and one-node runs).
+
+        The default range stays below Linux's ephemeral ports (32768+) so that no outgoing connection takes
+        one of them between this check and ``ray start``."""
+        rng = random.Random()
+        for _ in range(200):
+            base = rng.randrange(low, high - 100 - n_worker_ports)
+            ports = cls.from_base(base, n_worker_ports)
+            if all(_port_free(p) for p in ports.all()):
+                return ports
+        raise RuntimeError(f"RayPorts.find_free: no free port block in {low}..{high}")
+
+    def all(self) -> list[int]:
+        return [*asdict(self).values()][:-2] + list(range(self.min_worker, self.max_worker + 1))
+
+    def node_args(self) -> list[str]:
+        return [
+            f"--node-manager-port={self.node_manager}",
+            f"--object-manager-port={self.object_manager}",
+            f"--runtime-env-agent-port={self.runtime_env_agent}",
+            f"--metrics-export-port={self.metrics_export}",
+            f"--dashboard-agent-listen-port={self.dashboard_agent_listen}",
+            f"--dashboard-agent-grpc-port={self.dashboard_agent_grpc}",
+            f"--min-worker-port={self.min_worker}",
+            f"--max-worker-port={self.max_worker}",
+        ]
+
+    def head_args(self) -> list[str]:
+        return [f"--port={self.gcs}", f"--dashboard-port={self.dashboard}", *self.node_args()]
+
+
+# --------------------------------------------------------------------------------------- the cluster
+
+
+@dataclass(frozen=True)
+class RayClusterConfig:
+    """How the Ray cluster on the allocation is started.
+
+    ``num_cpus``/``num_gpus``: per node; None = what SLURM gave the task (``SLURM_CPUS_PER_TASK``,
+    ``CUDA_VISIBLE_DEVICES``). ``object_store_memory`` in bytes (None = Ray's default, 30% of RAM).
+    ``temp_root``: a short local directory; each node uses ``<temp_root>/tcnn-ray-<jobid>``.
+    ``node_ip``: None = Ray's own choice of this node's address.
+    """
+
+    ports: RayPorts = field(default_factory=RayPorts)
+    num_cpus: int | None = None
+    num_gpus: int | None = None
+    object_store_memory: int | None = None
+    temp_root: str = "/tmp"
+    node_ip: str | None = None
+    include_dashboard: bool = False
+    startup_timeout_s: float = 300.0
+    keep_temp: bool = False
+    ray_bin: str | None = None  # default: the `ray` next to this interpreter
+
+
+def _slurm_env(name: str, default: str = "") -> str:
+    return os.environ.get(name, default)
+
+
+def _job_tag() -> str:
+    """``<jobid>-<restart>``: distinguishes a requeued run's rendezvous from the previous one's."""
+    job = _slurm_env("SLURM_ARRAY_JOB_ID") or _slurm_env("SLURM_JOB_ID", f"local{os.getpid()}")
+    if _slurm_env("SLURM_ARRAY_TASK_ID"):
+        job = f"{job}_{_slurm_env('SLURM_ARRAY_TASK_ID')}"
+    return f"{job}-{_slurm_env('SLURM_RESTART_COUNT', '0')}"
+
+
+def _local_cpus() -> int:
+    for name in ("SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE"):
+        value = _slurm_env(name)
+        if value.isdigit():
+            return int(value)
+    return os.cpu_count() or 1
+
+
+def _local_gpus() -> int:
+    visible = _slurm_env("CUDA_VISIBLE_DEVICES")
+    if visible and visible not in ("NoDevFiles", "-1"):
+        return len([d for d in visible.split(",") if d.strip()])
+    return 0
+
+
+def _atomic_write_json(path: Path, obj: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _tail(path: Path, n: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+class RayClusterJob(submitit.helpers.Checkpointable):
+    """The submitit callable that runs a Ray cluster over the job's nodes and ``driver`` on the head."""
+
+    def __init__(
+        self,
+        driver: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+        *,
+        config: RayClusterConfig | None = None,
+        rendezvous_dir: str | os.PathLike,
+    ) -> None:
+        self.driver = driver
+        self.args = tuple(args)
+        self.kwargs = dict(kwargs or {})
+        self.config = config or RayClusterConfig()
+        self.rendezvous_dir = str(Path(rendezvous_dir).absolute())
+
+    # -- paths shared by all tasks of one (re)start of the job
+    def _paths(self) -> tuple[Path, Path, Path]:
+        tag = _job_tag()
+        base = Path(self.rendezvous_dir)
+        return base / f"ray-{tag}.json", base / f"ray-{tag}.done", base / "ray-logs"
+
+    def _temp_dir(self) -> Path:
+        temp = Path(self.config.temp_root) / f"tcnn-ray-{_job_tag().split('-')[0]}"
+        if len(str(temp)) + _RAY_SOCKET_SUFFIX > RAY_SOCKET_LIMIT:
+            raise SlurmLaunchError(
+                f"Ray temp dir {temp} is too long for unix sockets ({RAY_SOCKET_LIMIT} bytes); "
+                "use a shorter RayClusterConfig.temp_root"
+            )
+        return temp
+
+    def _ray(self) -> str:
+        if self.config.ray_bin:
+            return self.config.ray_bin
+        candidate = Path(sys.executable).with_name("ray")
+        return str(candidate) if candidate.exists() else "ray"
+
+    def _node_ip(self) -> str:
+        if self.config.node_ip:
+            return self.config.node_ip
+        import ray.util
+
+        return ray.util.get_node_ip_address()
+
+    def _common_args(self, temp: Path) -> list[str]:
+        cfg = self.config
+        args = [
+            f"--num-cpus={cfg.num_cpus if cfg.num_cpus is not None else _local_cpus()}",
+            f"--num-gpus={cfg.num_gpus if cfg.num_gpus is not None else _local_gpus()}",
+            f"--temp-dir={temp}",
+            "--disable-usage-stats",
+            "--block",
+        ]
+        if cfg.object_store_memory:
+            args.append(f"--object-store-memory={int(cfg.object_store_memory)}")
+        return args
+
+    def _spawn(self, cmd: list[str], log: Path) -> subprocess.Popen:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            return subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own process group: stopped as a whole, never `ray stop`
+                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+            )
+
+    @staticmethod
+    def _stop(proc: subprocess.Popen | None, grace_s: float = 15.0) -> None:
+        """SIGTERM to `ray start --block` (it stops its services), then SIGKILL the whole process group."""
+        if proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=grace_s)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+
+    def __call__(self) -> Any:
+        rank = int(_slurm_env("SLURM_PROCID", "0"))
+        with contextlib.suppress(RuntimeError):  # RuntimeError: not inside submitit (called directly)
+            rank = submitit.JobEnvironment().global_rank
+        return self._head() if rank == 0 else self._worker(rank)
+
+    def _head(self) -> Any:
+        cfg = self.config
+        rendezvous, done, logs = self._paths()
+        temp = self._temp_dir()
+        shutil.rmtree(temp, ignore_errors=True)  # leftovers of a previous (requeued) run of this job
+        done.unlink(missing_ok=True)
+        ip = self._node_ip()
+        address = f"{ip}:{cfg.ports.gcs}"
+        cmd = [self._ray(), "start", "--head", f"--node-ip-address={ip}", *cfg.ports.head_args()]
+        cmd += [f"--include-dashboard={str(cfg.include_dashboard).lower()}", *self._common_args(temp)]
+        log = logs / f"{_job_tag()}-head.log"
+        num_nodes = int(_slurm_env("SLURM_JOB_NUM_NODES", _slurm_env("SLURM_NNODES", "1")))
+        proc = None
+        previous_address = os.environ.get("RAY_ADDRESS")
+        try:
+            proc = self._spawn(cmd, log)
+            self._wait_head(proc, temp, ip, cfg.ports.gcs, log)
+            info = {
+                "address": address,
+                "head_host": socket.gethostname(),
+                "job": _job_tag(),
+                "num_nodes": num_nodes,
+                "temp_dir": str(temp),
+            }
+            _atomic_write_json(rendezvous, info)
+            import ray
+
+            os.environ["RAY_ADDRESS"] = address
+            ray.init(address=address, log_to_driver=True)
+            try:
+                self._wait_nodes(ray, num_nodes, proc, log)
+                return self.driver(*self.args, **self.kwargs)
+            finally:
+                ray.shutdown()
+        finally:
+            with contextlib.suppress(OSError):
+                done.write_text("done\n")
+            self._stop(proc)
+            if previous_address is None:
+                os.environ.pop("RAY_ADDRESS", None)
+            else:
+                os.environ["RAY_ADDRESS"] = previous_address
+            rendezvous.unlink(missing_ok=True)
+            if not cfg.keep_temp:
+                shutil.rmtree(temp, ignore_errors=True)
+
+    def _wait_head(self, proc: subprocess.Popen, temp: Path, ip: str, port: int, log: Path) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        ready_file = temp / "ray_current_cluster"  # written by `ray start` once its services are up
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise SlurmLaunchError(f"ray head exited with {proc.returncode}; log {log}:\n{_tail(log)}")
+            if ready_file.exists():
+                with contextlib.suppress(OSError), socket.create_connection((ip, port), timeout=2):
+                    return
+            time.sleep(0.5)
+        raise SlurmLaunchError(f"ray head not up after {self.config.startup_timeout_s:.0f}s; log {log}")
+
+    def _wait_nodes(self, ray: Any, num_nodes: int, proc: subprocess.Popen, log: Path) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while True:
+            alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+            if alive >= num_nodes:
+                return
+            if proc.poll() is not None:
+                raise SlurmLaunchError(f"ray head exited with {proc.returncode}; log {log}:\n{_tail(log)}")
+            if time.monotonic() > deadline:
+                raise SlurmLaunchError(f"only {alive}/{num_nodes} Ray nodes joined; logs in {log.parent}")
+            time.sleep(1.0)
+
+    def _worker(self, rank: int) -> None:
+        rendezvous, done, logs = self._paths()
+        temp = self._temp_dir()
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while not rendezvous.exists():
+            if done.exists():
+                return None  # the head already gave up
+            if time.monotonic() > deadline:
+                raise SlurmLaunchError(
+                    f"no rendezvous file {rendezvous} after {self.config.startup_timeout_s}s"
+                )
+            time.sleep(1.0)
+        info = json.loads(rendezvous.read_text())
+        shutil.rmtree(temp, ignore_errors=True)
+        ip = self._node_ip()
+        cmd = [self._ray(), "start", f"--address={info['address']}", f"--node-ip-address={ip}"]
+        cmd += [*self.config.ports.node_args(), *self._common_args(temp)]
+        log = logs / f"{_job_tag()}-worker{rank}.log"
+        proc = self._spawn(cmd, log)
+        try:
+            while not done.exists():
+                if proc.poll() is not None and not done.exists():
+                    raise SlurmLaunchError(f"ray worker {rank} exited with {proc.returncode}; log {log}")
+                time.sleep(1.0)
+        finally:
+            self._stop(proc)
+            if not self.config.keep_temp:
+                shutil.rmtree(temp, ignore_errors=True)
+        return None
+
+
+def launch_ray_cluster(
+    executor: submitit.Executor,
+    driver: Callable[..., Any],
+    *args: Any,
+    config: RayClusterConfig | None = None,
+    rendezvous_dir: str | os.PathLike | None = None,
+    **kwargs: Any,
+) -> submitit.Job:
+    """Submit a job that brings up Ray on all its nodes and runs ``driver(*args, **kwargs)`` on the head.
+
+    ``rendezvous_dir`` (shared by all nodes) defaults to the executor's folder. Follow the job with
+    :func:`wait_result`; the driver's return value is the job's result.
+    """
+    folder = Path(rendezvous_dir) if rendezvous_dir is not None else Path(executor.folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    job = RayClusterJob(driver, args, kwargs, config=config, rendezvous_dir=folder)
+    return executor.submit(job)

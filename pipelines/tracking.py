@@ -1,0 +1,654 @@
+"""The one tracking adapter: stages and sweeps log through it, and it works without MLflow.
+
+Modes (``Tracker.mode``):
+
+- ``"mlflow"``: MLflow 3.x through an explicit :class:`mlflow.MlflowClient` (no global fluent state, so several
+  trackers can live in one process, e.g. Ray trials); ``tracking.uri`` is ``sqlite:///mlruns.db`` by default
+  (a relative sqlite path is resolved against ``base_dir``) or ``http://host:port`` for a server.
+- ``"disabled"``: ``tracking.enabled: false``: every call is a no-op and nothing is written.
+- ``"unavailable"``: MLflow cannot be imported: same no-op behaviour, with one warning line on stderr.
+
+Runs: one *parent* run per pipeline execution (or sweep) and one *child* run per stage (or trial), nested
+through the ``mlflow.parentRunId`` tag. The parent's id is exported in ``TCNN_PARENT_RUN_ID`` so that separate
+processes (the stages under ``dvc repro``, Ray trials) attach to the same parent; without the variable,
+``start_parent(key=...)`` re-attaches to the RUNNING parent with the same key (e.g. one per workspace).
+
+A killed process leaves its run RUNNING. Re-starting the same stage under the same parent finds that run
+(tag ``tcnn.stage``) and resumes it (``on_stale="resume"``, the default; ``tcnn.attempt`` counts attempts) or
+marks it FAILED and opens a new one (``on_stale="fail"``); either way no run stays RUNNING forever and no
+stage gets two live runs. Params are flattened with stable names (:func:`flatten_params`) so the compare view
+lines runs up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+PARENT_ENV = "TCNN_PARENT_RUN_ID"
+PARENT_TAG = "mlflow.parentRunId"
+RUN_NAME_TAG = "mlflow.runName"
+GIT_COMMIT_TAG = "mlflow.source.git.commit"
+KIND_TAG = "tcnn.kind"  # "parent" | "stage"
+STAGE_TAG = "tcnn.stage"
+KEY_TAG = "tcnn.parent_key"
+ATTEMPT_TAG = "tcnn.attempt"
+HOST_TAG = "tcnn.host"
+PID_TAG = "tcnn.pid"
+
+#: Dotted params keys that get a short, stable MLflow name (identical in every run: DVC stages and sweep trials).
+PARAM_ALIASES: dict[str, str] = {
+    "reparam.alpha_init": "alpha_init",
+    "reparam.lambda_init": "lambda_init",
+    "reparam.epoch": "reparam_epoch",
+    "data.sample_fraction": "sample_fraction",
+}
+
+RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
+_TERMINAL = ("FINISHED", "FAILED", "KILLED")
+_MAX_PARAM_LEN = 6000  # MLflow's limit for a param value
+_BATCH = 100  # MLflow's limit of params/tags (and 1000 metrics) per log_batch
+
+
+class TrackingError(RuntimeError):
+    """Tracking is enabled but cannot work (server down, unknown run id): one line naming the thing."""
+
+
+# ----------------------------------------------------------------------------------------------- params
+
+
+def _param_value(value: Any) -> str:
+    if isinstance(value, (list, tuple, dict)):
+        text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    else:
+        text = str(value)
+    return text if len(text) <= _MAX_PARAM_LEN else text[: _MAX_PARAM_LEN - 3] + "..."
+
+
+def flatten_params(params: Any, prefix: str = "") -> dict[str, str]:
+    """Flatten a ``Params`` (or a nested mapping) to MLflow params with stable names.
+
+    Nested keys join with dots (``pretrain.augment.hflip``); the keys in :data:`PARAM_ALIASES` get their
+    short names (``reparam.alpha_init`` -> ``alpha_init``); lists become compact JSON; empty mappings are kept
+    as ``{}`` so every run carries the same set of names.
+    """
+    if hasattr(params, "model_dump"):
+        params = params.model_dump(mode="json")
+    if not isinstance(params, Mapping):
+        raise TypeError(f"flatten_params: expected Params or a mapping, got {type(params).__name__}")
+    flat: dict[str, str] = {}
+
+    def walk(key: str, node: Any) -> None:
+        if isinstance(node, Mapping) and node:
+            for sub, value in node.items():
+                walk(f"{key}.{sub}" if key else str(sub), value)
+        else:
+            flat[PARAM_ALIASES.get(key, key)] = _param_value(node)
+
+    walk(prefix, params)
+    return flat
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def resolve_uri(uri: str, base_dir: str | os.PathLike = ".") -> str:
+    """``sqlite:///rel.db`` -> ``sqlite:////abs/base/rel.db``; other URIs unchanged.
+
+    Resolve once in the process that reads params.yaml and hand the absolute URI to others (Ray trials run in
+    their own working directories).
+    """
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/") and ":memory:" not in uri:
+        return prefix + str((Path(base_dir) / uri[len(prefix) :]).resolve())
+    return uri
+
+
+def git_commit(root: str | os.PathLike = ".") -> str | None:
+    """The checked-out commit of the repository at ``root`` (None outside git)."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
+def file_digest(path: str | os.PathLike) -> str | None:
+    """sha256 of a file (e.g. dvc.lock for the parent run's tag); None when it does not exist."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except FileNotFoundError:
+        return None
+
+
+def workspace_key(root: str | os.PathLike = ".") -> str:
+    """A key naming one workspace (host + absolute path): stages under one `dvc repro` share a parent by it."""
+    return f"{socket.gethostname()}:{Path(root).resolve()}"
+
+
+def _http_alive(uri: str, timeout_s: float = 5.0) -> bool:
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _quote(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+# ---------------------------------------------------------------------------------------------- tracker
+
+
+class Tracker:
+    """Parent/child MLflow runs behind a small API that degrades to no-ops.
+
+    Typical stage use (one process per stage)::
+
+        tracker = Tracker.from_params(params)
+        tracker.start_parent("pipeline", key=workspace_key())      # or resumes $TCNN_PARENT_RUN_ID
+        with tracker.stage("finetune", params=params):             # resumes a killed attempt, ends FINISHED/FAILED
+            tracker.log_metrics({"val_acc": 0.9}, step=epoch)
+            tracker.log_artifact("runs/finetune/metrics.json")
+    """
+
+    def __init__(
+        self,
+        *,
+        enabled: bool = True,
+        uri: str = "sqlite:///mlruns.db",
+        experiment: str = "tcnn",
+        base_dir: str | os.PathLike = ".",
+        export_env: bool = True,
+        system_metrics_interval_s: float = 10.0,
+    ) -> None:
+        self.uri = resolve_uri(uri, base_dir)
+        self.system_metrics_interval_s = system_metrics_interval_s
+        self.experiment = experiment
+        self.export_env = export_env
+        self.parent_run_id: str | None = None
+        self.run_id: str | None = None  # the active child (stage) run
+        self._client: Any = None
+        self._experiment_id: str | None = None
+        self._monitor: Any = None
+        if not enabled:
+            self.mode = "disabled"
+            return
+        try:
+            import mlflow  # noqa: F401  (optional at runtime)
+            from mlflow import MlflowClient
+        except ImportError as err:  # pragma: no cover - mlflow is a declared dependency
+            print(f"tracking: MLflow unavailable ({err}); continuing without tracking", file=sys.stderr)
+            self.mode = "unavailable"
+            return
+        if self.uri.startswith(("http://", "https://")) and not _http_alive(self.uri):
+            raise TrackingError(
+                f"tracking.uri {self.uri}: no MLflow server answers "
+                "(start one with infra/mlflow/server.sh, or set tracking.enabled: false)"
+            )
+        if self.uri.startswith("sqlite:////"):
+            Path(self.uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
+        self.mode = "mlflow"
+        self._client = MlflowClient(tracking_uri=self.uri)
+        self._experiment_id = self._get_or_create_experiment(experiment)
+
+    @classmethod
+    def from_params(cls, params: Any, *, base_dir: str | os.PathLike = ".", **kwargs: Any) -> Tracker:
+        """A tracker configured by the ``tracking`` section of a validated ``Params``."""
+        cfg = params.tracking
+        return cls(enabled=cfg.enabled, uri=cfg.uri, experiment=cfg.experiment, base_dir=base_dir, **kwargs)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def enabled(self) -> bool:
+        """True when calls reach MLflow."""
+        return self.mode == "mlflow"
+
+    @property
+    def experiment_id(self) -> str | None:
+        return self._experiment_id
+
+    @property
+    def client(self) -> Any:
+        """The underlying ``MlflowClient`` (None unless enabled) for what this adapter does not wrap."""
+        return self._client
+
+    def _get_or_create_experiment(self, name: str) -> str:
+        exp = self._client.get_experiment_by_name(name)
+        if exp is not None:
+            if exp.lifecycle_stage == "deleted":
+                self._client.restore_experiment(exp.experiment_id)
+            return exp.experiment_id
+        location = None
+        if self.uri.startswith("sqlite:///"):
+            # Artifacts next to the database, not in whatever the working directory happens to be.
+            db = Path(self.uri[len("sqlite:///") :])
+            location = (db.parent / "mlartifacts").as_uri()
+        try:
+            return self._client.create_experiment(name, artifact_location=location)
+        except Exception:  # another process created it first
+            exp = self._client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+            return exp.experiment_id
+
+    def _process_tags(self) -> dict[str, str]:
+        return {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid())}
+
+    def _run(self, run_id: str | None) -> str | None:
+        target = run_id or self.run_id or self.parent_run_id
+        if self.enabled and target is None:
+            raise TrackingError("tracking: no active run (call start_parent or start_child first)")
+        return target
+
+    def _search(self, filter_string: str, *, max_results: int = 100) -> list[Any]:
+        return list(
+            self._client.search_runs(
+                [self._experiment_id],
+                filter_string=filter_string,
+                max_results=max_results,
+                order_by=["attributes.start_time DESC"],
+            )
+        )
+
+    def _reopen(self, run_id: str, tags: Mapping[str, Any] | None) -> None:
+        run = self._client.get_run(run_id)
+        attempt = int(run.data.tags.get(ATTEMPT_TAG, "1")) + 1
+        if run.info.status != "RUNNING":
+            self._client.update_run(run_id, status="RUNNING")
+        self._set_tags(run_id, {**(tags or {}), **self._process_tags(), ATTEMPT_TAG: str(attempt)})
+
+    # ------------------------------------------------------------------ runs
+
+    def start_parent(
+        self,
+        name: str = "pipeline",
+        tags: Mapping[str, Any] | None = None,
+        *,
+        run_id: str | None = None,
+        key: str | None = None,
+    ) -> str | None:
+        """Open (or re-attach to) the parent run; returns its id (None when not enabled).
+
+        Order: an explicit ``run_id`` (must exist) -> ``$TCNN_PARENT_RUN_ID`` -> the newest RUNNING parent
+        tagged with ``key`` -> a new parent run. The id is exported in ``$TCNN_PARENT_RUN_ID`` so child
+        processes attach to it.
+        """
+        if not self.enabled:
+            return None
+        from mlflow.exceptions import MlflowException
+
+        found: str | None = None
+        if run_id is not None:
+            try:
+                self._client.get_run(run_id)
+            except MlflowException:
+                raise TrackingError(f"tracking: parent run {run_id} does not exist in {self.uri}") from None
+            found = run_id
+        elif os.environ.get(PARENT_ENV):
+            env_id = os.environ[PARENT_ENV]
+            try:
+                run = self._client.get_run(env_id)
+                if run.info.experiment_id == self._experiment_id:
+                    found = env_id
+                else:
+                    print(
+                        f"tracking: ${PARENT_ENV}={env_id} is in another experiment; ignored", file=sys.stderr
+                    )
+            except MlflowException:
+                print(
+                    f"tracking: ${PARENT_ENV}={env_id} is not in {self.uri}; starting a new parent",
+                    file=sys.stderr,
+                )
+        elif key is not None:
+            hits = self._search(
+                f"tags.`{KIND_TAG}` = 'parent' and tags.`{KEY_TAG}` = {_quote(key)} "
+                "and attributes.status = 'RUNNING'",
+                max_results=10,
+            )
+            if hits:
+                found = hits[0].info.run_id
+        if found is not None:
+            self._reopen(found, tags)
+        else:
+            all_tags = {KIND_TAG: "parent", ATTEMPT_TAG: "1", **self._process_tags(), **(tags or {})}
+            if key is not None:
+                all_tags[KEY_TAG] = key
+            run = self._client.create_run(self._experiment_id, run_name=name, tags=_str_tags(all_tags))
+            found = run.info.run_id
+        self.parent_run_id = found
+        if self.export_env:
+            os.environ[PARENT_ENV] = found
+        return found
+
+    def start_child(
+        self,
+        stage: str,
+        *,
+        params: Any = None,
+        tags: Mapping[str, Any] | None = None,
+        on_stale: Literal["resume", "fail"] = "resume",
+        system_metrics: bool = False,
+        run_name: str | None = None,
+        run_id: str | None = None,
+    ) -> str | None:
+        """Open the run of one stage (or trial) under the parent, resuming a killed attempt of it.
+
+        A RUNNING run with the same ``stage`` under the same parent is a leftover of a killed process: it is
+        resumed (``on_stale="resume"``; unless its logged params differ from ``params``, which MLflow cannot
+        overwrite) or marked FAILED (``on_stale="fail"``). ``params`` are logged with :func:`flatten_params`.
+        ``run_id``: reopen exactly this run (e.g. the id a Ray trial kept in its checkpoint), whatever its state.
+        """
+        if not self.enabled:
+            return None
+        if self.parent_run_id is None:
+            self.start_parent()
+        assert self.parent_run_id is not None
+        flat = flatten_params(params) if params is not None else {}
+        if run_id is not None:
+            from mlflow.exceptions import MlflowException
+
+            try:
+                self._client.get_run(run_id)
+            except MlflowException:
+                raise TrackingError(f"tracking: run {run_id} does not exist in {self.uri}") from None
+            self._reopen(run_id, tags)
+            self.run_id = run_id
+            if flat:
+                self.log_params(flat)
+            if system_metrics:
+                self._start_system_metrics(run_id)
+            return run_id
+        stale = self._search(
+            f"tags.`{PARENT_TAG}` = {_quote(self.parent_run_id)} and tags.`{STAGE_TAG}` = {_quote(stage)} "
+            "and attributes.status = 'RUNNING'"
+        )
+        resume_id: str | None = None
+        for run in stale:  # newest first
+            compatible = all(run.data.params.get(k, v) == v for k, v in flat.items())
+            if on_stale == "resume" and resume_id is None and compatible:
+                resume_id = run.info.run_id
+            else:
+                self._client.set_tag(run.info.run_id, "tcnn.stale", "killed attempt, superseded")
+                self._client.set_terminated(run.info.run_id, status="FAILED")
+        if resume_id is not None:
+            self._reopen(resume_id, tags)
+        else:
+            all_tags = {
+                PARENT_TAG: self.parent_run_id,
+                KIND_TAG: "stage",
+                STAGE_TAG: stage,
+                ATTEMPT_TAG: "1",
+                **self._process_tags(),
+                **(tags or {}),
+            }
+            run = self._client.create_run(
+                self._experiment_id, run_name=run_name or stage, tags=_str_tags(all_tags)
+            )
+            resume_id = run.info.run_id
+        self.run_id = resume_id
+        if flat:
+            self.log_params(flat)
+        if system_metrics:
+            self._start_system_metrics(resume_id)
+        return resume_id
+
+    def find_child(self, stage: str, *, status: str | None = None) -> list[Any]:
+        """The child runs of the parent for ``stage`` (newest first), optionally only those in ``status``."""
+        if not self.enabled or self.parent_run_id is None:
+            return []
+        flt = f"tags.`{PARENT_TAG}` = {_quote(self.parent_run_id)} and tags.`{STAGE_TAG}` = {_quote(stage)}"
+        if status is not None:
+            flt += f" and attributes.status = {_quote(status)}"
+        return self._search(flt)
+
+    def end(self, status: RunStatus = "FINISHED") -> None:
+        """End the active child run, or the parent when no child is open."""
+        if not self.enabled:
+            return
+        if status not in _TERMINAL:
+            raise ValueError(f"end: status must be one of {_TERMINAL}, got {status!r}")
+        if self.run_id is not None:
+            self._stop_system_metrics()
+            self._client.set_terminated(self.run_id, status=status)
+            self.run_id = None
+        elif self.parent_run_id is not None:
+            self.end_parent(status)
+
+    def end_parent(self, status: RunStatus = "FINISHED") -> None:
+        """End the parent run (the last stage of a pipeline, or the sweep driver, calls this)."""
+        if not self.enabled or self.parent_run_id is None:
+            return
+        if self.run_id is not None:
+            self.end(status)
+        self._client.set_terminated(self.parent_run_id, status=status)
+        if self.export_env and os.environ.get(PARENT_ENV) == self.parent_run_id:
+            del os.environ[PARENT_ENV]
+        self.parent_run_id = None
+
+    @contextlib.contextmanager
+    def stage(self, stage: str, **kwargs: Any) -> Iterator[Tracker]:
+        """``start_child`` + ``end``: FINISHED on success, FAILED on an exception, KILLED on Ctrl-C."""
+        self.start_child(stage, **kwargs)
+        try:
+            yield self
+        except KeyboardInterrupt:
+            self.end("KILLED")
+            raise
+        except BaseException:
+            self.end("FAILED")
+            raise
+        self.end("FINISHED")
+
+    # ------------------------------------------------------------------ logging
+
+    def log_params(self, params: Any, *, run_id: str | None = None) -> None:
+        """Log a ``Params`` or a (nested) mapping under stable flattened names (write-once in MLflow)."""
+        if not self.enabled:
+            return
+        from mlflow.entities import Param
+
+        target = self._run(run_id)
+        flat = params if _is_flat_str(params) else flatten_params(params)
+        existing = self._client.get_run(target).data.params
+        items = [Param(k, v) for k, v in flat.items() if existing.get(k) != v]
+        for i in range(0, len(items), _BATCH):
+            self._client.log_batch(target, params=items[i : i + _BATCH])
+
+    def log_metrics(
+        self, metrics: Mapping[str, float], step: int | None = None, *, run_id: str | None = None
+    ) -> None:
+        """Log scalar metrics at ``step`` (epoch or global step; 0 when omitted)."""
+        if not self.enabled:
+            return
+        from mlflow.entities import Metric
+
+        target = self._run(run_id)
+        now = int(time.time() * 1000)
+        items = []
+        for key, value in metrics.items():
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                raise TypeError(f"log_metrics: metric {key!r} is not a number ({value!r})") from None
+            items.append(Metric(key, number, now, int(step or 0)))
+        for i in range(0, len(items), 1000):
+            self._client.log_batch(target, metrics=items[i : i + 1000])
+
+    def set_tags(self, tags: Mapping[str, Any], *, run_id: str | None = None) -> None:
+        if not self.enabled:
+            return
+        self._set_tags(self._run(run_id), tags)
+
+    def _set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
+        items = [RunTag(k, v) for k, v in _str_tags(tags).items()]
+        for i in range(0, len(items), _BATCH):
+            self._client.log_batch(run_id, tags=items[i : i + _BATCH])
+
+    def log_artifact(
+        self, path: str | os.PathLike, artifact_path: str | None = None, *, run_id: str | None = None
+    ) -> None:
+        """Upload a file, or a directory's contents, under ``artifact_path``."""
+        if not self.enabled:
+            return
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"log_artifact: {path} does not exist")
+        target = self._run(run_id)
+        if path.is_dir():
+            self._client.log_artifacts(target, str(path), artifact_path)
+        else:
+            self._client.log_artifact(target, str(path), artifact_path)
+
+    def log_dict(
+        self, obj: Mapping[str, Any] | list, artifact_file: str, *, run_id: str | None = None
+    ) -> None:
+        """Store a JSON (or YAML, by extension) artifact built from ``obj``."""
+        if not self.enabled:
+            return
+        self._client.log_dict(self._run(run_id), obj, artifact_file)
+
+    def log_dataset(
+        self,
+        name: str,
+        digest: str,
+        source: str,
+        *,
+        context: str = "train",
+        profile: Mapping[str, Any] | None = None,
+        run_id: str | None = None,
+    ) -> None:
+        """Record a dataset input (``mlflow.log_input`` equivalent) by name, digest (e.g. manifest sha256)
+        and source (a path or URI)."""
+        if not self.enabled:
+            return
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        dataset = Dataset(
+            name=name,
+            digest=digest[:36],
+            source_type="local",
+            source=json.dumps({"uri": str(source)}),
+            profile=json.dumps(dict(profile)) if profile else None,
+        )
+        tags = [InputTag("mlflow.data.context", context)]
+        self._client.log_inputs(self._run(run_id), datasets=[DatasetInput(dataset, tags)])
+
+    @contextlib.contextmanager
+    def activate(self, run_id: str | None = None) -> Iterator[Any]:
+        """Make the active run MLflow's fluent active run for calls this adapter does not wrap
+        (``mlflow.pytorch.log_model``...). Yields the ``mlflow`` module, or None when not enabled."""
+        if not self.enabled:
+            yield None
+            return
+        import mlflow
+
+        target = self._run(run_id)
+        previous = mlflow.get_tracking_uri()
+        mlflow.set_tracking_uri(self.uri)
+        try:
+            with mlflow.start_run(run_id=target):
+                yield mlflow
+                # Leaving start_run() would mark the run FINISHED: put it back to RUNNING below.
+        finally:
+            with contextlib.suppress(Exception):
+                self._client.update_run(target, status="RUNNING")
+            mlflow.set_tracking_uri(previous)
+
+    def log_torch_model(self, model: Any, name: str = "model", **kwargs: Any) -> None:
+        """``mlflow.pytorch.log_model`` on the active run; pins torch instead of inferring requirements
+        (slow). MLflow 3's default format ('pt2', a traced graph) needs ``input_example=``; without one the
+        model is pickled (its classes must be importable where it is loaded)."""
+        if not self.enabled:
+            return
+        import torch
+
+        kwargs.setdefault("pip_requirements", [f"torch=={torch.__version__.split('+')[0]}"])
+        if kwargs.get("input_example") is None:
+            kwargs.setdefault("serialization_format", "pickle")
+        with self.activate() as mlflow:
+            import mlflow.pytorch  # noqa: F401
+
+            mlflow.pytorch.log_model(model, name=name, **kwargs)
+
+    # ------------------------------------------------------------------ system metrics
+
+    def _start_system_metrics(self, run_id: str) -> None:
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._monitor = SystemMetricsMonitor(
+                run_id,
+                sampling_interval=self.system_metrics_interval_s,
+                resume_logging=True,
+                tracking_uri=self.uri,
+            )
+            self._monitor.start()
+        except Exception as err:  # psutil missing and the like: not worth failing a stage for
+            print(f"tracking: system metrics disabled ({err})", file=sys.stderr)
+            self._monitor = None
+
+    def _stop_system_metrics(self) -> None:
+        if self._monitor is not None:
+            with contextlib.suppress(Exception):
+                self._monitor.finish()
+            self._monitor = None
+
+
+def _str_tags(tags: Mapping[str, Any]) -> dict[str, str]:
+    return {str(k): str(v) for k, v in tags.items() if v is not None}
+
+
+def _is_flat_str(params: Any) -> bool:
+    return isinstance(params, Mapping) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in params.items()
+    )
+
+
+@contextlib.contextmanager
+def stage_run(
+    params: Any,
+    stage: str,
+    *,
+    root: str | os.PathLike = ".",
+    parent_name: str = "pipeline",
+    parent_tags: Mapping[str, Any] | None = None,
+    end_parent: bool = False,
+    **child_kwargs: Any,
+) -> Iterator[Tracker]:
+    """The whole stage protocol in one call, for ``stages/<name>.py``::
+
+        with stage_run(params, "finetune", root=root) as tracker:
+            ...  # tracker.log_metrics(...), tracker.log_artifact(...)
+
+    Attaches to ``$TCNN_PARENT_RUN_ID`` or the RUNNING parent of this workspace (creating it with the git
+    commit tag when there is none), logs all params on the stage run, resumes a killed attempt, ends the run
+    FINISHED/FAILED; ``end_parent=True`` (the last stage) also ends the parent run.
+    """
+    tracker = Tracker.from_params(params, base_dir=root)
+    tags = {GIT_COMMIT_TAG: git_commit(root), **(parent_tags or {})}
+    tracker.start_parent(parent_name, tags, key=workspace_key(root))
+    child_kwargs.setdefault("params", params)
+    with tracker.stage(stage, **child_kwargs):
+        yield tracker
+    if end_parent:
+        tracker.end_parent("FINISHED")

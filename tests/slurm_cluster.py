@@ -1,0 +1,114 @@
+"""Session fixture: a real single-node SLURM cluster (infra/slurm/local_cluster.sh) for `@pytest.mark.slurm` tests.
+
+Import the fixture in tests/conftest.py (``from slurm_cluster import slurm_cluster  # noqa: F401``).
+
+The cluster is started once (idempotent: an already running one is reused, also across pytest sessions and
+by concurrent sessions) and left running afterwards, so that another session's jobs are never killed; stop
+it with ``infra/slurm/local_cluster.sh stop``. ``SLURM_CONF`` is exported into ``os.environ`` for the session
+so sbatch/srun/squeue and submitit (in this process and in subprocesses) talk to it.
+
+Skips, with the reason, only where it cannot work: slurm-wlm/munge not installed, or not root and no cluster
+running. ``TCNN_REQUIRE_SLURM=1`` turns those skips into failures (for CI, which runs as root).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "infra" / "slurm" / "local_cluster.sh"
+STATE_DIR = Path(os.environ.get("TCNN_SLURM_DIR", "/tmp/tcnn-slurm"))
+
+
+@dataclass(frozen=True)
+class SlurmCluster:
+    conf: Path  # slurm.conf (exported as SLURM_CONF)
+    partition: str
+    node: str
+    cpus: int
+    start_s: float  # seconds `local_cluster.sh start` took (0 when it was already up)
+
+    def run(self, *cmd: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
+        """Run a SLURM client command against this cluster."""
+        env = {**os.environ, "SLURM_CONF": str(self.conf)}
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=check)
+
+    def job_field(self, job_id: str, name: str) -> str | None:
+        """One field of `scontrol show job` (e.g. JobState, Restarts); None once the job is gone."""
+        out = self.run("scontrol", "-o", "show", "job", str(job_id), check=False).stdout
+        for item in out.split():
+            if item.startswith(f"{name}="):
+                return item.split("=", 1)[1]
+        return None
+
+    def release_requeued(self, job_id: str, timeout: float = 150) -> None:
+        """SLURM holds a requeued job for ~2 minutes (Reason=BeginTime); make it eligible now (tests only).
+
+        Call it right after triggering the requeue; returns once the job has left the queue again.
+        """
+        deadline = time.monotonic() + timeout
+        seen: list[str] = []
+        pending_seen = False
+        while time.monotonic() < deadline:
+            state = self.job_field(job_id, "JobState")
+            restarts = int(self.job_field(job_id, "Restarts") or 0)
+            if state is not None and (not seen or seen[-1] != f"{state}/{restarts}"):
+                seen.append(f"{state}/{restarts}")
+            if state == "PENDING" and restarts > 0:  # a requeued job waiting for its begin time
+                pending_seen = True
+                res = self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
+                if res.returncode != 0 and f"update: {res.stderr.strip()}" not in seen:
+                    seen.append(f"update: {res.stderr.strip()}")
+            elif pending_seen and state not in (None, "PENDING"):
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"job {job_id} was not requeued and restarted within {timeout}s (states {seen})")
+
+
+def _skip_or_fail(reason: str) -> None:
+    if os.environ.get("TCNN_REQUIRE_SLURM") == "1":
+        pytest.fail(f"SLURM test cluster required (TCNN_REQUIRE_SLURM=1) but {reason}")
+    pytest.skip(reason)
+
+
+def start_cluster() -> SlurmCluster:
+    """Start (or reuse) the local cluster; skip the requesting tests where that cannot work."""
+    missing = [b for b in ("slurmctld", "slurmd", "sbatch", "munged") if shutil.which(b) is None]
+    if missing:
+        _skip_or_fail(
+            f"slurm-wlm/munge not installed (missing {', '.join(missing)}; scripts/setup.sh --test)"
+        )
+    conf = STATE_DIR / "slurm.conf"
+    env = {**os.environ, "TCNN_SLURM_DIR": str(STATE_DIR)}
+    if os.geteuid() != 0:
+        status = subprocess.run([str(SCRIPT), "status"], env=env, capture_output=True, text=True)
+        if status.returncode != 0:
+            _skip_or_fail("the local SLURM cluster is not running and starting it needs root")
+        took = 0.0
+    else:
+        t0 = time.monotonic()
+        res = subprocess.run([str(SCRIPT), "start"], env=env, capture_output=True, text=True, timeout=300)
+        took = time.monotonic() - t0
+        if res.returncode != 0:  # as root this is a real failure, not a skip
+            pytest.fail(f"infra/slurm/local_cluster.sh start failed:\n{res.stderr[-3000:]}")
+        if "already running" in res.stderr:
+            took = 0.0
+    os.environ["SLURM_CONF"] = str(conf)
+    out = subprocess.run(
+        ["sinfo", "-h", "-N", "-o", "%P|%N|%c|%T"], capture_output=True, text=True, check=True
+    ).stdout
+    partition, node, cpus, _state = out.splitlines()[0].split("|")
+    return SlurmCluster(conf=conf, partition=partition.rstrip("*"), node=node, cpus=int(cpus), start_s=took)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> SlurmCluster:
+    """The running local SLURM cluster (session-scoped; left running at the end, see the module docstring)."""
+    return start_cluster()

@@ -1,0 +1,86 @@
+"""pipelines/slurm.py pieces that need no cluster: port layout, Ray command lines, squeue parsing."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipelines.slurm import (
+    RAY_SOCKET_LIMIT,
+    RayClusterConfig,
+    RayClusterJob,
+    RayPorts,
+    SlurmLaunchError,
+    SqueueFallbackWatcher,
+)
+
+
+def test_port_layout_from_base() -> None:
+    ports = RayPorts.from_base(7000, n_worker_ports=50)
+    assert (ports.gcs, ports.node_manager, ports.dashboard) == (7000, 7001, 7007)
+    assert (ports.min_worker, ports.max_worker) == (7100, 7149)
+    listed = ports.all()
+    assert len(listed) == len(set(listed)) == 8 + 50
+    assert RayPorts() == RayPorts.from_base(6379)  # the documented default layout
+    with pytest.raises(ValueError, match="out of range"):
+        RayPorts.from_base(65000)
+
+
+def test_find_free_ports_are_bindable() -> None:
+    ports = RayPorts.find_free(n_worker_ports=16)
+    assert ports.gcs >= 20000 and ports.max_worker < 32768  # below the ephemeral range
+    for port in ports.all():
+        with socket.socket() as s:
+            s.bind(("", port))
+
+
+def test_every_pinned_port_is_on_the_command_line() -> None:
+    ports = RayPorts.from_base(9000, n_worker_ports=10)
+    head = " ".join(ports.head_args())
+    node = " ".join(ports.node_args())
+    for name, value in vars(ports).items():
+        if name in ("gcs", "dashboard"):
+            assert f"={value}" in head and f"={value}" not in node  # head-only services
+        else:
+            assert f"={value}" in head and f"={value}" in node
+
+
+def test_ray_cli_knows_every_flag_we_pass() -> None:
+    """Guards against a Ray upgrade renaming a `ray start` flag the launcher and the sbatch template use."""
+    help_text = subprocess.run(
+        [str(Path(sys.executable).with_name("ray")), "start", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    known = set(re.findall(r"--[a-z][a-z0-9-]+", help_text))
+    job = RayClusterJob(print, rendezvous_dir="/tmp", config=RayClusterConfig(object_store_memory=10**8))
+    used = {a.split("=")[0] for a in RayPorts().head_args() + job._common_args(Path("/tmp/x"))}
+    used |= {"--head", "--address", "--node-ip-address", "--include-dashboard"}
+    template = (Path(__file__).resolve().parents[1] / "infra" / "slurm" / "ray_cluster.sbatch").read_text()
+    code = "\n".join(ln for ln in template.splitlines() if not ln.lstrip().startswith("#"))
+    in_template = set(re.findall(r"(--[a-z][a-z0-9-]+)=", code))
+    in_template -= {"--nodes", "--ntasks", "--ntasks-per-node", "--exclude"}  # srun's, not ray's
+    assert {"--node-manager-port", "--min-worker-port", "--num-cpus", "--temp-dir"} <= in_template
+    assert (used | in_template) - known == set()
+
+
+def test_long_temp_root_is_refused() -> None:
+    job = RayClusterJob(print, rendezvous_dir="/tmp", config=RayClusterConfig(temp_root="/tmp/" + "x" * 60))
+    with pytest.raises(SlurmLaunchError, match="too long for unix sockets"):
+        job._temp_dir()
+    ok = RayClusterJob(print, rendezvous_dir="/tmp", config=RayClusterConfig())
+    assert len(str(ok._temp_dir())) + 70 <= RAY_SOCKET_LIMIT
+
+
+def test_squeue_output_parsed_like_sacct() -> None:
+    watcher = SqueueFallbackWatcher()
+    info = watcher._read_squeue(b"12|RUNNING|vm\n13_[1-2]|PENDING|\n14_0|CANCELLED|vm\n")
+    assert info["12"]["State"] == "RUNNING" and info["12"]["NodeList"] == "vm"
+    assert info["13_1"]["State"] == info["13_2"]["State"] == "PENDING"
+    assert info["14_0"]["State"] == "CANCELLED"

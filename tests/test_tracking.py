@@ -1,0 +1,379 @@
+"""The tracking adapter against a real MLflow sqlite store in tmp_path (and with tracking disabled)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from core.config import Params
+from pipelines.tracking import (
+    ATTEMPT_TAG,
+    KIND_TAG,
+    PARENT_ENV,
+    PARENT_TAG,
+    STAGE_TAG,
+    Tracker,
+    TrackingError,
+    flatten_params,
+    resolve_uri,
+    stage_run,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _no_parent_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PARENT_ENV, raising=False)
+
+
+@pytest.fixture(scope="module")
+def template_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty, migrated MLflow sqlite store (creating one costs seconds; copying it is instant)."""
+    db = tmp_path_factory.mktemp("mlflow-template") / "mlruns.db"
+    Tracker(uri=f"sqlite:///{db}", experiment="template")
+    return db
+
+
+@pytest.fixture
+def store(template_db: Path, tmp_path: Path) -> str:
+    db = tmp_path / "mlruns.db"
+    shutil.copy(template_db, db)
+    return f"sqlite:///{db}"
+
+
+def _all_runs(tracker: Tracker) -> list:
+    return list(tracker.client.search_runs([tracker.experiment_id], max_results=1000))
+
+
+# --------------------------------------------------------------------------------------------- no MLflow
+
+
+def test_flatten_params_stable_names() -> None:
+    params = Params().with_overrides(
+        {
+            "reparam.alpha_init": 2.0,
+            "reparam.lambda_init": 3.0,
+            "reparam.epoch": 4,
+            "data.sample_fraction": 0.5,
+        }
+    )
+    flat = flatten_params(params)
+    assert flat["alpha_init"] == "2.0"
+    assert flat["lambda_init"] == "3.0"
+    assert flat["reparam_epoch"] == "4"
+    assert flat["sample_fraction"] == "0.5"
+    for dotted in ("reparam.alpha_init", "reparam.lambda_init", "reparam.epoch", "data.sample_fraction"):
+        assert dotted not in flat
+    assert flat["pretrain.augment.hflip"] == "True"
+    assert flat["finetune.lr"] == str(params.finetune.lr)
+    assert json.loads(flat["robustness.severities"]) == params.robustness.severities
+    assert flat["sweep.grid"] == "{}"  # empty mappings keep their name so every run has the same keys
+    # Every leaf of the config appears exactly once, so runs with other values have the same names.
+    leaves = _count_leaves(params.model_dump(mode="json"))
+    assert len(flat) == leaves
+    other = flatten_params(Params().with_overrides({"seed": 7, "finetune.mode": "continue"}))
+    assert set(other) == set(flat)
+
+
+def _count_leaves(node: object) -> int:
+    if isinstance(node, dict) and node:
+        return sum(_count_leaves(v) for v in node.values())
+    return 1
+
+
+def test_resolve_uri(tmp_path: Path) -> None:
+    assert resolve_uri("sqlite:///mlruns.db", tmp_path) == f"sqlite:///{tmp_path.resolve()}/mlruns.db"
+    assert resolve_uri("sqlite:////abs/x.db", tmp_path) == "sqlite:////abs/x.db"
+    assert resolve_uri("http://127.0.0.1:5000", tmp_path) == "http://127.0.0.1:5000"
+
+
+def test_disabled_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "art.txt").write_text("x")
+    tracker = Tracker(enabled=False, uri="sqlite:///mlruns.db")
+    assert tracker.mode == "disabled" and not tracker.enabled
+    assert tracker.start_parent("p", {"a": 1}) is None
+    assert tracker.start_child("train", params=Params()) is None
+    tracker.log_params(Params())
+    tracker.log_metrics({"acc": 1.0}, step=3)
+    tracker.log_artifact(tmp_path / "does-not-matter")
+    tracker.log_dict({"a": 1}, "a.json")
+    tracker.set_tags({"t": 1})
+    tracker.log_dataset("d", "digest", "src")
+    with tracker.activate() as mlflow:
+        assert mlflow is None
+    tracker.end()
+    tracker.end_parent()
+    params = Params().with_overrides({"tracking.enabled": False})
+    with stage_run(params, "train", root=tmp_path) as t2:
+        t2.log_metrics({"x": 1.0}, step=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art.txt"]
+    assert PARENT_ENV not in os.environ
+
+
+def test_http_uri_without_server_is_one_clear_error() -> None:
+    with pytest.raises(TrackingError, match=r"tracking.uri http://127.0.0.1:9/: no MLflow server answers"):
+        Tracker(uri="http://127.0.0.1:9/")
+
+
+# ------------------------------------------------------------------------------------------ sqlite store
+
+
+def test_parent_child_params_metrics_artifacts(store: str, tmp_path: Path) -> None:
+    tracker = Tracker(uri=store, experiment="nesting")
+    params = Params().with_overrides({"reparam.alpha_init": 2.0})
+    parent = tracker.start_parent("pipeline", {"dvc_lock": "abc"})
+    assert os.environ[PARENT_ENV] == parent
+    children = {}
+    for stage in ("pretrain", "finetune"):
+        with tracker.stage(stage, params=params) as t:
+            children[stage] = t.run_id
+            for epoch in range(3):
+                t.log_metrics({"val_acc": 0.5 + 0.1 * epoch, "loss": 1.0 / (epoch + 1)}, step=epoch)
+            report = tmp_path / f"{stage}.json"
+            report.write_text(json.dumps({"stage": stage}))
+            t.log_artifact(report, "reports")
+            t.log_dict({"epochs": [0, 1, 2]}, "curves/epochs.json")
+            t.log_dataset("fashion_mnist", "0123456789abcdef", "data/fashion_mnist")
+    tracker.log_metrics({"clean_acc": 0.9})  # on the parent once no child is open
+    tracker.end_parent()
+    assert PARENT_ENV not in os.environ
+
+    client = tracker.client
+    runs = _all_runs(tracker)
+    assert len(runs) == 3
+    assert {r.info.status for r in runs} == {"FINISHED"}
+    p = client.get_run(parent)
+    assert p.data.tags[KIND_TAG] == "parent" and p.data.tags["dvc_lock"] == "abc"
+    assert p.data.metrics["clean_acc"] == pytest.approx(0.9)
+    for stage, run_id in children.items():
+        run = client.get_run(run_id)
+        assert run.data.tags[PARENT_TAG] == parent  # the UI nests by this tag
+        assert run.data.tags[STAGE_TAG] == stage
+        assert run.info.run_name == stage
+        assert run.data.params["alpha_init"] == "2.0" and run.data.params["reparam_epoch"] == "6"
+        assert run.data.params == flatten_params(params)
+        history = client.get_metric_history(run_id, "val_acc")
+        assert [(m.step, round(m.value, 6)) for m in history] == [(0, 0.5), (1, 0.6), (2, 0.7)]
+        names = {a.path for a in client.list_artifacts(run_id)}
+        assert names == {"reports", "curves"}
+        local = client.download_artifacts(run_id, f"reports/{stage}.json", str(tmp_path / f"dl-{stage}"))
+        assert json.loads(Path(local).read_text()) == {"stage": stage}
+        inputs = run.inputs.dataset_inputs
+        assert [d.dataset.name for d in inputs] == ["fashion_mnist"]
+    # Artifacts live next to the database, not in the working directory.
+    assert (tmp_path / "mlartifacts").is_dir()
+
+
+def test_stage_failure_marks_failed(store: str) -> None:
+    tracker = Tracker(uri=store, experiment="failing")
+    tracker.start_parent("pipeline")
+    with pytest.raises(RuntimeError, match="boom"), tracker.stage("evaluate"):
+        raise RuntimeError("boom")
+    (run,) = tracker.find_child("evaluate")
+    assert run.info.status == "FAILED"
+    assert tracker.client.get_run(tracker.parent_run_id).info.status == "RUNNING"
+
+
+def test_leftover_running_child_is_resumed_or_failed(store: str) -> None:
+    """A RUNNING child left by a dead process: resumed by default, FAILED with on_stale='fail' or new params."""
+    first = Tracker(uri=store, experiment="stale", export_env=False)
+    parent = first.start_parent("pipeline", key="ws")
+    params = Params()
+    stale = first.start_child("reparam", params=params)
+    first.log_metrics({"loss": 2.0}, step=0)  # ... and the process "dies" here
+
+    second = Tracker(uri=store, experiment="stale", export_env=False)
+    assert second.start_parent("pipeline", key="ws") == parent  # the same RUNNING parent of this workspace
+    assert second.start_child("reparam", params=params) == stale
+    assert second.client.get_run(stale).data.tags[ATTEMPT_TAG] == "2"
+    second.log_metrics({"loss": 1.0}, step=1)
+    second.end()
+    history = second.client.get_metric_history(stale, "loss")
+    assert [m.step for m in history] == [0, 1]
+
+    # A leftover with different params cannot be resumed (params are write-once): FAILED + a new run.
+    third = Tracker(uri=store, experiment="stale", export_env=False)
+    third.start_parent(key="ws")
+    leftover = third.start_child("finetune", params=params)
+    fourth = Tracker(uri=store, experiment="stale", export_env=False)
+    fourth.start_parent(key="ws")
+    new = fourth.start_child("finetune", params=params.with_overrides({"reparam.lambda_init": 3.0}))
+    assert new != leftover
+    assert fourth.client.get_run(leftover).info.status == "FAILED"
+    fourth.end()
+
+    # on_stale="fail": the leftover is closed FAILED, the rerun gets a fresh run.
+    fifth = Tracker(uri=store, experiment="stale", export_env=False)
+    fifth.start_parent(key="ws")
+    leftover2 = fifth.start_child("evaluate")
+    sixth = Tracker(uri=store, experiment="stale", export_env=False)
+    sixth.start_parent(key="ws")
+    new2 = sixth.start_child("evaluate", on_stale="fail")
+    assert new2 != leftover2
+    assert sixth.client.get_run(leftover2).info.status == "FAILED"
+    sixth.end()
+    sixth.end_parent()
+    runs = _all_runs(sixth)
+    assert [r.info.run_id for r in runs if r.info.status == "RUNNING"] == []
+    assert len([r for r in runs if r.data.tags.get(KIND_TAG) == "parent"]) == 1
+
+
+def test_resume_parent_by_id_and_env(store: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    a = Tracker(uri=store, experiment="env")
+    parent = a.start_parent("sweep")
+    b = Tracker(uri=store, experiment="env")  # a second process would inherit the variable
+    assert b.start_parent("ignored-name") == parent
+    monkeypatch.delenv(PARENT_ENV)
+    c = Tracker(uri=store, experiment="env")
+    assert c.start_parent(run_id=parent) == parent
+    with pytest.raises(TrackingError, match="does not exist"):
+        c.start_parent(run_id="0" * 32)
+
+
+def test_reopen_child_by_id(store: str) -> None:
+    """A Ray trial keeps its run id in its checkpoint and reattaches to exactly that run after a restore."""
+    first = Tracker(uri=store, experiment="by-id", export_env=False)
+    parent = first.start_parent("sweep")
+    trial = first.start_child("trial_0001", params={"seed": 3})
+    first.log_metrics({"acc": 0.5}, step=0)
+    first.end("KILLED")
+    second = Tracker(uri=store, experiment="by-id", export_env=False)
+    second.start_parent(run_id=parent)
+    assert second.start_child("trial_0001", params={"seed": 3}, run_id=trial) == trial
+    second.log_metrics({"acc": 0.7}, step=1)
+    second.end()
+    run = second.client.get_run(trial)
+    assert run.info.status == "FINISHED" and run.data.tags[ATTEMPT_TAG] == "2"
+    assert [m.step for m in second.client.get_metric_history(trial, "acc")] == [0, 1]
+    assert len(_all_runs(second)) == 2
+    with pytest.raises(TrackingError, match="does not exist"):
+        second.start_child("trial_0002", run_id="f" * 32)
+
+
+def test_activate_for_fluent_calls_keeps_run_open(store: str) -> None:
+    tracker = Tracker(uri=store, experiment="fluent")
+    tracker.start_parent()
+    run_id = tracker.start_child("report")
+    with tracker.activate() as mlflow:
+        mlflow.log_metric("fluent_metric", 3.0)
+    run = tracker.client.get_run(run_id)
+    assert run.data.metrics["fluent_metric"] == 3.0
+    assert run.info.status == "RUNNING"  # leaving the fluent context must not end the stage's run
+    tracker.end()
+    assert tracker.client.get_run(run_id).info.status == "FINISHED"
+
+
+# ------------------------------------------------------------------------------------- kill and re-run
+
+_STAGE_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from pipelines.tracking import Tracker
+    uri, mode, on_stale = sys.argv[1], sys.argv[2], sys.argv[3]
+    t = Tracker(uri=uri, experiment="killed")
+    parent = t.start_parent("pipeline", key="workspace")
+    child = t.start_child("pretrain", params={"reparam": {"alpha_init": 1.0}}, on_stale=on_stale)
+    t.log_metrics({"loss": 1.0}, step=0)
+    print("READY", parent, child, flush=True)
+    if mode == "hang":
+        time.sleep(600)
+    t.log_metrics({"loss": 0.5}, step=1)
+    t.end()
+    t.end_parent()
+    print("DONE", parent, child, flush=True)
+    """
+)
+
+
+def _run_stage(uri: str, mode: str, on_stale: str, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", _STAGE_SCRIPT, uri, mode, on_stale],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("on_stale", ["resume", "fail"])
+def test_sigkilled_stage_rerun_leaves_no_duplicate_or_running_runs(store: str, on_stale: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != PARENT_ENV}
+    proc = _run_stage(store, "hang", on_stale, env)
+    try:
+        line = proc.stdout.readline().split()
+        assert line[0] == "READY", line
+        _, parent1, child1 = line
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    check = Tracker(uri=store, experiment="killed", export_env=False)
+    assert check.client.get_run(child1).info.status == "RUNNING"  # what a SIGKILL leaves behind
+
+    proc = _run_stage(store, "finish", on_stale, env)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    done = [ln.split() for ln in out.splitlines() if ln.startswith("DONE")]
+    ((_, parent2, child2),) = done
+    assert parent2 == parent1  # re-attached to the pipeline's parent run
+    runs = _all_runs(check)
+    assert [r.info.run_id for r in runs if r.info.status == "RUNNING"] == []
+    parents = [r for r in runs if r.data.tags.get(KIND_TAG) == "parent"]
+    children = [r for r in runs if r.data.tags.get(STAGE_TAG) == "pretrain"]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    if on_stale == "resume":
+        assert child2 == child1
+        assert len(children) == 1 and children[0].info.status == "FINISHED"
+        assert children[0].data.tags[ATTEMPT_TAG] == "2"
+    else:
+        assert child2 != child1
+        status = {r.info.run_id: r.info.status for r in children}
+        assert status == {child1: "FAILED", child2: "FINISHED"}
+
+
+def test_system_metrics_on_stage_run(store: str) -> None:
+    tracker = Tracker(uri=store, experiment="sysmetrics", system_metrics_interval_s=0.5)
+    tracker.start_parent()
+    run_id = tracker.start_child("pretrain", system_metrics=True)
+    deadline = time.monotonic() + 20
+    while not any(k.startswith("system/") for k in tracker.client.get_run(run_id).data.metrics):
+        assert time.monotonic() < deadline, "no system metrics logged"
+        time.sleep(0.25)
+    tracker.end()
+    metrics = tracker.client.get_run(run_id).data.metrics
+    assert 0.0 <= metrics["system/cpu_utilization_percentage"] <= 100.0 * (os.cpu_count() or 1)
+    assert metrics["system/system_memory_usage_megabytes"] > 0
+
+
+@pytest.mark.slow
+def test_log_torch_model_roundtrip(store: str) -> None:
+    import mlflow
+    import mlflow.pytorch
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2)).eval()
+    x = torch.randn(5, 4)
+    tracker = Tracker(uri=store, experiment="models")
+    tracker.start_parent()
+    run_id = tracker.start_child("finetune")
+    tracker.log_torch_model(model, name="tcnn")
+    assert tracker.client.get_run(run_id).info.status == "RUNNING"
+    tracker.end()
+    (logged,) = tracker.client.search_logged_models(experiment_ids=[tracker.experiment_id])
+    assert logged.name == "tcnn" and logged.source_run_id == run_id
+    loaded = mlflow.pytorch.load_model(logged.artifact_location)  # no global tracking URI needed
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x))
