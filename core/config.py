@@ -119,6 +119,9 @@ class PretrainConfig(_Strict):
     weight_decay: float = Field(5e-4, ge=0.0)
     warmup_epochs: float = Field(1.0, ge=0.0)
     checkpoint_epochs: list[int] = Field(default_factory=list)  # extra t1 epochs to keep
+    checkpoint_every_steps: int = Field(
+        200, ge=0
+    )  # resume checkpoints between epoch ends; 0 = epoch ends only
     augment: AugmentConfig = Field(default_factory=AugmentConfig)
 
 
@@ -140,6 +143,8 @@ class FinetuneConfig(_Strict):
     warmup_epochs: float = Field(1.0, ge=0.0)
     drop_path: float = Field(0.1, ge=0.0, lt=1.0)
     image_size: int | None = Field(None, ge=8, le=1024)  # None = pretraining resolution
+    checkpoint_every_steps: int = Field(200, ge=0)
+    freeze: list[str] = Field(default_factory=list)  # parameter leaf names to freeze, e.g. [qkv_weight]
     augment: AugmentConfig = Field(default_factory=AugmentConfig)
 
 

@@ -12,6 +12,9 @@ from slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401  (SLURM test
 REPO = Path(__file__).resolve().parents[1]
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 
+# Stage CLIs run by tests do not write an MLflow store unless a test asks for one (TCNN_TRACKING=1).
+os.environ.setdefault("TCNN_TRACKING", "0")
+
 # Keep tests deterministic and light on a 2-core machine.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

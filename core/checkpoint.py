@@ -1,0 +1,236 @@
+"""Checkpoint files: atomic writes, loads that fail with one clear line, and models rebuilt from their spec.
+
+A *model checkpoint* is a dict holding at least::
+
+    {"model": state_dict,
+     "model_spec": {"kind", "arch", "num_classes", "in_chans", "options",
+                    "tcnn": {"alpha_init", "lambda_init", "stages", "stride_mode"} | None},
+     ...}
+
+Training checkpoints (core.train) add optimizer, scheduler, grad-scaler and RNG states to the same dict, so
+every checkpoint the project writes can be opened with :func:`load_model`.
+
+Files are written atomically (temp file in the same directory, fsync, ``os.replace``, fsync of the
+directory): a reader, or a run killed at any moment, sees either the old file or the new one, never half of
+one. Checkpoints hold only tensors and plain Python containers, so they load with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+MODEL_SPEC_KEYS = ("kind", "arch", "num_classes", "in_chans", "options", "tcnn")
+TCNN_SPEC_KEYS = ("alpha_init", "lambda_init", "stages", "stride_mode")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, truncated, corrupt or lacks a key; the message is one line naming it."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Atomic writes
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # not every filesystem lets a directory be opened for fsync
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> Path:
+    """Write `path` through `write(fileobj)` into a temp file in the same directory, fsync, then rename.
+
+    The temp file is removed when `write` fails; the destination is never left half-written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
+    """`torch.save(obj, path)` atomically (temp file, fsync, os.replace)."""
+    return atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write(path, lambda f: f.write(text.encode()))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, allow_nan=True) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------------------
+
+
+def load(
+    path: str | os.PathLike, *, map_location: str | torch.device = "cpu", require: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Load a checkpoint dict written by :func:`atomic_save`.
+
+    Raises :class:`CheckpointError` (one line naming the file) when the file is missing, empty, truncated,
+    not a torch checkpoint, not a dict, or lacks one of the `require`d keys.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint")
+    if path.is_dir():
+        raise CheckpointError(f"{path}: is a directory, not a checkpoint file")
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"{path}: empty file (truncated checkpoint)")
+    try:
+        obj = torch.load(path, map_location=map_location, weights_only=True)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as err:  # zip errors, EOF, unpickling errors: all mean the same thing to the user
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"{path}: corrupt or truncated checkpoint ({type(err).__name__}: {reason})"
+        ) from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: not a checkpoint dict (found {type(obj).__name__})")
+    missing = [k for k in require if k not in obj]
+    if missing:
+        raise CheckpointError(f"{path}: checkpoint lacks key(s) {missing}")
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Model specs
+# ---------------------------------------------------------------------------------------------------------
+
+
+def make_model_spec(
+    kind: str,
+    arch: str,
+    num_classes: int,
+    in_chans: int,
+    options: dict[str, Any] | None = None,
+    tcnn: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The `model_spec` dict of the checkpoint contract (INTERFACES.md)."""
+    if tcnn is not None:
+        missing = [k for k in TCNN_SPEC_KEYS if k not in tcnn]
+        if missing:
+            raise ValueError(f"model_spec.tcnn lacks {missing}")
+        tcnn = {
+            "alpha_init": float(tcnn["alpha_init"]),
+            "lambda_init": float(tcnn["lambda_init"]),
+            "stages": [int(s) for s in tcnn["stages"]],
+            "stride_mode": str(tcnn["stride_mode"]),
+        }
+    return {
+        "kind": kind,
+        "arch": arch,
+        "num_classes": int(num_classes),
+        "in_chans": int(in_chans),
+        "options": dict(options or {}),
+        "tcnn": tcnn,
+    }
+
+
+def build_from_spec(spec: dict[str, Any]) -> nn.Module:
+    """Build the (untrained) module a `model_spec` describes: a CNN, or a CNN converted by `to_tcnn`."""
+    from core.models import build
+
+    missing = [k for k in MODEL_SPEC_KEYS if k not in spec]
+    if missing:
+        raise ValueError(f"model_spec lacks {missing}")
+    options = dict(spec["options"] or {})
+    options.setdefault("in_chans", spec["in_chans"])
+    tcnn = spec.get("tcnn")
+    if tcnn is None:
+        return build(spec["kind"], spec["arch"], spec["num_classes"], **options)
+    from core.reparam import to_tcnn
+
+    cnn = build("cnn", spec["arch"], spec["num_classes"], **options)
+    return to_tcnn(
+        cnn,
+        alpha_init=tcnn["alpha_init"],
+        lambda_init=tcnn["lambda_init"],
+        stages=tuple(tcnn["stages"]),
+        stride_mode=tcnn["stride_mode"],
+    )
+
+
+def load_model(path: str | os.PathLike, *, map_location: str | torch.device = "cpu") -> nn.Module:
+    """Rebuild the model stored in any project checkpoint (CNN or T-CNN), weights loaded, in eval mode."""
+    ckpt = load(path, map_location=map_location, require=("model", "model_spec"))
+    try:
+        model = build_from_spec(ckpt["model_spec"])
+    except (ValueError, TypeError, KeyError) as err:
+        raise CheckpointError(f"{path}: cannot rebuild its model from model_spec ({err})") from None
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as err:
+        first = str(err).strip().splitlines()
+        raise CheckpointError(
+            f"{path}: weights do not fit the model its model_spec describes ({first[0] if first else err})"
+        ) from None
+    return model.to(map_location).eval()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# RNG states (stored as tensors and plain containers so that weights_only loading accepts them)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every RNG state a training step may touch: torch (CPU and each CUDA device), numpy, python."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "python": {"version": version, "internal": list(internal), "gauss": gauss},
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["internal"]), p["gauss"]))
+    if state.get("cuda") and torch.cuda.is_available():
+        with contextlib.suppress(RuntimeError):  # a different number of devices: leave them seeded
+            torch.cuda.set_rng_state_all(state["cuda"])

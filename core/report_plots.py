@@ -1,0 +1,434 @@
+"""Figures of the run report (matplotlib, Agg backend): training curves, 000 Fig. 4- and Fig. 5-style plots.
+
+- :func:`plot_training_curves`: train / validation loss and accuracy (and the learning rate) of pretraining
+  and fine-tuning on one epoch axis, the reparameterization epoch t1 marked (000 Fig. 4A).
+- :func:`gpsa_dynamics` + :func:`plot_gpsa_dynamics`: per GPSA layer, the attention span 1/alpha_h (000 Eq. 3-4)
+  and the gate sigma(lambda_h) (Eq. 7) of every head over the fine-tuning epochs, thin lines per head and
+  the head mean thick (000 Fig. 4B-C); nonlocality (001 Eq. 8) as a third row when recorded.
+- :func:`centre_query_attention` + :func:`plot_attention_maps`: the attention map of a centre query of each
+  GPSA layer, per head, for one input image fed through the whole network, sigma(lambda_h) annotated
+  (000 Fig. 5).
+
+Every plot function returns the PNG bytes (so a report can embed them) and, given ``path``, also writes them
+atomically (temporary file in the same directory, fsync, os.replace).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+__all__ = [
+    "DYNAMICS_QUANTITIES",
+    "LayerAttention",
+    "centre_query_attention",
+    "gpsa_dynamics",
+    "plot_attention_maps",
+    "plot_gpsa_dynamics",
+    "plot_training_curves",
+    "preprocess_image",
+    "write_bytes_atomic",
+]
+
+#: gpsa.csv columns plotted by :func:`plot_gpsa_dynamics`, with their axis labels.
+DYNAMICS_QUANTITIES: dict[str, str] = {
+    "inv_alpha": r"attention span $1/\alpha_h$",
+    "gate": r"gate $\sigma(\lambda_h)$",
+    "nonlocality": "nonlocality (px)",
+}
+_DPI = 110
+
+
+# ------------------------------------------------------------------------------------------------- output
+def write_bytes_atomic(data: bytes, path: str | os.PathLike) -> Path:
+    """Write bytes (a PNG, the report's HTML) atomically (temp file in the same directory, fsync, os.replace),
+    readable by others (0644: a report is for sharing; mkstemp would leave 0600)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _finish(fig: Any, path: str | os.PathLike | None) -> bytes:
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, format="png", dpi=_DPI)
+    finally:
+        plt.close(fig)
+    data = buf.getvalue()
+    if path is not None:
+        write_bytes_atomic(data, path)
+    return data
+
+
+def _grid(
+    nrow: int, ncol: int, cell: tuple[float, float], *, left: float, right: float, top: float, bottom: float,
+    wspace: float, hspace: float, **kw: Any,
+) -> tuple[Any, Any]:  # fmt: skip
+    """A figure of nrow x ncol axes of `cell` (w, h) inches with fixed margins and gaps in inches.
+
+    Fixed geometry instead of tight_layout: the layout pass measures every tick label and costs more than
+    drawing on small figures (measured 1.2 s per figure on the 2-core machine)."""
+    cw, ch = cell
+    width = left + right + ncol * cw + (ncol - 1) * wspace
+    height = top + bottom + nrow * ch + (nrow - 1) * hspace
+    fig, axes = plt.subplots(nrow, ncol, figsize=(width, height), dpi=_DPI, squeeze=False, **kw)
+    fig.subplots_adjust(
+        left=left / width, right=1 - right / width, top=1 - top / height, bottom=bottom / height,
+        wspace=wspace / cw, hspace=hspace / ch,
+    )  # fmt: skip
+    return fig, axes
+
+
+def _num(v: Any) -> float:
+    """A CSV / JSON cell as float (empty or missing -> nan)."""
+    if v is None or v == "":
+        return float("nan")
+    return float(v)
+
+
+# ----------------------------------------------------------------------------------------- training curves
+def _curve(history: Sequence[Mapping[str, Any]], key: str, offset: float, epoch_key: str) -> tuple:
+    xs, ys = [], []
+    for row in history:
+        y = _num(row.get(key))
+        if math.isfinite(y):
+            xs.append(_num(row.get(epoch_key, row.get("epoch"))) + offset)
+            ys.append(y)
+    return np.asarray(xs), np.asarray(ys)
+
+
+def plot_training_curves(
+    pretrain: Sequence[Mapping[str, Any]] | None,
+    finetune: Sequence[Mapping[str, Any]] | None,
+    path: str | os.PathLike | None = None,
+    *,
+    reparam_epoch: int | None = None,
+    title: str | None = None,
+) -> bytes:
+    """Loss, accuracy and learning rate per epoch: pretraining (blue) and fine-tuning (orange); solid = train,
+    dashed = validation. Fine-tuning is drawn at ``reparam_epoch + finetune_epoch`` (t1 + t), so both phases
+    share the axis of 000 Table 3's schedule; the reparameterization is a dotted vertical line.
+
+    Rows are history.json rows of the stages (``epoch``, ``finetune_epoch``, ``train_loss``, ``train_acc``,
+    ``val_loss``, ``val_acc``, ``lr``). Either history may be None or empty.
+    """
+    phases = []
+    if pretrain:
+        phases.append(("pretrain", pretrain, 0.0, "epoch", "tab:blue"))
+    if finetune:
+        t1 = float(reparam_epoch or 0)
+        key = "finetune_epoch" if any("finetune_epoch" in r for r in finetune) else "epoch"
+        if key == "epoch":  # no relative column: shift so the first row sits at t1
+            t1 -= min(_num(r.get("epoch")) for r in finetune)
+        phases.append(("finetune", finetune, t1, key, "tab:orange"))
+    if not phases:
+        raise ValueError("plot_training_curves: no history to plot")
+    fig, axes = _grid(1, 3, (3.7, 2.6), left=0.65, right=0.15, top=0.45, bottom=0.5, wspace=0.75, hspace=0)
+    axes = axes[0]
+    for ax, (metric, label) in zip(axes, (("loss", "loss"), ("acc", "accuracy"), ("lr", "learning rate"))):
+        for name, hist, off, ekey, color in phases:
+            if metric == "lr":
+                x, y = _curve(hist, "lr", off, ekey)
+                if len(x):
+                    ax.plot(x, y, color=color, marker="o", ms=3, label=name)
+                continue
+            for split, style in (("train", "-"), ("val", "--")):
+                x, y = _curve(hist, f"{split}_{metric}", off, ekey)
+                if len(x):
+                    ax.plot(x, y, style, color=color, marker="o", ms=3, label=f"{name} {split}")
+        if metric == "lr" and ax.lines and all((np.asarray(ln.get_ydata()) > 0).all() for ln in ax.lines):
+            ax.set_yscale("log")  # pretraining and fine-tuning peaks differ by orders of magnitude
+        if reparam_epoch is not None and pretrain and finetune:
+            ax.axvline(reparam_epoch, color="grey", ls=":", lw=1.2, label=f"reparam. (t1={reparam_epoch})")
+        if ax.lines:
+            ax.legend(fontsize=8, loc="best")
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(label)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    fig.suptitle(
+        title
+        or "Training curves: pretraining (blue), fine-tuning (orange); solid = train, dashed = validation",
+        fontsize=10,
+    )
+    return _finish(fig, path)
+
+
+# ----------------------------------------------------------------------------------------- GPSA dynamics
+@dataclass
+class Dynamics:
+    """Per-head GPSA values over fine-tuning: ``values[layer][quantity]`` is [epochs, heads] (nan = missing)."""
+
+    epochs: np.ndarray  # fine-tuning epoch of each row (0 = right after reparameterization)
+    values: dict[str, dict[str, np.ndarray]]
+
+
+def gpsa_dynamics(rows: Iterable[Mapping[str, Any]]) -> Dynamics:
+    """Long rows (gpsa.csv of the finetune stage: ``epoch, layer, head, inv_alpha, gate, nonlocality``; str or
+    number cells) -> :class:`Dynamics`. Epochs are made relative to the first one (in "continue" mode the
+    stage labels them t1 .. E)."""
+    rows = list(rows)
+    if not rows:
+        raise ValueError("gpsa_dynamics: no rows")
+    for i, r in enumerate(rows):
+        missing = [k for k in ("epoch", "layer", "head") if k not in r]
+        if missing:
+            raise ValueError(f"gpsa_dynamics: row {i} lacks {missing}")
+    epochs = sorted({int(_num(r["epoch"])) for r in rows})
+    layers = list(dict.fromkeys(str(r["layer"]) for r in rows))
+    heads = {
+        layer: 1 + max(int(_num(r["head"])) for r in rows if str(r["layer"]) == layer) for layer in layers
+    }
+    quantities = [q for q in DYNAMICS_QUANTITIES if any(q in r and r[q] not in (None, "") for r in rows)]
+    e_index = {e: i for i, e in enumerate(epochs)}
+    values = {
+        layer: {q: np.full((len(epochs), heads[layer]), np.nan) for q in quantities} for layer in layers
+    }
+    for r in rows:
+        layer, e, h = str(r["layer"]), e_index[int(_num(r["epoch"]))], int(_num(r["head"]))
+        for q in quantities:
+            values[layer][q][e, h] = _num(r.get(q))
+    return Dynamics(np.asarray(epochs) - epochs[0], values)
+
+
+def plot_gpsa_dynamics(
+    dyn: Dynamics, path: str | os.PathLike | None = None, *, title: str | None = None
+) -> bytes:
+    """000 Fig. 4B-C per layer: one column per GPSA layer, one row per quantity (1/alpha_h, sigma(lambda_h),
+    nonlocality); thin coloured lines = heads (the same colour is the same head in every panel), thick black =
+    mean over heads. The span axis turns logarithmic when it covers more than a factor 20."""
+    layers = list(dyn.values)
+    quantities = [q for q in DYNAMICS_QUANTITIES if q in next(iter(dyn.values.values()), {})]
+    if not layers or not quantities:
+        raise ValueError("plot_gpsa_dynamics: nothing to plot")
+    nrow, ncol = len(quantities), len(layers)
+    fig, axes = _grid(
+        nrow,
+        ncol,
+        (3.0, 2.0),
+        left=0.8,
+        right=0.15,
+        top=0.6,
+        bottom=1.05,
+        wspace=0.75,
+        hspace=0.25,
+        sharex=True,
+    )
+    cmap = plt.get_cmap("tab10")
+    max_heads = 0
+    for j, layer in enumerate(layers):
+        for i, q in enumerate(quantities):
+            ax = axes[i, j]
+            v = dyn.values[layer][q]
+            max_heads = max(max_heads, v.shape[1])
+            for h in range(v.shape[1]):
+                ax.plot(dyn.epochs, v[:, h], color=cmap(h % 10), lw=0.9, alpha=0.75, marker=".", ms=3)
+            with np.errstate(all="ignore"):
+                mean = np.nanmean(v, axis=1) if v.size else v
+            ax.plot(dyn.epochs, mean, color="black", lw=2.6, label="mean over heads")
+            finite = v[np.isfinite(v)]
+            if q == "inv_alpha" and finite.size and finite.min() > 0 and finite.max() / finite.min() > 20:
+                ax.set_yscale("log")
+            if q == "gate":
+                ax.set_ylim(-0.03, 1.03)
+            ax.grid(alpha=0.3)
+            ax.tick_params(labelsize=8)
+            if i == 0:
+                ax.set_title(layer, fontsize=9)
+            if j == 0:
+                ax.set_ylabel(DYNAMICS_QUANTITIES[q], fontsize=9)
+            if i == nrow - 1:
+                ax.set_xlabel("fine-tuning epoch", fontsize=9)
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    handles = [plt.Line2D([], [], color=cmap(h % 10), lw=1.2, label=f"head {h}") for h in range(max_heads)]
+    handles.append(plt.Line2D([], [], color="black", lw=2.6, label="mean"))
+    per_row = len(handles) if len(handles) <= 4 * ncol else math.ceil(len(handles) / 2)
+    fig.legend(
+        handles=handles, loc="lower center", ncol=per_row, fontsize=7, frameon=False, borderaxespad=0.3
+    )
+    fig.suptitle(
+        title or "GPSA dynamics over fine-tuning (000 Fig. 4): thin = heads, thick = mean", fontsize=10
+    )
+    return _finish(fig, path)
+
+
+# ----------------------------------------------------------------------------------------- attention maps
+@dataclass
+class LayerAttention:
+    """The attention of one query of a GPSA layer, per head, over the layer's input pixels (keys)."""
+
+    name: str
+    maps: np.ndarray  # [heads, h, w]: A^h_{q, j} for the chosen query q, keys j on the input grid (000 Eq. 7)
+    query: tuple[int, int]  # (row, col) of the query on the input grid
+    grid: tuple[int, int]  # (h, w) of the layer input
+    stride: int  # query stride (1 for stride_mode "s1": the attention runs at stride 1 before pooling)
+    gate: np.ndarray  # sigma(lambda_h) [heads]
+    inv_alpha: np.ndarray  # 1 / alpha_h [heads]
+    centers: np.ndarray  # Delta_h [heads, 2] (row, col)
+
+
+def preprocess_image(
+    image: np.ndarray, mean: Sequence[float], std: Sequence[float], image_size: int | None = None
+) -> torch.Tensor:
+    """uint8 [H, W, C] (or [H, W]) -> normalised float [1, C, H, W], resized bilinearly to ``image_size`` when
+    it differs: the same transform as core.robustness.count_correct."""
+    img = np.asarray(image)
+    if img.ndim == 2:
+        img = img[..., None]
+    x = torch.from_numpy(np.array(img, dtype=np.float32, copy=True)).permute(2, 0, 1)[None] / 255.0
+    m = torch.as_tensor(list(mean), dtype=torch.float32).reshape(1, -1, 1, 1)
+    s = torch.as_tensor(list(std), dtype=torch.float32).reshape(1, -1, 1, 1)
+    x = (x - m) / s
+    if image_size is not None and tuple(x.shape[-2:]) != (image_size, image_size):
+        x = torch.nn.functional.interpolate(
+            x, size=(image_size, image_size), mode="bilinear", align_corners=False
+        )
+    return x
+
+
+def _centre_index(n_keys: int, n_queries: int, stride: int) -> int:
+    """The query (0..n_queries-1) whose input position (index * stride) is nearest the grid centre."""
+    centre = (n_keys - 1) / 2
+    return int(np.argmin([abs(i * stride - centre) for i in range(n_queries)]))
+
+
+@torch.no_grad()
+def centre_query_attention(model: nn.Module, x: torch.Tensor) -> tuple[list[LayerAttention], torch.Tensor]:
+    """Feed ``x`` ([1, C, H, W], normalised) through ``model`` (eval mode) and return, for each GPSA layer, the
+    attention maps of the query nearest the centre of its input grid (000 Fig. 5), plus the logits.
+
+    Each layer's input is captured with a forward pre-hook, so the maps are those the layer computes inside
+    the network. Keys are the real input pixels, so a head's map sums to 1 minus the share of its positional
+    softmax that falls on the zero-padded keys (as in the conv; negligible for an interior query at large
+    alpha).
+    """
+    from core.reparam import gpsa_modules
+
+    if x.ndim != 4 or x.shape[0] != 1:
+        raise ValueError(f"centre_query_attention: expected one image [1, C, H, W], got {tuple(x.shape)}")
+    mods = gpsa_modules(model)
+    inputs: dict[str, torch.Tensor] = {}
+    hooks = [
+        m.register_forward_pre_hook(lambda mod, args, name=name: inputs.__setitem__(name, args[0].detach()))
+        for name, m in mods
+    ]
+    was_training = model.training
+    model.eval()
+    try:
+        device = next(model.parameters()).device
+        logits = model(x.to(device)).detach().cpu()
+    finally:
+        for hk in hooks:
+            hk.remove()
+        model.train(was_training)
+    out = []
+    for name, m in mods:
+        inp = inputs[name]
+        if inp.ndim != 4:
+            raise ValueError(f"centre_query_attention: {name} is not a T-CNN GPSA (input {tuple(inp.shape)})")
+        h, w = int(inp.shape[-2]), int(inp.shape[-1])
+        att = m.attention_maps(inp)[0].double().cpu()  # [heads, Lq, L]
+        s = m.stride if m.stride_mode == "exact" else 1
+        hq, wq = -(-h // s), -(-w // s)
+        if att.shape[1] != hq * wq or att.shape[2] != h * w:
+            raise ValueError(f"centre_query_attention: {name}: unexpected attention shape {tuple(att.shape)}")
+        qr, qc = _centre_index(h, hq, s), _centre_index(w, wq, s)
+        maps = att[:, qr * wq + qc, :].reshape(-1, h, w).numpy()
+        out.append(
+            LayerAttention(
+                name=name,
+                maps=maps,
+                query=(qr * s, qc * s),
+                grid=(h, w),
+                stride=s,
+                gate=m.gate().detach().double().cpu().numpy(),
+                inv_alpha=(1.0 / m.alpha().detach().double().cpu()).numpy(),
+                centers=m.centers().detach().double().cpu().numpy(),
+            )
+        )
+    return out, logits
+
+
+def _query_box(ax: Any, r: float, c: float, hh: float, ww: float) -> None:
+    ax.add_patch(Rectangle((c - 0.5, r - 0.5), ww, hh, fill=False, edgecolor="red", lw=1.6))
+
+
+def plot_attention_maps(
+    layers: Sequence[LayerAttention],
+    image: np.ndarray,
+    path: str | os.PathLike | None = None,
+    *,
+    title: str | None = None,
+) -> bytes:
+    """000 Fig. 5: one row per GPSA layer; first column the input image with the query's footprint (red box),
+    then one panel per head: the centre query's attention over the layer's input pixels (red box = query),
+    sigma(lambda_h) in red under the map, 1/alpha_h in the title. Each map is scaled to its own maximum."""
+    if not layers:
+        raise ValueError("plot_attention_maps: no GPSA layer")
+    img = np.asarray(image)
+    if img.ndim == 3 and img.shape[2] == 1:
+        img = img[..., 0]
+    ih, iw = img.shape[:2]
+    nheads = max(la.maps.shape[0] for la in layers)
+    ncol = 1 + nheads
+    fig, axes = _grid(len(layers), ncol, (1.3, 1.3), left=0.5, right=0.1, top=0.6, bottom=0.32, wspace=0.15,
+                      hspace=0.62)  # fmt: skip
+    for i, la in enumerate(layers):
+        h, w = la.grid
+        ax = axes[i, 0]
+        ax.imshow(img, cmap="gray" if img.ndim == 2 else None, vmin=0, vmax=255, interpolation="nearest")
+        sy, sx = ih / h, iw / w  # one input pixel of the layer covers sy x sx image pixels
+        ax.add_patch(
+            Rectangle(
+                (la.query[1] * sx - 0.5, la.query[0] * sy - 0.5), sx, sy, fill=False, edgecolor="red", lw=1.6
+            )
+        )
+        ax.set_xticks([])
+        ax.set_yticks([])
+        ax.set_ylabel(f"{la.name}\n{h}x{w} keys, stride {la.stride}", fontsize=9)
+        if i == 0:
+            ax.set_title("input", fontsize=9)
+        for hd in range(nheads):
+            ax = axes[i, 1 + hd]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if hd >= la.maps.shape[0]:
+                ax.axis("off")
+                continue
+            m = la.maps[hd]
+            ax.imshow(m, cmap="viridis", vmin=0, vmax=max(float(m.max()), 1e-12), interpolation="nearest")
+            _query_box(ax, la.query[0], la.query[1], 1, 1)
+            ax.set_title(f"h{hd}  1/α={la.inv_alpha[hd]:.2g}", fontsize=9, pad=3)
+            ax.set_xlabel(f"σ(λ)={la.gate[hd]:.2f}", color="red", fontsize=10.5, labelpad=2)
+    fig.suptitle(
+        title or "Attention of the centre query per GPSA layer and head (000 Fig. 5); red: query, σ(λ_h)",
+        fontsize=11,
+    )
+    return _finish(fig, path)

@@ -1,0 +1,169 @@
+"""Plumbing shared by the training stages (pretrain, reparam, finetune): data, loaders, knobs, publishing."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+from pydantic import BaseModel
+
+from core.checkpoint import CheckpointError, atomic_save, atomic_write_json, atomic_write_text, load
+from core.config import Params
+from core.train import Datasets, csv_text, history_rows_flat, load_datasets, make_loader
+from stages._cli import StageError
+
+EVAL_BATCH = 500
+DEFAULT_CHECKPOINT_EVERY_STEPS = 200
+# Keys that change how a run is carried out, not what it computes: left out of the resume identity.
+OPERATIONAL_KEYS = ("checkpoint_every_steps", "num_workers")
+
+
+def section_identity(section: BaseModel) -> dict[str, Any]:
+    return {k: v for k, v in section.model_dump(mode="json").items() if k not in OPERATIONAL_KEYS}
+
+
+def data_identity(params: Params) -> dict[str, Any]:
+    return section_identity(params.data)
+
+
+def datasets(params: Params, root: Path = Path(".")) -> Datasets:
+    """The train/val/test arrays of `root / data.dir` (root: the repo under DVC, a trial dir under Ray)."""
+    try:
+        return load_datasets(
+            Path(root) / params.data.dir,
+            val_size=params.data.val_size,
+            sample_fraction=params.data.sample_fraction,
+            seed=params.seed,
+        )
+    except (OSError, ValueError, KeyError) as err:
+        msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise StageError(f"data.dir: {params.data.dir}: {msg}") from None
+
+
+@dataclass
+class Loaders:
+    train: Any
+    val: Any | None
+    test: Any
+
+
+def loaders(
+    params: Params, ds: Datasets, *, batch_size: int, seed: int, augment: Any, size: int | None
+) -> Loaders:
+    nw = params.data.num_workers
+    train = make_loader(
+        ds,
+        "train",
+        batch_size=batch_size,
+        train=True,
+        seed=seed,
+        augment=augment,
+        image_size=size,
+        num_workers=nw,
+    )
+    ev = {"batch_size": EVAL_BATCH, "train": False, "seed": seed, "image_size": size, "num_workers": nw}
+    val = make_loader(ds, "val", **ev) if len(ds.val_y) else None
+    test = make_loader(ds, "test", **ev)
+    return Loaders(train, val, test)
+
+
+def checkpoint_every_steps(params: Params, stage: str) -> int:
+    """Mid-epoch checkpoint cadence: env TCNN_CHECKPOINT_EVERY_STEPS, else `<stage>.checkpoint_every_steps`
+    (pretrain / finetune section), else 200. 0 = only at epoch ends."""
+    env = os.environ.get("TCNN_CHECKPOINT_EVERY_STEPS")
+    if env:
+        try:
+            return max(0, int(env))
+        except ValueError:
+            raise StageError(f"TCNN_CHECKPOINT_EVERY_STEPS: expected an integer, got {env!r}") from None
+    section = getattr(params, "finetune" if stage == "finetune" else "pretrain")
+    value = getattr(section, "checkpoint_every_steps", None)
+    return DEFAULT_CHECKPOINT_EVERY_STEPS if value is None else int(value)
+
+
+def use_channels_last(device: torch.device) -> bool:
+    """channels_last pays for convolutions on both CUDA and oneDNN CPU kernels; env TCNN_CHANNELS_LAST=0 off."""
+    env = os.environ.get("TCNN_CHANNELS_LAST")
+    if env is not None:
+        return env.lower() in ("1", "true", "yes")
+    return True
+
+
+def extra_state(spec: dict[str, Any], ds: Datasets, image_size: int | None) -> dict[str, Any]:
+    """What every checkpoint carries besides weights: how to rebuild and feed the model."""
+    return {
+        "model_spec": spec,
+        "normalization": {"mean": list(ds.mean), "std": list(ds.std)},
+        "image_size": int(image_size or ds.image_size),
+    }
+
+
+def cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+
+
+def mean_rate(history: list[dict[str, Any]]) -> float | None:
+    images = sum(r["images_per_s"] * r["train_time_s"] for r in history if r.get("train_time_s"))
+    secs = sum(r["train_time_s"] for r in history if r.get("train_time_s"))
+    return images / secs if secs > 0 else None
+
+
+def load_checkpoint(path: Path, require: tuple[str, ...], what: str) -> dict[str, Any]:
+    try:
+        return load(path, require=require)
+    except CheckpointError as err:
+        raise StageError(f"{err} (the {what})") from None
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(f".{dst.name}.publish")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def publish(
+    work_dir: Path | None,
+    out_dir: Path,
+    *,
+    checkpoints: dict[str, Path] | None = None,
+    stale_glob: str | None = None,
+    objects: dict[str, Any] | None = None,
+    history: list[dict[str, Any]] | None = None,
+    csvs: dict[str, list[dict[str, Any]]] | None = None,
+    metrics: dict[str, Any] | None = None,
+) -> None:
+    """Write a stage's outputs into `out_dir` (each file atomically, metrics.json last), then drop the work
+    dir. Files are hard-linked out of the work dir, so a kill while publishing leaves the resume state whole."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    checkpoints = checkpoints or {}
+    if stale_glob:
+        for f in out_dir.glob(stale_glob):
+            if f.name not in checkpoints:
+                f.unlink()
+    for name, src in checkpoints.items():
+        (out_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        _link_or_copy(Path(src), out_dir / name)
+    for name, obj in (objects or {}).items():
+        atomic_save(obj, out_dir / name)
+    if history is not None:
+        atomic_write_text(out_dir / "history.csv", csv_text(history_rows_flat(history)))
+        atomic_write_json(out_dir / "history.json", history)
+    for name, rows in (csvs or {}).items():
+        atomic_write_text(out_dir / name, csv_text(rows))
+    if metrics is not None:
+        atomic_write_json(out_dir / "metrics.json", metrics)
+    if work_dir is not None and work_dir.exists():
+        shutil.rmtree(work_dir)
+        with contextlib.suppress(OSError):
+            work_dir.parent.rmdir()  # runs/.partial when no other stage is in progress

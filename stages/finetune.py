@@ -1,0 +1,270 @@
+"""Stage `finetune`: train the reparameterized network from `root/runs/reparam/tcnn.pt`.
+
+`finetune.mode`:
+- "fresh" (000 Sec. 3): AdamW, linear warmup over `finetune.warmup_epochs` to
+  lr = finetune.lr x finetune.batch_size / 1024, then per-step cosine decay over `finetune.epochs`; the
+  gating parameters lambda (Eq. 7) use `finetune.gate_lr` (not batch-scaled, on the same warmup + cosine
+  shape); no weight decay on alpha, lambda, attention centres, norms and biases; stochastic depth
+  `finetune.drop_path` (timm's linear rule over the ResNet blocks); augmentation `finetune.augment`;
+  resolution `finetune.image_size` (null = pretraining resolution); data order seeded by derive_seed(seed).
+- "continue" (000 Table 3): the pretraining run goes on with the T-CNN in place of the CNN. It trains the
+  t2 = pretrain.epochs - reparam.epoch epochs that remain of the schedule planned over pretrain.epochs
+  (`finetune.epochs` is ignored in this mode; t2 = 0 just evaluates the converted network), with the CNN
+  run's SGD (pretrain.lr, momentum, weight_decay), its per-step warmup + cosine schedule at the step it
+  reached, its momentum buffers (a converted conv's buffer moves to the GPSA parameter that holds the
+  filter; new GPSA parameters start with empty state), its RNG states, its data order (epochs t1..E-1 of
+  the same BatchLoader seed), batch size, augmentation, resolution and `model.drop_path`. Gates get the
+  same lr as every other parameter: one optimizer, one schedule.
+
+Outputs (`root/runs/finetune/`, published when the run completes): tcnn-final.pt (model checkpoint),
+history.csv / history.json (one row per epoch, the first row being the state right after
+reparameterization; per GPSA layer mean 1/alpha, sigma(lambda), nonlocality), gpsa.csv (per epoch, layer
+and head), metrics.json. Resume as in the pretrain stage (`root/runs/.partial/finetune/`).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.checkpoint import build_from_spec, restore_rng
+from core.config import Params
+from core.optim import WarmupCosine, build_adamw, build_sgd, load_named_state
+from core.train import (
+    EXIT_PREEMPTED,
+    Preempted,
+    TrainLoss,
+    derive_seed,
+    deterministic,
+    evaluate,
+    file_fingerprint,
+    first_batch,
+    fit,
+    gpsa_long_rows,
+    gpsa_stats,
+    seed_everything,
+    select_device,
+    set_drop_path,
+    stable_hash,
+    summarize_gpsa,
+)
+from stages import _training as T
+from stages._cli import StageError, stage_main
+
+NAME = "finetune"
+PROBE = 128  # validation images fed through the network for the per-epoch nonlocality
+
+
+def source_path(root: Path) -> Path:
+    return root / "runs" / "reparam" / "tcnn.pt"
+
+
+def run_hash(params: Params, input_sha: str, device: str, freeze: Sequence[str] = ()) -> str:
+    ident: dict[str, Any] = {
+        "stage": NAME,
+        "seed": params.seed,
+        "data": T.data_identity(params),
+        "mode": params.finetune.mode,
+        "input": input_sha,
+        "device": device,
+        "freeze": sorted(freeze),
+    }
+    if params.finetune.mode == "fresh":
+        ident["finetune"] = T.section_identity(params.finetune)
+    else:
+        ident["pretrain"] = T.section_identity(params.pretrain)
+        ident["drop_path"] = params.model.drop_path
+    return stable_hash(ident)
+
+
+def freeze_parameters(model: torch.nn.Module, names: Sequence[str]) -> list[str]:
+    """requires_grad=False on every parameter whose last name component is in `names` (e.g. the GPSA's
+    attention-only parameters "qkv_weight", "gating_param", "pos_alpha", "pos_center"); returns them."""
+    wanted = set(names)
+    frozen = []
+    for name, p in model.named_parameters():
+        if name.rsplit(".", 1)[-1] in wanted:
+            p.requires_grad_(False)
+            frozen.append(name)
+    return frozen
+
+
+def run(params: Params, *, root: Path = Path("."), freeze: Sequence[str] = ()) -> dict[str, Any]:
+    """Fine-tune; `freeze` (plus `finetune.freeze` when that key exists) names parameters to keep fixed."""
+    t_wall = time.perf_counter()
+    root = Path(root)
+    out_dir, work_dir = root / "runs" / NAME, root / "runs" / ".partial" / NAME
+    src = source_path(root)
+    mode = params.finetune.mode
+    required = ("model", "model_spec") + (("carry",) if mode == "continue" else ())
+    ckpt = T.load_checkpoint(src, required, "reparameterized model written by the reparam stage")
+    spec = ckpt["model_spec"]
+    # Fresh mode draws its own random stream (stochastic depth masks, GPSA init before the weights load);
+    # continue mode restores the pretraining run's RNG states further down.
+    seed_everything(derive_seed(params.seed, NAME))
+    try:
+        model = build_from_spec(spec)
+        model.load_state_dict(ckpt["model"])
+    except (ValueError, TypeError, KeyError, RuntimeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise StageError(f"{src}: cannot rebuild the model from this checkpoint ({first})") from None
+    ds = T.datasets(params, root)
+    device = select_device()
+    f, p = params.finetune, params.pretrain
+    freeze = sorted({*freeze, *getattr(f, "freeze", ())})
+    frozen = freeze_parameters(model, freeze) if freeze else []
+    if freeze and not frozen:
+        raise StageError(f"finetune.freeze: no parameter of the model is named {freeze}")
+
+    if mode == "fresh":
+        size = f.image_size or params.data.image_size
+        set_drop_path(model, f.drop_path)
+        loaders = T.loaders(
+            params,
+            ds,
+            batch_size=f.batch_size,
+            seed=derive_seed(params.seed, NAME),
+            augment=f.augment,
+            size=size,
+        )
+        spe = _steps(loaders, f.batch_size, ds, "finetune.batch_size")
+        peak_lr = f.lr * f.batch_size / 1024
+        optimizer = build_adamw(model, lr=peak_lr, gate_lr=f.gate_lr, weight_decay=f.weight_decay)
+        scheduler = WarmupCosine(
+            optimizer, total_steps=f.epochs * spe, warmup_steps=round(f.warmup_epochs * spe)
+        )
+        epochs = range(0, f.epochs)
+        loss_fn = TrainLoss(f.augment.label_smoothing)
+        info: dict[str, Any] = {"peak_lr": peak_lr, "gate_lr": f.gate_lr}
+    else:
+        carry = ckpt["carry"]
+        t1 = int(carry["epoch"])
+        if t1 != params.reparam.epoch:
+            raise StageError(
+                f"{src}: was converted at epoch {t1} but reparam.epoch={params.reparam.epoch}; rerun the reparam stage"
+            )
+        size = int(ckpt.get("image_size") or params.data.image_size)
+        set_drop_path(model, params.model.drop_path)
+        loaders = T.loaders(
+            params, ds, batch_size=p.batch_size, seed=params.seed, augment=p.augment, size=size
+        )
+        spe = _steps(loaders, p.batch_size, ds, "pretrain.batch_size")
+        total = p.epochs * spe
+        saved = carry["scheduler"]
+        if carry.get("steps_per_epoch") not in (0, spe) or saved.get("total_steps") != total:
+            raise StageError(
+                f"{src}: its schedule ({saved.get('total_steps')} steps) does not match pretrain.* now "
+                f"({p.epochs} epochs x {spe} steps); rerun pretrain and reparam"
+            )
+        optimizer = build_sgd(model, lr=p.lr, momentum=p.momentum, weight_decay=p.weight_decay)
+        try:
+            load_named_state(optimizer, model, carry["optimizer_state"])
+        except KeyError as err:
+            raise StageError(f"{src}: carried optimizer state does not fit the model ({err})") from None
+        scheduler = WarmupCosine(
+            optimizer,
+            total_steps=total,
+            warmup_steps=int(saved["warmup_steps"]),
+            min_factor=float(saved.get("min_factor", 0.0)),
+            start_step=int(carry["global_step"]),
+        )
+        restore_rng(carry["rng"])
+        epochs = range(t1, p.epochs)
+        loss_fn = TrainLoss(p.augment.label_smoothing)
+        info = {"t1": t1, "t2": p.epochs - t1, "peak_lr": p.lr}
+
+    channels_last = T.use_channels_last(device)
+    extra = T.extra_state(spec, ds, size)
+    model.to(device)
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
+    probe = first_batch(loaders.val if loaders.val is not None else loaders.test, PROBE)
+
+    def stats(m: torch.nn.Module, label: int) -> dict[str, Any]:
+        s = gpsa_stats(m, probe)
+        return {"finetune_epoch": label - epochs.start, **({"gpsa": s} if s else {})}
+
+    with deterministic(device):
+        start = {"epoch": epochs.start, "step": scheduler.last_step}
+        if loaders.val is not None:
+            v = evaluate(model, loaders.val.batches(0), device=device, channels_last=channels_last)
+            start.update(val_loss=v["loss"], val_acc=v["acc"])
+        start.update(stats(model, epochs.start))
+        result = fit(
+            model,
+            optimizer,
+            scheduler,
+            loaders.train,
+            epochs=epochs,
+            work_dir=work_dir,
+            run_hash=run_hash(params, file_fingerprint(src), device.type, freeze),
+            loss_fn=loss_fn,
+            val_loader=loaders.val,
+            device=device,
+            channels_last=channels_last,
+            checkpoint_every_steps=T.checkpoint_every_steps(params, NAME),
+            extra_state=extra,
+            epoch_stats=stats,
+            history_start=[start],
+            desc=f"{NAME}[{mode}]",
+        )
+        test = evaluate(model, loaders.test.batches(0), device=device, channels_last=channels_last)
+
+    last = result.history[-1]
+    trained = result.history[1:]
+    metrics: dict[str, Any] = {
+        "mode": mode,
+        "epochs_run": len(epochs),
+        **info,
+        "train_loss": last.get("train_loss"),
+        "train_acc": last.get("train_acc"),
+        "val_loss": last.get("val_loss"),
+        "val_acc": last.get("val_acc"),
+        "val_acc_start": result.history[0].get("val_acc"),
+        "test_loss": test["loss"],
+        "test_acc": test["acc"],
+        "steps": result.global_step,
+        "image_size": size,
+        "params_count": sum(t.numel() for t in model.parameters()),
+        "device": device.type,
+        "resumed": result.resumed_from is not None,
+        "frozen_parameters": len(frozen),
+        **summarize_gpsa(last.get("gpsa") or {}),
+        "images_per_s": T.mean_rate(trained),
+        "train_time_s": sum(r["train_time_s"] for r in trained),
+        "wall_s": time.perf_counter() - t_wall,
+    }
+    final = {"kind": "model", "model": T.cpu_state(model), **extra, "source": {"checkpoint": str(src)}}
+    T.publish(
+        work_dir,
+        out_dir,
+        objects={"tcnn-final.pt": final},
+        history=result.history,
+        csvs={"gpsa.csv": gpsa_long_rows(result.history)},
+        metrics=metrics,
+    )
+    return metrics
+
+
+def _steps(loaders: T.Loaders, batch: int, ds: Any, key: str) -> int:
+    spe = len(loaders.train)
+    if spe == 0:
+        raise StageError(f"{key}: {batch} exceeds the {len(ds.train_y)} training images (no full batch)")
+    return spe
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return stage_main(NAME, run, argv)
+    except Preempted as stop:
+        print(f"{NAME}: {stop}", file=sys.stderr)
+        return EXIT_PREEMPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

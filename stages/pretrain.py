@@ -1,0 +1,168 @@
+"""Stage `pretrain`: train the CNN (SGD + momentum, warmup then per-step cosine over `pretrain.epochs`).
+
+Outputs (under `root/runs/pretrain/`, published only when the run completes):
+  ckpt/ckpt-epoch-XXX.pt  full training state after XXX epochs, for every t1 the config or a sweep asks for
+                      (reparam.epoch, pretrain.checkpoint_epochs, sweep.grid["reparam.epoch"], and the last)
+  cnn-final.pt        the trained CNN (model checkpoint: model + model_spec + normalization)
+  history.csv/.json   per epoch: lr, train/val loss and accuracy, images/s
+  metrics.json        final train/val/test loss and accuracy, timings
+
+While running, state lives in `root/runs/.partial/pretrain/` (outside DVC's outs, which DVC deletes before a
+stage runs); a rerun with the same params and data resumes from it exactly (see core.train.fit).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from core.checkpoint import build_from_spec, make_model_spec
+from core.config import Params
+from core.optim import WarmupCosine, build_sgd
+from core.train import (
+    EXIT_PREEMPTED,
+    Preempted,
+    TrainLoss,
+    deterministic,
+    evaluate,
+    fit,
+    seed_everything,
+    select_device,
+    set_drop_path,
+    stable_hash,
+)
+from stages import _training as T
+from stages._cli import StageError, stage_main
+
+NAME = "pretrain"
+
+
+def checkpoint_epochs(params: Params) -> list[int]:
+    """Every t1 a run of this config may need: reparam.epoch, pretrain.checkpoint_epochs, the values of
+    sweep.grid["reparam.epoch"], and the final epoch (in range 0..pretrain.epochs; 0 = the init)."""
+    wanted = {params.reparam.epoch, params.pretrain.epochs, *params.pretrain.checkpoint_epochs}
+    wanted.update(int(v) for v in params.sweep.grid.get("reparam.epoch", []))
+    return sorted(e for e in wanted if 0 <= e <= params.pretrain.epochs)
+
+
+def pretrain_kind(params: Params) -> str:
+    """The network pretraining trains: the CNN for kinds cnn/tcnn, the model itself otherwise."""
+    return "cnn" if params.model.kind in ("cnn", "tcnn") else params.model.kind
+
+
+def run_hash(params: Params, data_fingerprint: str, device: str) -> str:
+    return stable_hash(
+        {
+            "stage": NAME,
+            "seed": params.seed,
+            "data": T.data_identity(params),
+            "model": params.model.model_dump(mode="json"),
+            "pretrain": T.section_identity(params.pretrain),
+            "keep": checkpoint_epochs(params),
+            "input": data_fingerprint,
+            "device": device,
+        }
+    )
+
+
+def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
+    t_wall = time.perf_counter()
+    root = Path(root)
+    out_dir, work_dir = root / "runs" / NAME, root / "runs" / ".partial" / NAME
+    p = params.pretrain
+    device = select_device()
+    ds = T.datasets(params, root)
+    keep = checkpoint_epochs(params)
+
+    seed_everything(params.seed)
+    spec = make_model_spec(
+        pretrain_kind(params),
+        params.model.arch,
+        ds.num_classes,
+        ds.in_chans,
+        options=params.model.options,
+    )
+    try:
+        model = build_from_spec(spec)
+    except (ValueError, TypeError) as err:
+        raise StageError(f"model: cannot build {params.model.arch!r} ({err})") from None
+    set_drop_path(model, params.model.drop_path)
+
+    image_size = params.data.image_size
+    loaders = T.loaders(
+        params, ds, batch_size=p.batch_size, seed=params.seed, augment=p.augment, size=image_size
+    )
+    spe = len(loaders.train)
+    if spe == 0:
+        raise StageError(
+            f"pretrain.batch_size: {p.batch_size} exceeds the {len(ds.train_y)} training images (no full batch)"
+        )
+    optimizer = build_sgd(model, lr=p.lr, momentum=p.momentum, weight_decay=p.weight_decay)
+    scheduler = WarmupCosine(optimizer, total_steps=p.epochs * spe, warmup_steps=round(p.warmup_epochs * spe))
+    channels_last = T.use_channels_last(device)
+    extra = T.extra_state(spec, ds, image_size)
+
+    with deterministic(device):
+        result = fit(
+            model,
+            optimizer,
+            scheduler,
+            loaders.train,
+            epochs=range(0, p.epochs),
+            work_dir=work_dir,
+            run_hash=run_hash(params, ds.fingerprint, device.type),
+            loss_fn=TrainLoss(p.augment.label_smoothing),
+            val_loader=loaders.val,
+            device=device,
+            channels_last=channels_last,
+            checkpoint_every_steps=T.checkpoint_every_steps(params, NAME),
+            epoch_checkpoints=keep,
+            extra_state=extra,
+            desc=NAME,
+        )
+        test = evaluate(model, loaders.test.batches(0), device=device, channels_last=channels_last)
+
+    last = result.history[-1]
+    metrics = {
+        "train_loss": last["train_loss"],
+        "train_acc": last["train_acc"],
+        "val_loss": last.get("val_loss"),
+        "val_acc": last.get("val_acc"),
+        "test_loss": test["loss"],
+        "test_acc": test["acc"],
+        "epochs": p.epochs,
+        "steps": result.global_step,
+        "train_images": int(len(ds.train_y)),
+        "checkpoint_epochs": keep,
+        "params_count": sum(t.numel() for t in model.parameters()),
+        "device": device.type,
+        "resumed": result.resumed_from is not None,
+        "images_per_s": T.mean_rate(result.history),
+        "train_time_s": sum(r["train_time_s"] for r in result.history),
+        "wall_s": time.perf_counter() - t_wall,
+    }
+    final = {"model": T.cpu_state(model), **extra, "kind": "model"}
+    T.publish(
+        work_dir,
+        out_dir,
+        checkpoints={f"ckpt/ckpt-epoch-{k:03d}.pt": v for k, v in result.epoch_checkpoints.items()},
+        stale_glob="ckpt/ckpt-epoch-*.pt",
+        objects={"cnn-final.pt": final},
+        history=result.history,
+        metrics=metrics,
+    )
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return stage_main(NAME, run, argv)
+    except Preempted as stop:
+        print(f"{NAME}: {stop}", file=sys.stderr)
+        return EXIT_PREEMPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,763 @@
+"""Stage `report`: one self-contained HTML report of a run, plus its figures as PNG files.
+
+    python -m stages.report [--params params.yaml]
+
+Reads (relative to `root`):
+
+- required: ``runs/pretrain/cnn-final.pt`` (the CNN), ``runs/finetune/tcnn-final.pt`` (the fine-tuned T-CNN)
+  and ``results/metrics.json`` (the evaluate stage's robustness metrics); a missing or unreadable one is a
+  StageError (one line, exit 2, nothing written);
+- optional (a missing one becomes a note in the report): ``runs/reparam/equivalence.json``,
+  ``runs/{pretrain,finetune}/{history,metrics}.json``, ``runs/finetune/gpsa.csv``, ``results/summary.json``,
+  ``results/plots/robustness_gain.png`` (else redrawn from ``results/robustness.parquet``), the clean test
+  images (``<robustness.dir>/clean.parquet``, else the test split of ``data.dir``), the MLflow run ids.
+
+Writes ``results/report.html`` (images embedded as base64 PNG, so the single file can be logged as an MLflow
+artifact) and ``results/plots/{training_curves,fig4_dynamics,fig5_attention}.png``. The three PNGs always
+exist after a successful run (a figure without data is a placeholder stating why), so DVC can declare them.
+
+MLflow run ids: ``run(..., run_ids={"parent": ..., "<stage>": ...})`` when the caller knows them; otherwise
+:func:`read_run_ids` takes ``runs/mlflow_runs.json`` (``{"parent": id, "stages": {stage: id}}`` or a flat
+``{name: id}`` mapping) and ``$TCNN_PARENT_RUN_ID`` (which wins for the parent; stage ids recorded under a
+different parent are dropped as stale). This module never imports MLflow: the report renders without it.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import csv
+import html
+import io
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from core.config import Params
+from stages._cli import StageError, stage_main
+
+NAME = "report"
+PARENT_ENV = "TCNN_PARENT_RUN_ID"  # the tracking adapter's variable (pipelines/tracking.py PARENT_ENV)
+RUN_IDS_FILE = Path("runs") / "mlflow_runs.json"
+STAGE_ORDER = ("prepare", "pretrain", "reparam", "finetune", "corrupt", "evaluate", "report")
+FIGURES = {
+    "training_curves": "training_curves.png",
+    "fig4": "fig4_dynamics.png",
+    "fig5": "fig5_attention.png",
+}
+MODEL_LABELS = {"cnn": "CNN", "tcnn": "T-CNN"}
+
+
+def input_paths(params: Params, root: Path) -> dict[str, Path]:
+    """Every file the report reads, by role (the DVC deps of the stage)."""
+    runs, res = root / "runs", root / "results"
+    return {
+        "cnn": runs / "pretrain" / "cnn-final.pt",
+        "tcnn": runs / "finetune" / "tcnn-final.pt",
+        "metrics": res / "metrics.json",
+        "equivalence": runs / "reparam" / "equivalence.json",
+        "pretrain_history": runs / "pretrain" / "history.json",
+        "pretrain_metrics": runs / "pretrain" / "metrics.json",
+        "finetune_history": runs / "finetune" / "history.json",
+        "finetune_metrics": runs / "finetune" / "metrics.json",
+        "gpsa": runs / "finetune" / "gpsa.csv",
+        "summary": res / "summary.json",
+        "gain_png": res / "plots" / "robustness_gain.png",
+        "robustness": res / "robustness.parquet",
+        "clean_set": root / params.robustness.dir / "clean.parquet",
+        "data_dir": root / params.data.dir,
+        "run_ids": root / RUN_IDS_FILE,
+    }
+
+
+def output_paths(root: Path) -> dict[str, Path]:
+    plots = root / "results" / "plots"
+    return {"html": root / "results" / "report.html", **{k: plots / v for k, v in FIGURES.items()}}
+
+
+# ------------------------------------------------------------------------------------------------ run ids
+def read_run_ids(
+    root: Path, environ: Mapping[str, str] | None = None
+) -> tuple[dict[str, str] | None, str | None]:
+    """MLflow run ids of this pipeline execution: ({"parent": id, "<stage>": id, ...} or None, note or None).
+
+    Sources: ``root/runs/mlflow_runs.json`` and ``$TCNN_PARENT_RUN_ID`` (see the module docstring)."""
+    environ = os.environ if environ is None else environ
+    ids: dict[str, str] = {}
+    note = None
+    path = root / RUN_IDS_FILE
+    if path.is_file():
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raw, note = None, f"{path}: unreadable ({err}); run ids taken from the environment only"
+        if isinstance(raw, dict):
+            stages = raw.get("stages") if isinstance(raw.get("stages"), dict) else {}
+            flat = {k: v for k, v in raw.items() if k != "stages"}
+            for k, v in {**flat, **stages}.items():
+                if isinstance(v, str) and v:
+                    ids[str(k).removesuffix("_run_id")] = v
+        elif raw is not None:
+            note = f"{path}: expected a JSON object; ignored"
+    env_parent = environ.get(PARENT_ENV, "").strip()
+    if env_parent:
+        if ids.get("parent") not in (None, env_parent):
+            note = (
+                f"{path} belongs to parent run {ids['parent']}, not ${PARENT_ENV}={env_parent}; "
+                "its stage run ids were dropped as stale"
+            )
+            ids = {}
+        ids["parent"] = env_parent
+    return (ids or None), note
+
+
+# ------------------------------------------------------------------------------------------------ inputs
+@dataclass
+class Inputs:
+    """What the report is made of; every optional part may be None (with a note saying why)."""
+
+    params: dict[str, Any]
+    metrics: dict[str, Any]
+    root: Path = Path(".")
+    equivalence: dict[str, Any] | None = None
+    pretrain_history: list[dict[str, Any]] | None = None
+    pretrain_metrics: dict[str, Any] | None = None
+    finetune_history: list[dict[str, Any]] | None = None
+    finetune_metrics: dict[str, Any] | None = None
+    gpsa_rows: list[dict[str, Any]] | None = None
+    summary: dict[str, Any] | None = None
+    figures: dict[str, bytes | None] = field(default_factory=dict)
+    fig5_caption: str | None = None
+    attention_stats: list[dict[str, Any]] = field(default_factory=list)
+    notes: dict[str, list[str]] = field(default_factory=dict)
+
+    def note(self, section: str, text: str) -> None:
+        self.notes.setdefault(section, []).append(text)
+
+    def strip_root(self, text: str) -> str:
+        """An error message with the run's root prefix removed from the paths it names."""
+        prefix = str(self.root).rstrip(os.sep) + os.sep
+        return text.replace(prefix, "") if prefix != "." + os.sep else text
+
+    def rel(self, path: Path) -> str:
+        """`path` as shown in the report: relative to the run's root when inside it."""
+        try:
+            return str(Path(path).relative_to(self.root))
+        except ValueError:
+            return str(path)
+
+
+def _read_json(path: Path, *, required: bool, inputs: Inputs | None = None, section: str = "") -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        if required:
+            raise StageError(f"{path}: missing (run the stage that writes it)") from None
+        if inputs is not None:
+            inputs.note(section, f"{inputs.rel(path)} is missing.")
+    except (OSError, ValueError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if required:
+            raise StageError(f"{path}: not valid JSON ({reason})") from None
+        if inputs is not None:
+            inputs.note(section, f"{inputs.rel(path)} is unreadable ({reason}).")
+    return None
+
+
+def _read_csv(path: Path, inputs: Inputs, section: str) -> list[dict[str, Any]] | None:
+    try:
+        with open(path, newline="") as fh:
+            rows = list(csv.DictReader(fh))
+    except FileNotFoundError:
+        inputs.note(section, f"{inputs.rel(path)} is missing.")
+        return None
+    except (OSError, csv.Error, UnicodeDecodeError) as err:
+        inputs.note(section, f"{inputs.rel(path)} is unreadable ({err}).")
+        return None
+    if not rows:
+        inputs.note(section, f"{inputs.rel(path)} has no rows (the model has no GPSA layer?).")
+        return None
+    return rows
+
+
+def _load_model(path: Path) -> tuple[Any, dict[str, Any]]:
+    """(model in eval mode, checkpoint metadata: normalization, image_size, model_spec)."""
+    from core.checkpoint import CheckpointError, load, load_model
+
+    try:
+        ckpt = load(path, require=("model", "model_spec"))
+        meta = {k: ckpt.get(k) for k in ("normalization", "image_size", "model_spec")}
+        del ckpt
+        return load_model(path), meta
+    except CheckpointError as err:
+        raise StageError(str(err)) from None
+
+
+def _history(path: Path, inputs: Inputs, section: str) -> list[dict[str, Any]] | None:
+    h = _read_json(path, required=False, inputs=inputs, section=section)
+    if h is not None and not (isinstance(h, list) and all(isinstance(r, dict) for r in h)):
+        inputs.note(section, f"{inputs.rel(path)}: expected a list of epoch rows; ignored.")
+        return None
+    return h
+
+
+def _dict_or_note(obj: Any, path: Path, inputs: Inputs, section: str) -> dict[str, Any] | None:
+    if obj is not None and not isinstance(obj, dict):
+        inputs.note(section, f"{inputs.rel(path)}: expected a JSON object; ignored.")
+        return None
+    return obj
+
+
+# ------------------------------------------------------------------------------------------------ figures
+def _test_image(
+    paths: dict[str, Path], rel: Callable[[Path], str] = str
+) -> tuple[Any, int | None, str, dict[str, Any] | None]:
+    """(uint8 image [H, W, C], label, where it came from, manifest or None) of the first clean test image."""
+    from core.corruptions import read_set
+    from core.data import DataError, load_split, read_manifest
+
+    manifest = None
+    with contextlib.suppress(DataError, FileNotFoundError, ValueError, OSError):
+        manifest = read_manifest(paths["data_dir"])
+    if paths["clean_set"].is_file():
+        try:
+            s = read_set(paths["clean_set"])
+            if len(s.images):
+                return (
+                    s.images[0],
+                    int(s.labels[0]),
+                    f"{rel(paths['clean_set'])} (test index {int(s.indices[0])})",
+                    manifest,
+                )
+        except (ValueError, OSError, FileNotFoundError):
+            pass
+    images, labels = load_split(paths["data_dir"], "test")
+    if not len(images):
+        raise ValueError(f"{paths['data_dir']}: empty test split")
+    return images[0], int(labels[0]), f"{rel(paths['data_dir'])} test split, index 0", manifest
+
+
+def _figure5(
+    paths: dict[str, Path], cnn: Any, tcnn: Any, meta: dict, cnn_meta: dict, inputs: Inputs
+) -> bytes | None:
+    """000 Fig. 5 for the first clean test image (attention data kept in ``inputs.attention_stats``)."""
+    from core.data import DataError
+    from core.reparam import gpsa_modules
+    from core.report_plots import centre_query_attention, plot_attention_maps, preprocess_image
+
+    if not gpsa_modules(tcnn):
+        inputs.note(
+            "fig5", "The fine-tuned model has no GPSA layer (model.kind is not tcnn): no attention maps."
+        )
+        return None
+    try:
+        image, label, source, manifest = _test_image(paths, inputs.rel)
+    except (DataError, FileNotFoundError, ValueError, OSError) as err:
+        inputs.note("fig5", f"No clean test image available ({inputs.strip_root(str(err).splitlines()[0])}).")
+        return None
+    norm = meta.get("normalization") or (manifest and {"mean": manifest["mean"], "std": manifest["std"]})
+    if not norm:
+        inputs.note("fig5", "Neither the T-CNN checkpoint nor the data manifest gives the normalization.")
+        return None
+    names = (manifest or {}).get("label_names") or []
+
+    def name(i: int | None) -> str:
+        return "?" if i is None else (f"{i} ({names[i]})" if 0 <= i < len(names) else str(i))
+
+    x = preprocess_image(image, norm["mean"], norm["std"], meta.get("image_size"))
+    try:
+        layers, logits = centre_query_attention(tcnn, x)
+    except ValueError as err:  # e.g. ConViT-mode GPSA (token inputs): no conv-grid maps to draw
+        inputs.note("fig5", f"No attention maps: {str(err).splitlines()[0]}.")
+        return None
+    cnorm = cnn_meta.get("normalization") or norm
+    import torch
+
+    with torch.no_grad():
+        cnn_pred = int(
+            cnn(preprocess_image(image, cnorm["mean"], cnorm["std"], cnn_meta.get("image_size"))).argmax()
+        )
+    tcnn_pred = int(logits.argmax())
+    inputs.fig5_caption = f"Input: {source}; label {name(label)}; CNN predicts {name(cnn_pred)}, T-CNN predicts {name(tcnn_pred)}."
+    for la in layers:
+        q = la.maps
+        inputs.attention_stats.append(
+            {
+                "layer": la.name,
+                "grid": f"{la.grid[0]}x{la.grid[1]}",
+                "query": f"({la.query[0]}, {la.query[1]})",
+                "mass": float(q.sum(axis=(1, 2)).min()),
+                "peak": float(q.reshape(q.shape[0], -1).max(axis=1).mean()),
+                "gate": float(la.gate.mean()),
+            }
+        )
+    return plot_attention_maps(layers, image, title=f"Centre-query attention per GPSA layer and head (000 Fig. 5); "
+                               f"label {name(label)}, T-CNN predicts {name(tcnn_pred)}")  # fmt: skip
+
+
+def _gain_png(paths: dict[str, Path], inputs: Inputs) -> bytes | None:
+    if paths["gain_png"].is_file():
+        return paths["gain_png"].read_bytes()
+    if not paths["robustness"].is_file():
+        inputs.note(
+            "fig3",
+            f"{inputs.rel(paths['gain_png'])} and {inputs.rel(paths['robustness'])} are missing: no Fig. 3.",
+        )
+        return None
+    import tempfile
+
+    import pyarrow.parquet as pq
+
+    from core.plots import plot_relative_improvement
+
+    try:
+        table = pq.read_table(paths["robustness"])
+        with tempfile.TemporaryDirectory() as tmp:
+            plot_relative_improvement(table, "cnn", "tcnn", Path(tmp) / "gain.png")
+            data = (Path(tmp) / "gain.png").read_bytes()
+    except (OSError, ValueError, KeyError) as err:
+        inputs.note(
+            "fig3", f"Cannot draw Fig. 3 from {inputs.rel(paths['robustness'])} ({str(err).splitlines()[0]})."
+        )
+        return None
+    inputs.note(
+        "fig3", f"{inputs.rel(paths['gain_png'])} is missing; redrawn from {inputs.rel(paths['robustness'])}."
+    )
+    return data
+
+
+def _placeholder(text: str) -> bytes:
+    """A small PNG that says why a figure is missing (so the stage's declared outputs always exist)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(6, 1.2), dpi=100)
+    fig.text(0.5, 0.5, text, ha="center", va="center", fontsize=9, wrap=True)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+# ------------------------------------------------------------------------------------------------ HTML
+def _e(x: Any) -> str:
+    return html.escape(str(x))
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def fmt_pct(v: Any, digits: int = 2) -> str:
+    """0.91234 -> '91.23%' (None / nan -> 'n/a')."""
+    return f"{100 * v:.{digits}f}%" if _finite(v) else "n/a"
+
+
+def fmt_sci(v: Any) -> str:
+    return f"{v:.3e}" if _finite(v) else "n/a"
+
+
+def fmt_num(v: Any, digits: int = 4) -> str:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return _e(v) if v is not None else "n/a"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return f"{v:.{digits}g}" if math.isfinite(v) else "n/a"
+
+
+def fmt_delta_pp(a: Any, b: Any) -> str:
+    """Difference b - a of two fractions in percentage points, signed."""
+    return f"{100 * (b - a):+.2f} pp" if _finite(a) and _finite(b) else "n/a"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, cls: str = "") -> str:
+    """`rows` cells are already-escaped HTML."""
+    head = "".join(f"<th>{_e(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows)
+    return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _img(data: bytes | None, alt: str) -> str:
+    if not data:
+        return ""
+    b64 = base64.b64encode(data).decode("ascii")
+    return f'<img alt="{_e(alt)}" src="data:image/png;base64,{b64}">'
+
+
+def _notes(inputs: Inputs, section: str) -> str:
+    return "".join(f'<p class="note">{_e(n)}</p>' for n in inputs.notes.get(section, []))
+
+
+def _models(metrics: dict[str, Any]) -> list[str]:
+    names = [m for m, v in metrics.items() if isinstance(v, dict) and m != "tcnn_gain"]
+    return sorted(
+        names,
+        key=lambda m: (m not in MODEL_LABELS, list(MODEL_LABELS).index(m) if m in MODEL_LABELS else 0, m),
+    )
+
+
+def _label(m: str) -> str:
+    return MODEL_LABELS.get(m, m)
+
+
+def _section_runs(run_ids: dict[str, str] | None, params: dict[str, Any], note: str | None) -> str:
+    tr = params.get("tracking", {})
+    parts = [f"<p>Tracking: enabled={_e(tr.get('enabled'))}, uri <code>{_e(tr.get('uri'))}</code>, "
+             f"experiment <code>{_e(tr.get('experiment'))}</code>.</p>"]  # fmt: skip
+    if run_ids:
+        order = ["parent", *STAGE_ORDER]
+        keys = sorted(run_ids, key=lambda k: (order.index(k) if k in order else len(order), k))
+        rows = [[_e("parent (pipeline)" if k == "parent" else f"stage: {k}" if k in STAGE_ORDER else k),
+                 f"<code>{_e(run_ids[k])}</code>"] for k in keys]  # fmt: skip
+        parts.append(_table(["run", "MLflow run id"], rows))
+    else:
+        parts.append('<p class="note">No MLflow run ids: tracking was disabled, or the report ran outside a '
+                     "tracked pipeline execution (no $TCNN_PARENT_RUN_ID, no runs/mlflow_runs.json).</p>")  # fmt: skip
+    if note:
+        parts.append(f'<p class="note">{_e(note)}</p>')
+    return "".join(parts)
+
+
+def _section_equivalence(eq: dict[str, Any] | None) -> str:
+    if not eq:
+        return ""
+    other = "s1" if eq.get("stride_mode") == "exact" else "exact"
+    lam = eq.get("lambda_init")
+    sig = 1 / (1 + math.exp(-lam)) if _finite(lam) else None
+    diff = eq.get("max_abs_logit_diff")
+    scale = eq.get("max_abs_logit_cnn")
+    rel = diff / scale if _finite(diff) and _finite(scale) and scale > 0 else None
+    rows = [
+        ["reparameterization epoch t1", fmt_num(eq.get("reparam_epoch"))],
+        ["converted layers", _e(", ".join(eq.get("gpsa_layers") or []) or "none")],
+        ["stride mode", f"<code>{_e(eq.get('stride_mode'))}</code>"],
+        ["alpha init", fmt_num(eq.get("alpha_init"))],
+        ["lambda init (sigma(lambda))", f"{fmt_num(lam)} ({fmt_num(sig, 3)})"],
+        ["probe images", fmt_num(eq.get("probe_images"))],
+        [f"max |logit diff| T-CNN vs CNN ({_e(eq.get('stride_mode'))})", f"<b>{fmt_sci(diff)}</b>"
+         + (f" (relative to max |logit| {fmt_num(scale, 3)}: {fmt_sci(rel)})" if rel is not None else "")],
+        ["mean |logit diff|", fmt_sci(eq.get("mean_abs_logit_diff"))],
+        [f"max |logit diff| with stride mode {other}", fmt_sci(eq.get(f"max_abs_logit_diff_{other}"))
+         + (f" ({_e(eq[f'{other}_error'])})" if eq.get(f"{other}_error") else "")],
+        ["prediction agreement", fmt_pct(eq.get("prediction_agreement"))],
+    ]  # fmt: skip
+    for split in ("val", "test"):
+        if f"{split}_acc_cnn" in eq:
+            a, b = eq.get(f"{split}_acc_cnn"), eq.get(f"{split}_acc_tcnn")
+            rows.append([f"{split} accuracy: CNN / T-CNN before fine-tuning",
+                         f"{fmt_pct(a)} / {fmt_pct(b)} ({fmt_delta_pp(a, b)})"])  # fmt: skip
+    if "params_cnn" in eq:
+        rows.append(
+            ["parameters CNN / T-CNN", f"{fmt_num(eq.get('params_cnn'))} / {fmt_num(eq.get('params_tcnn'))}"]
+        )
+    if eq.get("note"):
+        rows.append(["note", _e(eq["note"])])
+    verdict = ""
+    if _finite(diff):
+        verdict = (
+            "<p>The converted network computes the CNN's function to float precision (max |diff| &le; 1e-4).</p>"
+            if diff <= 1e-4
+            else "<p>The converted network does not reproduce the CNN exactly at this init (expected unless "
+            "alpha and lambda are large, e.g. 50; the paper starts from alpha = lambda = 1).</p>"
+        )
+    return _table(["quantity", "value"], rows) + verdict
+
+
+def _summary_lines(summary: dict[str, Any] | None) -> str:
+    """Coverage facts from results/summary.json (corruptions left out, incomplete benchmark), one line per
+    fact with the models it applies to."""
+    if not summary:
+        return ""
+    facts: dict[str, list[str]] = {}
+    for m, s in summary.items():
+        if not isinstance(s, dict):
+            continue
+        if s.get("excluded"):
+            text = f"left out of every number as not meaningful on this data: {', '.join(map(str, s['excluded']))}."
+            facts.setdefault(text, []).append(_label(m))
+        if s.get("complete") is False:
+            text = (f"evaluated on {len(s.get('corruptions') or [])} of the 15 benchmark corruptions and/or a "
+                    "subset of the 5 severities (CE and mCE over what was evaluated).")  # fmt: skip
+            facts.setdefault(text, []).append(_label(m))
+    return "".join(f"<p>{_e(', '.join(who))}: {_e(text)}</p>" for text, who in facts.items())
+
+
+def _section_robustness(metrics: dict[str, Any]) -> str:
+    models = _models(metrics)
+    if not models:
+        return '<p class="note">results/metrics.json holds no model.</p>'
+    a, b = ("cnn", "tcnn") if {"cnn", "tcnn"} <= set(models) else (None, None)
+    headers = ["metric", *[_label(m) for m in models]] + (["T-CNN − CNN"] if a else [])
+    spec = [
+        ("clean accuracy", "clean_accuracy", "acc"),
+        ("mean corruption accuracy (mCA, 15 benchmark corruptions)", "mca", "acc"),
+        ("mCE (lower is better)", "mce", "err"),
+        ("relative mCE (lower is better)", "relative_mce", "err"),
+        ("extra corruptions: mean accuracy", "extra_accuracy", "acc"),
+        ("extra corruptions: mCE", "extra_mce", "err"),
+    ]
+    rows = []
+    for label, key, kind in spec:
+        vals = [metrics[m].get(key) for m in models]
+        if all(v is None for v in vals):
+            continue
+        digits = 2 if kind == "acc" else 1
+        row = [_e(label), *[fmt_pct(v, digits) for v in vals]]
+        if a:
+            row.append(fmt_delta_pp(metrics[a].get(key), metrics[b].get(key)))
+        rows.append(row)
+    out = [_table(headers, rows, cls="main")]
+    out.append(f"<p>CE normaliser (100% = baseline): <code>{_e(metrics.get('baseline', 'n/a'))}</code>. "
+               "Accuracies are top-1; pp = percentage points.</p>")  # fmt: skip
+    # per category / per severity mean accuracy
+    for title, pred, strip in (
+        ("per category", lambda k: k.startswith("mca_") and not k.startswith("mca_sev"), "mca_"),
+        ("per severity", lambda k: k.startswith("mca_sev"), "mca_sev"),
+    ):
+        keys = list(dict.fromkeys(k for m in models for k in metrics[m] if pred(k)))
+        if not keys:
+            continue
+        gain = (metrics.get("tcnn_gain") or {}).get(
+            "per_category" if "category" in title else "per_severity", {}
+        )
+        hdr = [title.split()[1], *[f"{_label(m)} mCA" for m in models]] + (
+            ["T-CNN − CNN", "relative gain"] if a else []
+        )
+        body = []
+        for k in keys:
+            g = k.removeprefix(strip)
+            row = [_e(g), *[fmt_pct(metrics[m].get(k)) for m in models]]
+            if a:
+                row += [fmt_delta_pp(metrics[a].get(k), metrics[b].get(k)), fmt_pct(gain.get(g), 1)]
+            body.append(row)
+        out.append(f"<h3>Mean corruption accuracy {title}</h3>" + _table(hdr, body))
+    return "".join(out)
+
+
+def _section_training(inputs: Inputs) -> str:
+    rows = []
+    for phase, m in (
+        ("pretrain (CNN)", inputs.pretrain_metrics),
+        ("finetune (T-CNN)", inputs.finetune_metrics),
+    ):
+        if not m:
+            continue
+        epochs = m.get("epochs", m.get("epochs_run"))
+        rows.append([_e(phase), fmt_num(epochs), fmt_pct(m.get("train_acc")), fmt_pct(m.get("val_acc")),
+                     fmt_pct(m.get("test_acc")), fmt_num(m.get("test_loss")),
+                     fmt_num(m.get("train_time_s"), 3), _e(m.get("device", ""))])  # fmt: skip
+    if not rows:
+        return ""
+    return _table(
+        ["phase", "epochs", "train acc", "val acc", "test acc", "test loss", "train time (s)", "device"], rows
+    )
+
+
+def _section_fig4_table(rows: list[dict[str, Any]] | None) -> str:
+    if not rows:
+        return ""
+    from core.report_plots import gpsa_dynamics
+
+    try:
+        dyn = gpsa_dynamics(rows)
+    except ValueError:
+        return ""
+    import numpy as np
+
+    body = []
+    for layer, qs in dyn.values.items():
+        cells = [_e(layer)]
+        for q in ("inv_alpha", "gate", "nonlocality"):
+            if q in qs:
+                with np.errstate(all="ignore"):
+                    m = np.nanmean(qs[q], axis=1)
+                cells.append(f"{fmt_num(float(m[0]), 3)} → {fmt_num(float(m[-1]), 3)}")
+            else:
+                cells.append("n/a")
+        body.append(cells)
+    last = int(dyn.epochs[-1])
+    return _table(["layer", "mean 1/α (start → end)", "mean σ(λ) (start → end)", "mean nonlocality (start → end)"],
+                  body) + f"<p>Start = right after reparameterization, end = fine-tuning epoch {last}.</p>"  # fmt: skip
+
+
+CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:1180px;margin:24px auto;
+padding:0 16px;color:#1d1d1f;line-height:1.45}
+h1{font-size:1.6em;margin-bottom:.2em}h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.8em}
+table{border-collapse:collapse;margin:.6em 0;font-size:.92em}th,td{border:1px solid #ddd;padding:4px 10px;
+text-align:left}th{background:#f4f5f7}table.main td:not(:first-child){text-align:right;font-variant-numeric:tabular-nums}
+td{font-variant-numeric:tabular-nums}img{max-width:100%;border:1px solid #eee;margin:.4em 0}
+.note{background:#fff8e1;border-left:4px solid #f0b400;padding:4px 10px;margin:.4em 0;font-size:.92em}
+pre{background:#f6f8fa;padding:10px;overflow:auto;font-size:.85em;max-height:480px}
+.kpi{display:flex;flex-wrap:wrap;gap:12px;margin:1em 0}.kpi div{background:#f4f5f7;border-radius:6px;padding:8px 14px}
+.kpi b{display:block;font-size:1.25em}.caption{color:#555;font-size:.9em}
+"""
+
+
+def render_html(
+    inputs: Inputs, run_ids: dict[str, str] | None = None, run_ids_note: str | None = None
+) -> str:
+    """The report as one HTML string (no file access, no MLflow): config, MLflow run ids, equivalence,
+    CNN vs T-CNN robustness, training curves, Fig. 3, Fig. 4, Fig. 5, notes on missing optional inputs."""
+    p, m, eq = inputs.params, inputs.metrics, inputs.equivalence
+    fig = inputs.figures
+    cnn, tcnn = m.get("cnn") or {}, m.get("tcnn") or {}
+    kpis = [
+        ("CNN clean accuracy", fmt_pct(cnn.get("clean_accuracy"))),
+        ("T-CNN clean accuracy", fmt_pct(tcnn.get("clean_accuracy"))),
+        ("CNN / T-CNN mCA", f"{fmt_pct(cnn.get('mca'))} / {fmt_pct(tcnn.get('mca'))}"),
+        ("T-CNN mCE", fmt_pct(tcnn.get("mce"), 1)),
+        ("equivalence max |Δlogit|", fmt_sci((eq or {}).get("max_abs_logit_diff"))),
+    ]
+    data = p.get("data", {})
+    model = p.get("model", {})
+    rp = p.get("reparam", {})
+    subtitle = (
+        f"{_e(data.get('name'))} · {_e(model.get('kind'))} / {_e(model.get('arch'))} · t1 = {_e(rp.get('epoch'))} · "
+        f"alpha_init = {_e(rp.get('alpha_init'))} · lambda_init = {_e(rp.get('lambda_init'))} · "
+        f"finetune {_e(p.get('finetune', {}).get('mode'))} · seed {_e(p.get('seed'))}"
+    )
+    s: list[str] = [
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
+        "<meta name='viewport' content='width=device-width,initial-scale=1'>",
+        f"<title>tcnn run report — {_e(data.get('name'))} {_e(model.get('arch'))}</title>",
+        f"<style>{CSS}</style></head><body>",
+        "<h1>tcnn run report</h1>",
+        f"<p class='caption'>{subtitle}</p>",
+        "<div class='kpi'>" + "".join(f"<div>{_e(k)}<b>{v}</b></div>" for k, v in kpis) + "</div>",
+        '<h2 id="mlflow">MLflow runs</h2>',
+        _section_runs(run_ids, p, run_ids_note),
+        '<h2 id="robustness">CNN vs T-CNN</h2>',
+        _section_robustness(m),
+        _summary_lines(inputs.summary),
+        _notes(inputs, "robustness"),
+        '<h2 id="equivalence">Equivalence check (reparameterization)</h2>',
+        _section_equivalence(eq),
+        _notes(inputs, "equivalence"),
+        '<h2 id="training">Training curves</h2>',
+        _section_training(inputs),
+        _img(fig.get("training_curves"), "training curves"),
+        _notes(inputs, "training"),
+        '<h2 id="fig3">Robustness gain per category and severity (000 Fig. 3)</h2>',
+        _img(fig.get("fig3"), "relative improvement of the T-CNN over the CNN"),
+        _notes(inputs, "fig3"),
+        '<h2 id="fig4">GPSA dynamics during fine-tuning (000 Fig. 4)</h2>',
+        "<p class='caption'>Per GPSA layer: attention span 1/α<sub>h</sub> (Eq. 3-4) and gate σ(λ<sub>h</sub>) "
+        "(weight of positional attention, Eq. 7) of every head (thin) and their mean (thick) over fine-tuning "
+        "epochs; nonlocality (001 Eq. 8) on a fixed validation batch.</p>",
+        _img(fig.get("fig4"), "per-head attention span and gate over fine-tuning"),
+        _section_fig4_table(inputs.gpsa_rows),
+        _notes(inputs, "fig4"),
+        '<h2 id="fig5">Attention maps of a centre query (000 Fig. 5)</h2>',
+        "<p class='caption'>One test image fed through the fine-tuned T-CNN; for each GPSA layer, the attention "
+        "of the query nearest the centre of the layer's input grid (red box) over the layer's input pixels, per "
+        "head, each map scaled to its own maximum; σ(λ<sub>h</sub>) in red (1 = purely positional, 0 = purely "
+        "content-based).</p>",
+        f"<p class='caption'>{_e(inputs.fig5_caption)}</p>" if inputs.fig5_caption else "",
+        _img(fig.get("fig5"), "attention maps of the centre query per layer and head"),
+    ]
+    if inputs.attention_stats:
+        rows = [[_e(a["layer"]), _e(a["grid"]), _e(a["query"]), fmt_num(a["mass"], 6), fmt_num(a["peak"], 3),
+                 fmt_num(a["gate"], 3)] for a in inputs.attention_stats]  # fmt: skip
+        s.append(_table(["layer", "key grid", "query (row, col)", "min over heads of Σ attention over keys",
+                         "mean peak weight", "mean σ(λ)"], rows))  # fmt: skip
+        s.append("<p class='caption'>Σ over the layer's input pixels is 1 minus the positional mass on the "
+                 "zero-padded border keys (as a conv's zero padding; small for an interior query).</p>")  # fmt: skip
+    s += [
+        _notes(inputs, "fig5"),
+        '<h2 id="config">Configuration</h2>',
+        f"<pre>{_e(yaml.safe_dump(p, sort_keys=False, default_flow_style=None, width=100))}</pre>",
+        "</body></html>",
+    ]
+    return "\n".join(x for x in s if x)
+
+
+# ------------------------------------------------------------------------------------------------ stage
+def run(params: Params, *, root: Path = Path("."), run_ids: dict[str, str] | None = None) -> dict[str, Any]:
+    """Write results/report.html and the report's PNGs; returns what was rendered and the notes."""
+    root = Path(root)
+    paths = input_paths(params, root)
+    missing = [str(paths[k]) for k in ("cnn", "tcnn", "metrics") if not paths[k].is_file()]
+    if missing:
+        raise StageError(
+            f"missing required input(s): {', '.join(missing)} (run pretrain, finetune and evaluate)"
+        )
+    metrics = _read_json(paths["metrics"], required=True)
+    if not isinstance(metrics, dict) or not _models(metrics):
+        raise StageError(f"{paths['metrics']}: expected an object of per-model metrics (written by evaluate)")
+    cnn, cnn_meta = _load_model(paths["cnn"])
+    tcnn, tcnn_meta = _load_model(paths["tcnn"])
+
+    inputs = Inputs(params=params.model_dump(mode="json"), metrics=metrics, root=root)
+    inputs.equivalence = _dict_or_note(
+        _read_json(paths["equivalence"], required=False, inputs=inputs, section="equivalence"),
+        paths["equivalence"], inputs, "equivalence",
+    )  # fmt: skip
+    inputs.pretrain_history = _history(paths["pretrain_history"], inputs, "training")
+    inputs.finetune_history = _history(paths["finetune_history"], inputs, "training")
+    for key in ("pretrain_metrics", "finetune_metrics"):
+        obj = _read_json(paths[key], required=False, inputs=inputs, section="training")
+        setattr(inputs, key, _dict_or_note(obj, paths[key], inputs, "training"))
+    inputs.summary = _dict_or_note(
+        _read_json(paths["summary"], required=False), paths["summary"], inputs, "robustness"
+    )
+    inputs.gpsa_rows = _read_csv(paths["gpsa"], inputs, "fig4")
+
+    from core.report_plots import gpsa_dynamics, plot_gpsa_dynamics, plot_training_curves, write_bytes_atomic
+
+    figs: dict[str, bytes | None] = {}
+    t1 = (inputs.equivalence or {}).get("reparam_epoch", params.reparam.epoch)
+    if inputs.pretrain_history or inputs.finetune_history:
+        figs["training_curves"] = plot_training_curves(
+            inputs.pretrain_history, inputs.finetune_history, reparam_epoch=t1
+        )
+    else:
+        figs["training_curves"] = None
+        inputs.note("training", "No training history: no training curves.")
+    figs["fig3"] = _gain_png(paths, inputs)
+    figs["fig4"] = None
+    if inputs.gpsa_rows:
+        try:
+            figs["fig4"] = plot_gpsa_dynamics(gpsa_dynamics(inputs.gpsa_rows))
+        except (ValueError, KeyError) as err:
+            inputs.note("fig4", f"{inputs.rel(paths['gpsa'])}: cannot plot ({err}).")
+    figs["fig5"] = _figure5(paths, cnn, tcnn, tcnn_meta, cnn_meta, inputs)
+    inputs.figures = figs
+
+    if run_ids is None:
+        run_ids, ids_note = read_run_ids(root)
+    else:
+        run_ids, ids_note = ({str(k): str(v) for k, v in run_ids.items() if v} or None), None
+    text = render_html(inputs, run_ids, ids_note)
+
+    out = output_paths(root)
+    for key in FIGURES:
+        why = " ".join(inputs.notes.get(key if key != "training_curves" else "training", [])) or "no data"
+        write_bytes_atomic(figs.get(key) or _placeholder(f"{key}: not available ({why})"), out[key])
+    write_bytes_atomic(text.encode(), out["html"])
+    notes = [n for section in inputs.notes.values() for n in section]
+    return {
+        "report": str(out["html"]),
+        "report_bytes": len(text.encode()),
+        "figures": {k: bool(v) for k, v in figs.items()},
+        "run_ids": run_ids or {},
+        "attention": inputs.attention_stats,
+        "notes": notes,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage_main(NAME, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,393 @@
+"""Stage `report`: a tiny chain built with the producers' own writers, then the HTML and PNGs checked."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from _train_helpers import tiny_params, write_params
+from PIL import Image
+
+from core.checkpoint import atomic_save, atomic_write_json, make_model_spec
+from core.config import validate_params
+from core.corruptions import CORRUPTIONS, write_set
+from core.importers import write_array_dataset
+from core.models import build
+from core.plots import plot_relative_improvement
+from core.reparam import gpsa_modules, to_tcnn
+from core.robustness import Baseline, flat_metrics, summarize, table_from_errors
+from core.train import gpsa_long_rows, gpsa_stats
+from stages import _training as T
+from stages import report
+from stages._cli import StageError
+
+LABELS = ["t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "boot"]
+PARENT = "0123456789abcdef0123456789abcdef"
+
+
+def _images(n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    y = np.arange(n, dtype=np.int64) % 10
+    x = rng.integers(0, 50, size=(n, 28, 28, 1)).astype(np.uint8)
+    for i in range(n):  # a bright object whose size depends on the class
+        x[i, 6 : 14 + y[i], 9:19] = 200
+    return x, y
+
+
+def _model_ckpt(model: torch.nn.Module, spec: dict, manifest: dict) -> dict:
+    return {"kind": "model", "model": T.cpu_state(model), "model_spec": spec,
+            "normalization": {"mean": manifest["mean"], "std": manifest["std"]}, "image_size": 28}  # fmt: skip
+
+
+def build_chain(root: Path) -> dict:
+    """runs/, results/ and data/ as the stages write them (formats from their writers), on a random CNN.
+    Params name root-relative paths, so a copy of the tree is a chain of its own."""
+    data_dir, cdir = root / "data" / "fm", root / "data" / "fm-c"
+    test = _images(12, 1)
+    manifest = write_array_dataset("fashion_mnist", data_dir, {"train": _images(40, 0), "test": test}, LABELS,
+                                   {"kind": "test", "path": str(data_dir)}, "test", 256, None)  # fmt: skip
+    write_set(cdir / "clean.parquet", test[0][5:], test[1][5:], np.arange(5, 12), {"corruption": "clean"})
+    raw = tiny_params(Path("data/fm"), robustness={"dir": "data/fm-c"}, reparam={"epoch": 2, "alpha_init": 50.0,
+                      "lambda_init": 50.0}, pretrain={"epochs": 2})  # fmt: skip
+    raw["tracking"] = {"enabled": True, "uri": "sqlite:///mlruns.db", "experiment": "report-test"}
+    params = validate_params(raw)
+
+    torch.manual_seed(0)
+    cnn = build("cnn", "resnet10_cifar", 10, in_chans=1).eval()
+    spec = make_model_spec("cnn", "resnet10_cifar", 10, 1)
+    tspec = make_model_spec("tcnn", "resnet10_cifar", 10, 1, tcnn={"alpha_init": 50.0, "lambda_init": 50.0,
+                            "stages": [-1], "stride_mode": "exact"})  # fmt: skip
+    tcnn = to_tcnn(cnn, alpha_init=50.0, lambda_init=50.0).eval()
+    x = (torch.from_numpy(test[0]).permute(0, 3, 1, 2).float() / 255 - manifest["mean"][0]) / manifest["std"][
+        0
+    ]
+    with torch.no_grad():
+        lc, lt = cnn(x), tcnn(x)
+    y = torch.from_numpy(test[1])
+    eq = {"reparam_epoch": 2, "alpha_init": 50.0, "lambda_init": 50.0, "stride_mode": "exact", "stages": [-1],
+          "converted": True, "probe_images": 12, "max_abs_logit_diff": float((lt - lc).abs().max()),
+          "mean_abs_logit_diff": float((lt - lc).abs().mean()), "max_abs_logit_cnn": float(lc.abs().max()),
+          "prediction_agreement": float((lc.argmax(1) == lt.argmax(1)).float().mean()),
+          "gpsa_layers": [n for n, _ in gpsa_modules(tcnn)], "params_cnn": 1, "params_tcnn": 2,
+          "max_abs_logit_diff_s1": 0.123456, "val_acc_cnn": 0.3125, "val_acc_tcnn": 0.3125,
+          "test_acc_cnn": float((lc.argmax(1) == y).float().mean()),
+          "test_acc_tcnn": float((lt.argmax(1) == y).float().mean())}  # fmt: skip
+    atomic_save(_model_ckpt(tcnn, tspec, manifest), root / "runs" / "reparam" / "tcnn.pt")
+    atomic_write_json(root / "runs" / "reparam" / "equivalence.json", eq)
+
+    pre_hist = [{"epoch": e, "step": 2 * e, "lr": 0.05 * (3 - e), "train_loss": 2.3 - 0.4 * e,
+                 "train_acc": 0.1 + 0.2 * e, "images_per_s": 100.0, "train_time_s": 0.4, "val_loss": 2.2 - 0.3 * e,
+                 "val_acc": 0.15 + 0.1 * e} for e in (1, 2)]  # fmt: skip
+    pre_metrics = {"train_loss": 1.5, "train_acc": 0.5, "val_loss": 1.6, "val_acc": 0.35, "test_loss": 1.7,
+                   "test_acc": 0.4321, "epochs": 2, "train_time_s": 0.8, "device": "cpu"}  # fmt: skip
+    T.publish(None, root / "runs" / "pretrain", objects={"cnn-final.pt": _model_ckpt(cnn, spec, manifest)},
+              history=pre_hist, metrics=pre_metrics)  # fmt: skip
+
+    # "fine-tuning": gates and spans drift per head over 3 epochs; the stats come from the real gpsa_stats
+    ft = to_tcnn(cnn, alpha_init=50.0, lambda_init=50.0).eval()
+    hist = []
+    for e in range(4):
+        with torch.no_grad():
+            for _, m in gpsa_modules(ft):
+                drift = torch.linspace(-1.5, 1.0, m.num_heads) * e
+                m.gating_param.copy_(torch.full((9,), 2.0) + drift * 2)
+                m.set_positional(alpha=(50.0 * torch.exp(-0.9 * drift.abs() * e)).clamp(min=0.05),
+                                 centers=m.tap_offsets())  # fmt: skip
+                m.qkv_weight[: 2 * m.num_heads * m.qk_head_dim].mul_(4.0 if e else 1.0)
+        row = {
+            "epoch": e,
+            "finetune_epoch": e,
+            "step": 2 * e,
+            "val_loss": 1.5 - 0.1 * e,
+            "val_acc": 0.4 + 0.05 * e,
+        }
+        if e:
+            row.update(lr=1e-5 * (4 - e), train_loss=1.6 - 0.1 * e, train_acc=0.38 + 0.05 * e)
+        row["gpsa"] = gpsa_stats(ft, x[:2])
+        hist.append(row)
+    ft_metrics = {"mode": "fresh", "epochs_run": 3, "train_acc": 0.53, "val_acc": 0.55, "test_acc": 0.5678,
+                  "test_loss": 1.2, "train_time_s": 1.5, "device": "cpu"}  # fmt: skip
+    T.publish(None, root / "runs" / "finetune", objects={"tcnn-final.pt": _model_ckpt(ft, tspec, manifest)},
+              history=hist, csvs={"gpsa.csv": gpsa_long_rows(hist)}, metrics=ft_metrics)  # fmt: skip
+
+    # results/ as stages/evaluate.py writes them
+    rng = np.random.default_rng(2)
+    errs = {c: sorted(rng.uniform(0.2, 0.8, 5)) for c in CORRUPTIONS}
+    table = pa.concat_tables([
+        table_from_errors("cnn", 0.2, errs, n=10),
+        table_from_errors("tcnn", 0.18, {c: [e * 0.9 for e in v] for c, v in errs.items()}, n=10),
+    ])  # fmt: skip
+    base = Baseline.from_table(table, model="cnn", name="cnn (this run)")
+    summaries = {m: summarize(table, base, model=m) for m in ("cnn", "tcnn")}
+    res = root / "results"
+    (res / "plots").mkdir(parents=True)
+    pq.write_table(table, res / "robustness.parquet")
+    gains = plot_relative_improvement(table, "cnn", "tcnn", res / "plots" / "robustness_gain.png")
+    metrics = {m: flat_metrics(s) for m, s in summaries.items()}
+    metrics["baseline"] = base.name
+    metrics["tcnn_gain"] = {k: {str(g): v for g, v in d.items()} for k, d in gains.items()}
+    atomic_write_json(res / "metrics.json", metrics)
+    atomic_write_json(res / "summary.json", summaries)
+    return {"params": params, "raw": raw, "eq": eq, "metrics": metrics, "history": hist, "manifest": manifest}
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    root = tmp_path_factory.mktemp("chain")
+    return root, build_chain(root)
+
+
+@pytest.fixture(scope="module")
+def rendered(chain, tmp_path_factory) -> tuple[Path, dict, dict, str]:
+    """The stage run once on a copy of the full chain (with a run-ids file and $TCNN_PARENT_RUN_ID)."""
+    src, info = chain
+    root = tmp_path_factory.mktemp("full") / "r"
+    shutil.copytree(src, root)
+    atomic_write_json(root / "runs" / "mlflow_runs.json", {"parent": PARENT, "stages": {"pretrain": "run-pre-1",
+                      "finetune": "run-ft-2", "evaluate": "run-ev-3"}})  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TCNN_PARENT_RUN_ID", PARENT)
+        out = report.run(info["params"], root=root)
+    return root, info, out, (root / "results" / "report.html").read_text()
+
+
+def _pct(v: float, d: int = 2) -> str:
+    return f"{100 * v:.{d}f}%"
+
+
+def _png(path_or_bytes) -> Image.Image:
+    data = path_or_bytes if isinstance(path_or_bytes, bytes) else Path(path_or_bytes).read_bytes()
+    im = Image.open(io.BytesIO(data))
+    im.load()
+    assert im.format == "PNG"
+    assert np.asarray(im.convert("L"), dtype=float).std() > 5
+    return im
+
+
+# ------------------------------------------------------------------------------------------------ content
+def test_report_shows_the_numbers_of_its_inputs(rendered) -> None:
+    _, info, out, text = rendered
+    eq, m = info["eq"], info["metrics"]
+    assert f"{eq['max_abs_logit_diff']:.3e}" in text
+    assert eq["max_abs_logit_diff"] <= 1e-4 and "float precision" in text  # alpha = lambda = 50 equivalence
+    assert f"{eq['max_abs_logit_diff_s1']:.3e}" in text
+    assert f"{_pct(eq['test_acc_cnn'])} / {_pct(eq['test_acc_tcnn'])}" in text
+    assert "layer4.0.conv1, layer4.0.conv2" in text
+    for model in ("cnn", "tcnn"):
+        assert _pct(m[model]["clean_accuracy"]) in text
+        assert _pct(m[model]["mca"]) in text
+        assert _pct(m[model]["mce"], 1) in text
+        assert _pct(m[model]["relative_mce"], 1) in text
+        assert _pct(m[model]["extra_accuracy"]) in text
+    # T-CNN errors are 0.9x the CNN's (the baseline): mCE 90%
+    assert m["tcnn"]["mce"] == pytest.approx(0.9) and "90.0%" in text
+    assert f"{100 * (m['tcnn']['clean_accuracy'] - m['cnn']['clean_accuracy']):+.2f} pp" in text
+    assert _pct(m["tcnn_gain"]["per_category"]["blur"], 1) in text
+    assert "43.21%" in text and "56.78%" in text  # pretrain / finetune test accuracy
+    assert "alpha_init: 50.0" in text  # the config block
+    assert out["figures"] == {"training_curves": True, "fig3": True, "fig4": True, "fig5": True}
+    assert out["notes"] == []
+
+
+def test_report_lists_mlflow_run_ids(rendered) -> None:
+    _, _, out, text = rendered
+    assert out["run_ids"] == {"parent": PARENT, "pretrain": "run-pre-1", "finetune": "run-ft-2",
+                              "evaluate": "run-ev-3"}  # fmt: skip
+    for rid in out["run_ids"].values():
+        assert f"<code>{rid}</code>" in text
+    assert text.index(PARENT) < text.index("run-pre-1") < text.index("run-ft-2") < text.index("run-ev-3")
+    assert "report-test" in text
+
+
+def test_fig4_table_matches_the_gpsa_history(rendered) -> None:
+    _, info, _, text = rendered
+    hist = info["history"]
+    for layer in ("layer4.0.conv1", "layer4.0.conv2"):
+        g0, g3 = (float(np.mean(hist[e]["gpsa"][layer]["gate"])) for e in (0, 3))
+        a0, a3 = (float(np.mean(hist[e]["gpsa"][layer]["inv_alpha"])) for e in (0, 3))
+        row = re.search(rf"<tr><td>{re.escape(layer)}</td>(.*?)</tr>", text).group(1)
+        assert f"{g0:.3g} → {g3:.3g}" in row and f"{a0:.3g} → {a3:.3g}" in row
+
+
+def test_report_figures_are_written_and_embedded(rendered) -> None:
+    root, _, out, text = rendered
+    embedded = [
+        base64.b64decode(b) for b in re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', text)
+    ]
+    assert len(embedded) == 4
+    plots = root / "results" / "plots"
+    files = {k: (plots / n).read_bytes() for k, n in report.FIGURES.items()}
+    # embedded in section order: training curves, Fig. 3 (the evaluate stage's own PNG), Fig. 4, Fig. 5
+    assert embedded == [files["training_curves"], (plots / "robustness_gain.png").read_bytes(), files["fig4"],
+                        files["fig5"]]  # fmt: skip
+    sizes = {k: _png(v).size for k, v in files.items()}
+    assert sizes["training_curves"][0] >= 1000 and sizes["fig4"][1] >= 500 and sizes["fig5"][0] >= 1000
+    assert out["report"].endswith("results/report.html")
+    assert (root / "results" / "report.html").stat().st_mode & 0o777 == 0o644  # shareable, not mkstemp's 0600
+    assert not list(root.rglob("*.tmp"))
+
+
+def test_fig5_data_is_the_attention_of_the_centre_query(rendered) -> None:
+    _, _, out, text = rendered
+    att = {a["layer"]: a for a in out["attention"]}
+    assert att["layer4.0.conv1"]["grid"] == "7x7" and att["layer4.0.conv2"]["query"] == "(1, 1)"
+    for a in att.values():  # a map's sum over the keys: 1 minus what the wide heads put on the zero padding
+        assert 0.0 < a["mass"] <= 1 + 1e-9 and 0.0 < a["peak"] <= 1.0
+    assert "label 5 (sandal)" in text  # clean set's first image is test index 5
+
+
+# ------------------------------------------------------------------------------------------------ degraded
+def test_missing_optional_inputs_become_notes(chain, tmp_path) -> None:
+    src, info = chain
+    root = tmp_path / "r"
+    shutil.copytree(src, root)
+    for rel in ("runs/finetune/gpsa.csv", "runs/reparam/equivalence.json", "runs/pretrain/history.json",
+                "runs/finetune/history.json", "results/plots/robustness_gain.png", "data/fm-c/clean.parquet"):  # fmt: skip
+        (root / rel).unlink()
+    out = report.run(info["params"], root=root, run_ids={})
+    text = (root / "results" / "report.html").read_text()
+    for rel in ("runs/finetune/gpsa.csv", "runs/reparam/equivalence.json", "runs/pretrain/history.json"):
+        assert f"{rel} is missing" in text
+    assert "redrawn from" in text  # Fig. 3 from robustness.parquet
+    assert out["figures"] == {"training_curves": False, "fig3": True, "fig4": False, "fig5": True}
+    assert "label 0 (t-shirt)" in text and "test split, index 0" in text  # fell back to the data dir
+    assert "No MLflow run ids" in text
+    for name in report.FIGURES.values():  # placeholders keep the declared outputs
+        assert Image.open(root / "results" / "plots" / name).format == "PNG"
+
+
+OPTIONAL = ("runs/finetune/gpsa.csv", "runs/reparam/equivalence.json", "runs/pretrain/history.json",
+            "runs/finetune/history.json", "results/plots/robustness_gain.png", "results/robustness.parquet")  # fmt: skip
+
+
+def _bare_copy(src: Path, dst: Path) -> Path:
+    """The chain with only the required inputs and the images (quick to render: figures become notes)."""
+    shutil.copytree(src, dst)
+    for rel in OPTIONAL:
+        (dst / rel).unlink()
+    return dst
+
+
+def test_no_gpsa_layer(chain, tmp_path) -> None:
+    src, info = chain
+    root = _bare_copy(src, tmp_path / "r")
+    shutil.copy(root / "runs/pretrain/cnn-final.pt", root / "runs/finetune/tcnn-final.pt")  # model.kind=cnn
+    out = report.run(info["params"], root=root)
+    assert out["figures"] == {"training_curves": False, "fig3": False, "fig4": False, "fig5": False}
+    assert "no GPSA layer" in " ".join(out["notes"]) and out["attention"] == []
+    assert "results/plots/robustness_gain.png and results/robustness.parquet are missing" in " ".join(
+        out["notes"]
+    )
+
+
+def test_no_test_images(chain, tmp_path) -> None:
+    src, info = chain
+    root = _bare_copy(src, tmp_path / "r")
+    shutil.rmtree(root / "data")
+    out = report.run(info["params"], root=root)
+    assert out["figures"]["fig5"] is False
+    assert "No clean test image available (data/fm/manifest.json: missing" in " ".join(out["notes"])
+    text = (root / "results" / "report.html").read_text()
+    assert "No clean test image" in text and text.count("data:image/png;base64,") == 0
+
+
+# ------------------------------------------------------------------------------------------------ errors
+@pytest.mark.parametrize(
+    "rel", ["runs/pretrain/cnn-final.pt", "runs/finetune/tcnn-final.pt", "results/metrics.json"]
+)
+def test_missing_required_input_is_one_line_and_writes_nothing(
+    chain, tmp_path, rel, monkeypatch, capsys
+) -> None:
+    src, info = chain
+    root = tmp_path / "r"
+    shutil.copytree(
+        src, root, ignore=shutil.ignore_patterns("report.html", "fig*.png", "training_curves.png")
+    )
+    (root / rel).unlink()
+    params = write_params(root / "params.yaml", info["raw"])
+    monkeypatch.chdir(root)
+    assert report.main(["--params", str(params)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("report: error: missing required input") and "\n" not in err and rel in err
+    assert not (root / "results" / "report.html").exists()
+    assert not list((root / "results" / "plots").glob("fig*.png"))
+
+
+@pytest.mark.parametrize("damage", ["truncated_ckpt", "bad_json", "not_metrics"])
+def test_corrupt_required_input(chain, tmp_path, damage) -> None:
+    src, info = chain
+    root = tmp_path / "r"
+    shutil.copytree(src, root)
+    if damage == "truncated_ckpt":
+        p = root / "runs/finetune/tcnn-final.pt"
+        p.write_bytes(p.read_bytes()[:4000])
+        match = "tcnn-final.pt: corrupt or truncated"
+    elif damage == "bad_json":
+        (root / "results/metrics.json").write_text("{not json")
+        match = "metrics.json: not valid JSON"
+    else:
+        (root / "results/metrics.json").write_text(json.dumps({"baseline": "x"}))
+        match = "expected an object of per-model metrics"
+    with pytest.raises(StageError, match=match):
+        report.run(info["params"], root=root)
+    assert not (root / "results" / "report.html").exists()
+
+
+# ------------------------------------------------------------------------------------------------ run ids
+def test_read_run_ids(tmp_path) -> None:
+    assert report.read_run_ids(tmp_path, {}) == (None, None)
+    assert report.read_run_ids(tmp_path, {"TCNN_PARENT_RUN_ID": "p1"}) == ({"parent": "p1"}, None)
+    f = tmp_path / "runs" / "mlflow_runs.json"
+    f.parent.mkdir()
+    f.write_text(json.dumps({"parent_run_id": "p1", "pretrain": "a", "finetune_run_id": "b", "n": 3}))
+    assert report.read_run_ids(tmp_path, {}) == ({"parent": "p1", "pretrain": "a", "finetune": "b"}, None)
+    ids, note = report.read_run_ids(tmp_path, {"TCNN_PARENT_RUN_ID": "p2"})  # another execution's file
+    assert ids == {"parent": "p2"} and "stale" in note
+    f.write_text("[1, 2")
+    ids, note = report.read_run_ids(tmp_path, {"TCNN_PARENT_RUN_ID": "p3"})
+    assert ids == {"parent": "p3"} and "unreadable" in note
+
+
+# ------------------------------------------------------------------------------------------------ real chain
+@pytest.mark.slow
+def test_report_on_the_real_chain(tmp_path, monkeypatch) -> None:
+    """prepare-format data -> the real pretrain, reparam, finetune, corrupt and evaluate stages -> report."""
+    from _train_helpers import write_dataset
+
+    from stages import corrupt, evaluate, finetune, pretrain, reparam
+
+    monkeypatch.setenv("TCNN_QUIET", "1")
+    monkeypatch.setenv("TCNN_DEVICE", "cpu")
+    monkeypatch.delenv("TCNN_PARENT_RUN_ID", raising=False)
+    monkeypatch.chdir(tmp_path)  # the training stages read data.dir relative to the working directory
+    write_dataset(tmp_path / "data" / "fm", n_train=300, n_test=100)
+    raw = tiny_params(Path("data/fm"), pretrain={"epochs": 1}, reparam={"epoch": 1}, finetune={"epochs": 1},
+                      robustness={"dir": "data/fm-c", "n_images": 40, "corruptions": ["gaussian_noise", "contrast"],
+                                  "severities": [1, 3], "workers": 1})  # fmt: skip
+    raw["data"]["val_size"] = 50
+    params = validate_params(raw)
+    for stage in (pretrain, reparam, finetune, corrupt, evaluate):
+        stage.run(params, root=tmp_path)
+    out = report.run(params, root=tmp_path)
+    text = (tmp_path / "results" / "report.html").read_text()
+    assert out["figures"] == {"training_curves": True, "fig3": True, "fig4": True, "fig5": True}
+    assert out["notes"] == [] and out["run_ids"] == {}
+    eq = json.loads((tmp_path / "runs/reparam/equivalence.json").read_text())
+    metrics = json.loads((tmp_path / "results/metrics.json").read_text())
+    assert f"{eq['max_abs_logit_diff']:.3e}" in text
+    assert f"{_pct(eq['val_acc_cnn'])} / {_pct(eq['val_acc_tcnn'])}" in text
+    for m in ("cnn", "tcnn"):
+        assert _pct(metrics[m]["clean_accuracy"]) in text and _pct(metrics[m]["mca"]) in text
+    ft = json.loads((tmp_path / "runs/finetune/metrics.json").read_text())
+    assert _pct(ft["test_acc"]) in text
+    for name in report.FIGURES.values():
+        _png(tmp_path / "results" / "plots" / name)
