@@ -18,17 +18,16 @@ one. Checkpoints hold only tensors and plain Python containers, so they load wit
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn as nn
+
+from core.atomic import atomic_write, atomic_write_json, atomic_write_text  # noqa: F401  (re-exported)
 
 MODEL_SPEC_KEYS = ("kind", "arch", "num_classes", "in_chans", "options", "tcnn")
 TCNN_SPEC_KEYS = ("alpha_init", "lambda_init", "stages", "stride_mode")
@@ -43,48 +42,9 @@ class CheckpointError(ValueError):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _fsync_dir(directory: Path) -> None:
-    with contextlib.suppress(OSError):  # not every filesystem lets a directory be opened for fsync
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> Path:
-    """Write `path` through `write(fileobj)` into a temp file in the same directory, fsync, then rename.
-
-    The temp file is removed when `write` fails; the destination is never left half-written.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-    return path
-
-
 def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     """`torch.save(obj, path)` atomically (temp file, fsync, os.replace)."""
     return atomic_write(path, lambda f: torch.save(obj, f))
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    return atomic_write(path, lambda f: f.write(text.encode()))
-
-
-def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
-    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False, allow_nan=True) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -66,7 +66,6 @@ import importlib.resources
 import json
 import math
 import os
-import tempfile
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -81,6 +80,8 @@ import numpy as np
 from numba import njit
 from PIL import Image
 from scipy.ndimage import correlate1d, map_coordinates
+
+from core.atomic import atomic_write, atomic_write_json
 
 # ----------------------------------------------------------------------------------------------------------
 # Names, categories, bands
@@ -1223,37 +1224,17 @@ def write_set(
     table = pa.table({"index": indices, "label": labels, "image": image_col})
     meta = {**meta, "image_shape": [int(v) for v in images.shape[1:]], "n": n}
     table = table.replace_schema_metadata({_META_KEY: json.dumps(meta, sort_keys=True).encode()})
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            pq.write_table(table, fh, compression="zstd", use_dictionary=False, row_group_size=max(n, 1))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write(
+        path,
+        lambda fh: pq.write_table(
+            table, fh, compression="zstd", use_dictionary=False, row_group_size=max(n, 1)
+        ),
+    )
 
 
 def write_json_atomic(obj: Any, path: str | os.PathLike) -> Path:
-    """Write `obj` as indented JSON, atomically (temp file in the same directory, fsync, os.replace)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=1)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """Write `obj` as indented JSON, atomically (core.atomic)."""
+    return atomic_write_json(path, obj, indent=1)
 
 
 def read_set_meta(path: str | os.PathLike) -> dict[str, Any] | None:

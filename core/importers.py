@@ -40,6 +40,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from core.atomic import atomic_write_json
+
 FORMAT_VERSION = 1
 IMPORTER_VERSION = 1  # bump when the bytes an importer writes change
 MANIFEST = "manifest.json"
@@ -177,20 +179,7 @@ def atomic_output_dir(out: Path) -> Iterator[Path]:
 
 
 def write_json_atomic(obj: Any, path: Path) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, sort_keys=False)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    atomic_write_json(path, obj, indent=1, shared=True)
 
 
 def _check_output_dir(out: Path) -> None:

@@ -6,12 +6,13 @@ Both functions write their PNG atomically (temporary file in the same directory,
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import matplotlib
+
+from core.atomic import atomic_write
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -21,21 +22,10 @@ from core.corruptions import CATEGORIES, CORRUPTIONS, SEVERITIES  # noqa: E402
 
 
 def _save(fig: Any, path: Path, dpi: int) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as fh:
-            fig.savefig(fh, format="png", dpi=dpi)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        return atomic_write(path, lambda fh: fig.savefig(fh, format="png", dpi=dpi), shared=True)
     finally:
         plt.close(fig)
-    return path
 
 
 def contact_sheet(

@@ -18,13 +18,14 @@ from __future__ import annotations
 import io
 import math
 import os
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import matplotlib
+
+from core.atomic import atomic_write_bytes
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
@@ -58,21 +59,8 @@ _DPI = 110
 # ------------------------------------------------------------------------------------------------- output
 def write_bytes_atomic(data: bytes, path: str | os.PathLike) -> Path:
     """Write bytes (a PNG, the report's HTML) atomically (temp file in the same directory, fsync, os.replace),
-    readable by others (0644: a report is for sharing; mkstemp would leave 0600)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    readable by others (a report is for sharing; mkstemp would leave 0600)."""
+    return atomic_write_bytes(path, data, shared=True)
 
 
 def _finish(fig: Any, path: str | os.PathLike | None) -> bytes:
