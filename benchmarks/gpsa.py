@@ -9,8 +9,10 @@
 3. Whole models, T-CNN (to_tcnn, paper init alpha = lambda = 1) vs its CNN: resnet10_cifar at 28 px and
    resnet50 at 224 px, images/s in eval forward and in a training step.
 
-Timing: the contenders run interleaved (A, B, A, B, ...) after warm-up and each reports its median, so load
-from other processes on the shared machine hits both alike; only the ratios are meant to be compared.
+Timing: the contenders run interleaved (A, B, A, B, ...) after warm-up on the same inputs and each reports its
+median wall time and median process CPU time, so load from other processes on the shared machine hits both
+alike; only the ratios are meant to be compared (the ``_cpu`` columns are the less load-sensitive ones). The
+layer-level forward+backward feeds the same fixed dense upstream gradient to both contenders.
 
 Peak memory (CPU): the PyTorch profiler with ``profile_memory=True`` records every allocation and free made
 through the c10 CPU allocator (including the temporaries inside fused kernels) with the running "Total
@@ -26,6 +28,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -56,11 +59,12 @@ def _sync(device: torch.device) -> None:
 
 
 def bench(fns: dict[str, Callable[[], object]], device: torch.device, reps: int, warmup: int = 2) -> dict:
-    """Per-call seconds for each fn, run interleaved: {name: (wall, cpu)}, each the minimum over ``reps``.
+    """Per-call seconds for each fn, run interleaved: {name: (wall, cpu)}, each the median over ``reps``.
 
-    Load from other processes only ever adds time, so the minimum is the least-disturbed estimate. ``cpu`` is
-    the process CPU time (all threads; OpenMP threads wait passively, see main), which a busy machine does
-    not inflate: the contention-robust measure of the work done.
+    Interleaving (A, B, A, B, ...) makes load from other processes hit all contenders alike; the median is
+    robust to the bursts. ``cpu`` is the process CPU time (all threads; OpenMP threads wait passively, see
+    the top of this file), which a busy machine inflates much less than wall time: the contention-robust
+    measure of the work done.
     """
     wall: dict[str, list[float]] = {k: [] for k in fns}
     cpu: dict[str, list[float]] = {k: [] for k in fns}
@@ -75,7 +79,7 @@ def bench(fns: dict[str, Callable[[], object]], device: torch.device, reps: int,
             _sync(device)
             wall[k].append(time.perf_counter() - t0)
             cpu[k].append(time.process_time() - c0)
-    return {k: (min(wall[k]), min(cpu[k])) for k in fns}
+    return {k: (statistics.median(wall[k]), statistics.median(cpu[k])) for k in fns}
 
 
 @contextlib.contextmanager
@@ -125,11 +129,27 @@ def _fwd(m: nn.Module, x: torch.Tensor) -> Callable[[], object]:
     return f
 
 
-def _fwd_bwd(m: nn.Module, x: torch.Tensor) -> Callable[[], object]:
+def _fwd_bwd(m: nn.Module, x: torch.Tensor, grad: torch.Tensor | None = None) -> Callable[[], object]:
+    """Forward + backward. ``grad``: the upstream gradient (a fixed dense tensor, the same for all contenders);
+    None: backward from ``out.sum()`` (whole models: the gradient then passes through the classifier)."""
+
     def f() -> None:
-        m(x).float().sum().backward()
+        out = m(x)
+        if grad is None:
+            out.float().sum().backward()
+        else:
+            out.backward(grad)
 
     return f
+
+
+def _upstream(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A fixed random upstream gradient shaped like m(x): a real layer receives a dense gradient, whereas
+    ``out.sum()`` would hand it a zero-stride broadcast that sends some backward kernels down other paths."""
+    with torch.no_grad():
+        out = m(x)
+    g = torch.Generator(device="cpu").manual_seed(1)
+    return torch.randn(out.shape, generator=g).to(device=out.device, dtype=out.dtype)
 
 
 def _zero_grads(*mods: nn.Module) -> None:
@@ -152,14 +172,15 @@ def section_convit(device: torch.device, reps: int) -> list[dict]:
         x = torch.randn(b, s * s, d, device=device, requires_grad=True)
         with torch.no_grad():
             err = (ours(x) - ref(x)).abs().max().item()
+        gy = _upstream(ref, x)
         f = bench({"timm": _fwd(ref, x), "ours": _fwd(ours, x)}, device, reps)
-        fb = bench({"timm": _fwd_bwd(ref, x), "ours": _fwd_bwd(ours, x)}, device, max(3, reps // 2))
+        fb = bench({"timm": _fwd_bwd(ref, x, gy), "ours": _fwd_bwd(ours, x, gy)}, device, max(3, reps // 2))
         _zero_grads(ref, ours)
         x.grad = None
-        mem_t = peak_memory(_fwd_bwd(ref, x), device)
+        mem_t = peak_memory(_fwd_bwd(ref, x, gy), device)
         _zero_grads(ref, ours)
         x.grad = None
-        mem_o = peak_memory(_fwd_bwd(ours, x), device)
+        mem_o = peak_memory(_fwd_bwd(ours, x, gy), device)
         rows.append(
             dict(
                 shape=f"({b}, {s}x{s}, {d}, {h})",
@@ -189,8 +210,9 @@ def section_tcnn(device: torch.device, reps: int) -> list[dict]:
         conv = nn.Conv2d(d, d, 3, padding=1, bias=False).to(device)
         gpsa = GPSA.from_conv(conv)
         x = torch.randn(b, d, s, s, device=device, requires_grad=True)
+        gy = _upstream(conv, x)
         f = bench({"conv": _fwd(conv, x), "gpsa": _fwd(gpsa, x)}, device, reps)
-        fb = bench({"conv": _fwd_bwd(conv, x), "gpsa": _fwd_bwd(gpsa, x)}, device, max(3, reps // 2))
+        fb = bench({"conv": _fwd_bwd(conv, x, gy), "gpsa": _fwd_bwd(gpsa, x, gy)}, device, max(3, reps // 2))
         rows.append(
             dict(
                 shape=f"({b}, {s}x{s}, {d}, 9)",

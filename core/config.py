@@ -82,11 +82,69 @@ class ModelConfig(_Strict):
 
     @field_validator("arch")
     @classmethod
-    def _known_arch(cls, v: str) -> str:
-        from core.models import is_known_arch  # lazy: imports timm/torch only when a config is checked
+    def _known_arch(cls, v: str, info: ValidationInfo) -> str:
+        from core.models import CONVIT_CONFIGS, is_known_arch  # lazy: timm/torch only when checked
 
-        if not is_known_arch(v):
+        kind = info.data.get("kind")
+        if kind == "convit" and v not in CONVIT_CONFIGS:
+            raise ValueError(f"unknown arch {v!r} for kind 'convit' (choose from {sorted(CONVIT_CONFIGS)})")
+        if kind == "cmhsa":
+            from core.cmhsa import CMHSA_ARCHS
+
+            if v not in CMHSA_ARCHS:
+                raise ValueError(f"unknown arch {v!r} for kind 'cmhsa' (choose from {sorted(CMHSA_ARCHS)})")
+        elif kind != "convit" and not is_known_arch(v, "cnn"):
             raise ValueError(f"unknown arch {v!r} (not a timm model name nor a project-registered net)")
+        return v
+
+    @field_validator("options")
+    @classmethod
+    def _kind_options(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        """Kind-specific options: the ablation switches (001 Table 3), the conversion of hybrid_scratch and
+        psa's qk_init; tcnn / psa convert with the `reparam` section, cmhsa's phase is set by the stages."""
+        from core.models import check_options  # lazy
+
+        kind = info.data.get("kind")
+        if kind is None:
+            return v
+        try:
+            check_options(kind, v)
+        except ValueError as err:
+            raise ValueError(str(err).removeprefix("options.")) from None
+        conv_keys = ("alpha_init", "lambda_init", "stages", "stride_mode")
+        if kind in ("tcnn", "psa"):
+            bad = [k for k in conv_keys if k in v]
+            if bad:
+                raise ValueError(f"{bad[0]}: kind {kind!r} converts with reparam.{bad[0]}; set that instead")
+        if "qk_init" in v:
+            from core.psa import QK_INITS
+
+            if kind != "psa":
+                raise ValueError(f"qk_init: applies to kind 'psa', not {kind!r}")
+            if v["qk_init"] not in QK_INITS:
+                raise ValueError(f"qk_init: must be one of {list(QK_INITS)}, got {v['qk_init']!r}")
+        if kind == "cmhsa" and "phase" in v:
+            raise ValueError(
+                "phase: set by the stages (pretrain: conv, reparam onwards: mhsa), not an option"
+            )
+        if kind == "hybrid_scratch":
+            a = v.get("alpha_init", 1.0)
+            if isinstance(a, bool) or not isinstance(a, int | float) or not a > 0:
+                raise ValueError(f"alpha_init: must be a number > 0, got {a!r}")
+            lam = v.get("lambda_init", 1.0)
+            if isinstance(lam, bool) or not isinstance(lam, int | float):
+                raise ValueError(f"lambda_init: must be a number, got {lam!r}")
+            st = v.get("stages", [-1])
+            if (
+                not isinstance(st, list)
+                or not st
+                or not all(isinstance(i, int) and not isinstance(i, bool) for i in st)
+            ):
+                raise ValueError(f"stages: must be a non-empty list of stage indices, got {st!r}")
+            if v.get("stride_mode", "exact") not in STRIDE_MODES:
+                raise ValueError(
+                    f"stride_mode: must be one of {list(STRIDE_MODES)}, got {v['stride_mode']!r}"
+                )
         return v
 
 
@@ -183,6 +241,9 @@ class SweepConfig(_Strict):
     max_failures: int = Field(2, ge=0)
     fraction_scales_epochs: bool = True  # 001 Table 2: epochs x 1/f at fraction f
     storage: Path = Path("sweeps")
+    # Trials with the same pretraining inputs share one content-addressed pretraining run (pipelines/sweep_plan.py);
+    # false = every trial pretrains in its own directory (the naive grid, e.g. for benchmarks/sweep.py).
+    share_pretraining: bool = True
 
 
 class TrackingConfig(_Strict):

@@ -34,8 +34,10 @@ larger ones (cost (H + W) per token instead of H * W). q/k/v come from one fused
 goes through ``F.scaled_dot_product_attention`` (``attn_impl="sdpa"``). ``attn_impl="dense"`` instead
 materialises the mixed attention once and multiplies it with V in one batched matmul; ``"auto"`` uses it only
 for the T-CNN mode on CPU, where SDPA's fused kernel does not apply (it needs equal q/k/v head widths; T-CNN
-values are D_in wide per head) and its math fallback would materialise the attention anyway. Probabilities
-below 1e-19 are flushed to zero (see `_flush_tiny`): subnormal operands slow CPU matmuls 10-45x.
+values are D_in wide per head) and its math fallback would materialise the attention anyway. The dense T-CNN
+path (`_forward_tcnn_dense`) reads the NCHW map in place, folds W_val into the output weight and ends in the
+conv's own im2col-shaped GEMM (heads * D_in -> D_out). Probabilities below 1e-19 are flushed to zero (see
+`_flush_tiny`): subnormal operands slow CPU matmuls 10-45x.
 """
 
 from __future__ import annotations
@@ -520,6 +522,8 @@ class GPSA(nn.Module):
 
     def forward(self, x: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
         """T-CNN mode: [B, D_in, H, W] -> [B, D_out, H', W']. ConViT mode: [B, N, C] on grid ``size``."""
+        if self.mode == "tcnn" and self._use_dense(x.device):
+            return self._forward_tcnn_dense(x)
         tokens, h, w = self._tokens(x, size)
         b, lk, _ = tokens.shape
         hq, wq, s = self._query_size(h, w)
@@ -552,6 +556,102 @@ class GPSA(nn.Module):
                 out = F.avg_pool2d(out, self.stride, self.stride, ceil_mode=True, count_include_pad=False)
             return self.proj_drop(out)
         return self.proj_drop(F.linear(y, self.weight, self.bias))
+
+    def _forward_tcnn_dense(self, x: torch.Tensor) -> torch.Tensor:
+        """T-CNN mode, dense path: out_i = sum_h sum_j A^h_ij V_j W_out^h + b (000 Eq. 5), conv-shaped GEMMs.
+
+        Works on the NCHW map as it comes (no token copy of the input):
+        1. q^T, k^T [B * heads, d, L] straight from the [B, C, L] view of x: a 1x1-conv-shaped GEMM per image
+           (queries only at the output positions for an exact stride);
+        2. A^h = (1 - sigma(lambda_h)) softmax(q k^T / sqrt(d)) + sigma(lambda_h) P^h, stored [B, Lq, heads, L]
+           (the batch-shared P^h comes from the cache; mix and flush in one pass, `_GatedMix`);
+        3. Y = A X: one batched matmul [B, Lq * heads, L] @ [B, L, C] reading x's NCHW view transposed;
+        4. out = Y W2^T + b with W2 = [W_out^h W_val]_h, [D_out, heads * D_in]: one GEMM with the conv's own
+           im2col shape (M = B * Lq, K = heads * D_in, N = D_out), the bias fused in; returned as an NCHW view
+           of the channels-last result (BatchNorm and the residual add take it as is).
+        W_val is folded into the output weight (V never materialised) whenever that is cheaper: always when the
+        folded weight is reused (autograd off: cached until a parameter changes), otherwise when
+        B * L >= heads * D_out (the fold costs heads * D_out * D_in^2 multiply-adds, the projection B * L * D_in^2).
+        Same function up to float rounding (at the init W_val = I and the fold is exact).
+
+        Projections: with autograd off, a batched matmul against the weight expanded over the batch (no copy,
+        the fastest on CPU for these small maps); with autograd on, ``F.conv2d`` with a 1x1 kernel, whose
+        backward reduces the weight gradient inside one GEMM (the expanded matmul's backward would materialise
+        a [B, rows, C] weight gradient and sum it).
+        """
+        if x.ndim != 4:
+            raise ValueError(f"GPSA(tcnn) expects [B, C, H, W], got shape {tuple(x.shape)}")
+        b, c, h, w = x.shape
+        hq, wq, s = self._query_size(h, w)
+        lk, lq = h * w, hq * wq
+        nh, dq, cout = self.num_heads, self.qk_head_dim, self.out_dim
+        grad = torch.is_grad_enabled()
+        fold = self.qkv_bias is None and (not grad or b * lk >= nh * cout)
+        xs = x.flatten(2)  # [B, C, L]: a view for NCHW and channels_last inputs
+        qk = nh * dq
+        wqkv, bqkv = self.qkv_weight, self.qkv_bias
+        # views below for NCHW inputs; reshape copies where a channels_last input made conv2d's output CL
+        if s == 1 and bqkv is None:  # one GEMM for q and k: rows (head, q|k, d), one block per head
+            both = self._project(x, self._cached(("qk_rows",), self._qk_rows), None, 1, grad)
+            both = both.reshape(b * nh, 2 * dq, lk)
+            qt, kt = both[:, :dq], both[:, dq:]
+        else:
+            bq, bk = (None, None) if bqkv is None else (bqkv[:qk], bqkv[qk : 2 * qk])
+            qt = self._project(x, wqkv[:qk], bq, s, grad).reshape(b * nh, dq, lq)
+            kt = self._project(x, wqkv[qk : 2 * qk], bk, 1, grad).reshape(b * nh, dq, lk)
+        scores = torch.baddbmm(
+            qt.new_zeros(()).expand(b * nh, lq, lk), qt.transpose(1, 2), kt, beta=0.0, alpha=dq**-0.5
+        )
+        attn = scores.view(b, nh, lq, lk).softmax(dim=-1)
+        act = attn.dtype
+        g_con = self._gates(act)[1]
+        pos = self._gated_positional(h, w, act)
+        # mixed attention, stored [B, Lq, heads, L] so that Y's rows come out in (query, head) order
+        attn = _gated_mix(attn, pos, g_con[:, None, None], (0, 2, 1, 3), probs=True)
+        if fold:
+            vt = xs
+        else:
+            vt = self._project(x, wqkv[2 * qk :], None if bqkv is None else bqkv[2 * qk :], 1, grad)
+        y = torch.bmm(attn.transpose(1, 2).reshape(b, lq * nh, lk), vt.transpose(1, 2))  # [B, Lq * heads, C]
+        w2 = self._cached(("w2", fold), lambda: self._tcnn_out_weight(fold))
+        out = F.linear(y.view(b * lq, nh * c), w2, self.bias).view(b, hq, wq, cout).permute(0, 3, 1, 2)
+        if self.stride > 1 and self.stride_mode == "s1":
+            out = F.avg_pool2d(out, self.stride, self.stride, ceil_mode=True, count_include_pad=False)
+        return self.proj_drop(out)
+
+    def _qk_rows(self) -> torch.Tensor:
+        """W_q, W_k rows reordered to (head, q|k, d): one projection GEMM yields [B, heads, 2 d, L] blocks."""
+        nh, dq = self.num_heads, self.qk_head_dim
+        wqk = self.qkv_weight[: 2 * nh * dq].view(2, nh, dq, self.in_dim)
+        return wqk.transpose(0, 1).reshape(2 * nh * dq, self.in_dim)
+
+    @staticmethod
+    def _project(
+        x: torch.Tensor, wgt: torch.Tensor, bias: torch.Tensor | None, stride: int, grad: bool
+    ) -> torch.Tensor:
+        """``wgt @ x + bias`` at every ``stride``-th pixel of the NCHW map x: [B, rows, L'] (a 1x1 conv).
+
+        Autograd off: a batched matmul against the weight expanded over the batch, reading x's [B, C, L] view
+        in place (for these small maps faster on CPU than ``F.conv2d``, which reorders x into oneDNN's blocked
+        layout, and than ``F.linear``, which needs a token copy of x). Autograd on: ``F.conv2d`` with a 1x1
+        kernel, whose backward reduces the weight gradient inside one GEMM; the expanded matmul's backward
+        would materialise a [B, rows, C] weight gradient and then sum it.
+        """
+        if grad:
+            return F.conv2d(x, wgt[:, :, None, None], bias, stride=stride).flatten(2)
+        xs = (x if stride == 1 else x[:, :, ::stride, ::stride]).flatten(2)
+        out = torch.bmm(wgt.expand(x.shape[0], -1, -1), xs)
+        return out if bias is None else out.add_(bias[:, None])
+
+    def _tcnn_out_weight(self, fold: bool) -> torch.Tensor:
+        """[D_out, heads * D_in] with columns (head, channel): W_out^h = weight[:, :, tap(h)], times W_val if
+        ``fold`` (sum_h A^h X W_val^T W_out^h^T = sum_h (A^h X) (W_out^h W_val)^T)."""
+        nh, cout, cin = self.num_heads, self.out_dim, self.in_dim
+        if not fold:
+            return self.weight.permute(0, 2, 3, 1).reshape(cout, nh * cin)
+        wv = self.qkv_weight[2 * nh * self.qk_head_dim :]
+        wf = torch.matmul(self.weight.permute(2, 3, 0, 1).reshape(nh * cout, cin), wv)  # rows (tap, out)
+        return wf.view(nh, cout, cin).transpose(0, 1).reshape(cout, nh * cin)
 
     @staticmethod
     def _apply_positional(v: torch.Tensor, py: torch.Tensor, px: torch.Tensor, shared: bool) -> torch.Tensor:
@@ -622,13 +722,10 @@ class GPSA(nn.Module):
         *,
         dense: bool,
     ) -> torch.Tensor:
-        """T-CNN mode, attention and output projection: out_i = sum_h sum_j A^h_ij V_j W_out^h + b (000 Eq. 5).
+        """T-CNN mode, SDPA path (the dense one is `_forward_tcnn_dense`): attention and output projection,
+        out_i = sum_h sum_j A^h_ij V_j W_out^h + b (000 Eq. 5).
 
         q: [B, Lq, heads, d], k: [B, L, heads, d], v: [B, L, C] (shared by the heads). Returns [B, Lq, D_out].
-        Dense path, two orders of the same products: stride 1 projects first, U_j^h = V_j W_out^h (one GEMM
-        like the conv's own), then contracts over (key, head) in one batched matmul with K = L * heads; with
-        queries on a stride-s subgrid (Lq = L / s^2) it contracts the attention first, [B, Lq * heads, L] @ V,
-        then projects only the Lq queries.
         """
         b, lq, nh, _ = q.shape
         lk, c = v.shape[1], v.shape[2]
@@ -636,33 +733,12 @@ class GPSA(nn.Module):
         g_con = self._gates(act)[1]
         hq, wq, _ = self._query_size(h, w)
         qh, kh = q.transpose(1, 2), k.transpose(1, 2)
-        if dense:
-            attn = self._scores(qh, kh).softmax(dim=-1)  # [B, heads, Lq, L]
-            pos = self._gated_positional(h, w, act)
-            if lq == lk:
-                # mixed attention stored as [B, Lq, L, heads]: contraction index (key, head) matches U's layout
-                attn = _gated_mix(attn, pos, g_con[:, None, None], (0, 2, 3, 1), probs=True)
-                wout = self._cached(  # rows (tap, out)
-                    ("wout",), lambda: self.weight.permute(2, 3, 0, 1).reshape(nh * self.out_dim, self.in_dim)
-                )
-                u = F.linear(v, wout)  # [B, L, heads * D_out]
-                out = torch.bmm(
-                    attn.permute(0, 2, 3, 1).reshape(b, lq, lk * nh), u.view(b, lk * nh, self.out_dim)
-                )
-                return out if self.bias is None else out + self.bias.to(out.dtype)
-            attn = _gated_mix(
-                attn, pos, g_con[:, None, None], (0, 2, 1, 3), probs=True
-            )  # stored [B, Lq, heads, L]
-            y = torch.bmm(attn.transpose(1, 2).reshape(b, lq * nh, lk), v)  # [B, Lq * heads, C]
-        else:
-            con = F.scaled_dot_product_attention(qh, kh, v[:, None].expand(b, nh, lk, c))  # [B, heads, Lq, C]
-            py, px = self._gated_factors(h, w, act)
-            pos = self._apply_positional(v.view(b, h, w, c), py, px, shared=True)
-            y = _gated_mix(con.permute(0, 2, 1, 3).reshape(b, hq, wq, nh, c), pos, g_con[:, None])
+        con = F.scaled_dot_product_attention(qh, kh, v[:, None].expand(b, nh, lk, c))  # [B, heads, Lq, C]
+        py, px = self._gated_factors(h, w, act)
+        pos = self._apply_positional(v.view(b, h, w, c), py, px, shared=True)
+        y = _gated_mix(con.permute(0, 2, 1, 3).reshape(b, hq, wq, nh, c), pos, g_con[:, None])
         # y: (head, channel) order per query; W_out^h = weight[:, :, tap(h)]
-        w2 = self._cached(
-            ("w2",), lambda: self.weight.permute(0, 2, 3, 1).reshape(self.out_dim, nh * self.in_dim)
-        )
+        w2 = self._cached(("w2", False), lambda: self._tcnn_out_weight(False))
         return F.linear(y.reshape(b, lq, nh * c), w2, self.bias)
 
     def _gated_positional(self, h: int, w: int, dtype: torch.dtype) -> torch.Tensor:

@@ -20,8 +20,11 @@ from collections.abc import Sequence
 import torch.nn as nn
 
 from core.gpsa import GPSA
+from core.psa import PSA
 
-__all__ = ["gpsa_modules", "model_stages", "to_tcnn"]
+__all__ = ["ATTENTIONS", "attention_modules", "gpsa_modules", "model_stages", "to_psa", "to_tcnn"]
+
+ATTENTIONS = ("gpsa", "psa")
 
 
 def model_stages(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -47,6 +50,8 @@ def to_tcnn(
     lambda_init: float = 1.0,
     stages: Sequence[int] = (-1,),
     stride_mode: str = "exact",
+    attention: str = "gpsa",
+    qk_init: str = "zero_key",
 ) -> nn.Module:
     """Return a NEW module where each k x k conv (k > 1) of the chosen stages is a T-CNN GPSA (000, Sec. 2).
 
@@ -57,7 +62,12 @@ def to_tcnn(
         stages: indices into [layer1, ..., layerN] (negative from the end; default: the last stage).
         stride_mode: "exact" (stride-1 attention then [::s, ::s]; function-preserving) or "s1" (BoTNet-style
             stride-1 attention then s x s average pooling; not function-preserving).
+        attention: "gpsa" (000, the default) or "psa": ungated positional self-attention (`core.psa.PSA`,
+            003 / 001 Appendix A) in the same head layout; ``lambda_init`` is then unused.
+        qk_init: PSA only: how W_qry, W_key start (see `core.psa`; the default keeps the content logits 0).
     """
+    if attention not in ATTENTIONS:
+        raise ValueError(f"to_tcnn: attention must be one of {ATTENTIONS}, got {attention!r}")
     if stride_mode not in ("exact", "s1"):
         raise ValueError(f"to_tcnn: stride_mode must be 'exact' or 's1', got {stride_mode!r}")
     if not alpha_init > 0:
@@ -86,15 +96,44 @@ def to_tcnn(
         raise ValueError(f"to_tcnn: no k x k convolutions (k > 1) in stages {sorted(picked)}")
     for path, conv in targets:
         try:
-            gpsa = GPSA.from_conv(
-                conv, alpha_init=alpha_init, lambda_init=lambda_init, stride_mode=stride_mode
-            )
+            if attention == "gpsa":
+                gpsa = GPSA.from_conv(
+                    conv, alpha_init=alpha_init, lambda_init=lambda_init, stride_mode=stride_mode
+                )
+            else:
+                gpsa = PSA.from_conv(conv, alpha_init=alpha_init, stride_mode=stride_mode, qk_init=qk_init)
         except (TypeError, ValueError) as e:
             raise ValueError(f"to_tcnn: cannot convert {path}: {e}") from None
         _set_submodule(new, path, gpsa)
     return new
 
 
-def gpsa_modules(model: nn.Module) -> list[tuple[str, GPSA]]:
-    """All GPSA layers of ``model`` as (qualified name, module), in module order."""
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, GPSA)]
+def to_psa(
+    model: nn.Module,
+    *,
+    alpha_init: float = 1.0,
+    stages: Sequence[int] = (-1,),
+    stride_mode: str = "exact",
+    qk_init: str = "zero_key",
+) -> nn.Module:
+    """`to_tcnn` with ungated positional self-attention (`core.psa.PSA`; 003, 001 Appendix A)."""
+    return to_tcnn(
+        model, alpha_init=alpha_init, stages=stages, stride_mode=stride_mode, attention="psa", qk_init=qk_init
+    )
+
+
+def gpsa_modules(model: nn.Module) -> list[tuple[str, GPSA | PSA]]:
+    """All positional self-attention layers of ``model`` (GPSA in either mode, and PSA) as (qualified name,
+    module), in module order. They share the analysis accessors (alpha, gate, centers, attention_maps,
+    nonlocality) and `positional_parameter_names` / `gating_parameter_names` (a PSA has no gate)."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, (GPSA, PSA))]
+
+
+def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every attention layer that can show its attention: GPSA / PSA and any module (e.g. of core.aa,
+    core.cmhsa) exposing an ``attention_maps(x)`` method; (qualified name, module) in module order."""
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, (GPSA, PSA)) or callable(getattr(m, "attention_maps", None))
+    ]

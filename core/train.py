@@ -644,46 +644,8 @@ def first_batch(loader: Any, n: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# GPSA dynamics (000 Fig. 4): per layer, per head 1/alpha, sigma(lambda), nonlocality
+# GPSA dynamics (000 Fig. 4): flat per-layer means of core.dissect.layer_stats (1/alpha, sigma(lambda), nonlocality)
 # ---------------------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def gpsa_stats(model: nn.Module, probe: torch.Tensor) -> dict[str, dict[str, list[float]]]:
-    """Per GPSA layer: per-head attention span 1/alpha_h (000 Eq. 3-4), gate sigma(lambda_h) (Eq. 7) and
-    nonlocality (001 Eq. 8) on the inputs the layer receives when `probe` goes through `model` (eval mode).
-    Empty for models without GPSA layers."""
-    try:
-        from core.reparam import gpsa_modules
-    except ImportError:
-        return {}
-    mods = list(gpsa_modules(model))
-    if not mods or probe.numel() == 0:
-        return {}
-    device = next(model.parameters()).device
-    inputs: dict[str, torch.Tensor] = {}
-    hooks = [
-        m.register_forward_hook(lambda mod, args, out, name=name: inputs.__setitem__(name, args[0].detach()))
-        for name, m in mods
-    ]
-    was_training = model.training
-    model.eval()
-    try:
-        model(probe.to(device))
-        out = {}
-        for name, m in mods:
-            alpha = m.alpha().detach().float().cpu()
-            nl = m.nonlocality(inputs[name]).detach().float().cpu().reshape(-1)
-            out[name] = {
-                "inv_alpha": (1.0 / alpha).tolist(),
-                "gate": m.gate().detach().float().cpu().tolist(),
-                "nonlocality": nl.tolist(),
-            }
-        return out
-    finally:
-        for h in hooks:
-            h.remove()
-        model.train(was_training)
 
 
 def summarize_gpsa(stats: dict[str, dict[str, list[float]]]) -> dict[str, float]:
@@ -728,23 +690,3 @@ def csv_text(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         writer.writerow({k: (repr(v) if isinstance(v, float) else v) for k, v in r.items()})
     return buf.getvalue()
-
-
-def gpsa_long_rows(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per (epoch, layer, head) for Fig. 4-style plots."""
-    rows = []
-    for row in history:
-        for layer, s in (row.get("gpsa") or {}).items():
-            heads = len(s.get("inv_alpha", []))
-            for h in range(heads):
-                rows.append(
-                    {
-                        "epoch": row["epoch"],
-                        "layer": layer,
-                        "head": h,
-                        "inv_alpha": s["inv_alpha"][h],
-                        "gate": s["gate"][h],
-                        "nonlocality": s["nonlocality"][h] if h < len(s["nonlocality"]) else float("nan"),
-                    }
-                )
-    return rows

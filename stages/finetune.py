@@ -18,8 +18,12 @@
 
 Outputs (`root/runs/finetune/`, published when the run completes): tcnn-final.pt (model checkpoint),
 history.csv / history.json (one row per epoch, the first row being the state right after
-reparameterization; per GPSA layer mean 1/alpha, sigma(lambda), nonlocality), gpsa.csv (per epoch, layer
-and head), metrics.json. Resume as in the pretrain stage (`root/runs/.partial/finetune/`).
+reparameterization; per attention layer (GPSA, PSA, ConViT, AA, cmhsa's MHSA; `core.dissect.layer_stats`)
+mean 1/alpha, sigma(lambda) where the layer has them, and the nonlocality (001 Eq. 8) on the layer's real
+input for a fixed validation batch), gpsa.csv (per epoch, layer and head), metrics.json. Every model kind
+fine-tunes the same way: AdamW groups from `core.optim.param_groups` (GPSA / PSA positional parameters
+without weight decay, GPSA gates at finetune.gate_lr); parameters frozen by ablation switches stay frozen.
+Resume as in the pretrain stage (`root/runs/.partial/finetune/`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ import torch
 
 from core.checkpoint import build_from_spec, restore_rng
 from core.config import Params
+from core.dissect import layer_stats, long_rows
+from core.models import set_stochastic_depth
 from core.optim import WarmupCosine, build_adamw, build_sgd, load_named_state
 from core.train import (
     EXIT_PREEMPTED,
@@ -45,11 +51,8 @@ from core.train import (
     file_fingerprint,
     first_batch,
     fit,
-    gpsa_long_rows,
-    gpsa_stats,
     seed_everything,
     select_device,
-    set_drop_path,
     stable_hash,
     summarize_gpsa,
 )
@@ -123,7 +126,7 @@ def run(params: Params, *, root: Path = Path("."), freeze: Sequence[str] = ()) -
 
     if mode == "fresh":
         size = f.image_size or params.data.image_size
-        set_drop_path(model, f.drop_path)
+        set_stochastic_depth(model, f.drop_path)
         loaders = T.loaders(
             params,
             ds,
@@ -149,7 +152,7 @@ def run(params: Params, *, root: Path = Path("."), freeze: Sequence[str] = ()) -
                 f"{src}: was converted at epoch {t1} but reparam.epoch={params.reparam.epoch}; rerun the reparam stage"
             )
         size = int(ckpt.get("image_size") or params.data.image_size)
-        set_drop_path(model, params.model.drop_path)
+        set_stochastic_depth(model, params.model.drop_path)
         loaders = T.loaders(
             params, ds, batch_size=p.batch_size, seed=params.seed, augment=p.augment, size=size
         )
@@ -186,7 +189,7 @@ def run(params: Params, *, root: Path = Path("."), freeze: Sequence[str] = ()) -
     probe = first_batch(loaders.val if loaders.val is not None else loaders.test, PROBE)
 
     def stats(m: torch.nn.Module, label: int) -> dict[str, Any]:
-        s = gpsa_stats(m, probe)
+        s = layer_stats(m, probe)  # every attention layer, on its real input (core.dissect)
         return {"finetune_epoch": label - epochs.start, **({"gpsa": s} if s else {})}
 
     with deterministic(device):
@@ -245,7 +248,7 @@ def run(params: Params, *, root: Path = Path("."), freeze: Sequence[str] = ()) -
         out_dir,
         objects={"tcnn-final.pt": final},
         history=result.history,
-        csvs={"gpsa.csv": gpsa_long_rows(result.history)},
+        csvs={"gpsa.csv": long_rows(result.history)},
         metrics=metrics,
     )
     return metrics

@@ -18,9 +18,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from core.checkpoint import build_from_spec, make_model_spec
 from core.config import Params
-from core.optim import WarmupCosine, build_sgd
+from core.models import set_stochastic_depth
+from core.optim import WarmupCosine, build_sgd, param_groups
 from core.train import (
     EXIT_PREEMPTED,
     Preempted,
@@ -30,7 +33,6 @@ from core.train import (
     fit,
     seed_everything,
     select_device,
-    set_drop_path,
     stable_hash,
 )
 from stages import _training as T
@@ -47,24 +49,69 @@ def checkpoint_epochs(params: Params) -> list[int]:
     return sorted(e for e in wanted if 0 <= e <= params.pretrain.epochs)
 
 
+# Kinds whose pretraining trains a plain CNN that the reparam stage converts afterwards.
+CONVERTED_LATER = ("cnn", "tcnn", "psa")
+
+
 def pretrain_kind(params: Params) -> str:
-    """The network pretraining trains: the CNN for kinds cnn/tcnn, the model itself otherwise."""
-    return "cnn" if params.model.kind in ("cnn", "tcnn") else params.model.kind
+    """The network pretraining trains: the CNN for kinds cnn/tcnn/psa (converted by the reparam stage), the
+    model itself otherwise: convit, aa_resnet and hybrid_scratch (the T-CNN architecture from scratch, t1 = 0
+    of 000 Table 3) from scratch, cmhsa in its convolution phase (002)."""
+    return "cnn" if params.model.kind in CONVERTED_LATER else params.model.kind
+
+
+def model_spec(params: Params, num_classes: int, in_chans: int) -> dict[str, Any]:
+    """The spec of the network pretraining trains (see `pretrain_kind`).
+
+    - cnn / tcnn / psa: the CNN, with the backbone options only (the ablation switches act after conversion);
+    - hybrid_scratch: the converted random CNN: ``model.options`` alpha_init, lambda_init, stages,
+      stride_mode (defaults 1, 1, [-1], exact: the paper's init) form the spec's conversion section;
+    - convit: ``img_size`` defaults to data.image_size;
+    - cmhsa: phase "conv".
+    """
+    from core.models import CONVERSION_OPTIONS, backbone_options
+
+    kind = params.model.kind
+    options = dict(params.model.options)
+    if kind in CONVERTED_LATER:
+        return make_model_spec(
+            "cnn", params.model.arch, num_classes, in_chans, backbone_options(kind, options)
+        )
+    if kind == "hybrid_scratch":
+        conv = {
+            "alpha_init": 1.0,
+            "lambda_init": 1.0,
+            "stages": [-1],
+            "stride_mode": "exact",
+            **{k: options.pop(k) for k in CONVERSION_OPTIONS[kind] if k in options},
+        }
+        return make_model_spec(kind, params.model.arch, num_classes, in_chans, options, tcnn=conv)
+    if kind == "convit":
+        options.setdefault("img_size", params.data.image_size)
+    phase = "conv" if kind == "cmhsa" else None
+    return make_model_spec(kind, params.model.arch, num_classes, in_chans, options, phase=phase)
+
+
+def gate_lr(params: Params) -> float | None:
+    """hybrid_scratch trains its gates at finetune.gate_lr (the fine-tuning recipe's gate lr, 000 Sec. 3);
+    other kinds: one lr for every parameter."""
+    return params.finetune.gate_lr if params.model.kind == "hybrid_scratch" else None
 
 
 def run_hash(params: Params, data_fingerprint: str, device: str) -> str:
-    return stable_hash(
-        {
-            "stage": NAME,
-            "seed": params.seed,
-            "data": T.data_identity(params),
-            "model": params.model.model_dump(mode="json"),
-            "pretrain": T.section_identity(params.pretrain),
-            "keep": checkpoint_epochs(params),
-            "input": data_fingerprint,
-            "device": device,
-        }
-    )
+    ident = {
+        "stage": NAME,
+        "seed": params.seed,
+        "data": T.data_identity(params),
+        "model": params.model.model_dump(mode="json"),
+        "pretrain": T.section_identity(params.pretrain),
+        "keep": checkpoint_epochs(params),
+        "input": data_fingerprint,
+        "device": device,
+    }
+    if gate_lr(params) is not None:
+        ident["gate_lr"] = gate_lr(params)
+    return stable_hash(ident)
 
 
 def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
@@ -77,18 +124,12 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     keep = checkpoint_epochs(params)
 
     seed_everything(params.seed)
-    spec = make_model_spec(
-        pretrain_kind(params),
-        params.model.arch,
-        ds.num_classes,
-        ds.in_chans,
-        options=params.model.options,
-    )
+    spec = model_spec(params, ds.num_classes, ds.in_chans)
     try:
         model = build_from_spec(spec)
     except (ValueError, TypeError) as err:
         raise StageError(f"model: cannot build {params.model.arch!r} ({err})") from None
-    set_drop_path(model, params.model.drop_path)
+    set_stochastic_depth(model, params.model.drop_path)
 
     image_size = params.data.image_size
     loaders = T.loaders(
@@ -99,7 +140,11 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         raise StageError(
             f"pretrain.batch_size: {p.batch_size} exceeds the {len(ds.train_y)} training images (no full batch)"
         )
-    optimizer = build_sgd(model, lr=p.lr, momentum=p.momentum, weight_decay=p.weight_decay)
+    if gate_lr(params) is None:
+        optimizer = build_sgd(model, lr=p.lr, momentum=p.momentum, weight_decay=p.weight_decay)
+    else:  # GPSA groups: no decay on alpha / lambda / centres, gates at their own lr (as build_adamw)
+        groups = param_groups(model, lr=p.lr, weight_decay=p.weight_decay, gate_lr=gate_lr(params))
+        optimizer = torch.optim.SGD(groups, lr=p.lr, momentum=p.momentum, weight_decay=0.0)
     scheduler = WarmupCosine(optimizer, total_steps=p.epochs * spe, warmup_steps=round(p.warmup_epochs * spe))
     channels_last = T.use_channels_last(device)
     extra = T.extra_state(spec, ds, image_size)

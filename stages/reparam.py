@@ -11,8 +11,15 @@ Reads `root/runs/pretrain/ckpt/ckpt-epoch-{t1:03d}.pt`, applies `core.reparam.to
   equivalence.json   max / mean |logit diff| T-CNN vs CNN on a validation batch (eval mode), the same for
                      the other stride mode, and the accuracy of both networks on the validation and test sets.
 
-For model kinds other than "tcnn" (e.g. "cnn": Table 1's fine-tuning "without SA" baseline) the network
-passes through unconverted, with the same files.
+Dispatch on `model.kind`:
+- "tcnn": GPSA (000 Sec. 2); "psa": ungated positional self-attention (`core.psa`, 003 / 001 App. A), with
+  `reparam.alpha_init`, `reparam.stages`, `reparam.stride_mode` (and `model.options.qk_init`); both followed by
+  the ablation switches of `model.options` (gating, freeze_gpsa; `core.models`).
+- "cmhsa": the convolution phase becomes the self-attention phase by 002 Theorem 1 (`core.cmhsa.to_mhsa`);
+  the optimizer state of parameters that keep their name and shape is carried, the rest starts empty.
+- "cnn" (Table 1's fine-tuning "without SA" baseline), "convit", "aa_resnet" and "hybrid_scratch" (the T-CNN
+  architecture trained from scratch, t1 = 0 of 000 Table 3): the network passes through unconverted, with
+  the same files.
 """
 
 from __future__ import annotations
@@ -48,17 +55,50 @@ def source_path(params: Params, root: Path) -> Path:
     return root / "runs" / "pretrain" / "ckpt" / f"ckpt-epoch-{params.reparam.epoch:03d}.pt"
 
 
-def convert(cnn: torch.nn.Module, params: Params, stride_mode: str | None = None) -> torch.nn.Module:
-    from core.reparam import to_tcnn
+CONVERTING = ("tcnn", "psa")
 
+
+def convert(cnn: torch.nn.Module, params: Params, stride_mode: str | None = None) -> torch.nn.Module:
+    """The T-CNN (or PSA network, for model.kind "psa") of ``cnn`` with the reparam section's settings."""
+    from core.models import convert as convert_kind
+
+    kind = "psa" if params.model.kind == "psa" else "tcnn"
+    return convert_kind(cnn, kind, **_conversion(params, stride_mode), **_switches(params, kind))
+
+
+def _conversion(params: Params, stride_mode: str | None = None) -> dict[str, Any]:
     r = params.reparam
-    return to_tcnn(
-        cnn,
-        alpha_init=r.alpha_init,
-        lambda_init=r.lambda_init,
-        stages=tuple(r.stages),
-        stride_mode=stride_mode or r.stride_mode,
+    conv: dict[str, Any] = {
+        "alpha_init": r.alpha_init,
+        "stages": list(r.stages),
+        "stride_mode": stride_mode or r.stride_mode,
+    }
+    if params.model.kind != "psa":
+        conv["lambda_init"] = r.lambda_init
+    return conv
+
+
+def _switches(params: Params, kind: str) -> dict[str, Any]:
+    """The model.options that act on the converted network: ablation switches (and psa's qk_init)."""
+    from core.models import ABLATION_OPTIONS
+
+    keys = [k for k, kinds in ABLATION_OPTIONS.items() if kind in kinds] + (
+        ["qk_init"] if kind == "psa" else []
     )
+    return {k: params.model.options[k] for k in keys if k in params.model.options}
+
+
+def _carry_by_name(state: dict[str, dict[str, Any]], model: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """The optimizer state of the parameters that exist in ``model`` under the same name and shape."""
+    params = dict(model.named_parameters())
+    out = {}
+    for name, st in state.items():
+        p = params.get(name)
+        if p is not None and all(
+            not (isinstance(v, torch.Tensor) and v.ndim > 0 and v.shape != p.shape) for v in st.values()
+        ):
+            out[name] = st
+    return out
 
 
 def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
@@ -73,36 +113,55 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     except (ValueError, TypeError, KeyError, RuntimeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise StageError(f"{src}: cannot rebuild the CNN from this checkpoint ({first})") from None
-    if ckpt["model_spec"].get("tcnn") is not None:
-        raise StageError(f"{src}: holds a T-CNN already; the reparam stage expects a CNN checkpoint")
+    from stages.pretrain import pretrain_kind
+
+    kind = params.model.kind
+    spec_cnn = ckpt["model_spec"]
+    if spec_cnn["kind"] != pretrain_kind(params) or (kind in CONVERTING and spec_cnn.get("tcnn") is not None):
+        held = "a T-CNN" if spec_cnn.get("tcnn") is not None else f"a {spec_cnn['kind']!r} model"
+        raise StageError(
+            f"{src}: holds {held} already; model.kind={kind!r} expects a {pretrain_kind(params)!r} "
+            "pretraining checkpoint (rerun pretrain)"
+        )
     ds = T.datasets(params, root)
     device = select_device()
     cnn.eval()
 
-    spec_cnn = ckpt["model_spec"]
-    seed_everything(derive_seed(params.seed, NAME))  # the GPSA's new W_qry, W_key draw from this stream
-    if params.model.kind == "tcnn":
-        tcnn = convert(cnn, params)
-        r = params.reparam
-        tcnn_spec = {
-            "alpha_init": r.alpha_init,
-            "lambda_init": r.lambda_init,
-            "stages": list(r.stages),
-            "stride_mode": r.stride_mode,
-        }
-        spec = make_model_spec("tcnn", spec_cnn["arch"], spec_cnn["num_classes"], spec_cnn["in_chans"],
-                               spec_cnn["options"], tcnn_spec)  # fmt: skip
-        note = None
+    seed_everything(derive_seed(params.seed, NAME))  # the new W_qry, W_key (and such) draw from this stream
+    state_in = named_state(ckpt["optimizer"], ckpt["param_names"])
+    note = None
+    if kind in CONVERTING:
+        try:
+            tcnn = convert(cnn, params)
+        except ValueError as err:
+            raise StageError(
+                f"reparam: cannot convert {spec_cnn['arch']!r} to kind {kind!r} ({err})"
+            ) from None
+        conv = {**_conversion(params), "lambda_init": params.reparam.lambda_init}
+        conv["attention"] = "psa" if kind == "psa" else "gpsa"
+        options = {**spec_cnn["options"], **_switches(params, kind)}
+        spec = make_model_spec(
+            kind, spec_cnn["arch"], spec_cnn["num_classes"], spec_cnn["in_chans"], options, conv
+        )
+    elif kind == "cmhsa":
+        from core.models import lazy_attr
+
+        tcnn = lazy_attr("core.cmhsa", "to_mhsa", kind)(cnn)
+        spec = make_model_spec(kind, spec_cnn["arch"], spec_cnn["num_classes"], spec_cnn["in_chans"],
+                               spec_cnn["options"], phase="mhsa")  # fmt: skip
+        dropped = sorted(set(state_in) - set(_carry_by_name(state_in, tcnn)))
+        state_in = _carry_by_name(state_in, tcnn)
+        note = f"cmhsa: convolution phase -> self-attention phase (002 Theorem 1); no optimizer state for {dropped}"
     else:
         tcnn = build_from_spec(spec_cnn)
         tcnn.load_state_dict(cnn.state_dict())
         spec = spec_cnn
-        note = f"model.kind={params.model.kind!r}: no reparameterization, the network passes through"
+        note = f"model.kind={kind!r}: no reparameterization, the network passes through"
     tcnn.eval()
 
-    # Optimizer state for "continue" fine-tuning, keyed by the T-CNN's parameter names.
+    # Optimizer state for "continue" fine-tuning, keyed by the new network's parameter names.
     try:
-        state, moved = map_state_to_tcnn(named_state(ckpt["optimizer"], ckpt["param_names"]), tcnn)
+        state, moved = map_state_to_tcnn(state_in, tcnn)
     except KeyError as err:
         raise StageError(f"{src}: optimizer state does not map onto the T-CNN ({err})") from None
 
@@ -121,18 +180,20 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         "lambda_init": params.reparam.lambda_init,
         "stride_mode": params.reparam.stride_mode,
         "stages": list(params.reparam.stages),
-        "converted": spec.get("tcnn") is not None,
+        "kind": kind,
+        "converted": kind in CONVERTING or kind == "cmhsa",
         "probe_images": int(probe.shape[0]),
         "max_abs_logit_diff": float(diff.max()) if diff.numel() else None,
         "mean_abs_logit_diff": float(diff.mean()) if diff.numel() else None,
         "max_abs_logit_cnn": float(logits_cnn.abs().max()) if diff.numel() else None,
         "prediction_agreement": float((logits_cnn.argmax(-1) == logits_tcnn.argmax(-1)).float().mean()),
         "gpsa_layers": [name for name, _ in _gpsa(tcnn)],
+        "attention_layers": [name for name, _ in _attention(tcnn)],
         "params_cnn": sum(p.numel() for p in cnn.parameters()),
         "params_tcnn": sum(p.numel() for p in tcnn.parameters()),
         "optimizer_state_renamed": {k: v for k, v in moved.items() if k != v},
     }
-    if spec.get("tcnn") is not None:
+    if kind in CONVERTING:
         other = "s1" if params.reparam.stride_mode == "exact" else "exact"
         try:
             alt = convert(cnn, params, other).to(device)
@@ -184,6 +245,12 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     atomic_save(out, out_dir / "tcnn.pt")
     atomic_write_json(out_dir / "equivalence.json", report)
     return report
+
+
+def _attention(model: torch.nn.Module) -> list:
+    from core.reparam import attention_modules
+
+    return list(attention_modules(model))
 
 
 def _gpsa(model: torch.nn.Module) -> list:

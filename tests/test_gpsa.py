@@ -299,6 +299,41 @@ def test_sdpa_and_dense_paths_agree(mode: str) -> None:
             torch.testing.assert_close(a(*xx), b(*xx), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize(
+    "out_dim", [2, 11]
+)  # B * L >= / < heads * D_out: W_val folded / projected in grad mode
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_tcnn_dense_forms_match_reference(stride: int, out_dim: int, layout: str) -> None:
+    """The dense T-CNN path has an autograd-off form (expanded-weight matmuls, W_val folded into the output
+    weight and cached) and an autograd-on form (1x1 convs, W_val folded only when cheaper); both, for NCHW and
+    channels_last inputs, equal the formula; the cached folded weight follows in-place updates of W_val."""
+    torch.manual_seed(21)
+    g = _randomize(GPSA.from_conv(nn.Conv2d(5, out_dim, 3, stride=stride, padding=1, bias=True)))
+    x = torch.randn(2, 5, 5, 6)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    ref = reference_gpsa(g.double(), x.double()).float()
+    g.float()
+    with torch.no_grad():
+        y_eval = g(x)
+    xg = x.clone().requires_grad_()
+    y_train = g(xg)
+    y_train.square().sum().backward()
+    for y in (y_eval, y_train.detach()):
+        assert y.shape == ref.shape
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    assert xg.grad is not None and torch.isfinite(xg.grad).all()
+    assert g.qkv_weight.grad[2 * g.num_heads * g.qk_head_dim :].abs().max() > 0  # W_val gets its gradient
+    with torch.no_grad():
+        g.qkv_weight[2 * g.num_heads * g.qk_head_dim :].mul_(-1.5)  # only W_val changes
+        y_new = g(x)
+        ref_new = reference_gpsa(g.double(), x.double()).float()
+    g.float()
+    torch.testing.assert_close(y_new, ref_new, rtol=1e-5, atol=1e-5)
+    assert (y_new - y_eval).abs().max() > 1e-2
+
+
 def _init_kwargs(g: GPSA) -> dict:
     kw = dict(in_dim=g.in_dim, out_dim=g.out_dim, mode=g.mode, positional=g.positional)
     kw["qkv_bias"] = g.qkv_bias is not None
@@ -312,7 +347,14 @@ def _init_kwargs(g: GPSA) -> dict:
 
 @pytest.mark.parametrize(
     "mode,impl,stride",
-    [("convit", "sdpa", 1), ("convit", "dense", 1), ("tcnn", "sdpa", 2), ("tcnn", "dense", 1)],
+    [
+        ("convit", "sdpa", 1),
+        ("convit", "dense", 1),
+        ("tcnn", "sdpa", 2),
+        ("tcnn", "dense", 1),
+        ("tcnn", "dense", 2),
+        ("tcnn-fold", "dense", 1),
+    ],
 )
 def test_gradcheck(mode: str, impl: str, stride: int) -> None:
     torch.manual_seed(8)
@@ -320,8 +362,8 @@ def test_gradcheck(mode: str, impl: str, stride: int) -> None:
         g = GPSA(8, num_heads=4, attn_impl=impl, qkv_bias=True)
         x = torch.randn(2, 12, 8, dtype=torch.float64)
         extra: tuple = ((3, 4),)
-    else:
-        g = GPSA(4, 6, mode="tcnn", stride=stride, attn_impl=impl)
+    else:  # "tcnn-fold": B * L >= heads * D_out, W_val folded into the output weight with autograd on
+        g = GPSA(4, 2 if mode == "tcnn-fold" else 6, mode="tcnn", stride=stride, attn_impl=impl)
         x = torch.randn(2, 4, 5, 3, dtype=torch.float64)
         extra = ()
     g = _randomize(g).double()

@@ -158,3 +158,22 @@ def test_state_dict_round_trip_through_build() -> None:
     x = torch.randn(2, 1, 28, 28)
     with torch.no_grad():
         torch.testing.assert_close(a(x), b(x), rtol=0, atol=0)
+
+
+def test_attention_switch_keeps_the_gpsa_default() -> None:
+    """to_tcnn(attention="psa") == to_psa: PSA layers at the same paths; the default stays GPSA."""
+    from core.psa import PSA
+    from core.reparam import to_psa
+
+    cnn = timm.create_model("resnet10_cifar", num_classes=10, in_chans=1)
+    a, b = to_tcnn(cnn, attention="psa", alpha_init=2.0), to_psa(cnn, alpha_init=2.0)
+    assert [type(m) for _, m in gpsa_modules(a)] == [PSA, PSA]
+    assert (
+        [n for n, _ in gpsa_modules(a)]
+        == [n for n, _ in gpsa_modules(b)]
+        == ["layer4.0.conv1", "layer4.0.conv2"]
+    )
+    assert all(isinstance(m, GPSA) for _, m in gpsa_modules(to_tcnn(cnn)))
+    assert set(a.state_dict()) == set(b.state_dict())
+    with pytest.raises(ValueError, match="attention must be one of"):
+        to_tcnn(cnn, attention="sa")

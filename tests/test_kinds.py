@@ -1,0 +1,168 @@
+"""Every model kind through the SAME stage functions (pretrain -> reparam -> finetune -> evaluate), and the
+checkpoints of every stage reload via core.checkpoint.load_model to the network the stage computed with."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from _train_helpers import tiny_params, write_dataset
+
+from core.checkpoint import load, load_model
+from core.config import ConfigError, validate_params
+from core.models import KINDS, build
+from core.reparam import gpsa_modules
+from core.train import evaluate, load_datasets, make_loader
+from stages import corrupt, finetune, pretrain, reparam
+from stages import evaluate as evaluate_stage
+
+ARCH = {"convit": "convit_fmnist", "cmhsa": "cmhsa_fmnist"}
+MISSING = {"aa_resnet": "core.aa", "cmhsa": "core.cmhsa"}
+
+
+def _skip_missing(kind: str) -> None:
+    mod = MISSING.get(kind)
+    if mod and importlib.util.find_spec(mod) is None:
+        pytest.skip(f"kind {kind!r}: {mod} has not landed yet")
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny Fashion-MNIST (250 train incl. 50 val, 80 test) and its corrupted set (1 corruption x 1 severity)."""
+    base = tmp_path_factory.mktemp("kinds")
+    data = write_dataset(base / "fmnist", n_train=250, n_test=80)
+    raw = tiny_params(data, robustness={"dir": str(base / "fmnist-c"), "n_images": 40,
+                                        "corruptions": ["gaussian_noise"], "severities": [2], "workers": 1})  # fmt: skip
+    corrupt.run(validate_params(raw), root=Path("/"))
+    return {"data": data, "c": base / "fmnist-c"}
+
+
+@pytest.fixture(autouse=True)
+def _quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TCNN_QUIET", "1")
+    monkeypatch.setenv("TCNN_DEVICE", "cpu")
+
+
+def _raw(shared: dict[str, Path], kind: str, **options) -> dict:
+    raw = tiny_params(
+        shared["data"],
+        model={"kind": kind, "arch": ARCH.get(kind, "resnet10_cifar"), "options": options},
+        pretrain={"epochs": 1, "batch_size": 50},
+        reparam={"epoch": 1},
+        finetune={"epochs": 1, "batch_size": 50},
+        robustness={
+            "dir": str(shared["c"]),
+            "n_images": 40,
+            "corruptions": ["gaussian_noise"],
+            "severities": [2],
+        },
+    )
+    raw["data"]["val_size"] = 50
+    return raw
+
+
+def _reloaded_matches(path: Path, loader, loss: float, acc: float) -> None:
+    """load_model gives the network the stage evaluated (same loss on the same split) whatever the RNG state
+    (nothing random or unsaved enters the rebuilt model)."""
+    torch.manual_seed(1)
+    a = load_model(path)
+    torch.manual_seed(2)
+    b = load_model(path)
+    x, _ = next(iter(loader.batches(0)))
+    with torch.no_grad():
+        la, lb = a(x), b(x)
+    assert torch.equal(la, lb), f"{path.name}: reloads differ"
+    got = evaluate(a, loader.batches(0))
+    assert got["acc"] == pytest.approx(acc, abs=1e-9) and got["loss"] == pytest.approx(
+        loss, rel=1e-5, abs=1e-6
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_runs_the_same_stages(kind: str, shared: dict[str, Path], tmp_path: Path) -> None:
+    _skip_missing(kind)
+    params = validate_params(_raw(shared, kind))
+    m_pre = pretrain.run(params, root=tmp_path)
+    rep = reparam.run(params, root=tmp_path)
+    m_ft = finetune.run(params, root=tmp_path)
+    m_ev = evaluate_stage.run(params, root=tmp_path)
+
+    ds = load_datasets(params.data.dir, val_size=50, sample_fraction=1.0, seed=params.seed)
+    test = make_loader(ds, "test", batch_size=500, train=False, seed=0)
+    val = make_loader(ds, "val", batch_size=500, train=False, seed=0)
+    assert m_pre["steps"] == 4 and 0 <= m_pre["test_acc"] <= 1  # 200 train images / 50 per batch, 1 epoch
+    _reloaded_matches(tmp_path / "runs/pretrain/cnn-final.pt", test, m_pre["test_loss"], m_pre["test_acc"])
+    _reloaded_matches(tmp_path / "runs/reparam/tcnn.pt", val, rep["val_loss_tcnn"], rep["val_acc_tcnn"])
+    _reloaded_matches(tmp_path / "runs/finetune/tcnn-final.pt", test, m_ft["test_loss"], m_ft["test_acc"])
+    assert m_ft["epochs_run"] == 1 and m_ft["steps"] == 4
+
+    spec_pre = load(tmp_path / "runs/pretrain/cnn-final.pt")["model_spec"]
+    spec = load(tmp_path / "runs/finetune/tcnn-final.pt")["model_spec"]
+    assert spec["kind"] == kind and spec_pre["kind"] == pretrain.pretrain_kind(params)
+    assert spec_pre["kind"] == ("cnn" if kind in ("cnn", "tcnn", "psa") else kind)
+    if kind in ("tcnn", "psa"):
+        assert rep["converted"] and spec["tcnn"]["attention"] == ("psa" if kind == "psa" else "gpsa")
+        assert rep["gpsa_layers"] == ["layer4.0.conv1", "layer4.0.conv2"]
+        assert rep["max_abs_logit_diff"] >= 0 and rep["max_abs_logit_diff_s1"] >= 0  # both stride modes tried
+    elif kind == "cmhsa":
+        assert spec_pre["phase"] == "conv" and spec["phase"] == "mhsa" and rep["converted"]
+        assert rep["max_abs_logit_diff"] <= 1e-4  # 002 Theorem 1 transfer: the function is kept
+        assert rep["attention_layers"] and not rep["gpsa_layers"]
+    else:
+        assert not rep["converted"] and rep["max_abs_logit_diff"] == 0.0
+    if kind == "hybrid_scratch":  # the T-CNN architecture was what pretraining trained
+        assert spec_pre["tcnn"] == {"alpha_init": 1.0, "lambda_init": 1.0, "stages": [-1],
+                                    "stride_mode": "exact", "attention": "gpsa"}  # fmt: skip
+        assert len(gpsa_modules(load_model(tmp_path / "runs/pretrain/cnn-final.pt"))) == 2
+
+    hist = json.loads((tmp_path / "runs/finetune/history.json").read_text())
+    attention = kind not in ("cnn",)
+    assert bool(hist[0].get("gpsa")) == attention and bool(hist[-1].get("gpsa")) == attention
+    if kind in ("tcnn", "psa", "hybrid_scratch", "convit"):
+        layer = next(iter(hist[-1]["gpsa"].values()))
+        assert set(layer) == ({"inv_alpha", "nonlocality"} | ({"gate"} if kind != "psa" else set()))
+    for m in ("cnn", "tcnn"):
+        assert 0 <= m_ev[m]["clean_accuracy"] <= 1
+    assert (tmp_path / "results/robustness.parquet").is_file()
+
+
+def test_stage_refuses_a_checkpoint_of_another_kind(shared: dict[str, Path], tmp_path: Path) -> None:
+    """reparam with model.kind=psa on a pretraining checkpoint of kind convit: one clear line."""
+    from core.checkpoint import atomic_save, make_model_spec
+    from core.optim import optimizer_param_names
+    from stages._cli import StageError
+
+    params = validate_params(_raw(shared, "psa"))
+    model = build("convit", "convit_fmnist", 10, in_chans=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    spec = make_model_spec("convit", "convit_fmnist", 10, 1, {"img_size": 28})
+    ckpt = {"model": model.state_dict(), "model_spec": spec, "optimizer": opt.state_dict(),
+            "param_names": optimizer_param_names(opt, model), "scheduler": {}, "rng": {}, "epoch": 1,
+            "global_step": 4}  # fmt: skip
+    atomic_save(ckpt, tmp_path / "runs/pretrain/ckpt/ckpt-epoch-001.pt")
+    with pytest.raises(StageError, match=r"holds a 'convit' model already; model.kind='psa' expects a 'cnn'"):
+        reparam.run(params, root=tmp_path)
+    assert not (tmp_path / "runs/reparam").exists()
+
+
+@pytest.mark.parametrize(
+    "model,message",
+    [
+        ({"kind": "cnn", "options": {"gating": "freeze0"}}, "model.options: gating: applies to kinds"),
+        ({"kind": "convit", "arch": "convit_fmnist", "options": {"gating": "off"}}, "gating: must be one of"),
+        ({"kind": "tcnn", "options": {"alpha_init": 2.0}}, "converts with reparam.alpha_init"),
+        ({"kind": "psa", "options": {"qk_init": "ones"}}, "model.options: qk_init: must be one of"),
+        ({"kind": "convit", "arch": "resnet10_cifar"}, "model.arch: unknown arch 'resnet10_cifar' for kind"),
+        ({"kind": "hybrid_scratch", "options": {"alpha_init": -1}}, "model.options: alpha_init: must be"),
+        ({"kind": "convit", "arch": "convit_fmnist", "options": {"conv_init": "no"}}, "conv_init: must be"),
+    ],
+)
+def test_kind_options_are_validated(model: dict, message: str, shared: dict[str, Path]) -> None:
+    raw = tiny_params(shared["data"], model=model)
+    with pytest.raises(ConfigError) as err:
+        validate_params(raw)
+    assert message in str(err.value) and "\n" not in str(err.value)
