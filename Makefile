@@ -11,7 +11,7 @@ setup-test:
 	@bash scripts/setup.sh --test
 
 run: setup
-	$(BIN)/dvc repro
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
 
 test: setup-test
 	$(BIN)/ruff check .

@@ -5,9 +5,9 @@
 - :func:`gpsa_dynamics` + :func:`plot_gpsa_dynamics`: per GPSA layer, the attention span 1/alpha_h (000 Eq. 3-4)
   and the gate sigma(lambda_h) (Eq. 7) of every head over the fine-tuning epochs, thin lines per head and
   the head mean thick (000 Fig. 4B-C); nonlocality (001 Eq. 8) as a third row when recorded.
-- :func:`centre_query_attention` + :func:`plot_attention_maps`: the attention map of a centre query of each
-  GPSA layer, per head, for one input image fed through the whole network, sigma(lambda_h) annotated
-  (000 Fig. 5).
+- :func:`plot_attention_maps`: the attention map of a centre query of each attention layer, per head, for one
+  input image fed through the whole network (data from :func:`core.dissect.centre_query_maps`),
+  sigma(lambda_h) annotated (000 Fig. 5).
 
 Every plot function returns the PNG bytes (so a report can embed them) and, given ``path``, also writes them
 atomically (temporary file in the same directory, fsync, os.replace).
@@ -31,14 +31,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 __all__ = [
     "DYNAMICS_QUANTITIES",
     "LayerAttention",
-    "centre_query_attention",
     "gpsa_dynamics",
     "plot_attention_maps",
     "plot_gpsa_dynamics",
@@ -299,69 +297,6 @@ def preprocess_image(
             x, size=(image_size, image_size), mode="bilinear", align_corners=False
         )
     return x
-
-
-def _centre_index(n_keys: int, n_queries: int, stride: int) -> int:
-    """The query (0..n_queries-1) whose input position (index * stride) is nearest the grid centre."""
-    centre = (n_keys - 1) / 2
-    return int(np.argmin([abs(i * stride - centre) for i in range(n_queries)]))
-
-
-@torch.no_grad()
-def centre_query_attention(model: nn.Module, x: torch.Tensor) -> tuple[list[LayerAttention], torch.Tensor]:
-    """Feed ``x`` ([1, C, H, W], normalised) through ``model`` (eval mode) and return, for each GPSA layer, the
-    attention maps of the query nearest the centre of its input grid (000 Fig. 5), plus the logits.
-
-    Each layer's input is captured with a forward pre-hook, so the maps are those the layer computes inside
-    the network. Keys are the real input pixels, so a head's map sums to 1 minus the share of its positional
-    softmax that falls on the zero-padded keys (as in the conv; negligible for an interior query at large
-    alpha).
-    """
-    from core.reparam import gpsa_modules
-
-    if x.ndim != 4 or x.shape[0] != 1:
-        raise ValueError(f"centre_query_attention: expected one image [1, C, H, W], got {tuple(x.shape)}")
-    mods = gpsa_modules(model)
-    inputs: dict[str, torch.Tensor] = {}
-    hooks = [
-        m.register_forward_pre_hook(lambda mod, args, name=name: inputs.__setitem__(name, args[0].detach()))
-        for name, m in mods
-    ]
-    was_training = model.training
-    model.eval()
-    try:
-        device = next(model.parameters()).device
-        logits = model(x.to(device)).detach().cpu()
-    finally:
-        for hk in hooks:
-            hk.remove()
-        model.train(was_training)
-    out = []
-    for name, m in mods:
-        inp = inputs[name]
-        if inp.ndim != 4:
-            raise ValueError(f"centre_query_attention: {name} is not a T-CNN GPSA (input {tuple(inp.shape)})")
-        h, w = int(inp.shape[-2]), int(inp.shape[-1])
-        att = m.attention_maps(inp)[0].double().cpu()  # [heads, Lq, L]
-        s = m.stride if m.stride_mode == "exact" else 1
-        hq, wq = -(-h // s), -(-w // s)
-        if att.shape[1] != hq * wq or att.shape[2] != h * w:
-            raise ValueError(f"centre_query_attention: {name}: unexpected attention shape {tuple(att.shape)}")
-        qr, qc = _centre_index(h, hq, s), _centre_index(w, wq, s)
-        maps = att[:, qr * wq + qc, :].reshape(-1, h, w).numpy()
-        out.append(
-            LayerAttention(
-                name=name,
-                maps=maps,
-                query=(qr * s, qc * s),
-                grid=(h, w),
-                stride=s,
-                gate=m.gate().detach().double().cpu().numpy(),
-                inv_alpha=(1.0 / m.alpha().detach().double().cpu()).numpy(),
-                centers=m.centers().detach().double().cpu().numpy(),
-            )
-        )
-    return out, logits
 
 
 def _query_box(ax: Any, r: float, c: float, hh: float, ww: float) -> None:

@@ -278,6 +278,22 @@ def _local_gpus() -> int:
     return 0
 
 
+def align_ray_auth() -> str:
+    """Make ``ray start`` and ``ray.init(address=...)`` in this job agree on token authentication.
+
+    Ray >= 2.5x: ``ray start`` turns token auth on by itself when ``~/.ray/auth_token`` exists (any earlier
+    local ``ray.init()`` creates it), while a driver connecting to an existing cluster only sends the token
+    when ``RAY_AUTH_MODE=token`` is set -- so the head rejects its own job's driver ("InvalidAuthToken").
+    Unless the user chose a mode, pick it from the token's presence and export it to every process we start.
+    """
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode is None:
+        has_token = bool(os.environ.get("RAY_AUTH_TOKEN")) or (Path.home() / ".ray" / "auth_token").is_file()
+        mode = "token" if has_token else "disabled"
+        os.environ["RAY_AUTH_MODE"] = mode
+    return mode
+
+
 def _atomic_write_json(path: Path, obj: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
@@ -380,6 +396,7 @@ class RayClusterJob(submitit.helpers.Checkpointable):
             proc.wait(timeout=5)
 
     def __call__(self) -> Any:
+        align_ray_auth()
         rank = int(_slurm_env("SLURM_PROCID", "0"))
         with contextlib.suppress(RuntimeError):  # RuntimeError: not inside submitit (called directly)
             rank = submitit.JobEnvironment().global_rank

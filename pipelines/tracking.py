@@ -46,6 +46,10 @@ KEY_TAG = "tcnn.parent_key"
 ATTEMPT_TAG = "tcnn.attempt"
 HOST_TAG = "tcnn.host"
 PID_TAG = "tcnn.pid"
+RESUMES_TAG = "tcnn.resumes"  # parent: how often an interrupted (FAILED/KILLED) execution was continued
+DVC_LOCK_TAG = "tcnn.dvc_lock_sha256"  # parent: sha256 of dvc.lock (updated by every stage; final at report)
+DVC_EXP_TAG = "tcnn.dvc_exp_name"  # parent: the DVC experiment name under `dvc exp run`
+RUN_IDS_FILE = Path("runs") / "mlflow_runs.json"  # the run ids of the current execution, for the report
 
 #: Dotted params keys that get a short, stable MLflow name (identical in every run: DVC stages and sweep trials).
 PARAM_ALIASES: dict[str, str] = {
@@ -183,6 +187,7 @@ class Tracker:
         self.experiment = experiment
         self.export_env = export_env
         self.parent_run_id: str | None = None
+        self.parent_created = False  # whether the last start_parent opened a new run
         self.run_id: str | None = None  # the active child (stage) run
         self._client: Any = None
         self._experiment_id: str | None = None
@@ -284,18 +289,26 @@ class Tracker:
         *,
         run_id: str | None = None,
         key: str | None = None,
+        reopen_failed: bool = False,
+        params: Any = None,
     ) -> str | None:
         """Open (or re-attach to) the parent run; returns its id (None when not enabled).
 
         Order: an explicit ``run_id`` (must exist) -> ``$TCNN_PARENT_RUN_ID`` -> the newest RUNNING parent
-        tagged with ``key`` -> a new parent run. The id is exported in ``$TCNN_PARENT_RUN_ID`` so child
-        processes attach to it.
+        tagged with ``key`` (with ``reopen_failed``: or the newest parent of ``key`` when it ended FAILED or
+        KILLED, i.e. a pipeline execution that a failed or preempted stage interrupted and that is now
+        continued) -> a new parent run. With ``params``, a parent found by ``key`` whose logged params differ
+        is not re-attached (params are write-once): a RUNNING one is marked FAILED as superseded, and a new
+        parent is opened; the params are logged on the parent. The id is exported in ``$TCNN_PARENT_RUN_ID``
+        so child processes attach to it. ``self.parent_created`` says whether a new run was opened.
         """
         if not self.enabled:
             return None
         from mlflow.exceptions import MlflowException
 
+        flat = flatten_params(params) if params is not None else {}
         found: str | None = None
+        own = False
         if run_id is not None:
             try:
                 self._client.get_run(run_id)
@@ -318,15 +331,16 @@ class Tracker:
                     file=sys.stderr,
                 )
         elif key is not None:
-            hits = self._search(
-                f"tags.`{KIND_TAG}` = 'parent' and tags.`{KEY_TAG}` = {_quote(key)} "
-                "and attributes.status = 'RUNNING'",
-                max_results=10,
-            )
-            if hits:
-                found = hits[0].info.run_id
+            found = self._find_parent_by_key(key, flat, reopen_failed)
+            own = True  # a parent of this workspace: it carries this execution's params
+        self.parent_created = found is None
         if found is not None:
-            self._reopen(found, tags)
+            run = self._client.get_run(found)
+            extra: dict[str, Any] = {}
+            if run.info.status != "RUNNING":  # an interrupted execution, continued
+                self._client.update_run(found, status="RUNNING")
+                extra[RESUMES_TAG] = int(run.data.tags.get(RESUMES_TAG, "0")) + 1
+            self._set_tags(found, {**(tags or {}), **self._process_tags(), **extra})
         else:
             all_tags = {KIND_TAG: "parent", ATTEMPT_TAG: "1", **self._process_tags(), **(tags or {})}
             if key is not None:
@@ -336,6 +350,30 @@ class Tracker:
         self.parent_run_id = found
         if self.export_env:
             os.environ[PARENT_ENV] = found
+        if flat and (own or self.parent_created):  # never onto a shared parent (a sweep's, by id or env)
+            self.log_params(flat, run_id=found)
+        return found
+
+    def _find_parent_by_key(self, key: str, flat: Mapping[str, str], reopen_failed: bool) -> str | None:
+        """The parent run of ``key`` to re-attach to, or None (see :meth:`start_parent`)."""
+        base = f"tags.`{KIND_TAG}` = 'parent' and tags.`{KEY_TAG}` = {_quote(key)}"
+        hits = self._search(base + " and attributes.status = 'RUNNING'", max_results=10)
+        found: str | None = None
+        for run in hits:  # newest first
+            if found is None and _compatible(run.data.params, flat):
+                found = run.info.run_id
+            else:  # a leftover of a killed execution with other params, or an older duplicate
+                self._client.set_tag(run.info.run_id, "tcnn.stale", "interrupted execution, superseded")
+                self._client.set_terminated(run.info.run_id, status="FAILED")
+        if found is None and reopen_failed:
+            newest = self._search(base, max_results=1)
+            if (
+                newest
+                and newest[0].info.status in ("FAILED", "KILLED")
+                and newest[0].data.tags.get("tcnn.stale") is None
+                and _compatible(newest[0].data.params, flat)
+            ):
+                found = newest[0].info.run_id
         return found
 
     def start_child(
@@ -382,7 +420,7 @@ class Tracker:
         )
         resume_id: str | None = None
         for run in stale:  # newest first
-            compatible = all(run.data.params.get(k, v) == v for k, v in flat.items())
+            compatible = _compatible(run.data.params, flat)
             if on_stale == "resume" and resume_id is None and compatible:
                 resume_id = run.info.run_id
             else:
@@ -614,6 +652,11 @@ class Tracker:
             self._monitor = None
 
 
+def _compatible(logged: Mapping[str, str], flat: Mapping[str, str]) -> bool:
+    """True when no param already logged on a run differs from ``flat`` (MLflow params are write-once)."""
+    return all(logged.get(k, v) == v for k, v in flat.items())
+
+
 def _str_tags(tags: Mapping[str, Any]) -> dict[str, str]:
     return {str(k): str(v) for k, v in tags.items() if v is not None}
 
@@ -622,6 +665,63 @@ def _is_flat_str(params: Any) -> bool:
     return isinstance(params, Mapping) and all(
         isinstance(k, str) and isinstance(v, str) for k, v in params.items()
     )
+
+
+def git_dirty(root: str | os.PathLike = ".") -> bool | None:
+    """Whether tracked files differ from the checked-out commit (None outside git)."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return None if out.returncode != 0 else bool(out.stdout.strip())
+
+
+def resolved_environment() -> str:
+    """The resolved Python environment as ``pip freeze``-style lines (from the installed distributions'
+    metadata: the same set pip reports, without starting pip), headed by the interpreter and platform."""
+    import importlib.metadata as md
+    import platform
+
+    seen: dict[str, str] = {}
+    for dist in md.distributions():
+        name = dist.metadata["Name"]
+        if name and name.lower() not in seen:
+            seen[name.lower()] = f"{name}=={dist.version}"
+    head = f"# python {platform.python_version()} ({sys.executable}) on {platform.platform()}\n"
+    return head + "\n".join(sorted(seen.values(), key=str.lower)) + "\n"
+
+
+def record_run_ids(
+    path: str | os.PathLike, parent: str, stage: str, run_id: str, meta: Mapping[str, Any] | None = None
+) -> None:
+    """Add ``stage``'s run id to the run-ids file of the current execution (atomically).
+
+    Format: ``{"parent": id, "stages": {stage: id}, "meta": {...}}``; a file of another parent is replaced,
+    so the file always describes one pipeline execution (read by the report stage)."""
+    from core.atomic import atomic_write_json
+
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = None
+    if not isinstance(data, dict) or data.get("parent") != parent or not isinstance(data.get("stages"), dict):
+        data = {"parent": parent, "stages": {}}
+    data["stages"][stage] = run_id
+    data["meta"] = {k: v for k, v in dict(meta or {}).items() if v is not None}
+    atomic_write_json(path, data)
+
+
+def _end_status(err: BaseException) -> RunStatus:
+    """KILLED for an interruption the stage can resume from (Ctrl-C, a stop signal), else FAILED."""
+    if isinstance(err, KeyboardInterrupt) or type(err).__name__ == "Preempted":
+        return "KILLED"
+    return "FAILED"
 
 
 @contextlib.contextmanager
@@ -633,6 +733,8 @@ def stage_run(
     parent_name: str = "pipeline",
     parent_tags: Mapping[str, Any] | None = None,
     end_parent: bool = False,
+    base_dir: str | os.PathLike | None = None,
+    run_ids_file: str | os.PathLike | None = RUN_IDS_FILE,
     **child_kwargs: Any,
 ) -> Iterator[Tracker]:
     """The whole stage protocol in one call, for ``stages/<name>.py``::
@@ -640,15 +742,64 @@ def stage_run(
         with stage_run(params, "finetune", root=root) as tracker:
             ...  # tracker.log_metrics(...), tracker.log_artifact(...)
 
-    Attaches to ``$TCNN_PARENT_RUN_ID`` or the RUNNING parent of this workspace (creating it with the git
-    commit tag when there is none), logs all params on the stage run, resumes a killed attempt, ends the run
-    FINISHED/FAILED; ``end_parent=True`` (the last stage) also ends the parent run.
+    Parent: ``$TCNN_PARENT_RUN_ID``, else the parent of this workspace that is RUNNING (the chain is under
+    way, or was killed) or was interrupted by a failed/preempted stage, when its params match; else a new
+    one. The parent carries all params, the git commit (+ ``tcnn.git_dirty``), the sha256 of ``dvc.lock``
+    (:data:`DVC_LOCK_TAG`, updated at every stage; at the end of the chain it is the lock of every stage but
+    the last, which DVC records after the process exits), and under ``dvc exp run`` the experiment's name
+    (as run name and :data:`DVC_EXP_TAG`). The stage's child run logs all params, resumes a killed attempt,
+    and ends FINISHED; on an exception the child and the parent end FAILED (KILLED when preempted) so nothing
+    stays RUNNING, and the next run of the chain continues that parent. ``end_parent=True`` (the last stage)
+    logs ``dvc.lock`` and ``params.yaml`` on the parent and ends it FINISHED. The ids go to ``run_ids_file``
+    (relative to ``root``; None: not written). The sqlite store resolves against ``base_dir``, default
+    ``$DVC_ROOT`` (the main repository, also for ``dvc exp run --temp``) or ``root``.
     """
-    tracker = Tracker.from_params(params, base_dir=root)
-    tags = {GIT_COMMIT_TAG: git_commit(root), **(parent_tags or {})}
-    tracker.start_parent(parent_name, tags, key=workspace_key(root))
-    child_kwargs.setdefault("params", params)
-    with tracker.stage(stage, **child_kwargs):
+    root = Path(root)
+    interval = float(os.environ.get("TCNN_SYSTEM_METRICS_INTERVAL_S", "10"))
+    base = base_dir if base_dir is not None else (os.environ.get("DVC_ROOT") or root)
+    tracker = Tracker.from_params(params, base_dir=base, system_metrics_interval_s=interval)
+    if not tracker.enabled:
         yield tracker
+        return
+    exp_name = os.environ.get("DVC_EXP_NAME") or None
+    tags = {
+        GIT_COMMIT_TAG: git_commit(root),
+        "tcnn.git_dirty": git_dirty(root),
+        DVC_LOCK_TAG: file_digest(root / "dvc.lock"),
+        DVC_EXP_TAG: exp_name,
+        **(parent_tags or {}),
+    }
+    name = exp_name if exp_name and parent_name == "pipeline" else parent_name
+    if exp_name:
+        tags[RUN_NAME_TAG] = name
+    tracker.start_parent(name, tags, key=workspace_key(root), reopen_failed=True, params=params)
+    parent = tracker.parent_run_id
+    assert parent is not None
+    if tracker.parent_created:
+        with contextlib.suppress(Exception):  # nice to have: never fail a stage for it
+            tracker.client.log_text(parent, resolved_environment(), "environment/requirements.txt")
+    child_kwargs.setdefault("params", params)
+    child = tracker.start_child(stage, **child_kwargs)
+    if run_ids_file is not None and child is not None:
+        meta = {"experiment": tracker.experiment, "experiment_id": tracker.experiment_id,
+                "tracking_uri": tracker.uri, "dvc_exp_name": exp_name}  # fmt: skip
+        record_run_ids(root / run_ids_file, parent, stage, child, meta)
+    try:
+        yield tracker
+    except BaseException as err:
+        status = _end_status(err)
+        with contextlib.suppress(Exception):
+            tracker.set_tags({"tcnn.failed_stage": stage, "tcnn.error": str(err)[:500]}, run_id=parent)
+        tracker.end(status)
+        tracker.end_parent(status)
+        raise
+    tracker.end("FINISHED")
     if end_parent:
+        tracker.set_tags({DVC_LOCK_TAG: file_digest(root / "dvc.lock")}, run_id=parent)
+        for tag in ("tcnn.failed_stage", "tcnn.error"):  # an earlier interruption, since continued
+            with contextlib.suppress(Exception):
+                tracker.client.delete_tag(parent, tag)
+        for name in ("dvc.lock", "params.yaml"):
+            if (root / name).is_file():
+                tracker.log_artifact(root / name, run_id=parent)
         tracker.end_parent("FINISHED")

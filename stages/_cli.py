@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import os
 import sys
@@ -14,22 +15,48 @@ from typing import Any
 from core.config import ConfigError, Params, load_params
 from core.importers import DataError
 
-#: Files each stage logs to MLflow as artifacts when they exist (relative to the repo root).
-STAGE_ARTIFACTS: dict[str, tuple[str, ...]] = {
+#: Files (or directories) each stage logs to MLflow as artifacts when they exist (relative to the repo
+#: root), as ``path`` or ``(path, artifact_dir)``.
+STAGE_ARTIFACTS: dict[str, tuple[str | tuple[str, str], ...]] = {
     "prepare": ("{data_dir}/manifest.json",),
-    "pretrain": ("runs/pretrain/metrics.json", "runs/pretrain/history.csv", "runs/pretrain/cnn-final.pt"),
-    "reparam": ("runs/reparam/equivalence.json",),
+    "pretrain": (
+        "runs/pretrain/metrics.json", "runs/pretrain/history.json", "runs/pretrain/history.csv",
+        ("runs/pretrain/cnn-final.pt", "checkpoints"), ("runs/pretrain/ckpt", "checkpoints/ckpt"),
+    ),
+    "reparam": ("runs/reparam/equivalence.json", ("runs/reparam/tcnn.pt", "checkpoints")),
     "finetune": (
-        "runs/finetune/metrics.json", "runs/finetune/history.csv", "runs/finetune/gpsa.csv",
-        "runs/finetune/tcnn-final.pt",
+        "runs/finetune/metrics.json", "runs/finetune/history.json", "runs/finetune/history.csv",
+        "runs/finetune/gpsa.csv", ("runs/finetune/tcnn-final.pt", "checkpoints"),
     ),
     "corrupt": ("{robustness_dir}/index.json", "{robustness_dir}/contact_sheet.png"),
     "evaluate": (
-        "results/robustness.parquet", "results/metrics.json", "results/baseline.json",
-        "results/plots/robustness_gain.png",
+        "results/robustness.parquet", "results/metrics.json", "results/summary.json", "results/baseline.json",
+        "results/robustness_by_category.csv", "results/robustness_by_severity.csv",
+        ("results/plots/robustness_gain.png", "plots"),
     ),
-    "report": ("results/report.html", "results/plots", "dvc.lock", "params.yaml"),
+    "report": ("results/report.html", ("results/plots", "plots")),
 }  # fmt: skip
+
+#: Final metrics with stable names, logged on the parent run at the end of the chain so that the compare
+#: view of pipeline executions lines them up: name -> (file relative to the root, key path in its JSON).
+SUMMARY_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "cnn_test_acc": ("runs/pretrain/metrics.json", ("test_acc",)),
+    "tcnn_test_acc": ("runs/finetune/metrics.json", ("test_acc",)),
+    "equivalence_error": ("runs/reparam/equivalence.json", ("max_abs_logit_diff",)),
+    "equivalence_mean_abs_logit_diff": ("runs/reparam/equivalence.json", ("mean_abs_logit_diff",)),
+    "equivalence_prediction_agreement": ("runs/reparam/equivalence.json", ("prediction_agreement",)),
+    **{
+        f"{model}_{name}": ("results/metrics.json", (model, name))
+        for model in ("cnn", "tcnn")
+        for name in ("clean_accuracy", "mca", "mce", "relative_mce")
+    },
+}
+
+#: Models logged with ``mlflow.pytorch.log_model`` (stage -> (checkpoint, MLflow model name)).
+STAGE_MODELS: dict[str, tuple[str, str]] = {
+    "pretrain": ("runs/pretrain/cnn-final.pt", "cnn"),
+    "finetune": ("runs/finetune/tcnn-final.pt", "tcnn"),
+}
 
 
 class StageError(RuntimeError):
@@ -49,29 +76,149 @@ def numeric_metrics(obj: Any, prefix: str = "") -> dict[str, float]:
     return out
 
 
+def tracking_on(params: Params) -> bool:
+    """Tracking is on unless ``tracking.enabled: false`` or ``TCNN_TRACKING=0`` (the test-suite sets it)."""
+    return params.tracking.enabled and os.environ.get("TCNN_TRACKING", "1") != "0"
+
+
 @contextlib.contextmanager
 def _tracked(params: Params, name: str) -> Iterator[Any]:
-    """The stage's MLflow run (child of the pipeline's parent run), or nothing when tracking is off.
-
-    `TCNN_TRACKING=0` switches tracking off for one invocation (the test-suite sets it)."""
-    if not params.tracking.enabled or os.environ.get("TCNN_TRACKING") == "0":
+    """The stage's MLflow run (child of the pipeline's parent run), or nothing when tracking is off."""
+    if not tracking_on(params):
         yield None
         return
     from pipelines.tracking import stage_run  # the one tracking adapter; stages work without it
 
-    with stage_run(params, name, root=".", end_parent=name == "report") as tracker:
+    with stage_run(params, name, root=".", end_parent=name == "report", system_metrics=True) as tracker:
         yield tracker
 
 
-def _log_outputs(tracker: Any, params: Params, name: str, metrics: Any) -> None:
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _epoch_metrics(row: dict[str, Any]) -> dict[str, float]:
+    """The numbers of one history row; per-head GPSA lists become a per-layer mean plus one value per head."""
+    out = {k: float(v) for k, v in numeric_metrics({k: v for k, v in row.items() if k != "gpsa"}).items()}
+    gpsa = row.get("gpsa")
+    if isinstance(gpsa, dict):
+        for layer, stats in gpsa.items():
+            for key, values in (stats or {}).items():
+                if isinstance(values, list) and values and all(isinstance(v, (int, float)) for v in values):
+                    out[f"gpsa/{layer}/{key}"] = sum(values) / len(values)
+                    out.update({f"gpsa/{layer}/{key}/h{h}": float(v) for h, v in enumerate(values)})
+    return {k: v for k, v in out.items() if math.isfinite(v)}
+
+
+def log_history(tracker: Any, path: Path, step_key: str = "epoch") -> int:
+    """Per-epoch metrics of a training history (``history.json``: a list of rows) with step = the epoch."""
+    rows = _read_json(path)
+    if not isinstance(rows, list):
+        return 0
+    n = 0
+    for row in rows:
+        if isinstance(row, dict) and isinstance(row.get(step_key, row.get("epoch")), int):
+            step = int(row.get(step_key, row.get("epoch")))
+            tracker.log_metrics({f"epoch/{k}": v for k, v in _epoch_metrics(row).items()}, step=step)
+            n += 1
+    return n
+
+
+def log_dataset_dir(tracker: Any, name: str, data_dir: Path, context: str) -> None:
+    """A prepared dataset as an MLflow input: digest = sha256 of its manifest (which holds every file's sha256)."""
+    from pipelines.tracking import file_digest
+
+    manifest = data_dir / "manifest.json"
+    digest = file_digest(manifest)
+    if digest is None:
+        return
+    info = _read_json(manifest) or {}
+    profile = {k: info.get(k) for k in ("num_classes", "image_shape", "class_counts") if k in info}
+    profile["manifest_sha256"] = digest
+    tracker.log_dataset(name, digest, str(data_dir), context=context, profile=profile)
+
+
+def log_corrupted_sets(tracker: Any, params: Params, root: Path) -> None:
+    """The corrupted test sets as an MLflow input: digest = sha256 of their index (one sha256 per set)."""
+    from pipelines.tracking import file_digest
+
+    index = root / params.robustness.dir / "index.json"
+    digest = file_digest(index)
+    if digest is not None:
+        info = _read_json(index) or {}
+        profile = {"n_images": info.get("n"), "sets": len(info.get("sets") or []), "index_sha256": digest}
+        tracker.log_dataset(f"{params.data.name}-c", digest, str(root / params.robustness.dir),
+                            context="test-corrupted", profile=profile)  # fmt: skip
+
+
+def log_model(tracker: Any, checkpoint: Path, name: str) -> None:
+    """The model of a checkpoint through ``mlflow.pytorch.log_model`` (loadable with
+    ``mlflow.pytorch.load_model``; it gives the logits of ``core.checkpoint.load_model``)."""
+    if not checkpoint.is_file():
+        return
+    from core.checkpoint import load_model
+
+    model = load_model(checkpoint)
+    tracker.log_torch_model(model, name=name)
+
+
+def summary_metrics(root: Path) -> dict[str, float]:
+    """:data:`SUMMARY_METRICS` read from the chain's outputs (missing ones are left out)."""
+    out: dict[str, float] = {}
+    cache: dict[str, Any] = {}
+    for name, (rel, keys) in SUMMARY_METRICS.items():
+        node = cache.setdefault(rel, _read_json(root / rel))
+        for k in keys:
+            node = node.get(k) if isinstance(node, dict) else None
+        if isinstance(node, (int, float)) and not isinstance(node, bool) and math.isfinite(node):
+            out[name] = float(node)
+    return out
+
+
+def _log_outputs(tracker: Any, params: Params, name: str, metrics: Any, root: Path = Path(".")) -> None:
+    """Everything a finished stage leaves for MLflow: metrics, per-epoch metrics, artifacts, datasets, models;
+    the last stage also logs the summary metrics on the parent run."""
     if tracker is None:
         return
-    tracker.log_metrics(numeric_metrics(metrics))
+    # config values echoed in a stage's metrics (equivalence.json's alpha_init...) stay params only, so the
+    # compare view does not show a metric and a param of the same name
+    echoed = {"alpha_init", "lambda_init", "reparam_epoch", "sample_fraction", "stride_mode"}
+    final = {k: v for k, v in numeric_metrics(metrics).items() if k not in echoed}
+    if name == "reparam" and "max_abs_logit_diff" in final:
+        final["equivalence_error"] = final["max_abs_logit_diff"]
+    tracker.log_metrics(final)
+    if name in ("pretrain", "finetune"):
+        log_history(
+            tracker,
+            root / "runs" / name / "history.json",
+            "finetune_epoch" if name == "finetune" else "epoch",
+        )
+    data_dir = root / params.data.dir
+    if name == "prepare":
+        log_dataset_dir(tracker, params.data.name, data_dir, "prepared")
+    elif name in ("pretrain", "finetune"):
+        log_dataset_dir(tracker, params.data.name, data_dir, "train")
+    elif name == "evaluate":
+        log_dataset_dir(tracker, params.data.name, data_dir, "test")
+        log_corrupted_sets(tracker, params, root)
     fmt = {"data_dir": str(params.data.dir), "robustness_dir": str(params.robustness.dir)}
-    for pattern in STAGE_ARTIFACTS.get(name, ()):
-        path = Path(pattern.format(**fmt))
+    for entry in STAGE_ARTIFACTS.get(name, ()):
+        pattern, where = (entry, None) if isinstance(entry, str) else entry
+        path = root / pattern.format(**fmt)
         if path.exists():
-            tracker.log_artifact(path)
+            tracker.log_artifact(path, where)
+    if name in STAGE_MODELS:
+        ckpt, model_name = STAGE_MODELS[name]
+        log_model(tracker, root / ckpt, model_name)
+    if name == "report":
+        parent = tracker.parent_run_id
+        tracker.log_metrics(summary_metrics(root), run_id=parent)
+        for rel in ("results/report.html", "results/metrics.json"):
+            if (root / rel).is_file():
+                tracker.log_artifact(root / rel, run_id=parent)
 
 
 def stage_main(name: str, run: Callable[[Params], object], argv: list[str] | None = None) -> int:
@@ -87,6 +234,12 @@ def stage_main(name: str, run: Callable[[Params], object], argv: list[str] | Non
             metrics = run(params)
             _log_outputs(tracker, params, name, metrics)
     except (ConfigError, StageError, DataError) as err:
+        print(f"{name}: error: {err}", file=sys.stderr)
+        return 2
+    except RuntimeError as err:
+        # pipelines.tracking.TrackingError (server down and the like), without importing MLflow here
+        if type(err).__name__ != "TrackingError":
+            raise
         print(f"{name}: error: {err}", file=sys.stderr)
         return 2
     return 0

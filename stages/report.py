@@ -13,8 +13,8 @@ Reads (relative to `root`):
   images (``<robustness.dir>/clean.parquet``, else the test split of ``data.dir``), the MLflow run ids.
 
 Writes ``results/report.html`` (images embedded as base64 PNG, so the single file can be logged as an MLflow
-artifact) and ``results/plots/{training_curves,fig4_dynamics,fig5_attention}.png``. The three PNGs always
-exist after a successful run (a figure without data is a placeholder stating why), so DVC can declare them.
+artifact) and ``results/plots/{training_curves,fig4_dynamics,fig5_attention,attention_contours,nonlocality}.png``.
+The PNGs always exist after a successful run (a figure without data is a placeholder stating why), so DVC can declare them.
 
 MLflow run ids: ``run(..., run_ids={"parent": ..., "<stage>": ...})`` when the caller knows them; otherwise
 :func:`read_run_ids` takes ``runs/mlflow_runs.json`` (``{"parent": id, "stages": {stage: id}}`` or a flat
@@ -51,6 +51,8 @@ FIGURES = {
     "training_curves": "training_curves.png",
     "fig4": "fig4_dynamics.png",
     "fig5": "fig5_attention.png",
+    "contours": "attention_contours.png",
+    "nonlocality": "nonlocality.png",
 }
 MODEL_LABELS = {"cnn": "CNN", "tcnn": "T-CNN"}
 
@@ -118,6 +120,25 @@ def read_run_ids(
     return (ids or None), note
 
 
+def read_run_meta(root: Path) -> dict[str, str]:
+    """The tracking context recorded next to the run ids (experiment, its id, tracking URI, DVC experiment
+    name); empty when there is none."""
+    try:
+        raw = json.loads((root / RUN_IDS_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    meta = raw.get("meta") if isinstance(raw, dict) else None
+    return {str(k): str(v) for k, v in meta.items() if v is not None} if isinstance(meta, dict) else {}
+
+
+def _recorded_parent(root: Path) -> str | None:
+    try:
+        raw = json.loads((root / RUN_IDS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return raw.get("parent") if isinstance(raw, dict) else None
+
+
 # ------------------------------------------------------------------------------------------------ inputs
 @dataclass
 class Inputs:
@@ -136,6 +157,7 @@ class Inputs:
     figures: dict[str, bytes | None] = field(default_factory=dict)
     fig5_caption: str | None = None
     attention_stats: list[dict[str, Any]] = field(default_factory=list)
+    attention_layers: list[Any] = field(default_factory=list)  # core.report_plots.LayerAttention of fig5
     notes: dict[str, list[str]] = field(default_factory=dict)
 
     def note(self, section: str, text: str) -> None:
@@ -248,14 +270,15 @@ def _figure5(
     paths: dict[str, Path], cnn: Any, tcnn: Any, meta: dict, cnn_meta: dict, inputs: Inputs
 ) -> bytes | None:
     """000 Fig. 5 for the first clean test image (attention data kept in ``inputs.attention_stats``)."""
-    from core.data import DataError
-    from core.reparam import gpsa_modules
-    from core.report_plots import centre_query_attention, plot_attention_maps, preprocess_image
+    import numpy as np
 
-    if not gpsa_modules(tcnn):
-        inputs.note(
-            "fig5", "The fine-tuned model has no GPSA layer (model.kind is not tcnn): no attention maps."
-        )
+    from core.data import DataError
+    from core.dissect import centre_query_maps
+    from core.reparam import attention_modules
+    from core.report_plots import plot_attention_maps, preprocess_image
+
+    if not attention_modules(tcnn):
+        inputs.note("fig5", "The fine-tuned model has no attention layer: no attention maps.")
         return None
     try:
         image, label, source, manifest = _test_image(paths, inputs.rel)
@@ -273,7 +296,7 @@ def _figure5(
 
     x = preprocess_image(image, norm["mean"], norm["std"], meta.get("image_size"))
     try:
-        layers, logits = centre_query_attention(tcnn, x)
+        layers, logits = centre_query_maps(tcnn, x)
     except ValueError as err:  # e.g. ConViT-mode GPSA (token inputs): no conv-grid maps to draw
         inputs.note("fig5", f"No attention maps: {str(err).splitlines()[0]}.")
         return None
@@ -285,6 +308,7 @@ def _figure5(
             cnn(preprocess_image(image, cnorm["mean"], cnorm["std"], cnn_meta.get("image_size"))).argmax()
         )
     tcnn_pred = int(logits.argmax())
+    inputs.attention_layers = list(layers)
     inputs.fig5_caption = f"Input: {source}; label {name(label)}; CNN predicts {name(cnn_pred)}, T-CNN predicts {name(tcnn_pred)}."
     for la in layers:
         q = la.maps
@@ -295,11 +319,31 @@ def _figure5(
                 "query": f"({la.query[0]}, {la.query[1]})",
                 "mass": float(q.sum(axis=(1, 2)).min()),
                 "peak": float(q.reshape(q.shape[0], -1).max(axis=1).mean()),
-                "gate": float(la.gate.mean()),
+                "gate": float(np.nanmean(la.gate)) if np.isfinite(la.gate).any() else None,
             }
         )
     return plot_attention_maps(layers, image, title=f"Centre-query attention per GPSA layer and head (000 Fig. 5); "
                                f"label {name(label)}, T-CNN predicts {name(tcnn_pred)}")  # fmt: skip
+
+
+def _dissection_figures(inputs: Inputs) -> tuple[bytes | None, bytes | None]:
+    """Mass contours of the Fig. 5 maps and 001 Fig. 5 (nonlocality per layer over fine-tuning epochs)."""
+    from core.dissect import plot_attention_contours, plot_nonlocality, to_png
+
+    contours = nonloc = None
+    if inputs.attention_layers:
+        contours = to_png(plot_attention_contours(inputs.attention_layers))
+    else:
+        inputs.note("contours", "No attention maps (see Fig. 5): no contours.")
+    rows = [r for r in inputs.gpsa_rows or [] if r.get("nonlocality") not in (None, "", "nan")]
+    if rows:
+        try:
+            nonloc = to_png(plot_nonlocality(rows))
+        except (ValueError, KeyError) as err:
+            inputs.note("nonlocality", f"cannot plot the nonlocality ({err}).")
+    else:
+        inputs.note("nonlocality", "No nonlocality recorded during fine-tuning: no nonlocality plot.")
+    return contours, nonloc
 
 
 def _gain_png(paths: dict[str, Path], inputs: Inputs) -> bytes | None:
@@ -409,10 +453,24 @@ def _label(m: str) -> str:
     return MODEL_LABELS.get(m, m)
 
 
-def _section_runs(run_ids: dict[str, str] | None, params: dict[str, Any], note: str | None) -> str:
+def _section_runs(
+    run_ids: dict[str, str] | None,
+    params: dict[str, Any],
+    note: str | None,
+    meta: Mapping[str, str] | None = None,
+) -> str:
     tr = params.get("tracking", {})
     parts = [f"<p>Tracking: enabled={_e(tr.get('enabled'))}, uri <code>{_e(tr.get('uri'))}</code>, "
              f"experiment <code>{_e(tr.get('experiment'))}</code>.</p>"]  # fmt: skip
+    meta = meta or {}
+    if meta.get("dvc_exp_name"):
+        parts.append(
+            f"<p>DVC experiment <code>{_e(meta['dvc_exp_name'])}</code> (the parent run's name).</p>"
+        )
+    if run_ids and run_ids.get("parent") and meta.get("experiment_id"):
+        link = f"#/experiments/{meta['experiment_id']}/runs/{run_ids['parent']}"
+        parts.append(f"<p>In the MLflow UI (<code>infra/mlflow/server.sh</code>, then http://127.0.0.1:5000/): "
+                     f"<code>{_e(link)}</code>; store <code>{_e(meta.get('tracking_uri', ''))}</code>.</p>")  # fmt: skip
     if run_ids:
         order = ["parent", *STAGE_ORDER]
         keys = sorted(run_ids, key=lambda k: (order.index(k) if k in order else len(order), k))
@@ -604,7 +662,10 @@ pre{background:#f6f8fa;padding:10px;overflow:auto;font-size:.85em;max-height:480
 
 
 def render_html(
-    inputs: Inputs, run_ids: dict[str, str] | None = None, run_ids_note: str | None = None
+    inputs: Inputs,
+    run_ids: dict[str, str] | None = None,
+    run_ids_note: str | None = None,
+    run_meta: Mapping[str, str] | None = None,
 ) -> str:
     """The report as one HTML string (no file access, no MLflow): config, MLflow run ids, equivalence,
     CNN vs T-CNN robustness, training curves, Fig. 3, Fig. 4, Fig. 5, notes on missing optional inputs."""
@@ -635,7 +696,7 @@ def render_html(
         f"<p class='caption'>{subtitle}</p>",
         "<div class='kpi'>" + "".join(f"<div>{_e(k)}<b>{v}</b></div>" for k, v in kpis) + "</div>",
         '<h2 id="mlflow">MLflow runs</h2>',
-        _section_runs(run_ids, p, run_ids_note),
+        _section_runs(run_ids, p, run_ids_note, run_meta),
         '<h2 id="robustness">CNN vs T-CNN</h2>',
         _section_robustness(m),
         _summary_lines(inputs.summary),
@@ -674,6 +735,16 @@ def render_html(
                  "zero-padded border keys (as a conv's zero padding; small for an interior query).</p>")  # fmt: skip
     s += [
         _notes(inputs, "fig5"),
+        '<h2 id="contours">Attention mass contours</h2>',
+        "<p class='caption'>The same centre-query maps on a log colour scale, with the smallest key sets holding "
+        "90 %, 50 % and 10 % of each head's attention mass: how far each head really looks.</p>",
+        _img(fig.get("contours"), "attention mass contours of the centre query per layer and head"),
+        _notes(inputs, "contours"),
+        '<h2 id="nonlocality">Nonlocality over fine-tuning (001 Eq. 8, Fig. 5)</h2>',
+        "<p class='caption'>Per attention layer, the attention-weighted mean distance between query and key "
+        "pixels (mean over heads) on a fixed validation batch, per fine-tuning epoch.</p>",
+        _img(fig.get("nonlocality"), "nonlocality per layer over fine-tuning"),
+        _notes(inputs, "nonlocality"),
         '<h2 id="config">Configuration</h2>',
         f"<pre>{_e(yaml.safe_dump(p, sort_keys=False, default_flow_style=None, width=100))}</pre>",
         "</body></html>",
@@ -731,13 +802,15 @@ def run(params: Params, *, root: Path = Path("."), run_ids: dict[str, str] | Non
         except (ValueError, KeyError) as err:
             inputs.note("fig4", f"{inputs.rel(paths['gpsa'])}: cannot plot ({err}).")
     figs["fig5"] = _figure5(paths, cnn, tcnn, tcnn_meta, cnn_meta, inputs)
+    figs["contours"], figs["nonlocality"] = _dissection_figures(inputs)
     inputs.figures = figs
 
     if run_ids is None:
         run_ids, ids_note = read_run_ids(root)
     else:
         run_ids, ids_note = ({str(k): str(v) for k, v in run_ids.items() if v} or None), None
-    text = render_html(inputs, run_ids, ids_note)
+    meta = read_run_meta(root) if run_ids and run_ids.get("parent") == _recorded_parent(root) else {}
+    text = render_html(inputs, run_ids, ids_note, meta)
 
     out = output_paths(root)
     for key in FIGURES:

@@ -20,12 +20,13 @@ from PIL import Image
 from core.checkpoint import atomic_save, atomic_write_json, make_model_spec
 from core.config import validate_params
 from core.corruptions import CORRUPTIONS, write_set
+from core.dissect import layer_stats as gpsa_stats
+from core.dissect import long_rows as gpsa_long_rows
 from core.importers import write_array_dataset
 from core.models import build
 from core.plots import plot_relative_improvement
 from core.reparam import gpsa_modules, to_tcnn
 from core.robustness import Baseline, flat_metrics, summarize, table_from_errors
-from core.train import gpsa_long_rows, gpsa_stats
 from stages import _training as T
 from stages import report
 from stages._cli import StageError
@@ -194,7 +195,8 @@ def test_report_shows_the_numbers_of_its_inputs(rendered) -> None:
     assert _pct(m["tcnn_gain"]["per_category"]["blur"], 1) in text
     assert "43.21%" in text and "56.78%" in text  # pretrain / finetune test accuracy
     assert "alpha_init: 50.0" in text  # the config block
-    assert out["figures"] == {"training_curves": True, "fig3": True, "fig4": True, "fig5": True}
+    assert out["figures"] == {"training_curves": True, "fig3": True, "fig4": True, "fig5": True, "contours": True,
+                              "nonlocality": True}  # fmt: skip
     assert out["notes"] == []
 
 
@@ -223,12 +225,13 @@ def test_report_figures_are_written_and_embedded(rendered) -> None:
     embedded = [
         base64.b64decode(b) for b in re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', text)
     ]
-    assert len(embedded) == 4
+    assert len(embedded) == 6
     plots = root / "results" / "plots"
     files = {k: (plots / n).read_bytes() for k, n in report.FIGURES.items()}
-    # embedded in section order: training curves, Fig. 3 (the evaluate stage's own PNG), Fig. 4, Fig. 5
+    # embedded in section order: training curves, Fig. 3 (the evaluate stage's own PNG), Fig. 4, Fig. 5, contours,
+    # nonlocality
     assert embedded == [files["training_curves"], (plots / "robustness_gain.png").read_bytes(), files["fig4"],
-                        files["fig5"]]  # fmt: skip
+                        files["fig5"], files["contours"], files["nonlocality"]]  # fmt: skip
     sizes = {k: _png(v).size for k, v in files.items()}
     assert sizes["training_curves"][0] >= 1000 and sizes["fig4"][1] >= 500 and sizes["fig5"][0] >= 1000
     assert out["report"].endswith("results/report.html")
@@ -258,7 +261,8 @@ def test_missing_optional_inputs_become_notes(chain, tmp_path) -> None:
     for rel in ("runs/finetune/gpsa.csv", "runs/reparam/equivalence.json", "runs/pretrain/history.json"):
         assert f"{rel} is missing" in text
     assert "redrawn from" in text  # Fig. 3 from robustness.parquet
-    assert out["figures"] == {"training_curves": False, "fig3": True, "fig4": False, "fig5": True}
+    assert out["figures"] == {"training_curves": False, "fig3": True, "fig4": False, "fig5": True, "contours": True,
+                              "nonlocality": False}  # fmt: skip
     assert "label 0 (t-shirt)" in text and "test split, index 0" in text  # fell back to the data dir
     assert "No MLflow run ids" in text
     for name in report.FIGURES.values():  # placeholders keep the declared outputs
@@ -282,8 +286,9 @@ def test_no_gpsa_layer(chain, tmp_path) -> None:
     root = _bare_copy(src, tmp_path / "r")
     shutil.copy(root / "runs/pretrain/cnn-final.pt", root / "runs/finetune/tcnn-final.pt")  # model.kind=cnn
     out = report.run(info["params"], root=root)
-    assert out["figures"] == {"training_curves": False, "fig3": False, "fig4": False, "fig5": False}
-    assert "no GPSA layer" in " ".join(out["notes"]) and out["attention"] == []
+    assert out["figures"] == {"training_curves": False, "fig3": False, "fig4": False, "fig5": False, "contours": False,
+                              "nonlocality": False}  # fmt: skip
+    assert "no attention layer" in " ".join(out["notes"]) and out["attention"] == []
     assert "results/plots/robustness_gain.png and results/robustness.parquet are missing" in " ".join(
         out["notes"]
     )
@@ -357,6 +362,27 @@ def test_read_run_ids(tmp_path) -> None:
     assert ids == {"parent": "p3"} and "unreadable" in note
 
 
+def test_run_ids_file_written_by_the_tracking_layer(tmp_path) -> None:
+    """pipelines.tracking.record_run_ids writes what the report reads; its meta shows as the UI location."""
+    from pipelines.tracking import record_run_ids
+
+    f = tmp_path / "runs" / "mlflow_runs.json"
+    meta = {
+        "experiment": "tcnn",
+        "experiment_id": "7",
+        "tracking_uri": "sqlite:///x.db",
+        "dvc_exp_name": "fun-cat",
+    }
+    record_run_ids(f, "P1", "prepare", "r1", meta)
+    record_run_ids(f, "P1", "report", "r2", meta)
+    assert report.read_run_ids(tmp_path, {}) == ({"parent": "P1", "prepare": "r1", "report": "r2"}, None)
+    assert report.read_run_meta(tmp_path)["dvc_exp_name"] == "fun-cat"
+    record_run_ids(f, "P2", "reparam", "r3", meta)  # another execution: the file starts over
+    assert report.read_run_ids(tmp_path, {}) == ({"parent": "P2", "reparam": "r3"}, None)
+    html = report._section_runs({"parent": "P2"}, {"tracking": {}}, None, report.read_run_meta(tmp_path))
+    assert "#/experiments/7/runs/P2" in html and "fun-cat" in html
+
+
 # ------------------------------------------------------------------------------------------------ real chain
 @pytest.mark.slow
 def test_report_on_the_real_chain(tmp_path, monkeypatch) -> None:
@@ -379,7 +405,8 @@ def test_report_on_the_real_chain(tmp_path, monkeypatch) -> None:
         stage.run(params, root=tmp_path)
     out = report.run(params, root=tmp_path)
     text = (tmp_path / "results" / "report.html").read_text()
-    assert out["figures"] == {"training_curves": True, "fig3": True, "fig4": True, "fig5": True}
+    assert out["figures"] == {"training_curves": True, "fig3": True, "fig4": True, "fig5": True, "contours": True,
+                              "nonlocality": True}  # fmt: skip
     assert out["notes"] == [] and out["run_ids"] == {}
     eq = json.loads((tmp_path / "runs/reparam/equivalence.json").read_text())
     metrics = json.loads((tmp_path / "results/metrics.json").read_text())

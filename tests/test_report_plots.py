@@ -10,10 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
+from core.dissect import centre_query_maps as centre_query_attention
 from core.models import build
 from core.reparam import gpsa_modules, to_tcnn
 from core.report_plots import (
-    centre_query_attention,
     gpsa_dynamics,
     plot_attention_maps,
     plot_gpsa_dynamics,

@@ -377,3 +377,93 @@ def test_log_torch_model_roundtrip(store: str) -> None:
     loaded = mlflow.pytorch.load_model(logged.artifact_location)  # no global tracking URI needed
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), model(x))
+
+
+# ------------------------------------------------------------------------------ stage_run: the DVC chain
+
+
+def _chain_params(store: str, **overrides: object) -> Params:
+    return Params().with_overrides({"tracking.uri": store, "tracking.experiment": "chain", **overrides})
+
+
+@pytest.fixture
+def chain_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("DVC_ROOT", "DVC_EXP_NAME", "TCNN_SYSTEM_METRICS_INTERVAL_S"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_stage_run_failure_fails_child_and_parent_and_the_rerun_continues(
+    store: str, tmp_path: Path, chain_env: None
+) -> None:
+    from stages.report import read_run_ids
+
+    params = _chain_params(store)
+    with stage_run(params, "prepare", root=tmp_path) as t:
+        parent = t.parent_run_id
+    with pytest.raises(RuntimeError, match="boom"), stage_run(params, "pretrain", root=tmp_path):
+        raise RuntimeError("boom")
+    client = t.client
+    assert client.get_run(parent).info.status == "FAILED"  # nothing left RUNNING after a failure
+    assert client.get_run(parent).data.tags["tcnn.failed_stage"] == "pretrain"
+    assert PARENT_ENV not in os.environ
+    with stage_run(params, "pretrain", root=tmp_path) as t2:  # the next `dvc repro` continues the execution
+        assert t2.parent_run_id == parent
+        resumed = t2.run_id
+    with stage_run(params, "report", root=tmp_path, end_parent=True):
+        pass
+    run = client.get_run(parent)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["tcnn.resumes"] == "1"
+    assert "tcnn.failed_stage" not in run.data.tags
+    kids = [r for r in _all_runs(t2) if r.data.tags.get(PARENT_TAG) == parent]
+    assert sorted((r.data.tags[STAGE_TAG], r.info.status) for r in kids) == [
+        ("prepare", "FINISHED"), ("pretrain", "FAILED"), ("pretrain", "FINISHED"), ("report", "FINISHED"),
+    ]  # fmt: skip
+    ids, note = read_run_ids(tmp_path, environ={})
+    assert note is None
+    latest = {r.data.tags[STAGE_TAG]: r.info.run_id for r in kids if r.info.status == "FINISHED"}
+    assert latest["pretrain"] == resumed
+    assert ids == {"parent": parent, **latest}  # what the report shows
+    assert run.data.params["alpha_init"] == "1.0"  # the parent carries the params
+
+
+def test_stage_run_preempted_is_killed(store: str, tmp_path: Path, chain_env: None) -> None:
+    class Preempted(Exception):  # core.train.Preempted: a stop signal, the stage resumes when run again
+        pass
+
+    with pytest.raises(Preempted), stage_run(_chain_params(store), "finetune", root=tmp_path) as t:
+        raise Preempted("SIGTERM")
+    (child,) = [r for r in _all_runs(t) if r.data.tags.get(STAGE_TAG) == "finetune"]
+    parent = t.client.get_run(child.data.tags[PARENT_TAG])
+    assert (child.info.status, parent.info.status) == ("KILLED", "KILLED")
+
+
+def test_stage_run_new_params_supersede_an_interrupted_parent(
+    store: str, tmp_path: Path, chain_env: None
+) -> None:
+    with stage_run(_chain_params(store), "prepare", root=tmp_path) as t:
+        first = t.parent_run_id
+    os.environ.pop(PARENT_ENV, None)  # a new process (the next stage under DVC) has no inherited id
+    with stage_run(_chain_params(store, **{"reparam.alpha_init": 2.0}), "prepare", root=tmp_path) as t2:
+        second = t2.parent_run_id
+    assert second != first
+    old = t2.client.get_run(first)
+    assert old.info.status == "FAILED" and "tcnn.stale" in old.data.tags
+    assert t2.client.get_run(second).data.params["alpha_init"] == "2.0"
+    ids = json.loads((tmp_path / "runs" / "mlflow_runs.json").read_text())
+    assert ids["parent"] == second and list(ids["stages"]) == ["prepare"]
+
+
+def test_stage_run_under_dvc_exp_run(store: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dvc exp run`: the experiment's name names the parent; a relative sqlite store resolves in $DVC_ROOT
+    (the main repository, also when DVC runs the experiment in a temporary copy)."""
+    main = tmp_path / "main"
+    main.mkdir()
+    monkeypatch.setenv("DVC_ROOT", str(main))
+    monkeypatch.setenv("DVC_EXP_NAME", "brave-owl")
+    params = Params().with_overrides({"tracking.uri": "sqlite:///mlruns.db", "tracking.experiment": "exp"})
+    with stage_run(params, "reparam", root=tmp_path / "temp-copy") as t:
+        parent = t.client.get_run(t.parent_run_id)
+    assert t.uri == f"sqlite:///{main / 'mlruns.db'}"
+    assert parent.info.run_name == "brave-owl" and parent.data.tags["tcnn.dvc_exp_name"] == "brave-owl"
+    assert (tmp_path / "temp-copy" / "runs" / "mlflow_runs.json").is_file()

@@ -1,0 +1,510 @@
+"""`tcnn sweep`: a Ray Tune grid over ``sweep.grid`` with shared pretraining, exact resume and MLflow.
+
+    tcnn sweep --params params.yaml [-S key=value ...] [--address local|auto|HOST:PORT] [--name NAME]
+               [--resume | --auto-resume] [--num-cpus N]
+    tcnn sweep --params params.yaml --slurm [--nodes N] [--cpus-per-node C] [--gpus-per-node G]
+               [--partition P] [--time MIN] [--detach]
+
+What happens (pieces in pipelines/sweep_*.py):
+1. The params are validated and the grid expanded into trials (sweep_plan): each trial is
+   ``Params.with_overrides(grid values)`` (+ fraction scaling); nothing is written before this succeeds.
+2. The driver opens the sweep's MLflow parent run, builds the shared corrupted test sets once
+   (``<storage>/corrupt/<key>``), and runs a Ray Tune grid (``tune.grid_search`` over trial ids, per-trial
+   CPUs/GPUs from ``sweep.cpus_per_trial/gpus_per_trial``, ``FailureConfig(max_failures)``) whose function
+   trainable (sweep_trial) runs reparam -> finetune -> evaluate in ``<storage>/<name>/trials/<tid>/``,
+   pretraining once per group of trials in ``<storage>/pretrain/<key>/`` (sweep_shared).
+3. ``--resume`` continues an interrupted sweep through ``Tuner.restore`` (finished trials are not run again;
+   each trial reopens its MLflow run); ``--auto-resume`` resumes when the sweep exists and starts it
+   otherwise (what a requeued SLURM job runs).
+4. At the end: ``summary.parquet`` and plots in ``<storage>/<name>/`` and on the parent run (sweep_summary),
+   parent metrics ``trials`` and ``pretrain_runs`` (pretraining runs this sweep executed).
+
+``--slurm`` submits the same driver into a SLURM allocation through pipelines.slurm.launch_ray_cluster (Ray
+head on the first node, workers on the others); a requeue restarts the driver, which resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import math
+import os
+import re
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from core.atomic import atomic_write_json
+from core.config import ConfigError, Params, load_params
+from pipelines.sweep_plan import (
+    SweepError,
+    check_name,
+    default_name,
+    make_plan,
+    plan_spec,
+    spec_difference,
+    trial_label,
+)
+
+SWEEP_JSON = "sweep.json"
+TUNE_DIR = "tune"
+ADDRESS_RE = re.compile(r"^(local|auto|ray://[^\s:/]+:\d{1,5}|[^\s:/]+:\d{1,5})$")
+LOCAL_OBJECT_STORE_MB = 256
+
+
+def say(msg: str) -> None:
+    print(f"sweep: {msg}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------- the spec
+
+
+def tracking_enabled(params: Params) -> bool:
+    """``tracking.enabled``, unless ``TCNN_TRACKING=0`` switches it off (as for the stages)."""
+    return params.tracking.enabled and os.environ.get("TCNN_TRACKING") != "0"
+
+
+def build_spec(params: Params, *, name: str | None, params_file: Path, cwd: Path | None = None) -> dict:
+    """Validate and plan the sweep; the returned spec is all a driver and its trials need (JSON-able)."""
+    from pipelines.tracking import resolve_uri
+
+    cwd = Path(cwd or Path.cwd()).resolve()
+    sw = params.sweep
+    uri = resolve_uri(params.tracking.uri, cwd)
+    device = "cuda" if sw.gpus_per_trial > 0 else "cpu"
+    plan = make_plan(params, cwd=cwd, device=device, tracking_uri=uri)
+    name = check_name(name or default_name(params_file, params))
+    spec = plan_spec(plan, name=name, share_pretraining=sw.share_pretraining)
+    spec.update(
+        {
+            "tracking": {
+                "enabled": tracking_enabled(params),
+                "uri": uri,
+                "experiment": params.tracking.experiment,
+                "parent_run_id": None,
+            },
+            "resources": {"cpu": sw.cpus_per_trial, "gpu": sw.gpus_per_trial},
+            "threads": max(1, int(sw.cpus_per_trial)),
+            "max_failures": sw.max_failures,
+            "uid": None,
+        }
+    )
+    return spec
+
+
+def load_saved(spec: dict) -> dict | None:
+    path = Path(spec["sweep_dir"]) / SWEEP_JSON
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        raise SweepError(
+            f"{path}: unreadable sweep state; remove the sweep directory to start over"
+        ) from None
+
+
+def reconcile(spec: dict, resume: str) -> dict:
+    """``resume``: "no" (the sweep must not exist), "yes" (it must), "auto". Returns the spec to run."""
+    saved = load_saved(spec)
+    where = spec["sweep_dir"]
+    if saved is None:
+        if resume == "yes":
+            raise SweepError(f"--resume: no sweep {spec['name']!r} in {where} (drop --resume to start it)")
+        return spec
+    if resume == "no":
+        raise SweepError(
+            f"sweep {spec['name']!r} exists in {where}: pass --resume to continue it, or --name for a new one"
+        )
+    diff = spec_difference(saved, spec)
+    if diff is not None:
+        raise SweepError(
+            f"--resume: the params differ from those sweep {spec['name']!r} started with: {diff}"
+        )
+    merged = dict(saved)
+    merged["tracking"] = {**spec["tracking"], "parent_run_id": saved.get("tracking", {}).get("parent_run_id")}
+    return merged
+
+
+# ------------------------------------------------------------------------------------------------ Ray
+
+
+def check_address(address: str) -> str:
+    if not ADDRESS_RE.match(address or ""):
+        raise SweepError(f"--address {address!r}: expected local, auto, HOST:PORT or ray://HOST:PORT")
+    return address
+
+
+def connect_ray(address: str, num_cpus: int | None, object_store_mb: int | None) -> bool:
+    """Connect (or start a light local Ray); returns whether this process started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if address != "local":
+        from pipelines.slurm import align_ray_auth
+
+        align_ray_auth()  # a cluster from `ray start` (sweep.sbatch) uses token auth when a token exists
+    try:
+        if address == "local":
+            ray.init(
+                num_cpus=num_cpus or os.cpu_count() or 1,
+                include_dashboard=False,
+                log_to_driver=False,
+                object_store_memory=int((object_store_mb or LOCAL_OBJECT_STORE_MB) * 1024 * 1024),
+                logging_level="WARNING",
+            )
+        else:
+            ray.init(address=address, log_to_driver=False, logging_level="WARNING")
+    except Exception as err:  # ConnectionError, ValueError, RuntimeError from Ray
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise SweepError(f"--address {address}: cannot connect to Ray ({first})") from None
+    return True
+
+
+def check_multinode_tracking(spec: dict, nodes: int) -> None:
+    t = spec["tracking"]
+    if nodes > 1 and t["enabled"] and not t["uri"].startswith(("http://", "https://")):
+        raise SweepError(
+            f"tracking.uri {t['uri']}: a sweep on {nodes} nodes needs an MLflow server (http://HOST:PORT; "
+            "infra/mlflow/server.sh), not a local store"
+        )
+
+
+def _trial_dirname(trial: Any) -> str:
+    return str(trial.config["tid"])
+
+
+def _tune_order(spec: dict) -> list[str]:
+    """Trial ids, the groups interleaved: concurrent first trials start different pretraining groups."""
+    if not spec["share_pretraining"]:
+        return list(spec["trials"])
+    queues = [list(g["trials"]) for g in spec["groups"].values()]
+    order: list[str] = []
+    while any(queues):
+        for q in queues:
+            if q:
+                order.append(q.pop(0))
+    return order
+
+
+def _progress_callback(spec: dict) -> Any:
+    from pipelines.sweep_progress import SweepProgress
+
+    return SweepProgress({tid: trial_label(t["overrides"]) for tid, t in spec["trials"].items()})
+
+
+def _tuner(spec: dict, restore: bool) -> Any:
+    from ray import tune
+
+    from pipelines.sweep_trial import tune_trainable
+
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "5")
+    os.environ.setdefault("TUNE_RESULT_BUFFER_LENGTH", "1")
+    trainable = tune.with_resources(tune.with_parameters(tune_trainable, spec=spec), spec["resources"])
+    path = Path(spec["sweep_dir"]) / TUNE_DIR
+    if restore:
+        return tune.Tuner.restore(str(path), trainable, resume_unfinished=True, resume_errored=True)
+    return tune.Tuner(
+        trainable,
+        param_space={"tid": tune.grid_search(_tune_order(spec))},
+        tune_config=tune.TuneConfig(trial_dirname_creator=_trial_dirname, reuse_actors=False),
+        run_config=tune.RunConfig(
+            name=TUNE_DIR,
+            storage_path=spec["sweep_dir"],
+            failure_config=tune.FailureConfig(max_failures=spec["max_failures"]),
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=None),  # tiny: {run id, stage}
+            verbose=0,
+            callbacks=[_progress_callback(spec)],
+        ),
+    )
+
+
+# --------------------------------------------------------------------------------------------- driver
+
+
+@contextlib.contextmanager
+def driver_lock(sweep_dir: Path) -> Any:
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    with open(sweep_dir / ".driver.lock", "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SweepError(
+                f"sweep {sweep_dir.name!r}: another driver is running it ({sweep_dir})"
+            ) from None
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _open_parent(spec: dict) -> Any:
+    from pipelines.tracking import PARENT_ENV, Tracker
+
+    t = spec["tracking"]
+    tracker = Tracker(enabled=t["enabled"], uri=t["uri"], experiment=t["experiment"], export_env=False)
+    if not tracker.enabled:
+        return tracker
+    tags = {"tcnn.kind": "parent", "tcnn.sweep": spec["name"], "tcnn.sweep_dir": spec["sweep_dir"]}
+    if t.get("parent_run_id"):
+        tracker.start_parent(f"sweep:{spec['name']}", tags, run_id=t["parent_run_id"])
+    else:
+        saved_env = os.environ.pop(PARENT_ENV, None)  # a pipeline's parent must not adopt the sweep
+        try:
+            tracker.start_parent(f"sweep:{spec['name']}", tags)
+        finally:
+            if saved_env is not None:
+                os.environ[PARENT_ENV] = saved_env
+    params = {f"grid.{k}": json.dumps(v) for k, v in spec["grid"].items()}
+    params.update({"sweep.name": spec["name"], "sweep.share_pretraining": str(spec["share_pretraining"])})
+    tracker.log_params(params)
+    return tracker
+
+
+def run_sweep(
+    spec: dict,
+    *,
+    address: str | None = "local",
+    resume: str = "no",
+    num_cpus: int | None = None,
+    object_store_mb: int | None = None,
+) -> dict:
+    """Run (or resume) the sweep described by ``spec``; ``address=None``: Ray is already initialized (SLURM).
+
+    Returns {"trials", "finished", "failed", "pretrain_runs", "sweep_dir", "summary", "parent_run_id"}.
+    """
+    import ray
+
+    from pipelines import sweep_shared, sweep_summary
+
+    spec = reconcile(spec, resume)
+    owns = connect_ray(address, num_cpus, object_store_mb) if address is not None else False
+    try:
+        nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+        check_multinode_tracking(spec, nodes)
+        sweep_dir = Path(spec["sweep_dir"])
+        with driver_lock(sweep_dir):
+            spec = reconcile(spec, "auto")  # a requeued or resumed driver: the saved uid and parent run
+            spec["uid"] = spec.get("uid") or uuid.uuid4().hex
+            tracker = _open_parent(spec)
+            spec["tracking"]["parent_run_id"] = tracker.parent_run_id
+            atomic_write_json(sweep_dir / SWEEP_JSON, spec)
+            n = len(spec["trials"])
+            groups = len(spec["groups"]) if spec["share_pretraining"] else n
+            say(
+                f"{spec['name']}: {n} trials, {groups} pretraining group(s), {nodes} Ray node(s), "
+                f"{spec['resources']['cpu']} CPU / {spec['resources']['gpu']} GPU per trial -> {sweep_dir}"
+            )
+            for key, cp in spec["corrupt"].items():
+                from core.config import validate_params
+
+                sweep_shared.ensure_corrupted(Path(spec["storage"]), key, validate_params(cp))
+            restore = _can_restore(sweep_dir / TUNE_DIR)
+            if restore:
+                say(f"resuming from {sweep_dir / TUNE_DIR}")
+            t0 = time.monotonic()
+            results = _tuner(spec, restore).fit()
+            status = {}
+            for r in results:
+                tid = (r.config or {}).get("tid")
+                if tid:
+                    status[tid] = "error" if r.error else "terminated"
+            rows = sweep_summary.summary_rows(spec, status)
+            summary = sweep_summary.write_table(rows, sweep_dir / "summary.parquet")
+            try:
+                plots = sweep_summary.make_plots(spec, rows, sweep_dir / "plots")
+            except Exception as err:  # a plot must not cost the sweep its summary and parent run
+                say(f"warning: plots failed ({type(err).__name__}: {err})")
+                plots = []
+            finished = sum(r["status"] == "finished" for r in rows)
+            runs = sweep_shared.pretrain_runs(sweep_dir)
+            metrics = {
+                "trials": n,
+                "pretrain_runs": runs,
+                "trials_finished": finished,
+                "trials_failed": n - finished,
+            }
+            accs = [r["tcnn_clean_accuracy"] for r in rows if r["tcnn_clean_accuracy"] is not None]
+            if accs:
+                metrics["best_tcnn_clean_accuracy"] = max(accs)
+            metrics["wall_s"] = time.monotonic() - t0
+            tracker.log_metrics(metrics)
+            if tracker.enabled:
+                tracker.log_artifact(summary)
+                for p in plots:
+                    tracker.log_artifact(p, "plots")
+                tracker.log_dict(spec["grid"], "grid.json")
+                tracker.end_parent("FINISHED" if finished == n else "FAILED")
+            atomic_write_json(sweep_dir / "metrics.json", metrics)
+            print(sweep_summary.format_table(rows, list(spec["grid"])), flush=True)
+            say(
+                f"{finished}/{n} trials finished, {runs} pretraining run(s) executed; summary {summary}"
+                + (
+                    f"; MLflow parent run {spec['tracking']['parent_run_id']} in {spec['tracking']['uri']}"
+                    if tracker.enabled
+                    else ""
+                )
+            )
+            return {
+                "trials": n,
+                "finished": finished,
+                "failed": n - finished,
+                "pretrain_runs": runs,
+                "sweep_dir": str(sweep_dir),
+                "summary": str(summary),
+                "plots": [str(p) for p in plots],
+                "parent_run_id": spec["tracking"]["parent_run_id"],
+            }
+    finally:
+        if owns:
+            ray.shutdown()
+
+
+def _can_restore(path: Path) -> bool:
+    from ray import tune
+
+    return path.is_dir() and tune.Tuner.can_restore(str(path))
+
+
+def slurm_driver(spec: dict, num_cpus: int | None = None) -> dict:
+    """The driver inside the SLURM job (Ray already up on the allocation): start, or resume after a requeue."""
+    return run_sweep(spec, address=None, resume="auto", num_cpus=num_cpus)
+
+
+# ---------------------------------------------------------------------------------------------- SLURM
+
+
+def submit_slurm(spec: dict, args: argparse.Namespace) -> int:
+    from pipelines.slurm import RayClusterConfig, RayPorts, launch_ray_cluster, make_executor
+
+    if args.nodes < 1:
+        raise SweepError(f"--nodes {args.nodes}: must be at least 1")
+    check_multinode_tracking(spec, args.nodes)
+    cpus = args.cpus_per_node or max(1, math.ceil(spec["resources"]["cpu"]))
+    sweep_dir = Path(spec["sweep_dir"])
+    folder = sweep_dir / "slurm"
+    if args.ray_port:
+        ports = RayPorts.from_base(args.ray_port)
+    else:
+        ports = RayPorts.find_free() if args.nodes == 1 else RayPorts()
+    executor = make_executor(
+        folder,
+        nodes=args.nodes,
+        cpus_per_node=cpus,
+        gpus_per_node=args.gpus_per_node,
+        mem_gb=args.mem_gb,
+        timeout_min=args.time,
+        partition=args.partition,
+        job_name=f"tcnn-sweep-{spec['name']}"[:60],
+    )
+    config = RayClusterConfig(
+        ports=ports,
+        object_store_memory=int(args.object_store_mb * 1024 * 1024) if args.object_store_mb else None,
+    )
+    job = launch_ray_cluster(executor, slurm_driver, spec, config=config, rendezvous_dir=folder)
+    say(f"submitted SLURM job {job.job_id} ({args.nodes} node(s) x {cpus} CPUs, {args.gpus_per_node} GPUs)")
+    say(f"logs: {folder}/{job.job_id}_0_log.out / .err; results: {sweep_dir}")
+    if args.detach:
+        return 0
+    return follow(job, spec)
+
+
+def follow(job: Any, spec: dict, poll_s: float = 5.0) -> int:
+    """Print the job's state and trial progress until it ends; returns the CLI exit code."""
+    import submitit
+
+    trials = Path(spec["sweep_dir"]) / "trials"
+    n = len(spec["trials"])
+    last = None
+    while True:
+        done = job.done(force_check=True)
+        finished = sum(1 for tid in spec["trials"] if (trials / tid / "done.json").is_file())
+        line = f"SLURM job {job.job_id} {job.state}: {finished}/{n} trials finished"
+        if line != last:
+            say(line)
+            last = line
+        if done:
+            break
+        time.sleep(poll_s)
+    try:
+        result = job.results()[0]
+    except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        print(
+            f"tcnn sweep: error: SLURM job {job.job_id} failed ({first}); see {job.paths.stderr}",
+            file=sys.stderr,
+        )
+        return 1
+    say(f"results: {result['summary']} ({result['finished']}/{result['trials']} trials finished)")
+    if result.get("parent_run_id"):
+        say(f"MLflow parent run {result['parent_run_id']} ({spec['tracking']['uri']})")
+    return 0 if result["failed"] == 0 else 1
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser("sweep", help="run a Ray Tune grid over sweep.grid (locally, on Ray, or on SLURM)")
+    p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
+    p.add_argument("-S", "--set", action="append", default=[], metavar="KEY=VALUE", help="override a param")
+    p.add_argument(
+        "--address", default="local", help="local (start Ray here), auto, HOST:PORT or ray://HOST:PORT"
+    )
+    p.add_argument("--name", default=None, help="sweep name (default: <params stem>-<config hash>)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument(
+        "--resume",
+        dest="resume",
+        action="store_const",
+        const="yes",
+        default="no",
+        help="continue an interrupted sweep (Tuner.restore)",
+    )
+    group.add_argument("--auto-resume", dest="resume", action="store_const", const="auto",
+                       help="resume when the sweep exists, start it otherwise")  # fmt: skip
+    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray (default: all)")
+    p.add_argument("--object-store-mb", type=int, default=None, help="Ray object store size per node")
+    s = p.add_argument_group("SLURM")
+    s.add_argument("--slurm", action="store_true", help="submit the sweep as a SLURM job (Ray on its nodes)")
+    s.add_argument("--nodes", type=int, default=1)
+    s.add_argument("--cpus-per-node", type=int, default=None, help="default: ceil(sweep.cpus_per_trial)")
+    s.add_argument("--gpus-per-node", type=int, default=0)
+    s.add_argument("--partition", default=None)
+    s.add_argument("--time", type=int, default=60, help="time limit in minutes (requeued with resume)")
+    s.add_argument("--mem-gb", type=float, default=None)
+    s.add_argument(
+        "--ray-port", type=int, default=None, help="base port (default: a free block on 1 node, 6379)"
+    )
+    s.add_argument("--detach", action="store_true", help="submit and return without following the job")
+    p.set_defaults(func=main_sweep)
+    return p
+
+
+def main_sweep(args: argparse.Namespace) -> int:
+    try:
+        params = load_params(args.params, args.set)
+        if args.slurm and args.address != "local":
+            raise SweepError("--address: not with --slurm (the job starts its own Ray cluster)")
+        address = check_address(args.address)
+        spec = build_spec(params, name=args.name, params_file=Path(args.params))
+        spec = reconcile(spec, args.resume)
+        if args.slurm:
+            return submit_slurm(spec, args)
+        result = run_sweep(
+            spec,
+            address=address,
+            resume="auto" if args.resume != "no" else "no",
+            num_cpus=args.num_cpus,
+            object_store_mb=args.object_store_mb,
+        )
+    except (SweepError, ConfigError) as err:
+        print(f"tcnn sweep: error: {err}", file=sys.stderr)
+        return 2
+    return 0 if result["failed"] == 0 else 1

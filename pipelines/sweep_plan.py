@@ -1,0 +1,363 @@
+"""Sweep planning: grid expansion, per-trial params, shared-pretraining groups and corrupted-set keys.
+
+Pure functions (no Ray, no MLflow): the driver plans the whole sweep before anything runs, so bad input
+fails with one line and nothing written, and every trial (on any node) finds its plan in the spec.
+
+Shared pretraining (issue 7): trials whose pretraining inputs are equal -- seed, data content (manifest
+fingerprint), data.sample_fraction / val_size / image_size, the network pretraining trains (model.arch,
+options, drop_path and ``stages.pretrain.pretrain_kind``), the pretrain section (minus which epochs are
+kept), the device kind and the pretraining code -- form one *group*. A group pretrains once, in the
+content-addressed directory ``<storage>/pretrain/<key>/`` (key = sha256 of those inputs), keeping a
+checkpoint at every t1 its trials ask for; later sweeps with the same inputs reuse it.
+
+Fraction sweeps (001 Table 2): with ``sweep.fraction_scales_epochs`` a trial at sample fraction f < 1
+trains E' = max(1, round(E / f)) pretraining epochs instead of E, so it sees as many images as the f = 1
+run. The reparameterization epoch t1 is given on the f = 1 schedule and keeps its place in the schedule:
+t1' = round(t1 * E' / E) (likewise every pretrain.checkpoint_epochs value); the warmup keeps its length in
+steps (warmup_epochs x E'/E). Fine-tuning scales the same way: finetune.epochs F -> max(1, round(F / f)),
+finetune.warmup_epochs x F'/F. The summary table shows the grid value and the effective epochs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from core.config import ConfigError, Params, validate_params
+
+PLAN_VERSION = 1
+#: Source files whose content decides what pretraining computes (part of the shared-pretraining key).
+PRETRAIN_CODE = (
+    "stages/pretrain.py",
+    "stages/_training.py",
+    "core/train.py",
+    "core/optim.py",
+    "core/data.py",
+    "core/loader.py",
+    "core/models.py",
+    "core/checkpoint.py",
+)
+REPO = Path(__file__).resolve().parents[1]
+SHORT = {
+    "reparam.epoch": "t1",
+    "reparam.alpha_init": "alpha",
+    "reparam.lambda_init": "lambda",
+    "data.sample_fraction": "f",
+    "model.kind": "kind",
+    "seed": "seed",
+}
+
+
+class SweepError(ValueError):
+    """Bad sweep input or state (one line naming the key, file or sweep): exit 2."""
+
+
+@dataclass(frozen=True)
+class TrialPlan:
+    index: int
+    tid: str  # "t003-1a2b3c4d": index in the grid + hash of its values (a stable directory name)
+    overrides: dict[str, Any]  # the grid values of this trial (dotted keys)
+    params: Params  # validated: overrides, fraction scaling, absolute paths, empty grid
+    pretrain_key: str
+    corrupt_key: str
+
+
+@dataclass(frozen=True)
+class PretrainGroup:
+    key: str
+    params: Params  # what stages.pretrain.run gets (root = the group's directory)
+    epochs: list[int]  # every t1 the group's trials need
+    trials: list[str]
+    identity: dict[str, Any]
+
+
+@dataclass
+class SweepPlan:
+    base: Params
+    grid: dict[str, list[Any]]
+    storage: Path
+    trials: list[TrialPlan]
+    groups: dict[str, PretrainGroup]
+    corrupt: dict[str, Params] = field(default_factory=dict)
+
+    def trial(self, tid: str) -> TrialPlan:
+        for t in self.trials:
+            if t.tid == tid:
+                return t
+        raise KeyError(tid)
+
+
+def expand_grid(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    """The cartesian product of the grid, the first key varying slowest (YAML order)."""
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise SweepError(f"sweep.grid.{key}: expected a non-empty list of values")
+    keys = list(grid)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(grid[k] for k in keys))]
+
+
+def trial_id(index: int, overrides: dict[str, Any]) -> str:
+    digest = hashlib.sha256(json.dumps(overrides, sort_keys=True, default=str).encode()).hexdigest()
+    return f"t{index:03d}-{digest[:8]}"
+
+
+def trial_label(overrides: dict[str, Any]) -> str:
+    """``t1=2 alpha=0.5``: the grid values in short form, for progress lines and plots."""
+    return " ".join(f"{SHORT.get(k, k)}={v}" for k, v in overrides.items()) or "(base config)"
+
+
+def code_digest(files: tuple[str, ...] = PRETRAIN_CODE, repo: Path = REPO) -> str:
+    h = hashlib.sha256()
+    for rel in files:
+        path = repo / rel
+        h.update(rel.encode())
+        h.update(path.read_bytes() if path.is_file() else b"<missing>")
+    return h.hexdigest()
+
+
+def read_manifest(data_dir: Path) -> dict[str, Any]:
+    from core.data import read_manifest as _read
+
+    try:
+        return _read(data_dir)
+    except Exception as err:  # DataError, OSError: one line naming the file
+        raise SweepError(f"data.dir: {err}") from None
+
+
+def data_fingerprint(manifest: dict[str, Any]) -> str:
+    """The hash of the prepared dataset's manifest (which lists every shard's sha256), as the stages use it."""
+    return stable_hash({k: v for k, v in manifest.items() if k != "source"})
+
+
+def scale_for_fraction(params: Params) -> dict[str, Any]:
+    """The overrides that keep images seen constant at sample fraction f (see the module docstring)."""
+    f = params.data.sample_fraction
+    if not params.sweep.fraction_scales_epochs or f >= 1.0:
+        return {}
+    p, ft = params.pretrain, params.finetune
+    e_new = max(1, round(p.epochs / f))
+    s = e_new / p.epochs
+    f_new = max(1, round(ft.epochs / f))
+    return {
+        "pretrain.epochs": e_new,
+        "pretrain.warmup_epochs": p.warmup_epochs * s,
+        "pretrain.checkpoint_epochs": sorted({min(e_new, round(e * s)) for e in p.checkpoint_epochs}),
+        "reparam.epoch": min(e_new, round(params.reparam.epoch * s)),
+        "finetune.epochs": f_new,
+        "finetune.warmup_epochs": ft.warmup_epochs * f_new / ft.epochs,
+    }
+
+
+def pretrain_identity(params: Params, manifest: dict[str, Any], device: str, code: str) -> dict[str, Any]:
+    """Everything pretraining's result depends on; its hash names the shared pretraining directory.
+
+    The network is identified by the spec the pretrain stage itself builds (``stages.pretrain.model_spec``:
+    e.g. kinds cnn, tcnn and psa all pretrain the same CNN), plus its drop_path and any extra optimizer
+    setting the stage derives (``stages.pretrain.gate_lr``)."""
+    from stages import pretrain
+
+    d = params.data
+    pre = params.pretrain.model_dump(mode="json")
+    for k in ("checkpoint_epochs", "checkpoint_every_steps"):
+        pre.pop(k, None)
+    model: dict[str, Any] = {"drop_path": params.model.drop_path}
+    if hasattr(pretrain, "model_spec"):
+        num_classes, in_chans = int(manifest["num_classes"]), int(manifest["image_shape"][-1])
+        model["spec"] = pretrain.model_spec(params, num_classes, in_chans)
+    else:
+        model.update(
+            kind=pretrain.pretrain_kind(params), arch=params.model.arch, options=params.model.options
+        )
+    ident = {
+        "version": PLAN_VERSION,
+        "seed": params.seed,
+        "data": {
+            "name": d.name,
+            "sample_fraction": d.sample_fraction,
+            "val_size": d.val_size,
+            "image_size": d.image_size,
+        },
+        "data_fingerprint": data_fingerprint(manifest),
+        "model": model,
+        "pretrain": pre,
+        "device": device,
+        "code": code,
+    }
+    gate_lr = pretrain.gate_lr(params) if hasattr(pretrain, "gate_lr") else None
+    if gate_lr is not None:
+        ident["gate_lr"] = gate_lr
+    return ident
+
+
+def corrupt_identity(params: Params, manifest: dict[str, Any]) -> dict[str, Any]:
+    """What the corrupt stage's output depends on (its own per-set metadata check covers code versions)."""
+    r = params.robustness
+    return {
+        "version": PLAN_VERSION,
+        "data_fingerprint": data_fingerprint(manifest),
+        "image_size": params.data.image_size,
+        "seed": params.seed,
+        "n_images": r.n_images,
+        "corruptions": list(r.corruptions),
+        "severities": list(r.severities),
+    }
+
+
+def stable_hash(obj: Any) -> str:
+    from core.train import stable_hash as _hash  # lazy: torch is not needed to parse the CLI
+
+    return _hash(obj)
+
+
+def short_key(identity: dict[str, Any]) -> str:
+    return stable_hash(identity)[:16]
+
+
+def _override(params: Params, overrides: dict[str, Any], what: str) -> Params:
+    try:
+        return params.with_overrides(overrides)
+    except ConfigError as err:
+        raise SweepError(f"{what}: {err}") from None
+
+
+def make_plan(
+    base: Params,
+    *,
+    cwd: Path | None = None,
+    device: str = "cpu",
+    tracking_uri: str | None = None,
+) -> SweepPlan:
+    """Expand ``base.sweep.grid`` into trials and group them by pretraining inputs.
+
+    Paths (data.dir, sweep.storage) resolve against ``cwd`` (the directory `tcnn sweep` runs in); each
+    trial's robustness.dir is the shared corrupted-set directory of its corrupt key.
+    """
+    cwd = Path(cwd or Path.cwd()).resolve()
+    grid = dict(base.sweep.grid)
+    bad = [k for k in grid if k.split(".")[0] in ("sweep", "tracking")]
+    if bad:
+        raise SweepError(f"sweep.grid.{bad[0]}: sweep.* and tracking.* settings cannot vary within a sweep")
+    storage = (cwd / base.sweep.storage).resolve()
+    code = code_digest()
+    fixed: dict[str, Any] = {"sweep.grid": {}, "sweep.storage": str(storage)}
+    if tracking_uri is not None:
+        fixed["tracking.uri"] = tracking_uri
+    manifests: dict[Path, dict[str, Any]] = {}
+    trials: list[TrialPlan] = []
+    members: dict[str, list[TrialPlan]] = {}
+    identities: dict[str, dict[str, Any]] = {}
+    corrupt: dict[str, Params] = {}
+    for i, combo in enumerate(expand_grid(grid) if grid else [{}]):
+        label = f"sweep.grid ({trial_label(combo)})"
+        p = _override(base, combo, label)
+        data_dir = (cwd / p.data.dir).resolve()
+        if data_dir not in manifests:
+            manifests[data_dir] = read_manifest(data_dir)
+        manifest = manifests[data_dir]
+        p = _override(p, {**fixed, "data.dir": str(data_dir)}, label)
+        p = _override(p, scale_for_fraction(p), label)
+        ident = pretrain_identity(p, manifest, device, code)
+        pkey = short_key(ident)
+        ckey = short_key(corrupt_identity(p, manifest))
+        p = _override(p, {"robustness.dir": str(storage / "corrupt" / ckey)}, label)
+        t = TrialPlan(i, trial_id(i, combo), combo, p, pkey, ckey)
+        trials.append(t)
+        members.setdefault(pkey, []).append(t)
+        identities[pkey] = ident
+        corrupt.setdefault(ckey, p)
+    groups = {}
+    for key, ts in members.items():
+        # The group pretrains with its first trial's params, keeping a checkpoint at every t1 of its trials
+        # (the other keys of those params do not change what pretraining computes: that is the key).
+        epochs = sorted({t.params.reparam.epoch for t in ts})
+        norm = {"pretrain.checkpoint_epochs": epochs, "reparam.epoch": epochs[0]}
+        gp = _override(ts[0].params, norm, f"pretraining group {key}")
+        groups[key] = PretrainGroup(key, gp, epochs, [t.tid for t in ts], identities[key])
+    return SweepPlan(base, grid, storage, trials, groups, corrupt)
+
+
+def default_name(params_file: Path, base: Params) -> str:
+    """``<params stem>-<hash of the config>``: the same command names the same sweep (so --resume finds it)."""
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(params_file).stem) or "sweep"
+    return f"{stem}-{stable_hash(base.model_dump(mode='json'))[:8]}"
+
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
+
+
+def check_name(name: str) -> str:
+    if not NAME_RE.match(name) or name in ("pretrain", "corrupt"):
+        raise SweepError(
+            f"--name {name!r}: use letters, digits, '_', '.', '-' (not 'pretrain' or 'corrupt'), at most 100"
+        )
+    return name
+
+
+# ------------------------------------------------------------------------------------------ the spec
+
+
+def plan_spec(plan: SweepPlan, *, name: str, share_pretraining: bool) -> dict[str, Any]:
+    """The JSON-able description every trial reads (sweep.json holds it, so resumes use the same plan)."""
+    return {
+        "version": PLAN_VERSION,
+        "name": name,
+        "storage": str(plan.storage),
+        "sweep_dir": str(plan.storage / name),
+        "grid": plan.grid,
+        "share_pretraining": share_pretraining,
+        "base": plan.base.model_dump(mode="json"),
+        "trials": {
+            t.tid: {
+                "index": t.index,
+                "overrides": t.overrides,
+                "params": t.params.model_dump(mode="json"),
+                "pretrain_key": t.pretrain_key,
+                "corrupt_key": t.corrupt_key,
+            }
+            for t in plan.trials
+        },
+        "groups": {
+            k: {
+                "params": g.params.model_dump(mode="json"),
+                "epochs": g.epochs,
+                "trials": g.trials,
+                "identity": g.identity,
+            }
+            for k, g in plan.groups.items()
+        },
+        "corrupt": {k: p.model_dump(mode="json") for k, p in plan.corrupt.items()},
+    }
+
+
+def trial_params(spec: dict[str, Any], tid: str) -> Params:
+    return validate_params(spec["trials"][tid]["params"])
+
+
+def spec_difference(old: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """The first trial setting that differs between a saved sweep and the one asked for now (None: same)."""
+    if list(old["trials"]) != list(new["trials"]):
+        return "the grid (its trials differ)"
+    for tid in old["trials"]:
+        a, b = old["trials"][tid]["params"], new["trials"][tid]["params"]
+        if a != b:
+            flat_a, flat_b = _flat(a), _flat(b)
+            for key in sorted(set(flat_a) | set(flat_b)):
+                if flat_a.get(key) != flat_b.get(key):
+                    return f"{key} ({flat_a.get(key)!r} -> {flat_b.get(key)!r})"
+    if old.get("share_pretraining") != new.get("share_pretraining"):
+        return "sweep.share_pretraining"
+    return None
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict) and node:
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix.rstrip("."): node}

@@ -1,0 +1,172 @@
+"""Work that sweep trials share: one pretraining run per group, one corrupted test set per sweep input.
+
+Both live in content-addressed directories under ``sweep.storage`` (see pipelines/sweep_plan.py) and are
+built under an exclusive ``fcntl.flock`` on a lock file in that directory: the first trial (or driver) to
+get the lock does the work, the others block until it is done and then find it complete. The kernel drops
+the lock when its holder dies, so a killed trial never leaves it held; the next holder resumes the
+interrupted pretraining exactly (stages.pretrain keeps its partial state under the group directory).
+
+Layout of ``<storage>/pretrain/<key>/``: ``runs/pretrain/`` (the pretrain stage's outputs: ckpt/, cnn-final.pt,
+metrics.json, ...), ``inputs.json`` (the identity hashed into the key), ``complete.json`` (written last:
+the epochs kept), ``executions.jsonl`` (one line per completed execution: sweep, trial, host, time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from core.atomic import atomic_write_json
+from core.config import Params, validate_params
+
+LOCK = ".lock"
+COMPLETE = "complete.json"
+EXECUTIONS = "executions.jsonl"
+SWEEP_PRETRAIN_RUNS = "pretrain_runs.jsonl"  # in the sweep directory: pretraining executed by this sweep
+
+
+@contextlib.contextmanager
+def locked(directory: Path, what: str, log: Any = None) -> Iterator[None]:
+    """An exclusive flock on ``directory/.lock``; says so (once) when it has to wait for another holder."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / LOCK, "a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            t0 = time.monotonic()
+            _say(log, f"{what}: waiting for another process that holds {directory / LOCK}")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            _say(log, f"{what}: lock acquired after {time.monotonic() - t0:.1f}s")
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _say(log: Any, msg: str) -> None:
+    if log is not None:
+        log(msg)
+    else:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def append_line(path: Path, record: dict[str, Any]) -> None:
+    """Append one JSON line (a single O_APPEND write, fsynced: concurrent appenders do not interleave)."""
+    data = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_lines(path: Path) -> list[dict[str, Any]]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
+def _complete_epochs(group_dir: Path) -> set[int]:
+    """The t1 checkpoints a finished pretraining run in ``group_dir`` holds (empty: none usable)."""
+    try:
+        info = json.loads((group_dir / COMPLETE).read_text())
+    except (FileNotFoundError, ValueError):
+        return set()
+    out = group_dir / "runs" / "pretrain"
+    if not (out / "cnn-final.pt").is_file() or not (out / "metrics.json").is_file():
+        return set()
+    kept = {int(e) for e in info.get("checkpoint_epochs", [])}
+    return {e for e in kept if (out / "ckpt" / f"ckpt-epoch-{e:03d}.pt").is_file()}
+
+
+def ensure_pretraining(
+    spec: dict[str, Any], key: str, *, trial: str, log: Any = None
+) -> tuple[Path, bool, dict[str, Any]]:
+    """Make ``<storage>/pretrain/<key>`` hold a finished pretraining run with every t1 its group needs.
+
+    Returns (group directory, whether this call executed pretraining, the pretrain stage's metrics).
+    """
+    from stages import pretrain
+
+    group = spec["groups"][key]
+    directory = Path(spec["storage"]) / "pretrain" / key
+    need = {int(e) for e in group["epochs"]}
+    with locked(directory, f"pretrain {key}", log):
+        have = _complete_epochs(directory)
+        if need <= have:
+            metrics = json.loads((directory / "runs" / "pretrain" / "metrics.json").read_text())
+            return directory, False, metrics
+        params: Params = validate_params(group["params"])
+        if have:  # an earlier sweep's run lacks some t1: rerun (deterministic) keeping old and new epochs
+            params = params.with_overrides({"pretrain.checkpoint_epochs": sorted(need | have)})
+        atomic_write_json(directory / "inputs.json", group["identity"])
+        _say(
+            log, f"pretrain {key}: training {params.pretrain.epochs} epochs, keeping t1 {sorted(need | have)}"
+        )
+        t0 = time.time()
+        metrics = pretrain.run(params, root=directory)
+        atomic_write_json(
+            directory / COMPLETE,
+            {"checkpoint_epochs": metrics["checkpoint_epochs"], "finished": time.time(), "metrics": metrics},
+        )
+        record = {
+            "sweep": spec["name"],
+            "sweep_uid": spec.get("uid"),
+            "trial": trial,
+            "key": key,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started": t0,
+            "finished": time.time(),
+            "epochs": params.pretrain.epochs,
+            "checkpoint_epochs": metrics["checkpoint_epochs"],
+        }
+        append_line(directory / EXECUTIONS, record)
+        append_line(Path(spec["sweep_dir"]) / SWEEP_PRETRAIN_RUNS, record)
+        return directory, True, metrics
+
+
+def link_pretraining(root: Path, group_dir: Path) -> None:
+    """``root/runs/pretrain`` -> the group's ``runs/pretrain`` (a relative symlink, replaced atomically)."""
+    runs = root / "runs"
+    runs.mkdir(parents=True, exist_ok=True)
+    target = os.path.relpath(group_dir / "runs" / "pretrain", runs)
+    link = runs / "pretrain"
+    if link.is_symlink() and os.readlink(link) == target:
+        return
+    if link.exists() and not link.is_symlink():
+        raise RuntimeError(f"{link} exists and is not a link to the shared pretraining")
+    tmp = runs / f".pretrain.{os.getpid()}.link"
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    os.symlink(target, tmp)
+    os.replace(tmp, link)
+
+
+def ensure_corrupted(storage: Path, key: str, params: Params, log: Any = None) -> dict[str, Any]:
+    """Build (or check) the shared corrupted test sets ``<storage>/corrupt/<key>`` with the corrupt stage."""
+    from stages import corrupt
+
+    directory = storage / "corrupt" / key
+    with locked(directory, f"corrupt {key}", log):
+        return corrupt.run(params, root=storage)
+
+
+def pretrain_runs(sweep_dir: Path) -> int:
+    """How many pretraining runs this sweep executed (each completed execution appends one line)."""
+    return len(read_lines(sweep_dir / SWEEP_PRETRAIN_RUNS))

@@ -1,0 +1,242 @@
+"""The sweep's summary table (Parquet) and plots, built from the trials' own output files.
+
+One row per trial: the grid values (one column per grid key, named by its dotted key), the effective
+epochs (after fraction scaling), clean accuracy of the CNN and the T-CNN, mean corruption accuracy (mCA),
+mCE and relative mCE (000 Sec. 4 / Hendrycks & Dietterich; the CNN of the trial is the baseline by default,
+so its mCE is 1), the reparameterization's equivalence error (max |logit diff|), the trial's status,
+directory and MLflow run id.
+
+Plots (each only when the grid varies what it shows; values averaged over the other grid keys, error bars
+min..max):
+- ``accuracy_vs_t1.png``: T-CNN clean accuracy and mCA vs the reparameterization epoch t1 (000 Table 3);
+- ``accuracy_vs_fraction.png``: CNN and T-CNN clean accuracy vs training-sample fraction (001 Table 2);
+- ``alpha_lambda_heatmap.png``: T-CNN clean accuracy and mCA over alpha_init x lambda_init;
+- ``accuracy_by_kind.png``: clean accuracy and mCE per model.kind.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from core.atomic import atomic_write
+
+T1, ALPHA, LAMBDA, FRACTION, KIND = (
+    "reparam.epoch",
+    "reparam.alpha_init",
+    "reparam.lambda_init",
+    "data.sample_fraction",
+    "model.kind",
+)
+METRIC_COLUMNS = (
+    "cnn_clean_accuracy",
+    "tcnn_clean_accuracy",
+    "cnn_mca",
+    "tcnn_mca",
+    "cnn_mce",
+    "tcnn_mce",
+    "tcnn_relative_mce",
+    "max_abs_logit_diff",
+)
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def summary_rows(spec: dict[str, Any], status: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """One dict per trial (grid order) from the files under ``<sweep>/trials/<tid>/``."""
+    status = status or {}
+    rows = []
+    for tid, t in spec["trials"].items():
+        root = Path(spec["sweep_dir"]) / "trials" / tid
+        done = _json(root / "done.json")
+        eq = _json(root / "runs" / "reparam" / "equivalence.json") or {}
+        p = t["params"]
+        row: dict[str, Any] = {"trial": tid}
+        for key in spec["grid"]:
+            row[key] = t["overrides"].get(key)
+        row.update(
+            {
+                "pretrain_epochs": p["pretrain"]["epochs"],
+                "t1": p["reparam"]["epoch"],
+                "finetune_epochs": p["finetune"]["epochs"],
+                "model_kind": p["model"]["kind"],
+                "status": "finished" if done else status.get(tid, "missing"),
+            }
+        )
+        head = (done or {}).get("headline", {})
+        for col in METRIC_COLUMNS:
+            value = head.get(col)
+            row[col] = float(value) if value is not None else None
+        row["max_abs_logit_diff"] = (
+            row["max_abs_logit_diff"]
+            if row["max_abs_logit_diff"] is not None
+            else eq.get("max_abs_logit_diff")
+        )
+        row["pretrain_key"] = t["pretrain_key"] if spec.get("share_pretraining", True) else None
+        row["trial_dir"] = str(root)
+        row["mlflow_run_id"] = (done or {}).get("mlflow_run_id") or (_json(root / "trial.json") or {}).get(
+            "mlflow_run_id"
+        )
+        rows.append(row)
+    return rows
+
+
+def _column(values: list[Any]) -> pa.Array:
+    kinds = {type(v) for v in values if v is not None}
+    if kinds <= {int} or kinds <= {float} or kinds <= {int, float} or kinds <= {str} or kinds <= {bool}:
+        return pa.array(values)
+    return pa.array([None if v is None else json.dumps(v) for v in values], pa.string())
+
+
+def write_table(rows: list[dict[str, Any]], path: Path) -> Path:
+    """The rows as Parquet (atomic); a column whose values mix types is stored as JSON text."""
+    names = list(rows[0]) if rows else ["trial"]
+    table = pa.table({n: _column([r.get(n) for r in rows]) for n in names})
+    return atomic_write(path, lambda fh: pq.write_table(table, fh), shared=True)
+
+
+# ----------------------------------------------------------------------------------------------- plots
+
+
+def _varies(spec: dict[str, Any], key: str) -> bool:
+    return len(spec["grid"].get(key, [])) > 1
+
+
+def _finished(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rows if r["status"] == "finished"]
+
+
+def _aggregate(rows: list[dict[str, Any]], keys: tuple[str, ...], metric: str) -> dict[tuple, list[float]]:
+    out: dict[tuple, list[float]] = defaultdict(list)
+    for r in rows:
+        if r.get(metric) is not None:
+            out[tuple(r[k] for k in keys)].append(float(r[metric]))
+    return out
+
+
+def _line(ax: Any, agg: dict[tuple, list[float]], label: str, **kw: Any) -> None:
+    xs = sorted(agg)
+    if not xs:
+        return
+    means = [sum(agg[x]) / len(agg[x]) for x in xs]
+    lo = [max(0.0, m - min(agg[x])) for m, x in zip(means, xs)]  # rounding: mean of equal values
+    hi = [max(0.0, max(agg[x]) - m) for m, x in zip(means, xs)]
+    ax.errorbar([x[0] for x in xs], means, yerr=[lo, hi], marker="o", capsize=3, label=label, **kw)
+
+
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    try:
+        return atomic_write(path, lambda fh: fig.savefig(fh, format="png", dpi=110), shared=True)
+    finally:
+        plt.close(fig)
+
+
+def make_plots(spec: dict[str, Any], rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """The plots the grid supports (see the module docstring); returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = _finished(rows)
+    written: list[Path] = []
+    if not rows:
+        return written
+    name = spec["name"]
+    if _varies(spec, T1):
+        fig, ax = plt.subplots(figsize=(5.5, 4))
+        _line(ax, _aggregate(rows, (T1,), "tcnn_clean_accuracy"), "T-CNN clean")
+        _line(ax, _aggregate(rows, (T1,), "tcnn_mca"), "T-CNN corrupted (mCA)", linestyle="--")
+        cnn = [r["cnn_clean_accuracy"] for r in rows if r["cnn_clean_accuracy"] is not None]
+        if cnn:
+            ax.axhline(sum(cnn) / len(cnn), color="gray", linestyle=":", label="CNN (end of pretraining)")
+        ax.set_xlabel("reparameterization epoch t1 (grid value)")
+        ax.set_ylabel("test accuracy")
+        ax.set_title(f"{name}: accuracy vs t1 (000 Table 3)")
+        ax.legend(fontsize=8)
+        written.append(_save(fig, out_dir / "accuracy_vs_t1.png"))
+    if _varies(spec, FRACTION):
+        fig, ax = plt.subplots(figsize=(5.5, 4))
+        _line(ax, _aggregate(rows, (FRACTION,), "cnn_clean_accuracy"), "CNN")
+        _line(ax, _aggregate(rows, (FRACTION,), "tcnn_clean_accuracy"), "T-CNN")
+        ax.set_xscale("log")
+        ax.set_xlabel(
+            "training-sample fraction f (epochs x 1/f)" if _scales(spec) else "training-sample fraction f"
+        )
+        ax.set_ylabel("clean test accuracy")
+        ax.set_title(f"{name}: CNN vs T-CNN by sample fraction (001 Table 2)")
+        ax.legend(fontsize=8)
+        written.append(_save(fig, out_dir / "accuracy_vs_fraction.png"))
+    if _varies(spec, ALPHA) and _varies(spec, LAMBDA):
+        alphas, lambdas = sorted(spec["grid"][ALPHA]), sorted(spec["grid"][LAMBDA])
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
+        for ax, metric, title in zip(axes, ("tcnn_clean_accuracy", "tcnn_mca"), ("clean accuracy", "mCA")):
+            agg = _aggregate(rows, (ALPHA, LAMBDA), metric)
+            grid = [
+                [
+                    sum(agg[(a, lam)]) / len(agg[(a, lam)]) if agg.get((a, lam)) else float("nan")
+                    for lam in lambdas
+                ]
+                for a in alphas
+            ]
+            im = ax.imshow(grid, origin="lower", cmap="viridis", aspect="auto")
+            ax.set_xticks(range(len(lambdas)), [str(v) for v in lambdas])
+            ax.set_yticks(range(len(alphas)), [str(v) for v in alphas])
+            ax.set_xlabel("lambda_init")
+            ax.set_ylabel("alpha_init")
+            ax.set_title(f"T-CNN {title}")
+            for i, line in enumerate(grid):
+                for j, v in enumerate(line):
+                    if v == v:
+                        ax.text(j, i, f"{v:.3f}", ha="center", va="center", color="w", fontsize=8)
+            fig.colorbar(im, ax=ax)
+        fig.suptitle(f"{name}: alpha_init x lambda_init")
+        fig.tight_layout()
+        written.append(_save(fig, out_dir / "alpha_lambda_heatmap.png"))
+    if _varies(spec, KIND):
+        kinds = [k for k in spec["grid"][KIND]]
+        clean = _aggregate(rows, (KIND,), "tcnn_clean_accuracy")
+        mce = _aggregate(rows, (KIND,), "tcnn_mce")
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
+        for ax, agg, title in zip(axes, (clean, mce), ("clean accuracy", "mCE (vs the trial's CNN)")):
+            vals = [sum(agg[(k,)]) / len(agg[(k,)]) if agg.get((k,)) else 0.0 for k in kinds]
+            ax.bar(range(len(kinds)), vals)
+            ax.set_xticks(range(len(kinds)), kinds, rotation=20)
+            ax.set_title(title)
+        fig.suptitle(f"{name}: by model.kind")
+        fig.tight_layout()
+        written.append(_save(fig, out_dir / "accuracy_by_kind.png"))
+    return written
+
+
+def _scales(spec: dict[str, Any]) -> bool:
+    return bool(spec["base"]["sweep"].get("fraction_scales_epochs", True))
+
+
+def format_table(rows: list[dict[str, Any]], grid_keys: list[str]) -> str:
+    """A compact text table for the terminal."""
+    head = ["trial", *grid_keys, "status", "cnn", "tcnn", "tcnn_mca", "tcnn_mce"]
+    lines = [head]
+    for r in rows:
+
+        def f(v: Any) -> str:
+            return "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
+
+        lines.append(
+            [r["trial"], *(f(r.get(k)) for k in grid_keys), r["status"]]
+            + [f(r.get(k)) for k in ("cnn_clean_accuracy", "tcnn_clean_accuracy", "tcnn_mca", "tcnn_mce")]
+        )
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines)

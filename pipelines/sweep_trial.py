@@ -1,0 +1,399 @@
+"""One sweep trial: the DVC chain's stage functions (reparam -> finetune -> evaluate) in the trial's directory.
+
+Runs inside a Ray Tune function trainable. Its directory ``<sweep>/trials/<tid>/`` is the ``root`` of every
+stage call (runs/..., results/...), with ``runs/pretrain`` a link to the shared pretraining of its group
+(pipelines/sweep_shared.py) and robustness.dir the sweep's shared corrupted sets. No stage logic lives here.
+
+Resume and exactly-once:
+- ``trial.json`` (and every Tune checkpoint) holds the trial's MLflow run id; a restarted trial (Tune retry,
+  ``Tuner.restore``, SLURM requeue) reopens that run instead of creating another.
+- ``.sweep/<stage>.json`` marks a stage as done (its returned metrics); a restarted trial skips done stages,
+  and the stages resume their own partial state (runs/.partial/) exactly. ``stages.jsonl`` gets one line per
+  stage execution that completed, ``done.json`` is written last: a trial found done is not run again.
+- An flock on the trial directory keeps two attempts of the same trial from running at once (an orphan of a
+  killed driver finishes or dies first).
+
+Progress: ``tune.report`` after each stage and after each fine-tuning epoch (read from the finetune stage's
+resume state, which it writes at every epoch end), each with a small checkpoint holding the run id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from core.atomic import atomic_write_json
+from core.config import Params
+from pipelines.sweep_plan import trial_label, trial_params
+from pipelines.sweep_shared import (
+    SWEEP_PRETRAIN_RUNS,
+    append_line,
+    ensure_pretraining,
+    link_pretraining,
+    locked,
+)
+
+STATE = "trial.json"
+DONE = "done.json"
+STAGE_LOG = "stages.jsonl"
+LOG = "trial.log"
+#: The headline numbers every trial reports last (also the summary table's columns).
+HEADLINE = (
+    "cnn_clean_accuracy",
+    "tcnn_clean_accuracy",
+    "cnn_mca",
+    "tcnn_mca",
+    "cnn_mce",
+    "tcnn_mce",
+    "tcnn_relative_mce",
+    "max_abs_logit_diff",
+)
+
+
+def trial_dir(spec: dict[str, Any], tid: str) -> Path:
+    return Path(spec["sweep_dir"]) / "trials" / tid
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def numeric(obj: Any, prefix: str = "") -> dict[str, float]:
+    """A stage's returned metrics flattened to MLflow numbers (the DVC path's names: stages._cli)."""
+    from stages._cli import numeric_metrics
+
+    return {f"{prefix}{k}": v for k, v in numeric_metrics(obj).items()}
+
+
+def headline(evaluate: dict[str, Any], reparam: dict[str, Any]) -> dict[str, float]:
+    flat = numeric(evaluate)
+    out = {k: flat[k] for k in HEADLINE if k in flat}
+    if reparam.get("max_abs_logit_diff") is not None:
+        out["max_abs_logit_diff"] = float(reparam["max_abs_logit_diff"])
+    return out
+
+
+# ------------------------------------------------------------------------------------------- tracking
+
+
+def open_run(spec: dict[str, Any], tid: str, params: Params, root: Path, known_id: str | None) -> Any:
+    """The trial's MLflow child run under the sweep's parent: reopened when the trial ran before."""
+    from pipelines.tracking import Tracker, TrackingError
+
+    cfg = spec["tracking"]
+    tracker = Tracker(enabled=cfg["enabled"], uri=cfg["uri"], experiment=cfg["experiment"], export_env=False)
+    if not tracker.enabled:
+        return tracker
+    tracker.parent_run_id = cfg["parent_run_id"]
+    t = spec["trials"][tid]
+    tags = {
+        "tcnn.kind": "trial",
+        "tcnn.sweep": spec["name"],
+        "tcnn.trial": tid,
+        "tcnn.trial_dir": str(root),
+        "tcnn.pretrain_key": t["pretrain_key"],
+        **{f"grid.{k}": json.dumps(v) for k, v in t["overrides"].items()},
+    }
+    if known_id:
+        with contextlib.suppress(TrackingError):
+            tracker.start_child(tid, params=params, tags=tags, run_id=known_id)
+            return tracker
+    # start_child also resumes a RUNNING run of this trial (tag tcnn.stage = tid) left by a killed attempt.
+    tracker.start_child(tid, params=params, tags=tags, run_name=tid)
+    return tracker
+
+
+def close_run(spec: dict[str, Any], run_id: str | None) -> None:
+    """Mark a finished trial's run FINISHED if a kill left it RUNNING (between done.json and the end call)."""
+    cfg = spec["tracking"]
+    if not cfg["enabled"] or not run_id:
+        return
+    from pipelines.tracking import Tracker
+
+    tracker = Tracker(enabled=True, uri=cfg["uri"], experiment=cfg["experiment"], export_env=False)
+    if tracker.client.get_run(run_id).info.status != "FINISHED":
+        tracker.client.set_terminated(run_id, status="FINISHED")
+
+
+# ------------------------------------------------------------------------------------------ reporting
+
+
+class Reporter:
+    """``tune.report`` with a checkpoint holding the run id (thread-safe: the epoch watcher reports too)."""
+
+    def __init__(self, tid: str, run_id: str | None, enabled: bool = True) -> None:
+        self.tid = tid
+        self.run_id = run_id
+        self.enabled = enabled
+        self._lock = threading.Lock()
+
+    def __call__(self, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        from ray import tune
+
+        with self._lock, tempfile.TemporaryDirectory(prefix="tcnn-ckpt-") as d:
+            state = {"tid": self.tid, "mlflow_run_id": self.run_id, **metrics}
+            (Path(d) / STATE).write_text(json.dumps(state, default=str))
+            tune.report({"tid": self.tid, **metrics}, checkpoint=tune.Checkpoint.from_directory(d))
+
+
+def checkpoint_state() -> dict[str, Any]:
+    """The state in the Tune checkpoint this trial restarts from ({} when none)."""
+    try:
+        from ray import tune
+
+        ckpt = tune.get_checkpoint()
+    except Exception:  # not inside Tune
+        return {}
+    if ckpt is None:
+        return {}
+    with ckpt.as_directory() as d:
+        return read_json(Path(d) / STATE) or {}
+
+
+class EpochWatcher(threading.Thread):
+    """Follows the finetune stage's resume state (``runs/.partial/finetune/resume.pt``, rewritten at every
+    epoch end) and calls ``emit(row)`` for each new epoch row of its history."""
+
+    def __init__(self, resume_path: Path, emit: Callable[[dict[str, Any]], None], poll_s: float = 1.0):
+        super().__init__(daemon=True, name="tcnn-epoch-watcher")
+        self.path = resume_path
+        self.emit = emit
+        self.poll_s = poll_s
+        self.seen = 0
+        self._stop_event = threading.Event()
+        self._mtime: int | None = None
+
+    def poll(self) -> None:
+        try:
+            mtime = self.path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return
+        if mtime == self._mtime:
+            return
+        self._mtime = mtime
+        import torch
+
+        try:
+            state = torch.load(self.path, map_location="cpu", weights_only=False)
+        except Exception:  # replaced while reading: the next poll sees the new file
+            self._mtime = None
+            return
+        self.rows(list(state.get("history") or []))
+
+    def rows(self, history: list[dict[str, Any]]) -> None:
+        for row in history[self.seen :]:
+            self.emit(row)
+        self.seen = max(self.seen, len(history))
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.poll_s):
+            with contextlib.suppress(Exception):
+                self.poll()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join()
+
+
+def _epoch_metrics(row: dict[str, Any]) -> dict[str, float]:
+    keys = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
+    return {k: float(row[k]) for k in keys if isinstance(row.get(k), (int, float))}
+
+
+# ---------------------------------------------------------------------------------------------- trial
+
+
+@contextlib.contextmanager
+def _output_to(path: Path) -> Iterator[None]:
+    """Stage output (progress lines) into the trial's log file instead of the driver's terminal."""
+    with open(path, "a", buffering=1) as fh, contextlib.redirect_stdout(fh), contextlib.redirect_stderr(fh):
+        print(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} attempt on {socket.gethostname()} pid {os.getpid()}")
+        yield
+
+
+class TrialRunner:
+    def __init__(self, spec: dict[str, Any], tid: str, *, report: bool = True) -> None:
+        self.spec = spec
+        self.tid = tid
+        self.root = trial_dir(spec, tid)
+        self.params = trial_params(spec, tid)
+        self.report_enabled = report
+        self.marks = self.root / ".sweep"
+
+    def stage(self, name: str, fn: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], bool]:
+        """Run a stage unless its done-mark exists; returns (its metrics, whether it ran now)."""
+        mark = self.marks / f"{name}.json"
+        saved = read_json(mark)
+        if saved is not None:
+            return saved, False
+        t0 = time.time()
+        metrics = fn()
+        atomic_write_json(mark, metrics)
+        append_line(
+            self.root / STAGE_LOG,
+            {
+                "stage": name,
+                "started": t0,
+                "finished": time.time(),
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+            },
+        )
+        return metrics, True
+
+    def run(self) -> dict[str, Any]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.marks.mkdir(exist_ok=True)
+        os.environ.setdefault("TCNN_QUIET", "1")
+        threads = int(self.spec.get("threads") or 1)
+        import torch
+
+        torch.set_num_threads(max(1, threads))
+        with locked(self.root, f"trial {self.tid}"), _output_to(self.root / LOG):
+            return self._run()
+
+    def _run(self) -> dict[str, Any]:
+        from stages import evaluate, finetune, pretrain, reparam
+
+        state = read_json(self.root / STATE) or {}
+        done = read_json(self.root / DONE)
+        if done is not None:  # finished before (the driver died before Tune recorded it): not run again
+            close_run(self.spec, done.get("mlflow_run_id"))
+            Reporter(self.tid, done.get("mlflow_run_id"), self.report_enabled)(
+                {"stage": "done", **done["headline"]}
+            )
+            return done
+        known = state.get("mlflow_run_id") or checkpoint_state().get("mlflow_run_id")
+        tracker = open_run(self.spec, self.tid, self.params, self.root, known)
+        run_id = tracker.run_id
+        attempts = int(state.get("attempts", 0)) + 1
+        atomic_write_json(
+            self.root / STATE,
+            {
+                "tid": self.tid,
+                "mlflow_run_id": run_id,
+                "attempts": attempts,
+                "overrides": self.spec["trials"][self.tid]["overrides"],
+            },
+        )
+        report = Reporter(self.tid, run_id, self.report_enabled)
+        report({"stage": "start", "attempt": attempts})
+        try:
+            done = self._stages(tracker, report, pretrain, reparam, finetune, evaluate)
+            tracker.end("FINISHED")
+        except BaseException:
+            tracker.end("FAILED")
+            raise
+        report({"stage": "done", **done["headline"]})
+        return done
+
+    def _stages(
+        self, tracker: Any, report: Reporter, pretrain: Any, reparam: Any, finetune: Any, evaluate: Any
+    ) -> dict:
+        p, root, t = self.params, self.root, self.spec["trials"][self.tid]
+        if self.spec["share_pretraining"]:
+            group_dir, executed, pre = ensure_pretraining(self.spec, t["pretrain_key"], trial=self.tid)
+            link_pretraining(root, group_dir)
+            if executed:
+                append_line(
+                    root / STAGE_LOG,
+                    {"stage": "pretrain", "shared": t["pretrain_key"], "finished": time.time()},
+                )
+        else:
+
+            def own() -> dict[str, Any]:
+                m = pretrain.run(p, root=root)
+                append_line(
+                    Path(self.spec["sweep_dir"]) / SWEEP_PRETRAIN_RUNS,
+                    {
+                        "sweep": self.spec["name"],
+                        "trial": self.tid,
+                        "host": socket.gethostname(),
+                        "finished": time.time(),
+                    },
+                )
+                return m
+
+            pre, executed = self.stage("pretrain", own)
+        report(
+            {
+                "stage": "pretrain",
+                "pretrain_executed": executed,
+                "pretrain_test_acc": pre.get("test_acc", 0.0),
+            }
+        )
+        rep, _ = self.stage("reparam", lambda: reparam.run(p, root=root))
+        report({"stage": "reparam", "max_abs_logit_diff": rep.get("max_abs_logit_diff") or 0.0})
+
+        def emit(row: dict[str, Any]) -> None:
+            m = _epoch_metrics(row)
+            epoch = int(row.get("finetune_epoch", 0))
+            tracker.log_metrics(m, step=epoch)
+            report({"stage": "finetune", "finetune_epoch": epoch, **m})
+
+        def tune_() -> dict[str, Any]:
+            watcher = EpochWatcher(root / "runs" / ".partial" / "finetune" / "resume.pt", emit)
+            watcher.start()
+            try:
+                metrics = finetune.run(p, root=root)
+            finally:
+                watcher.stop()
+            history = read_json(root / "runs" / "finetune" / "history.json")
+            watcher.rows(history if isinstance(history, list) else [])  # epochs finished after the last poll
+            return metrics
+
+        ft, _ = self.stage("finetune", tune_)
+        ev, _ = self.stage("evaluate", lambda: evaluate.run(p, root=root))
+
+        tracker.log_metrics(numeric(pre, "pretrain_"))
+        tracker.log_metrics(numeric(rep, "reparam_"))
+        tracker.log_metrics(numeric(ft, "finetune_"))
+        tracker.log_metrics(numeric(ev))
+        for rel in (
+            "runs/reparam/equivalence.json",
+            "runs/finetune/metrics.json",
+            "runs/finetune/history.csv",
+            "results/metrics.json",
+            "results/robustness.parquet",
+        ):
+            if (root / rel).is_file():
+                tracker.log_artifact(root / rel, os.path.dirname(rel))
+        done = {
+            "tid": self.tid,
+            "label": trial_label(t["overrides"]),
+            "overrides": t["overrides"],
+            "headline": headline(ev, rep),
+            "pretrain_key": t["pretrain_key"] if self.spec["share_pretraining"] else None,
+            "mlflow_run_id": tracker.run_id,
+            "finished": time.time(),
+        }
+        atomic_write_json(root / DONE, done)
+        return done
+
+
+def tune_trainable(config: dict[str, Any], spec: dict[str, Any]) -> None:
+    """The Ray Tune function trainable (config: {"tid": ...}); ``spec``: the sweep plan (tune.with_parameters)."""
+    TrialRunner(spec, config["tid"]).run()
+
+
+def run_trial_locally(spec: dict[str, Any], tid: str) -> dict[str, Any]:
+    """The same trial without Ray (debugging, tests of the trial logic)."""
+    return TrialRunner(spec, tid, report=False).run()
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,109 @@
+"""The MLflow UI shows a pipeline execution: infra/mlflow/server.sh on loopback, the experiment's run-compare
+page in headless Chromium, run names, param names and metric names in the rendered DOM; the screenshot is
+kept (tmp_path, and copied to $TCNN_TEST_ARTIFACTS when set: CI keeps that directory)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import urllib.parse
+from pathlib import Path
+
+import pytest
+from _pipeline_repo import FMNIST_DIR, REPO, STAGES, built_repo, children, runs
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        CHROMIUM is None, reason="chromium not installed (scripts/setup.sh --test installs it)"
+    ),
+    pytest.mark.skipif(
+        not (FMNIST_DIR / "train-images-idx3-ubyte.gz").exists(),
+        reason=f"Fashion-MNIST not installed at {FMNIST_DIR} (Debian package dataset-fashion-mnist)",
+    ),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _chromium(url: str, tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+           f"--user-data-dir={tmp / 'chromium-profile'}", "--virtual-time-budget=30000",
+           "--window-size=1600,2200", *args, url]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+
+
+def _text(dom: str) -> str:
+    import re
+
+    return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom))
+
+
+def test_compare_page_shows_runs_params_metrics(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    repo = built_repo(tmp_path_factory.getbasetemp() / "pipeline")
+    all_runs = runs(repo)
+    parent = next(r for r in all_runs if r.data.tags.get("tcnn.kind") == "parent")
+    kids = children(all_runs, parent.info.run_id)
+    port = _free_port()
+    state = tmp_path / "server-state"
+    env = {**os.environ, "TCNN_MLFLOW_PORT": str(port), "TCNN_MLFLOW_BACKEND_URI": f"sqlite:///{repo / 'mlruns.db'}",
+           "TCNN_MLFLOW_ARTIFACTS": str(tmp_path / "proxied"), "TCNN_MLFLOW_STATE": str(state),
+           "TCNN_MLFLOW_WORKERS": "1"}  # fmt: skip
+    env.pop("TCNN_MLFLOW_HOST", None)  # the script's default: loopback only
+    script = REPO / "infra" / "mlflow" / "server.sh"
+    started = subprocess.run([str(script), "start"], env=env, capture_output=True, text=True, timeout=300)
+    assert started.returncode == 0, started.stderr
+    try:
+        base = started.stdout.strip()
+        assert base == f"http://127.0.0.1:{port}"
+        exp = parent.info.experiment_id
+
+        def compare(ids: list[str]) -> str:
+            q = urllib.parse.quote
+            return f"{base}/#/compare-runs?runs={q(json.dumps(ids))}&experiments={q(json.dumps([exp]))}"
+
+        # 1. the pipeline execution: parent + one run per stage -> run names and the params' stable names
+        shot = tmp_path / "mlflow-compare-pipeline.png"
+        ids = [parent.info.run_id, *(r.info.run_id for r in kids)]
+        out = _chromium(compare(ids), tmp_path, "--dump-dom")
+        assert out.returncode == 0, out.stderr[-2000:]
+        text = _text(out.stdout)
+        assert "Run Name:" in text, text[:2000]
+        for run in [parent, *kids]:
+            assert run.info.run_id in text
+        names = text.split("Run Name:", 1)[1].split("Start Time:", 1)[0].split()
+        assert names == [parent.info.run_name, *(r.info.run_name for r in kids)]
+        assert sorted(names[1:]) == sorted(STAGES)
+        for param in ("alpha_init", "lambda_init", "reparam_epoch", "sample_fraction"):
+            assert f" {param} " in text, param
+        shots = _chromium(compare(ids), tmp_path, f"--screenshot={shot}")
+        assert shots.returncode == 0 and shot.stat().st_size > 10_000, shots.stderr[-2000:]
+
+        # 2. the parent's final metrics, by their stable names, with their values
+        out = _chromium(compare([parent.info.run_id]), tmp_path, "--dump-dom")
+        text = _text(out.stdout)
+        metrics_part = text.split("Metrics", 2)[-1]
+        for name in ("cnn_clean_accuracy", "tcnn_clean_accuracy", "tcnn_mce", "equivalence_error"):
+            assert name in parent.data.metrics
+            assert f" {name} " in metrics_part, name
+        _chromium(
+            compare([parent.info.run_id]), tmp_path, f"--screenshot={tmp_path / 'mlflow-compare-parent.png'}"
+        )
+    finally:
+        subprocess.run([str(script), "stop"], env=env, capture_output=True, timeout=60)
+        keep = os.environ.get("TCNN_TEST_ARTIFACTS")
+        if keep:
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            for png in tmp_path.glob("mlflow-compare-*.png"):
+                shutil.copy2(png, Path(keep) / png.name)

@@ -1,0 +1,295 @@
+"""`dvc repro` of a tiny configuration end to end in a copy of the repository, then the MLflow store.
+
+Truths the checks compare against: the files the chain wrote (history, metrics, equivalence report,
+manifest, checkpoints), git and DVC themselves (HEAD, dvc.lock, `dvc status`, which stages DVC ran).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from _pipeline_repo import FMNIST_DIR, STAGES, built_repo, children, client, dvc, runs
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (FMNIST_DIR / "train-images-idx3-ubyte.gz").exists(),
+        reason=f"Fashion-MNIST not installed at {FMNIST_DIR} (Debian package dataset-fashion-mnist)",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return built_repo(tmp_path_factory.getbasetemp() / "pipeline")
+
+
+def _parents(all_runs):
+    return [r for r in all_runs if r.data.tags.get("tcnn.kind") == "parent"]
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _download(repo: Path, run_id: str, artifact: str, dst: Path) -> Path:
+    return Path(client(repo).download_artifacts(run_id, artifact, str(dst)))
+
+
+def _artifact_paths(repo: Path, run_id: str, path: str | None = None) -> set[str]:
+    out: set[str] = set()
+    for info in client(repo).list_artifacts(run_id, path):
+        out |= _artifact_paths(repo, run_id, info.path) if info.is_dir else {info.path}
+    return out
+
+
+def test_one_parent_with_one_finished_child_per_stage(repo: Path) -> None:
+    all_runs = runs(repo)
+    parents = _parents(all_runs)
+    assert len(parents) == 1
+    parent = parents[0]
+    assert parent.info.status == "FINISHED"
+    kids = children(all_runs, parent.info.run_id)
+    assert sorted(r.data.tags["tcnn.stage"] for r in kids) == sorted(STAGES)
+    assert {r.info.status for r in kids} == {"FINISHED"}
+    assert {r.info.run_name for r in kids} == set(STAGES)
+    assert len(all_runs) == 1 + len(STAGES)  # nothing else: no duplicate, no leftover
+    # stages ran in the chain's order
+    starts = {r.data.tags["tcnn.stage"]: r.info.start_time for r in kids}
+    assert [s for s in sorted(starts, key=starts.get)] == list(STAGES)
+
+
+def test_parent_tags_git_commit_and_dvc_lock(repo: Path, tmp_path: Path) -> None:
+    parent = _parents(runs(repo))[0]
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert parent.data.tags["mlflow.source.git.commit"] == head.stdout.strip()
+    lock_tag = parent.data.tags["tcnn.dvc_lock_sha256"]
+    logged = _download(repo, parent.info.run_id, "dvc.lock", tmp_path)
+    assert _sha256(logged) == lock_tag
+    # The logged lock is the one of the finished chain, except for the last stage (DVC records it after
+    # the report's process exits): every other stage's entry equals the final dvc.lock's.
+    final = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    seen = yaml.safe_load(logged.read_text())["stages"]
+    for stage in STAGES[:-1]:
+        assert seen[stage] == final[stage], stage
+    assert (
+        _download(repo, parent.info.run_id, "params.yaml", tmp_path).read_text()
+        == (repo / "params.yaml").read_text()
+    )
+    env = _download(repo, parent.info.run_id, "environment/requirements.txt", tmp_path).read_text()
+    from importlib.metadata import version
+
+    for dist in ("mlflow", "torch", "dvc"):  # as `pip freeze` names them
+        assert f"{dist}=={version(dist)}" in env.splitlines()
+
+
+def test_params_have_stable_names(repo: Path) -> None:
+    all_runs = runs(repo)
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    expected = {
+        "alpha_init": str(params["reparam"]["alpha_init"]),
+        "lambda_init": str(params["reparam"]["lambda_init"]),
+        "reparam_epoch": str(params["reparam"]["epoch"]),
+        "sample_fraction": str(params["data"]["sample_fraction"]),
+        "pretrain.epochs": str(params["pretrain"]["epochs"]),
+        "robustness.corruptions": json.dumps(params["robustness"]["corruptions"], separators=(",", ":")),
+    }
+    for run in all_runs:  # parent and every stage carry the same names
+        for key, value in expected.items():
+            assert run.data.params.get(key) == value, (run.info.run_name, key)
+        assert "reparam.alpha_init" not in run.data.params
+
+
+def test_final_metrics_on_the_parent(repo: Path) -> None:
+    parent = _parents(runs(repo))[0]
+    m = parent.data.metrics
+    res = json.loads((repo / "results" / "metrics.json").read_text())
+    eq = json.loads((repo / "runs" / "reparam" / "equivalence.json").read_text())
+    expected = {
+        "equivalence_error": eq["max_abs_logit_diff"],
+        "cnn_test_acc": json.loads((repo / "runs/pretrain/metrics.json").read_text())["test_acc"],
+        "tcnn_test_acc": json.loads((repo / "runs/finetune/metrics.json").read_text())["test_acc"],
+    }
+    for model in ("cnn", "tcnn"):
+        for key in ("clean_accuracy", "mca", "mce", "relative_mce"):
+            expected[f"{model}_{key}"] = res[model].get(key)  # absent or None when undefined
+    for name, value in expected.items():
+        if value is None or not math.isfinite(value):  # e.g. relative mCE undefined on a tiny test set
+            assert name not in m
+        else:
+            assert m[name] == pytest.approx(value, rel=1e-12), name
+    assert {"equivalence_error", "cnn_clean_accuracy", "tcnn_clean_accuracy", "tcnn_mce"} <= set(m)
+
+
+def test_per_epoch_metrics_with_step(repo: Path) -> None:
+    all_runs = runs(repo)
+    parent = _parents(all_runs)[0]
+    by_stage = {r.data.tags["tcnn.stage"]: r for r in children(all_runs, parent.info.run_id)}
+    c = client(repo)
+    history = json.loads((repo / "runs/pretrain/history.json").read_text())
+    got = c.get_metric_history(by_stage["pretrain"].info.run_id, "epoch/val_acc")
+    assert [(p.step, p.value) for p in got] == [(row["epoch"], row["val_acc"]) for row in history]
+    ft = json.loads((repo / "runs/finetune/history.json").read_text())
+    layer = next(iter(ft[-1]["gpsa"]))
+    for key in ("inv_alpha", "gate"):
+        got = c.get_metric_history(by_stage["finetune"].info.run_id, f"epoch/gpsa/{layer}/{key}")
+        want = [
+            (row["finetune_epoch"], sum(row["gpsa"][layer][key]) / len(row["gpsa"][layer][key])) for row in ft
+        ]
+        assert [p.step for p in got] == [s for s, _ in want]
+        assert [p.value for p in got] == pytest.approx([v for _, v in want], rel=1e-6)
+    # system metrics (psutil) sampled during the stage
+    assert any(k.startswith("system/cpu_utilization") for k in by_stage["pretrain"].data.metrics)
+
+
+def test_artifacts_checkpoints_tables_plots(repo: Path, tmp_path: Path) -> None:
+    all_runs = runs(repo)
+    parent = _parents(all_runs)[0]
+    by_stage = {r.data.tags["tcnn.stage"]: r.info.run_id for r in children(all_runs, parent.info.run_id)}
+    want = {
+        "pretrain": {"checkpoints/cnn-final.pt", "checkpoints/ckpt/ckpt-epoch-001.pt", "history.csv", "metrics.json"},
+        "reparam": {"equivalence.json", "checkpoints/tcnn.pt"},
+        "finetune": {"checkpoints/tcnn-final.pt", "gpsa.csv", "history.csv"},
+        "evaluate": {"robustness.parquet", "metrics.json", "plots/robustness_gain.png"},
+        "report": {"report.html", "plots/fig4_dynamics.png", "plots/fig5_attention.png", "plots/training_curves.png"},
+    }  # fmt: skip
+    for stage, names in want.items():
+        assert names <= _artifact_paths(repo, by_stage[stage]), stage
+    assert {"dvc.lock", "params.yaml", "report.html", "environment/requirements.txt"} <= _artifact_paths(
+        repo, parent.info.run_id
+    )
+    # byte-identical to what the chain wrote
+    for run_id, artifact, local in (
+        (by_stage["reparam"], "equivalence.json", "runs/reparam/equivalence.json"),
+        (by_stage["evaluate"], "robustness.parquet", "results/robustness.parquet"),
+        (by_stage["finetune"], "checkpoints/tcnn-final.pt", "runs/finetune/tcnn-final.pt"),
+    ):
+        assert _sha256(_download(repo, run_id, artifact, tmp_path / run_id)) == _sha256(repo / local)
+
+
+def test_datasets_logged_with_manifest_digest(repo: Path) -> None:
+    all_runs = runs(repo)
+    parent = _parents(all_runs)[0]
+    by_stage = {r.data.tags["tcnn.stage"]: r for r in children(all_runs, parent.info.run_id)}
+    digest = _sha256(repo / "data/fashion_mnist/manifest.json")[:36]
+    index = _sha256(repo / "data/fashion_mnist-c/index.json")[:36]
+
+    def inputs(stage: str) -> set[tuple[str, str, str]]:
+        run = client(repo).get_run(by_stage[stage].info.run_id)
+        return {
+            (
+                d.dataset.name,
+                d.dataset.digest,
+                next(t.value for t in d.tags if t.key == "mlflow.data.context"),
+            )
+            for d in run.inputs.dataset_inputs
+        }
+
+    assert ("fashion_mnist", digest, "prepared") in inputs("prepare")
+    assert ("fashion_mnist", digest, "train") in inputs("pretrain")
+    assert {("fashion_mnist", digest, "test"), ("fashion_mnist-c", index, "test-corrupted")} <= inputs(
+        "evaluate"
+    )
+
+
+def test_logged_models_give_the_checkpoints_logits(repo: Path) -> None:
+    import mlflow
+    import mlflow.pytorch
+    import torch
+
+    from core.checkpoint import load_model
+
+    all_runs = runs(repo)
+    parent = _parents(all_runs)[0]
+    by_stage = {r.data.tags["tcnn.stage"]: r.info.run_id for r in children(all_runs, parent.info.run_id)}
+    c = client(repo)
+    models = c.search_logged_models(experiment_ids=[parent.info.experiment_id])
+    found = {(m.name, m.source_run_id): m.model_id for m in models}
+    x = torch.randn(8, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(f"sqlite:///{repo / 'mlruns.db'}")
+    try:
+        for name, stage, ckpt in (("tcnn", "finetune", "runs/finetune/tcnn-final.pt"),
+                                  ("cnn", "pretrain", "runs/pretrain/cnn-final.pt")):  # fmt: skip
+            model_id = found[(name, by_stage[stage])]
+            logged = mlflow.pytorch.load_model(f"models:/{model_id}").eval()
+            reference = load_model(repo / ckpt)
+            with torch.no_grad():
+                ref = reference(x)
+                assert torch.equal(logged(x), ref), name
+            assert ref.abs().max() > 0
+    finally:
+        mlflow.set_tracking_uri(previous)
+
+
+def test_report_lists_the_run_ids(repo: Path) -> None:
+    all_runs = runs(repo)
+    parent = _parents(all_runs)[0]
+    html = (repo / "results" / "report.html").read_text()
+    ids = json.loads((repo / "runs" / "mlflow_runs.json").read_text())
+    assert ids["parent"] == parent.info.run_id
+    assert f"<code>{parent.info.run_id}</code>" in html
+    for run in children(all_runs, parent.info.run_id):
+        assert ids["stages"][run.data.tags["tcnn.stage"]] == run.info.run_id
+        assert f"<code>{run.info.run_id}</code>" in html
+
+
+def test_noop_rerun_is_clean_and_opens_no_run(repo: Path) -> None:
+    before = len(runs(repo))
+    status = dvc(repo, "status")
+    assert "Data and pipelines are up to date." in status.stdout, status.stdout
+    again = dvc(repo, "repro")
+    assert "Running stage" not in again.stdout
+    assert len(runs(repo)) == before
+    # the run-ids file and the store are no DVC outputs: nothing untracked for DVC to complain about
+    assert "runs/mlflow_runs.json" not in again.stdout + again.stderr
+
+
+def test_lambda_init_reruns_only_reparam_and_after(repo: Path) -> None:
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["reparam"]["lambda_init"] = 2.0
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    status = dvc(repo, "status").stdout
+    changed = set(re.findall(r"^(\w+):", status, flags=re.M))
+    assert "reparam" in changed and not changed & {"prepare", "pretrain", "corrupt"}, status
+    out = dvc(repo, "repro").stdout
+    ran = re.findall(r"Running stage '(\w+)'", out)
+    assert ran == ["reparam", "finetune", "evaluate", "report"], out
+    for stage in ("prepare", "pretrain", "corrupt"):
+        assert f"Stage '{stage}' didn't change, skipping" in out
+    all_runs = runs(repo)
+    parents = _parents(all_runs)
+    assert len(parents) == 2 and {p.info.status for p in parents} == {"FINISHED"}
+    new = max(parents, key=lambda r: r.info.start_time)
+    assert new.data.params["lambda_init"] == "2.0"
+    assert sorted(r.data.tags["tcnn.stage"] for r in children(all_runs, new.info.run_id)) == sorted(ran)
+    assert f"<code>{new.info.run_id}</code>" in (repo / "results" / "report.html").read_text()
+
+
+def test_dvc_exp_run_is_its_own_parent_run(repo: Path) -> None:
+    before = {r.info.run_id for r in _parents(runs(repo))}
+    out = dvc(repo, "exp", "run", "-S", "reparam.alpha_init=2")
+    name = re.search(r"Ran experiment\(s\): (\S+)", out.stdout + out.stderr)
+    assert name, out.stdout + out.stderr
+    all_runs = runs(repo)
+    new = [r for r in _parents(all_runs) if r.info.run_id not in before]
+    assert len(new) == 1
+    parent = new[0]
+    assert parent.info.status == "FINISHED"
+    assert parent.data.params["alpha_init"] == "2.0"
+    assert parent.data.tags.get("tcnn.dvc_exp_name") == name.group(1) == parent.info.run_name
+    assert {r.info.status for r in children(all_runs, parent.info.run_id)} == {"FINISHED"}
+    assert f"<code>{parent.info.run_id}</code>" in (repo / "results" / "report.html").read_text()
+    shown = dvc(repo, "metrics", "show")
+    assert "tcnn.mce" in shown.stdout
+    plots = dvc(repo, "plots", "show", "--json")
+    data = json.loads(plots.stdout)
+    assert not data.get("errors")
+    assert {"pretrain_accuracy", "gpsa_inv_alpha", "gpsa_gate", "robustness_by_category"} <= set(data["data"])

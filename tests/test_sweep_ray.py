@@ -1,0 +1,203 @@
+"""`tcnn sweep` end to end: real Ray (local), real MLflow (sqlite under tmp_path), tiny Fashion-MNIST slice."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+from test_sweep import TCNN, make_project, sweep_env
+
+from core.config import load_params
+from pipelines.tracking import flatten_params
+
+pytestmark = pytest.mark.slow
+
+GRID = {"reparam.epoch": [1, 2], "reparam.alpha_init": [0.5, 2.0]}
+
+
+def mlflow_runs(root: Path, experiment: str = "sweeps") -> list[Any]:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{root / 'mlruns.db'}")
+    exp = client.get_experiment_by_name(experiment)
+    return list(client.search_runs([exp.experiment_id], max_results=1000)) if exp else []
+
+
+def sweep_runs(root: Path, name: str) -> tuple[Any, list[Any]]:
+    """The sweep's one parent run and its children (asserting there is exactly one parent)."""
+    runs = mlflow_runs(root)
+    parents = [
+        r for r in runs if r.data.tags.get("tcnn.kind") == "parent" and r.data.tags.get("tcnn.sweep") == name
+    ]
+    assert len(parents) == 1, [r.info.run_name for r in parents]
+    pid = parents[0].info.run_id
+    return parents[0], [r for r in runs if r.data.tags.get("mlflow.parentRunId") == pid]
+
+
+def stage_counts(trial_dir: Path) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    path = trial_dir / "stages.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        stage = json.loads(line)["stage"]
+        counts[stage] = counts.get(stage, 0) + 1
+    return counts
+
+
+def pretrain_epoch_lines(sweep_dir: Path) -> int:
+    """Epoch lines the pretrain stage itself printed into the trials' logs (one per pretraining run)."""
+    return sum(p.read_text().count("pretrain epoch 1/") for p in sweep_dir.glob("trials/*/trial.log"))
+
+
+def run_sweep(root: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [TCNN, "sweep", "--params", "params.yaml", "--num-cpus", "2", *args],
+        cwd=root, env=sweep_env(), capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def test_sweep_2x2_one_pretraining_mlflow_parent_children_and_reuse(tmp_path: Path) -> None:
+    path = make_project(tmp_path, GRID)
+    res = run_sweep(tmp_path, "--name", "a")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    sweep_dir = tmp_path / "sweeps" / "a"
+
+    # One pretraining run, keeping both t1 checkpoints; every trial links to it.
+    assert pretrain_epoch_lines(sweep_dir) == 1
+    (group,) = (tmp_path / "sweeps" / "pretrain").iterdir()
+    assert len((group / "executions.jsonl").read_text().splitlines()) == 1
+    assert sorted(p.name for p in (group / "runs/pretrain/ckpt").iterdir()) == [
+        "ckpt-epoch-001.pt",
+        "ckpt-epoch-002.pt",
+    ]
+    trials = sorted((sweep_dir / "trials").iterdir())
+    assert len(trials) == 4
+    for t in trials:
+        assert (t / "runs" / "pretrain").resolve() == (group / "runs" / "pretrain").resolve()
+        assert (
+            stage_counts(t).get("reparam")
+            == stage_counts(t).get("finetune")
+            == stage_counts(t).get("evaluate")
+            == 1
+        )
+    # One corrupted-set directory for the sweep, used by every trial.
+    assert len(list((tmp_path / "sweeps" / "corrupt").iterdir())) == 1
+
+    # MLflow: one parent (trials=4, pretrain_runs=1) + 4 FINISHED children with the DVC path's param names.
+    parent, children = sweep_runs(tmp_path, "a")
+    assert parent.info.status == "FINISHED"
+    assert parent.data.metrics["trials"] == 4 and parent.data.metrics["pretrain_runs"] == 1
+    assert json.loads(parent.data.params["grid.reparam.epoch"]) == [1, 2]
+    assert len(children) == 4 and {c.info.status for c in children} == {"FINISHED"}
+    assert len({c.data.tags["tcnn.trial"] for c in children}) == 4
+    combos = {(int(c.data.params["reparam_epoch"]), float(c.data.params["alpha_init"])) for c in children}
+    assert combos == set(itertools.product(GRID["reparam.epoch"], GRID["reparam.alpha_init"]))
+    dvc_names = set(
+        flatten_params(load_params(path).with_overrides({"sweep.grid": {}}))
+    )  # as `dvc repro` logs
+    for c in children:
+        assert set(c.data.params) == dvc_names
+        assert 0.0 <= c.data.metrics["tcnn_clean_accuracy"] <= 1.0
+        assert "val_acc" in c.data.metrics  # per-epoch fine-tuning metrics
+    artifacts = {a.path for a in _artifacts(tmp_path, parent.info.run_id)}
+    assert {"summary.parquet", "plots"} <= artifacts
+
+    # Summary table: one row per trial, the grid values and the headline numbers of each trial's own files.
+    table = pq.read_table(sweep_dir / "summary.parquet").to_pylist()
+    assert len(table) == 4
+    for row in table:
+        metrics = json.loads((Path(row["trial_dir"]) / "results/metrics.json").read_text())
+        assert row["tcnn_clean_accuracy"] == pytest.approx(metrics["tcnn"]["clean_accuracy"])
+        assert row["cnn_mce"] == pytest.approx(metrics["cnn"]["mce"])
+        assert row["status"] == "finished"
+    assert (sweep_dir / "plots" / "accuracy_vs_t1.png").is_file()
+    assert not (sweep_dir / "plots" / "alpha_lambda_heatmap.png").exists()  # lambda does not vary
+    assert not (sweep_dir / "plots" / "accuracy_vs_fraction.png").exists()
+
+    # A second sweep over the same store: the pretraining is reused, none executed.
+    res2 = run_sweep(tmp_path, "--name", "b")
+    assert res2.returncode == 0, res2.stdout[-3000:] + res2.stderr[-3000:]
+    parent_b, children_b = sweep_runs(tmp_path, "b")
+    assert parent_b.data.metrics["pretrain_runs"] == 0 and parent_b.data.metrics["trials"] == 4
+    assert len(children_b) == 4 and {c.info.status for c in children_b} == {"FINISHED"}
+    assert pretrain_epoch_lines(tmp_path / "sweeps" / "b") == 0
+    assert len((group / "executions.jsonl").read_text().splitlines()) == 1
+    assert "pretraining reused" in res2.stdout
+
+
+def _artifacts(root: Path, run_id: str) -> list[Any]:
+    from mlflow import MlflowClient
+
+    return MlflowClient(f"sqlite:///{root / 'mlruns.db'}").list_artifacts(run_id)
+
+
+def test_kill_driver_then_resume_finishes_each_trial_once(tmp_path: Path) -> None:
+    make_project(tmp_path, GRID, finetune={"epochs": 2})
+    sweep_dir = tmp_path / "sweeps" / "k"
+    with open(tmp_path / "driver1.log", "w") as log:
+        proc = subprocess.Popen(
+            [TCNN, "sweep", "--params", "params.yaml", "--num-cpus", "2", "--name", "k"],
+            cwd=tmp_path, env=sweep_env(), stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 600
+            while len(list(sweep_dir.glob("trials/*/done.json"))) < 1:
+                assert proc.poll() is None, (tmp_path / "driver1.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, "no trial finished"
+                time.sleep(0.2)
+        finally:
+            proc.send_signal(signal.SIGKILL)  # the driver, mid-sweep
+            proc.wait()
+    done_before = {p.parent.name for p in sweep_dir.glob("trials/*/done.json")}
+    assert 1 <= len(done_before) < 4, "the sweep was not interrupted mid-way"
+    stages_before = {t: stage_counts(sweep_dir / "trials" / t) for t in done_before}
+    runs_before = {
+        t: json.loads((sweep_dir / "trials" / t / "done.json").read_text())["mlflow_run_id"]
+        for t in done_before
+    }
+    _, children = sweep_runs(tmp_path, "k")
+    assert len(children) <= 4
+
+    res = run_sweep(tmp_path, "--name", "k", "--resume")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "resuming from" in res.stdout
+    parent, children = sweep_runs(tmp_path, "k")
+    assert parent.info.status == "FINISHED"
+    assert parent.data.metrics["trials"] == 4 and parent.data.metrics["pretrain_runs"] == 1
+    assert len(children) == 4, [c.info.run_name for c in children]
+    assert len({c.data.tags["tcnn.trial"] for c in children}) == 4  # none duplicated
+    assert {c.info.status for c in children} == {"FINISHED"}
+    for t in (sweep_dir / "trials").iterdir():
+        counts = stage_counts(t)
+        assert counts.get("reparam") == counts.get("finetune") == counts.get("evaluate") == 1, (
+            t.name,
+            counts,
+        )
+        if t.name in done_before:  # finished before the kill: not run again
+            assert counts == stages_before[t.name]
+            assert json.loads((t / "trial.json").read_text())["attempts"] == 1
+            assert {c.data.tags["tcnn.trial"]: c.info.run_id for c in children}[t.name] == runs_before[t.name]
+    assert pretrain_epoch_lines(sweep_dir) == 1
+
+
+@pytest.mark.parametrize("kinds", [["cnn", "tcnn"]])
+def test_model_kind_grid(tmp_path: Path, kinds: list[str]) -> None:
+    """A model.kind grid (issue 8's table): cnn and tcnn share one pretraining; only tcnn converts."""
+    make_project(tmp_path, {"model.kind": kinds})
+    res = run_sweep(tmp_path, "--name", "kinds")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    sweep_dir = tmp_path / "sweeps" / "kinds"
+    rows = {r["model.kind"]: r for r in pq.read_table(sweep_dir / "summary.parquet").to_pylist()}
+    assert set(rows) == set(kinds)
+    for kind, row in rows.items():
+        eq = json.loads((Path(row["trial_dir"]) / "runs/reparam/equivalence.json").read_text())
+        assert eq["converted"] is (kind == "tcnn")
+        assert row["tcnn_clean_accuracy"] is not None and row["tcnn_mce"] is not None
+    assert pretrain_epoch_lines(sweep_dir) == 1
+    assert (sweep_dir / "plots" / "accuracy_by_kind.png").is_file()
