@@ -232,11 +232,10 @@ class AAConv2d(nn.Module):
         """Per-head nonlocality [N_h] (001 Eq. 8) in attention-grid pixels, batch-averaged."""
         a = self._attention_input(x)
         h, w = a.shape[-2:]
-        attn = self._weights_and_values(a)[0].mean(0)
-        rows = torch.arange(h, device=x.device, dtype=attn.dtype).repeat_interleave(w)
-        cols = torch.arange(w, device=x.device, dtype=attn.dtype).repeat(h)
-        dist = ((rows[None] - rows[:, None]) ** 2 + (cols[None] - cols[:, None]) ** 2).sqrt()
-        return (attn * dist).sum(dim=(-2, -1)) / (h * w)
+        attn = self._weights_and_values(a)[0]
+        from core.dissect import grid_distances, nonlocality  # lazy: dissect pulls in pyarrow
+
+        return nonlocality(attn, grid_distances(h, w, device=attn.device)).to(attn.dtype)
 
     def extra_repr(self) -> str:
         return (

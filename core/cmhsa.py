@@ -204,11 +204,10 @@ class RelPosMHSA(nn.Module):
     def nonlocality(self, x: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
         """Per-head nonlocality [N_H] (001 Eq. 8): (1/L) sum_ij A_ij |delta_ij| in tokens, batch-averaged."""
         h, w = self._grid(x, size)
-        attn = self.attention_maps(x, (h, w)).mean(0)
-        rows = torch.arange(h, device=x.device, dtype=attn.dtype).repeat_interleave(w)
-        cols = torch.arange(w, device=x.device, dtype=attn.dtype).repeat(h)
-        dist = ((rows[None] - rows[:, None]) ** 2 + (cols[None] - cols[:, None]) ** 2).sqrt()
-        return (attn * dist).sum(dim=(-2, -1)) / (h * w)
+        attn = self.attention_maps(x, (h, w))
+        from core.dissect import grid_distances, nonlocality  # lazy: dissect pulls in pyarrow
+
+        return nonlocality(attn, grid_distances(h, w, device=attn.device)).to(attn.dtype)
 
     def extra_repr(self) -> str:
         return (

@@ -152,6 +152,32 @@ def _gated_mix(
     return _GatedMix.apply(con, pos, g_con, perm, probs)
 
 
+def conv_geometry(conv: nn.Conv2d, who: str) -> tuple[int, int, int]:
+    """(kernel, stride, dilation) of a conv that attention can reproduce exactly (plain nn.Conv2d, square odd
+    kernel, equal strides / dilations, no groups, zero padding of dilation * (k - 1) / 2); else one clear error
+    naming ``who``."""
+    if type(conv) is not nn.Conv2d:
+        raise TypeError(f"{who}: unsupported conv type {type(conv).__name__} (need nn.Conv2d)")
+    kh, kw = conv.kernel_size
+    (sh, sw), (dh, dw) = conv.stride, conv.dilation
+    if kh != kw or kh % 2 == 0:
+        raise ValueError(f"{who}: kernel must be square and odd, got {conv.kernel_size}")
+    if sh != sw or dh != dw:
+        raise ValueError(f"{who}: stride/dilation must be equal on both axes, got {conv}")
+    if conv.groups != 1:
+        raise ValueError(f"{who}: grouped convolutions are not supported (groups={conv.groups})")
+    if conv.padding_mode != "zeros":
+        raise ValueError(f"{who}: padding_mode must be 'zeros', got {conv.padding_mode!r}")
+    want = dh * (kh - 1) // 2
+    pad = conv.padding
+    if isinstance(pad, str):
+        if pad != "same" or sh != 1:
+            raise ValueError(f"{who}: padding {pad!r} with stride {sh} is not supported")
+    elif tuple(pad) != (want, want):
+        raise ValueError(f"{who}: padding must be {want} (got {pad}) for kernel {kh}, dilation {dh}")
+    return kh, sh, dh
+
+
 class GPSA(nn.Module):
     """Gated positional self-attention; see the module docstring for the two modes.
 
@@ -318,28 +344,7 @@ class GPSA(nn.Module):
         **kwargs: Any,
     ) -> GPSA:
         """T-CNN GPSA computing ``conv`` (000 Sec. 2): weight = filter, bias = conv bias, W_val = I."""
-        if type(conv) is not nn.Conv2d:
-            raise TypeError(f"GPSA.from_conv: unsupported conv type {type(conv).__name__} (need nn.Conv2d)")
-        kh, kw = conv.kernel_size
-        sh, sw = conv.stride
-        dh, dw = conv.dilation
-        if kh != kw or kh % 2 == 0:
-            raise ValueError(f"GPSA.from_conv: kernel must be square and odd, got {conv.kernel_size}")
-        if sh != sw or dh != dw:
-            raise ValueError(f"GPSA.from_conv: stride/dilation must be equal on both axes, got {conv}")
-        if conv.groups != 1:
-            raise ValueError(f"GPSA.from_conv: grouped convolutions are not supported (groups={conv.groups})")
-        if conv.padding_mode != "zeros":
-            raise ValueError(f"GPSA.from_conv: padding_mode must be 'zeros', got {conv.padding_mode!r}")
-        want = dh * (kh - 1) // 2
-        pad = conv.padding
-        if isinstance(pad, str):
-            if pad != "same" or sh != 1:
-                raise ValueError(f"GPSA.from_conv: padding {pad!r} with stride {sh} is not supported")
-        elif tuple(pad) != (want, want):
-            raise ValueError(
-                f"GPSA.from_conv: padding must be {want} (got {pad}) for kernel {kh}, dilation {dh}"
-            )
+        kh, sh, dh = conv_geometry(conv, "GPSA.from_conv")
         w = conv.weight
         m = cls(
             conv.in_channels,

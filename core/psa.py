@@ -47,7 +47,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core.gpsa import ALPHA_BETA, ALPHA_MIN, softplus_inverse
+from core.gpsa import ALPHA_BETA, ALPHA_MIN, conv_geometry, softplus_inverse
 
 __all__ = ["PSA", "QK_INITS"]
 
@@ -160,27 +160,7 @@ class PSA(nn.Module):
         cls, conv: nn.Conv2d, *, alpha_init: float = 1.0, stride_mode: str = "exact", **kwargs: Any
     ) -> PSA:
         """PSA computing ``conv`` at large alpha: weight = filter, bias = conv bias, W_val = I (003 Lemma 1)."""
-        if type(conv) is not nn.Conv2d:
-            raise TypeError(f"PSA.from_conv: unsupported conv type {type(conv).__name__} (need nn.Conv2d)")
-        kh, kw = conv.kernel_size
-        (sh, sw), (dh, dw) = conv.stride, conv.dilation
-        if kh != kw or kh % 2 == 0:
-            raise ValueError(f"PSA.from_conv: kernel must be square and odd, got {conv.kernel_size}")
-        if sh != sw or dh != dw:
-            raise ValueError(f"PSA.from_conv: stride/dilation must be equal on both axes, got {conv}")
-        if conv.groups != 1:
-            raise ValueError(f"PSA.from_conv: grouped convolutions are not supported (groups={conv.groups})")
-        if conv.padding_mode != "zeros":
-            raise ValueError(f"PSA.from_conv: padding_mode must be 'zeros', got {conv.padding_mode!r}")
-        want = dh * (kh - 1) // 2
-        pad = conv.padding
-        if isinstance(pad, str):
-            if pad != "same" or sh != 1:
-                raise ValueError(f"PSA.from_conv: padding {pad!r} with stride {sh} is not supported")
-        elif tuple(pad) != (want, want):
-            raise ValueError(
-                f"PSA.from_conv: padding must be {want} (got {pad}) for kernel {kh}, dilation {dh}"
-            )
+        kh, sh, dh = conv_geometry(conv, "PSA.from_conv")
         w = conv.weight
         m = cls(
             conv.in_channels,

@@ -16,8 +16,10 @@ What happens (pieces in pipelines/sweep_*.py):
 3. ``--resume`` continues an interrupted sweep through ``Tuner.restore`` (finished trials are not run again;
    each trial reopens its MLflow run); ``--auto-resume`` resumes when the sweep exists and starts it
    otherwise (what a requeued SLURM job runs).
-4. At the end: ``summary.parquet`` and plots in ``<storage>/<name>/`` and on the parent run (sweep_summary),
-   parent metrics ``trials`` and ``pretrain_runs`` (pretraining runs this sweep executed).
+4. At the end: ``summary.parquet``, plots, the model-kind table (``kinds.md``/``kinds.parquet`` when the
+   grid varies ``model``) and ``report.html`` (sweep_report) in ``<storage>/<name>/`` and on the parent run
+   (sweep_summary), parent metrics ``trials``, ``pretrain_runs`` (pretraining runs this sweep executed) and
+   ``<kind>_clean_accuracy/_mca/_mce``.
 
 ``--slurm`` submits the same driver into a SLURM allocation through pipelines.slurm.launch_ray_cluster (Ray
 head on the first node, workers on the others); a requeue restarts the driver, which resumes.
@@ -213,7 +215,10 @@ def _tuner(spec: dict, restore: bool) -> Any:
     return tune.Tuner(
         trainable,
         param_space={"tid": tune.grid_search(_tune_order(spec))},
-        tune_config=tune.TuneConfig(trial_dirname_creator=_trial_dirname, reuse_actors=False),
+        tune_config=tune.TuneConfig(
+            trial_dirname_creator=_trial_dirname,
+            reuse_actors=True,  # one actor runs trial after trial: torch/timm are imported once per worker
+        ),
         run_config=tune.RunConfig(
             name=TUNE_DIR,
             storage_path=spec["sweep_dir"],
@@ -281,7 +286,7 @@ def run_sweep(
     """
     import ray
 
-    from pipelines import sweep_shared, sweep_summary
+    from pipelines import sweep_report, sweep_shared, sweep_summary
 
     spec = reconcile(spec, resume)
     owns = connect_ray(address, num_cpus, object_store_mb) if address is not None else False
@@ -322,6 +327,9 @@ def run_sweep(
             except Exception as err:  # a plot must not cost the sweep its summary and parent run
                 say(f"warning: plots failed ({type(err).__name__}: {err})")
                 plots = []
+            krows = sweep_summary.kind_rows(spec, rows)
+            kind_files = sweep_summary.write_kinds(krows, sweep_dir) if krows else []
+            kind_files.append(sweep_report.write_report(spec, rows, krows, plots, sweep_dir))
             finished = sum(r["status"] == "finished" for r in rows)
             runs = sweep_shared.pretrain_runs(sweep_dir)
             metrics = {
@@ -333,16 +341,24 @@ def run_sweep(
             accs = [r["tcnn_clean_accuracy"] for r in rows if r["tcnn_clean_accuracy"] is not None]
             if accs:
                 metrics["best_tcnn_clean_accuracy"] = max(accs)
+            for k in krows:  # the comparison side by side on the parent run (MLflow compare / charts)
+                for col in ("clean_accuracy", "mca", "mce"):
+                    if k[col] is not None:
+                        metrics[f"{k['kind'].split(' ')[0]}_{col}"] = k[col]
             metrics["wall_s"] = time.monotonic() - t0
             tracker.log_metrics(metrics)
             if tracker.enabled:
                 tracker.log_artifact(summary)
                 for p in plots:
                     tracker.log_artifact(p, "plots")
+                for p in kind_files:
+                    tracker.log_artifact(p)
                 tracker.log_dict(spec["grid"], "grid.json")
                 tracker.end_parent("FINISHED" if finished == n else "FAILED")
             atomic_write_json(sweep_dir / "metrics.json", metrics)
             print(sweep_summary.format_table(rows, list(spec["grid"])), flush=True)
+            if krows:
+                print(sweep_summary.kinds_markdown(krows), flush=True)
             say(
                 f"{finished}/{n} trials finished, {runs} pretraining run(s) executed; summary {summary}"
                 + (

@@ -41,6 +41,11 @@ PRETRAIN_CODE = (
     "core/loader.py",
     "core/models.py",
     "core/checkpoint.py",
+    "core/gpsa.py",  # the model kinds pretraining may build (ConViT, hybrid_scratch, AA, cmhsa)
+    "core/psa.py",
+    "core/reparam.py",
+    "core/aa.py",
+    "core/cmhsa.py",
 )
 REPO = Path(__file__).resolve().parents[1]
 SHORT = {

@@ -94,6 +94,27 @@ def _complete_epochs(group_dir: Path) -> set[int]:
     return {e for e in kept if (out / "ckpt" / f"ckpt-epoch-{e:03d}.pt").is_file()}
 
 
+def pretrain_threads(spec: dict[str, Any]) -> int:
+    """Torch threads for a shared pretraining run. While one trial of a group pretrains, the group's other
+    trials wait on its lock with their CPUs idle, so the run takes this node's CPUs shared among the groups
+    that may pretrain at once (the trials start round-robin over groups), never fewer than a trial's own."""
+    own = max(1, int(spec.get("threads") or 1))
+    node = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(own, node // max(1, len(spec["groups"])))
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def ensure_pretraining(
     spec: dict[str, Any], key: str, *, trial: str, log: Any = None
 ) -> tuple[Path, bool, dict[str, Any]]:
@@ -119,7 +140,10 @@ def ensure_pretraining(
             log, f"pretrain {key}: training {params.pretrain.epochs} epochs, keeping t1 {sorted(need | have)}"
         )
         t0 = time.time()
-        metrics = pretrain.run(params, root=directory)
+        on_cpu = not (spec.get("resources") or {}).get("gpu")
+        threads = pretrain_threads(spec) if on_cpu else None
+        with torch_threads(threads) if threads else contextlib.nullcontext():
+            metrics = pretrain.run(params, root=directory)
         atomic_write_json(
             directory / COMPLETE,
             {"checkpoint_epochs": metrics["checkpoint_epochs"], "finished": time.time(), "metrics": metrics},
@@ -134,6 +158,7 @@ def ensure_pretraining(
             "started": t0,
             "finished": time.time(),
             "epochs": params.pretrain.epochs,
+            "threads": threads,
             "checkpoint_epochs": metrics["checkpoint_epochs"],
         }
         append_line(directory / EXECUTIONS, record)

@@ -11,7 +11,12 @@ min..max):
 - ``accuracy_vs_t1.png``: T-CNN clean accuracy and mCA vs the reparameterization epoch t1 (000 Table 3);
 - ``accuracy_vs_fraction.png``: CNN and T-CNN clean accuracy vs training-sample fraction (001 Table 2);
 - ``alpha_lambda_heatmap.png``: T-CNN clean accuracy and mCA over alpha_init x lambda_init;
-- ``accuracy_by_kind.png``: clean accuracy and mCE per model.kind.
+- ``accuracy_by_kind.png``: clean accuracy and mCE per model.kind (:func:`kind_rows`).
+
+Model-kind comparisons (issue 8): :func:`kind_rows` re-normalises every trial's corruption errors by ONE
+baseline, the pretrained CNN of the first finished ``kind=cnn`` trial, because a trial's own mCE is relative
+to its own pretrained model (a ConViT or AA-ResNet trial pretrains its own network), which would put the
+kinds on different scales. Written as ``kinds.parquet`` and ``kinds.md`` and logged on the parent run.
 """
 
 from __future__ import annotations
@@ -25,24 +30,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from core.atomic import atomic_write
+from pipelines.sweep_trial import HEADLINE
 
-T1, ALPHA, LAMBDA, FRACTION, KIND = (
+T1, ALPHA, LAMBDA, FRACTION = (
     "reparam.epoch",
     "reparam.alpha_init",
     "reparam.lambda_init",
     "data.sample_fraction",
-    "model.kind",
 )
-METRIC_COLUMNS = (
-    "cnn_clean_accuracy",
-    "tcnn_clean_accuracy",
-    "cnn_mca",
-    "tcnn_mca",
-    "cnn_mce",
-    "tcnn_mce",
-    "tcnn_relative_mce",
-    "max_abs_logit_diff",
-)
+METRIC_COLUMNS = HEADLINE  # the numbers every trial reports last
 
 
 def _json(path: Path) -> Any:
@@ -205,20 +201,103 @@ def make_plots(spec: dict[str, Any], rows: list[dict[str, Any]], out_dir: Path) 
         fig.suptitle(f"{name}: alpha_init x lambda_init")
         fig.tight_layout()
         written.append(_save(fig, out_dir / "alpha_lambda_heatmap.png"))
-    if _varies(spec, KIND):
-        kinds = [k for k in spec["grid"][KIND]]
-        clean = _aggregate(rows, (KIND,), "tcnn_clean_accuracy")
-        mce = _aggregate(rows, (KIND,), "tcnn_mce")
-        fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
-        for ax, agg, title in zip(axes, (clean, mce), ("clean accuracy", "mCE (vs the trial's CNN)")):
-            vals = [sum(agg[(k,)]) / len(agg[(k,)]) if agg.get((k,)) else 0.0 for k in kinds]
-            ax.bar(range(len(kinds)), vals)
-            ax.set_xticks(range(len(kinds)), kinds, rotation=20)
+    krows = [k for k in kind_rows(spec, rows) if not k["kind"].startswith("cnn (")]
+    if krows:
+        labels = [f"{k['kind']}\n{k['arch']}" for k in krows]
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.9))
+        for ax, key, title in zip(axes, ("clean_accuracy", "mce"), ("clean accuracy", "mCE")):
+            vals = [k[key] if k[key] is not None else float("nan") for k in krows]
+            ax.bar(range(len(krows)), vals)
+            ax.set_xticks(range(len(krows)), labels, rotation=20, fontsize=8)
             ax.set_title(title)
-        fig.suptitle(f"{name}: by model.kind")
+            for i, v in enumerate(vals):
+                if v == v:
+                    ax.text(i, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
+        fig.suptitle(f"{name}: by model.kind (mCE vs {krows[0]['baseline']})", fontsize=10)
         fig.tight_layout()
         written.append(_save(fig, out_dir / "accuracy_by_kind.png"))
     return written
+
+
+# ------------------------------------------------------------------------------------- kind comparison
+def _kinds(rows: list[dict[str, Any]]) -> list[str]:
+    return list(dict.fromkeys(r["model_kind"] for r in rows if r.get("model_kind")))
+
+
+def kind_rows(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per finished trial when the sweep compares model kinds (else []), plus the common baseline:
+    kind, arch, grid label, clean accuracy, mCA, and mCE / relative mCE of the trial's final model against the
+    pretrained CNN of the first finished ``kind=cnn`` trial (see the module docstring). Without a cnn trial,
+    mCE columns are the trials' own (each against its own pretrained model) and ``baseline`` says so."""
+    from core.robustness import Baseline, summarize
+
+    done = _finished(rows)
+    if len(_kinds(done)) < 2:
+        return []
+
+    def table(r: dict[str, Any]) -> Any:
+        path = Path(r["trial_dir"]) / "results" / "robustness.parquet"
+        return pq.read_table(path) if path.is_file() else None
+
+    ref = next((r for r in done if r["model_kind"] == "cnn" and table(r) is not None), None)
+    base = Baseline.from_table(table(ref), model="cnn", name="cnn") if ref else None
+    out: list[dict[str, Any]] = []
+    if ref is not None:
+        s = summarize(table(ref), base, model="cnn")
+        arch = spec["trials"][ref["trial"]]["params"]["model"]["arch"]
+        out.append(_kind_row("cnn (pretrained, baseline)", arch, ref, s, f"pretrained CNN of {ref['trial']}"))
+    for r in done:
+        t = table(r)
+        if t is None:
+            continue
+        own = base if base is not None else Baseline.from_table(t, model="cnn")
+        s = summarize(t, own, model="tcnn")
+        arch = spec["trials"][r["trial"]]["params"]["model"]["arch"]
+        why = f"pretrained CNN of {ref['trial']}" if ref else "the trial's own pretrained model"
+        out.append(_kind_row(r["model_kind"], arch, r, s, why))
+    return out
+
+
+def _kind_row(kind: str, arch: str, r: dict[str, Any], s: dict[str, Any], baseline: str) -> dict[str, Any]:
+    return {
+        "kind": kind,
+        "arch": arch,
+        "trial": r["trial"],
+        "clean_accuracy": s.get("clean_accuracy"),
+        "mca": s.get("mca"),
+        "mce": s.get("mce"),
+        "relative_mce": s.get("relative_mce"),
+        "baseline": baseline,
+        "mlflow_run_id": r.get("mlflow_run_id"),
+    }
+
+
+def kinds_markdown(krows: list[dict[str, Any]]) -> str:
+    """The comparison as a Markdown table (percentages; mCE as in Hendrycks & Dietterich, x100)."""
+
+    def pct(v: Any) -> str:
+        return "-" if v is None else f"{100 * v:.2f}"
+
+    lines = [
+        "| kind | arch | clean acc. (%) | mCA (%) | mCE (%) | relative mCE (%) |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for k in krows:
+        lines.append(
+            f"| {k['kind']} | {k['arch']} | {pct(k['clean_accuracy'])} | {pct(k['mca'])} | {pct(k['mce'])} "
+            f"| {pct(k['relative_mce'])} |"
+        )
+    base = krows[0]["baseline"] if krows else ""
+    return "\n".join(lines) + f"\n\nCE normalised by: {base}.\n"
+
+
+def write_kinds(krows: list[dict[str, Any]], sweep_dir: Path) -> list[Path]:
+    """``kinds.parquet`` and ``kinds.md`` in the sweep directory (atomic)."""
+    text = kinds_markdown(krows)
+    return [
+        write_table(krows, sweep_dir / "kinds.parquet"),
+        atomic_write(sweep_dir / "kinds.md", lambda fh: fh.write(text.encode()), shared=True),
+    ]
 
 
 def _scales(spec: dict[str, Any]) -> bool:

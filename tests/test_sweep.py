@@ -334,3 +334,54 @@ def test_t1_plot_with_equal_values_per_point(tmp_path: Path) -> None:
         for i, e in enumerate([2] * 9 + [4] * 9)
     ]  # fmt: skip
     assert [p.name for p in make_plots(spec, rows, tmp_path)] == ["accuracy_vs_t1.png"]
+
+
+def test_kind_table_uses_one_common_baseline(tmp_path: Path) -> None:
+    """mCE of every kind against the pretrained CNN of the cnn trial, checked against the formula by hand:
+    CE_c = sum_s E(f, s, c) / sum_s E(cnn, s, c), mCE = mean_c CE_c (a ConViT trial's own baseline is its own
+    pretrained ConViT, which must not be used)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from core.robustness import table_from_errors
+    from pipelines.sweep_summary import kind_rows, kinds_markdown, make_plots, write_kinds
+
+    cnn_pre = {"gaussian_noise": [0.2, 0.4], "contrast": [0.1, 0.3]}  # severities 1, 2
+    finals = {
+        "cnn": {"gaussian_noise": [0.2, 0.3], "contrast": [0.1, 0.2]},
+        "convit": {"gaussian_noise": [0.3, 0.6], "contrast": [0.2, 0.2]},
+    }
+    own_pre = {"cnn": cnn_pre, "convit": {"gaussian_noise": [0.9, 0.9], "contrast": [0.9, 0.9]}}
+    spec: dict[str, Any] = {"name": "k", "grid": {"model": [{}, {}]}, "trials": {}}
+    rows = []
+    for i, kind in enumerate(["cnn", "convit"]):
+        d = tmp_path / f"t{i}"
+        (d / "results").mkdir(parents=True)
+        table = pa.concat_tables(
+            [table_from_errors("cnn", 0.1, own_pre[kind]), table_from_errors("tcnn", 0.05, finals[kind])]
+        )
+        pq.write_table(table, d / "results" / "robustness.parquet")
+        spec["trials"][f"t{i}"] = {"params": {"model": {"arch": f"arch{i}"}}}
+        rows.append({"trial": f"t{i}", "model_kind": kind, "status": "finished", "trial_dir": str(d)})
+    krows = kind_rows(spec, rows)
+    assert [k["kind"] for k in krows] == ["cnn (pretrained, baseline)", "cnn", "convit"]
+    base_sum = {c: sum(v) for c, v in cnn_pre.items()}
+    for k, kind in zip(krows, [None, "cnn", "convit"]):
+        errs = cnn_pre if kind is None else finals[kind]
+        want = sum(sum(errs[c]) / base_sum[c] for c in errs) / len(errs)
+        assert k["mce"] == pytest.approx(want, rel=1e-12)
+        assert k["clean_accuracy"] == pytest.approx(0.9 if kind is None else 0.95)
+    assert krows[2]["mce"] == pytest.approx((0.9 / 0.6 + 0.4 / 0.4) / 2)
+    md = kinds_markdown(krows)
+    assert "| convit | arch1 | 95.00 |" in md and "125.00" in md
+    files = write_kinds(krows, tmp_path)
+    assert pq.read_table(files[0]).num_rows == 3 and files[1].read_text() == md
+    plots = make_plots(spec, rows, tmp_path / "plots")
+    assert [p.name for p in plots] == ["accuracy_by_kind.png"]
+    assert kind_rows(spec, rows[:1]) == []  # one kind: no comparison
+
+    from pipelines.sweep_report import write_report
+
+    page = write_report(spec, rows, krows, plots, tmp_path).read_text()
+    assert "<td>convit</td>" in page and "<td>125.00</td>" in page and "pretrained CNN of t0" in page
+    assert page.count("data:image/png;base64,") == 1 and page.count("<tr") == 1 + 3 + 1 + 2  # heads + rows
