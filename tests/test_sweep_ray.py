@@ -201,3 +201,7 @@ def test_model_kind_grid(tmp_path: Path, kinds: list[str]) -> None:
         assert row["tcnn_clean_accuracy"] is not None and row["tcnn_mce"] is not None
     assert pretrain_epoch_lines(sweep_dir) == 1
     assert (sweep_dir / "plots" / "accuracy_by_kind.png").is_file()
+    kinds_md = (sweep_dir / "kinds.md").read_text()  # one row per kind + the common baseline row
+    assert all(f"| {k} | resnet10_cifar |" in kinds_md for k in [*kinds, "cnn (pretrained, baseline)"])
+    page = (sweep_dir / "report.html").read_text()
+    assert "Model kinds" in page and "accuracy_by_kind" in page
