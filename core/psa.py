@@ -47,7 +47,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core.gpsa import ALPHA_BETA, ALPHA_MIN, conv_geometry, softplus_inverse
+from core.gemm import linear
+from core.gpsa import ALPHA_BETA, ALPHA_MIN, from_conv_module, softplus_inverse
 
 __all__ = ["PSA", "QK_INITS"]
 
@@ -160,27 +161,9 @@ class PSA(nn.Module):
         cls, conv: nn.Conv2d, *, alpha_init: float = 1.0, stride_mode: str = "exact", **kwargs: Any
     ) -> PSA:
         """PSA computing ``conv`` at large alpha: weight = filter, bias = conv bias, W_val = I (003 Lemma 1)."""
-        kh, sh, dh = conv_geometry(conv, "PSA.from_conv")
-        w = conv.weight
-        m = cls(
-            conv.in_channels,
-            conv.out_channels,
-            kernel_size=kh,
-            stride=sh,
-            dilation=dh,
-            stride_mode=stride_mode,
-            bias=conv.bias is not None,
-            alpha_init=alpha_init,
-            device=w.device,
-            dtype=w.dtype,
-            **kwargs,
+        return from_conv_module(
+            cls, conv, "PSA.from_conv", stride_mode=stride_mode, alpha_init=alpha_init, **kwargs
         )
-        with torch.no_grad():
-            m.weight.copy_(w)
-            if conv.bias is not None:
-                m.bias.copy_(conv.bias)
-        m.train(conv.training)
-        return m
 
     def _apply(self, fn: Any, recurse: bool = True) -> PSA:
         self._cache = {}
@@ -268,9 +251,9 @@ class PSA(nn.Module):
             bq, bk, bv = self.qkv_bias.split([qk, qk, self.v_dim])
         xq = x[:, :, ::s, ::s].permute(0, 2, 3, 1).reshape(b, hq * wq, -1)
         xk = F.pad(x, (p, p, p, p)).permute(0, 2, 3, 1).reshape(b, (h + 2 * p) * (w + 2 * p), -1)
-        q = F.linear(xq, wq_, bq).unflatten(-1, (nh, dq)).transpose(1, 2)
-        k = F.linear(xk, wk_, bk).unflatten(-1, (nh, dq)).transpose(1, 2)
-        v = F.linear(xk, wv_, bv)
+        q = linear(xq, wq_, bq).unflatten(-1, (nh, dq)).transpose(1, 2)
+        k = linear(xk, wk_, bk).unflatten(-1, (nh, dq)).transpose(1, 2)
+        v = linear(xk, wv_, bv)
         return q, k, v, h, w
 
     # -------------------------------------------------------------------------------- forward
@@ -284,7 +267,7 @@ class PSA(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v[:, None].expand(b, nh, lk, c), attn_mask=mask)
         # y: [B, heads, Lq, C]; out_i = sum_h y^h_i W_out^h + b with W_out^h = weight[:, :, tap(h)]
         w2 = self.weight.permute(0, 2, 3, 1).reshape(self.out_dim, nh * self.in_dim)
-        out = F.linear(y.permute(0, 2, 1, 3).reshape(b, lq, nh * c), w2, self.bias)
+        out = linear(y.permute(0, 2, 1, 3).reshape(b, lq, nh * c), w2, self.bias)
         out = out.view(b, hq, wq, self.out_dim).permute(0, 3, 1, 2)
         if self.stride > 1 and self.stride_mode == "s1":
             out = F.avg_pool2d(out, self.stride, self.stride, ceil_mode=True, count_include_pad=False)

@@ -56,6 +56,7 @@ SWEEP_JSON = "sweep.json"
 TUNE_DIR = "tune"
 ADDRESS_RE = re.compile(r"^(local|auto|ray://[^\s:/]+:\d{1,5}|[^\s:/]+:\d{1,5})$")
 LOCAL_OBJECT_STORE_MB = 256
+_TCNN_KINDS = ("tcnn", "hybrid_scratch")  # kinds whose final model is a T-CNN
 
 
 def say(msg: str) -> None:
@@ -338,13 +339,14 @@ def run_sweep(
                 "trials_finished": finished,
                 "trials_failed": n - finished,
             }
-            accs = [r["tcnn_clean_accuracy"] for r in rows if r["tcnn_clean_accuracy"] is not None]
+            accs = [  # the fine-tuned model's accuracy; in a kind grid only T-CNN-architecture trials count
+                r["tcnn_clean_accuracy"]
+                for r in rows
+                if r["tcnn_clean_accuracy"] is not None and r.get("model_kind") in (None, *_TCNN_KINDS)
+            ]
             if accs:
                 metrics["best_tcnn_clean_accuracy"] = max(accs)
-            for k in krows:  # the comparison side by side on the parent run (MLflow compare / charts)
-                for col in ("clean_accuracy", "mca", "mce"):
-                    if k[col] is not None:
-                        metrics[f"{k['kind'].split(' ')[0]}_{col}"] = k[col]
+            metrics.update(sweep_summary.kind_metrics(krows))
             metrics["wall_s"] = time.monotonic() - t0
             tracker.log_metrics(metrics)
             if tracker.enabled:

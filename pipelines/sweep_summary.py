@@ -272,6 +272,26 @@ def _kind_row(kind: str, arch: str, r: dict[str, Any], s: dict[str, Any], baseli
     }
 
 
+def kind_metrics(krows: list[dict[str, Any]]) -> dict[str, float]:
+    """The kind comparison as parent-run metrics, side by side in MLflow's compare view and charts:
+    ``kind_<kind>_{clean_accuracy,mca,mce}`` (``kind_<kind>_<arch>_...`` where a kind comes with several archs)
+    and ``kind_baseline_...`` for the common CE baseline. Prefixed so they never read as the per-trial
+    ``cnn_*`` / ``tcnn_*`` metrics (pretrained CNN / fine-tuned model of one trial)."""
+    counts: dict[str, int] = {}
+    for k in krows:
+        counts[k["kind"]] = counts.get(k["kind"], 0) + 1
+    out: dict[str, float] = {}
+    for k in krows:
+        if k["kind"].startswith("cnn ("):
+            name = "baseline"
+        else:
+            name = k["kind"] if counts[k["kind"]] == 1 else f"{k['kind']}_{k['arch']}"
+        for col in ("clean_accuracy", "mca", "mce"):
+            if k[col] is not None:
+                out[f"kind_{name}_{col}"] = k[col]
+    return out
+
+
 def kinds_markdown(krows: list[dict[str, Any]]) -> str:
     """The comparison as a Markdown table (percentages; mCE as in Hendrycks & Dietterich, x100)."""
 

@@ -205,3 +205,8 @@ def test_model_kind_grid(tmp_path: Path, kinds: list[str]) -> None:
     assert all(f"| {k} | resnet10_cifar |" in kinds_md for k in [*kinds, "cnn (pretrained, baseline)"])
     page = (sweep_dir / "report.html").read_text()
     assert "Model kinds" in page and "accuracy_by_kind" in page
+    parent = json.loads((sweep_dir / "metrics.json").read_text())  # what the parent run logged
+    for name in ("baseline", *kinds):
+        assert 0.0 <= parent[f"kind_{name}_clean_accuracy"] <= 1.0 and parent[f"kind_{name}_mce"] > 0
+    assert parent["kind_baseline_mce"] == pytest.approx(1.0)  # the baseline against itself
+    assert parent["best_tcnn_clean_accuracy"] == pytest.approx(rows["tcnn"]["tcnn_clean_accuracy"])
