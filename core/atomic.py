@@ -57,6 +57,19 @@ def atomic_write(
     return path
 
 
+def remove_stale_temps(directory: str | os.PathLike, patterns: tuple[str, ...] = (".*.tmp",)) -> int:
+    """Delete, below `directory`, the temp files of writers that were SIGKILLed mid-write (``atomic_write``
+    names them ``.<name>.<random>.tmp``; a killed process cannot clean up after itself). Call it only on a
+    directory no other process is writing into (a stage's own output directory). Returns how many went."""
+    gone = 0
+    for pattern in patterns:
+        for f in Path(directory).rglob(pattern):
+            with contextlib.suppress(FileNotFoundError):
+                f.unlink()
+                gone += 1
+    return gone
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, shared: bool = False) -> Path:
     return atomic_write(path, lambda f: f.write(data), shared=shared)
 

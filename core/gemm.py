@@ -3,11 +3,11 @@
 Why not ``F.linear``: on CPU, PyTorch runs float32 GEMMs through MKL, whose dispatcher picks its generic
 (non-AVX-512) SGEMM kernels on AMD CPUs - half the throughput of the oneDNN kernels the CNN's convolutions get
 on the same machine (benchmarks/gemm.py on a 2-core AMD EPYC with AVX-512: the T-CNN's 3136 x 4536 x 504 output
-GEMM takes 79 ms in MKL vs 36 ms in oneDNN, forward + backward 250 vs 135 ms; 1.8-2.2x at every GPSA shape). Forcing MKL's AVX-512 path on AMD (the
-``mkl_serv_intel_cpu_true`` shim) gives wrong results, so it is not an option. oneDNN runs a GEMM as a 1x1
-convolution when the rows are laid out as one channels-last image of M x 1 pixels with K channels: no copy in
-or out (the output [1, N, M, 1] channels-last is the [M, N] result), forward and backward both in oneDNN.
-Same float32 arithmetic; results differ from MKL's by rounding only (relative 1e-6).
+GEMM takes 79 ms in MKL vs 36 ms in oneDNN, forward + backward 250 vs 135 ms; 1.8-2.2x at every GPSA shape).
+Forcing MKL's AVX-512 path on AMD (the ``mkl_serv_intel_cpu_true`` shim) gives wrong results, so it is not an
+option. oneDNN runs a GEMM as a 1x1 convolution when the rows are laid out as one channels-last image of M x 1
+pixels with K channels: no copy in or out (the output [1, N, M, 1] channels-last is the [M, N] result), forward
+and backward both in oneDNN. Same float32 arithmetic; results differ from MKL's by rounding only (relative 1e-6).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 from pydantic import BaseModel
 
+from core.atomic import remove_stale_temps
 from core.checkpoint import CheckpointError, atomic_save, atomic_write_json, atomic_write_text, load
 from core.config import Params
 from core.train import Datasets, csv_text, history_rows_flat, load_datasets, make_loader
@@ -146,6 +147,7 @@ def publish(
     """Write a stage's outputs into `out_dir` (each file atomically, metrics.json last), then drop the work
     dir. Files are hard-linked out of the work dir, so a kill while publishing leaves the resume state whole."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out_dir, (".*.tmp", ".*.publish"))  # left by a publish that was killed mid-write
     checkpoints = checkpoints or {}
     if stale_glob:
         for f in out_dir.glob(stale_glob):

@@ -62,23 +62,30 @@ def _mtime(path: Path) -> float | None:
 
 def _kill_at_random_moments(stage: str, params: Path, root: Path, rng: random.Random, kills: int) -> int:
     """Start the stage `kills` times and SIGKILL it at a random moment after it made progress (a fresh
-    resume checkpoint); returns how many kills landed before the run could finish. An early kill may come
-    too late (the run finishes and the next start trains afresh); the last one comes right after a fresh
-    checkpoint, so the rerun that follows always has in-progress state to resume from."""
+    resume checkpoint); returns how many kills landed (ended the attempt with -9, not a finish first). An
+    early kill may come too late (the run finishes, or it lands while outputs are being published). The last
+    kill comes right after a fresh resume checkpoint of a run still training, so the rerun that follows always
+    has in-progress state to resume from: if that attempt finishes first, the outputs go and it starts over."""
     resume = root / "runs" / ".partial" / stage / RESUME_FILE
     landed = 0
     for i in range(kills):
-        before = _mtime(resume)
-        proc = subprocess.Popen(stage_cmd(stage, params), cwd=root, env=stage_env(**ENV),
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-        deadline = time.monotonic() + 300
-        while _mtime(resume) == before and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, 1.0) if i < kills - 1 else 0.0)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        if not (root / "runs" / stage / "metrics.json").exists():
-            landed += 1
+        last = i == kills - 1
+        for _ in range(3 if last else 1):
+            before = _mtime(resume)
+            proc = subprocess.Popen(stage_cmd(stage, params), cwd=root, env=stage_env(**ENV),
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+            deadline = time.monotonic() + 300
+            while _mtime(resume) in (before, None) and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.0 if last else rng.uniform(0.0, 1.0))
+            proc.send_signal(signal.SIGKILL)
+            killed = proc.wait() == -signal.SIGKILL
+            landed += killed
+            if not last or (killed and resume.exists()):
+                break
+            # finished first: drop its outputs so the next attempt trains from scratch
+            shutil.rmtree(root / "runs" / stage, ignore_errors=True)
+            shutil.rmtree(resume.parent, ignore_errors=True)
     assert resume.exists(), "the last kill did not land; the rerun would not resume"
     return landed
 

@@ -53,6 +53,30 @@ def test_failed_write_keeps_the_old_file_and_removes_the_temp(tmp_path: Path) ->
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]
 
 
+def test_publish_removes_temps_a_killed_publish_left(tmp_path: Path) -> None:
+    """A SIGKILL during atomic_write leaves its temp file (nobody is left to remove it); the next publish of
+    the stage's outputs clears those and only those."""
+    from stages._training import publish
+
+    out = tmp_path / "runs" / "finetune"
+    (out / "ckpt").mkdir(parents=True)
+    stale = [
+        out / ".tcnn-final.pt.kzy2bki4.tmp",
+        out / "ckpt" / ".ckpt-epoch-001.pt.a1b2.tmp",
+        out / ".x.pt.publish",
+    ]
+    for f in stale:
+        f.write_bytes(b"half a checkpoint")
+    (out / "notes.txt").write_text("a user's file stays")
+    publish(None, out, objects={"tcnn-final.pt": {"v": torch.tensor([1.0])}}, metrics={"test_acc": 0.5})
+    assert not any(f.exists() for f in stale)
+    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == [
+        "metrics.json",
+        "notes.txt",
+        "tcnn-final.pt",
+    ]
+
+
 @pytest.mark.parametrize("damage", ["missing", "empty", "truncated", "garbage", "not_a_dict", "directory"])
 def test_load_fails_with_one_line_naming_the_file(tmp_path: Path, damage: str) -> None:
     path = tmp_path / "ckpt-epoch-003.pt"
