@@ -5,13 +5,16 @@
 Shapes (M, K, N) are the GPSA's own: the T-CNN output GEMM at 7x7 (B = 64, heads * D_in = 9 * 504 -> 504), the
 ConViT q/k/v and output projections at 7x7 and 14x14, and the default net's last stage (B = 128, 4 x 4). Both
 contenders run interleaved on the same inputs (median of ``--reps``); forward alone and forward + backward
-(both operands require grad). Prints the ratios and the largest relative difference between the two results.
-Why it matters: MKL runs its generic (non-AVX-512) SGEMM kernels on AMD CPUs, oneDNN does not (core/gemm.py).
+(both operands require grad), with the backward in oneDNN and in BLAS (the two routes of core.gemm). Prints the
+ratios and the largest relative difference between the results. Why it matters: MKL runs its generic
+(non-AVX-512) SGEMM kernels on AMD CPUs with AVX-512, oneDNN does not; on AVX2 CPUs oneDNN's backward is the
+slower one (core/gemm.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -22,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from core.gemm import linear  # noqa: E402
+from core.gemm import BACKWARD_ENV, linear, onednn_backward  # noqa: E402
 
 SHAPES = [(3136, 4536, 504), (3136, 504, 1512), (3136, 504, 504), (12544, 252, 756), (2048, 1152, 128)]
 
@@ -39,23 +42,42 @@ def _median_ms(fns: dict, reps: int) -> dict[str, float]:
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
+def _route(name: str):
+    """A contender: F.linear (MKL), or core.gemm.linear with its backward forced to oneDNN / BLAS."""
+    if name == "mkl":
+        return F.linear
+
+    def f(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        os.environ[BACKWARD_ENV] = name
+        return linear(x, w, b)
+
+    return f
+
+
+ROUTES = ("mkl", "onednn", "blas")  # blas = oneDNN forward, BLAS backward
+
+
 def _row(shape: tuple[int, int, int], gen: torch.Generator, reps: int) -> str:
     m, k, n = shape
     x = torch.randn(m, k, generator=gen, requires_grad=True)
     w = torch.randn(n, k, generator=gen, requires_grad=True)
     b = torch.randn(n, generator=gen, requires_grad=True)
     g = torch.randn(m, n, generator=gen)
+    fns = {r: _route(r) for r in ROUTES}
     with torch.no_grad():
         ref, got = F.linear(x, w, b), linear(x, w, b)
         diff = ((ref - got).abs().max() / ref.abs().max()).item()
-        fwd = _median_ms({"mkl": lambda: F.linear(x, w, b), "onednn": lambda: linear(x, w, b)}, reps)
-    fb = _median_ms(
-        {"mkl": lambda: F.linear(x, w, b).backward(g), "onednn": lambda: linear(x, w, b).backward(g)}, reps
-    )
-    return (
-        f"| {m} x {k} x {n} | {fwd['mkl']:.1f} | {fwd['onednn']:.1f} | {fwd['mkl'] / fwd['onednn']:.2f} "
-        f"| {fb['mkl']:.1f} | {fb['onednn']:.1f} | {fb['mkl'] / fb['onednn']:.2f} | {diff:.1e} |"
-    )
+        fwd = _median_ms({r: (lambda f=f: f(x, w, b)) for r, f in fns.items()}, reps)
+    fb = _median_ms({r: (lambda f=f: f(x, w, b).backward(g)) for r, f in fns.items()}, reps)
+    cells = [
+        f"{m} x {k} x {n}",
+        f"{fwd['mkl']:.1f}",
+        f"{fwd['onednn']:.1f}",
+        f"{fwd['mkl'] / fwd['onednn']:.2f}",
+    ]
+    cells += [f"{fb[r]:.1f}" for r in ROUTES]
+    cells += [f"{fb['mkl'] / fb['onednn']:.2f}", f"{fb['mkl'] / fb['blas']:.2f}", f"{diff:.1e}"]
+    return "| " + " | ".join(cells) + " |"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,14 +89,26 @@ def main(argv: list[str] | None = None) -> int:
     cpu = next(
         (ln.strip() for ln in Path("/proc/cpuinfo").read_text().splitlines() if "model name" in ln), "?"
     )
-    print(f"torch {torch.__version__}, {args.threads} threads, {cpu}")
+    saved = os.environ.get(BACKWARD_ENV)
+    auto = "onednn" if onednn_backward() else "blas"
     print(
-        "| M x K x N | fwd MKL ms | fwd oneDNN ms | fwd ratio | f+b MKL ms | f+b oneDNN ms | f+b ratio | rel. diff |"
+        f"torch {torch.__version__}, {args.threads} threads, {cpu}, {torch.backends.cpu.get_cpu_capability()}"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"backward route chosen here ({BACKWARD_ENV}={saved or 'auto'}): {auto}")
+    print(
+        "| M x K x N | fwd MKL ms | fwd oneDNN ms | fwd MKL/oneDNN | f+b MKL ms | f+b oneDNN ms "
+        "| f+b oneDNN fwd + BLAS bwd ms | f+b MKL/oneDNN | f+b MKL/(oneDNN+BLAS) | rel. diff |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     gen = torch.Generator().manual_seed(0)
-    for shape in SHAPES:
-        print(_row(shape, gen, args.reps), flush=True)
+    try:
+        for shape in SHAPES:
+            print(_row(shape, gen, args.reps), flush=True)
+    finally:
+        if saved is None:
+            os.environ.pop(BACKWARD_ENV, None)
+        else:
+            os.environ[BACKWARD_ENV] = saved
     return 0
 
 

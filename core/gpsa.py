@@ -49,7 +49,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core.gemm import linear
+from core.gemm import linear, project
 
 __all__ = [
     "ALPHA_BETA",
@@ -579,7 +579,8 @@ class GPSA(nn.Module):
         B * L >= heads * D_out (the fold costs heads * D_out * D_in^2 multiply-adds, the projection B * L * D_in^2).
         Same function up to float rounding (at the init W_val = I and the fold is exact).
 
-        Projections and the output GEMM run in oneDNN (1x1 convolutions; `_project`, `core.gemm.linear`).
+        Projections and the output GEMM run as 1x1 convolutions (`_project`, `core.gemm.linear`; oneDNN forward,
+        backward by CPU, see `core.gemm`).
         """
         if x.ndim != 4:
             raise ValueError(f"GPSA(tcnn) expects [B, C, H, W], got shape {tuple(x.shape)}")
@@ -630,11 +631,11 @@ class GPSA(nn.Module):
     @staticmethod
     def _project(x: torch.Tensor, wgt: torch.Tensor, bias: torch.Tensor | None, stride: int) -> torch.Tensor:
         """``wgt @ x + bias`` at every ``stride``-th pixel of the NCHW map x: [B, rows, L'], as a 1x1
-        ``F.conv2d`` (oneDNN on CPU; see `core.gemm`). Its backward reduces the weight gradient inside one GEMM.
+        convolution (`core.gemm.project`: oneDNN forward; the weight gradient is one GEMM).
         Measured faster than a batched matmul against the weight expanded over the batch, in eval too, on an
         AMD EPYC (64 x 504 x 7 x 7 -> 1008 rows: 21 vs 25 ms; 128 x 128 x 4 x 4 -> 270: 0.56 vs 1.04 ms).
         """
-        return F.conv2d(x, wgt[:, :, None, None], bias, stride=stride).flatten(2)
+        return project(x, wgt, bias, stride).flatten(2)
 
     def _tcnn_out_weight(self, fold: bool) -> torch.Tensor:
         """[D_out, heads * D_in] with columns (head, channel): W_out^h = weight[:, :, tap(h)], times W_val if

@@ -1,4 +1,5 @@
-"""core.gemm.linear (oneDNN 1x1-conv route on CPU float32) against F.linear in float64: values and gradients."""
+"""core.gemm.linear / project (oneDNN forward; oneDNN or BLAS backward on CPU float32) against F.linear and F.conv2d
+in float64: values and gradients, on both backward routes."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.gemm import linear, use_onednn
+from core.gemm import BACKWARD_ENV, _cpu_vendor, linear, onednn_backward, project, use_onednn
 
 
 def _inputs(shape: tuple[int, ...], n: int, bias: bool, seed: int = 0) -> list[torch.Tensor | None]:
@@ -17,9 +18,19 @@ def _inputs(shape: tuple[int, ...], n: int, bias: bool, seed: int = 0) -> list[t
     return [x, w, b]
 
 
+ROUTES = ["onednn", "blas"]
+
+
+@pytest.fixture(params=ROUTES)
+def route(request, monkeypatch) -> str:
+    """Run the test with the backward forced onto one route."""
+    monkeypatch.setenv(BACKWARD_ENV, request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape,n", [((3136, 504), 1512), ((8, 49, 72), 24), ((5, 7, 3, 40), 9), ((1, 1), 1)])
-def test_matches_float64_linear_values_and_grads(shape, n, bias) -> None:
+def test_matches_float64_linear_values_and_grads(shape, n, bias, route) -> None:
     x, w, b = _inputs(shape, n, bias)
     ref_in = [t.double().requires_grad_() if t is not None else None for t in (x, w, b)]
     got_in = [t.clone().requires_grad_() if t is not None else None for t in (x, w, b)]
@@ -56,3 +67,82 @@ def test_bad_shapes_raise_like_f_linear() -> None:
     x, w, _ = _inputs((4, 8), 3, False)
     with pytest.raises(RuntimeError):
         linear(x, w[:, :5])
+
+
+def _close(got: torch.Tensor, ref: torch.Tensor, k: int) -> bool:
+    scale = ref.abs().max().item() + 1e-12
+    return (got.double() - ref).abs().max().item() <= 1e-6 * max(k, 8) ** 0.5 * scale
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_project_matches_float64_conv1x1(stride, channels_last, bias, route) -> None:
+    """project() = a 1x1 convolution with stride, for NCHW and channels-last maps (odd, non-square sizes)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 24, 7, 5, generator=gen)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    w = torch.randn(10, 24, generator=gen)
+    b = torch.randn(10, generator=gen) if bias else None
+    ref_in = [t.double().requires_grad_() if t is not None else None for t in (x, w, b)]
+    got_in = [t.clone().requires_grad_() if t is not None else None for t in (x, w, b)]
+    ref = F.conv2d(ref_in[0], ref_in[1][:, :, None, None], ref_in[2], stride=stride)
+    got = project(*got_in, stride=stride)
+    assert got.shape == ref.shape == (3, 10, 4 if stride == 2 else 7, 3 if stride == 2 else 5)
+    gy = torch.randn(ref.shape, generator=gen)
+    ref.backward(gy.double())
+    got.backward(gy)
+    assert _close(got, ref.detach(), 24)
+    for a, c in zip(ref_in, got_in):
+        if a is not None:
+            assert c.grad.shape == a.grad.shape and _close(c.grad, a.grad, 24)
+    if stride == 2:  # pixels the strided projection never reads get exactly zero gradient
+        assert torch.count_nonzero(got_in[0].grad[:, :, 1::2]) == 0
+
+
+def _graph_names(y: torch.Tensor) -> set[str]:
+    """Names of every node in y's autograd graph."""
+    seen, todo = set(), [y.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or type(fn).__name__ in seen:
+            continue
+        seen.add(type(fn).__name__)
+        todo.extend(f for f, _ in fn.next_functions)
+    return seen
+
+
+def test_backward_route_is_the_one_asked_for(monkeypatch) -> None:
+    """The grad graph shows which backward runs: BLAS through core.gemm's Functions, oneDNN through conv2d's."""
+    x = torch.randn(6, 8, requires_grad=True)
+    w = torch.randn(3, 8, requires_grad=True)
+    xm = torch.randn(2, 8, 3, 3, requires_grad=True)
+    monkeypatch.setenv(BACKWARD_ENV, "blas")
+    assert not onednn_backward()
+    for y, fn in ((linear(x, w), "_LinearBackward"), (project(xm, w, None), "_ProjectBackward")):
+        names = _graph_names(y)
+        assert fn in names and not any("Convolution" in n for n in names), names
+    monkeypatch.setenv(BACKWARD_ENV, "onednn")
+    assert onednn_backward()
+    for y in (linear(x, w), project(xm, w, None)):
+        names = _graph_names(y)
+        assert "ConvolutionBackward0" in names and not {"_LinearBackward", "_ProjectBackward"} & names, names
+    with torch.no_grad():  # no graph at all without autograd
+        assert linear(x, w).grad_fn is None and project(xm, w, None).grad_fn is None
+
+
+def test_auto_backward_route_follows_the_cpu(monkeypatch) -> None:
+    """auto: oneDNN backward only on AVX-512 CPUs that are not Intel's (where MKL takes its generic kernels)."""
+    monkeypatch.delenv(BACKWARD_ENV, raising=False)
+    cap = torch.backends.cpu.get_cpu_capability()
+    want = cap.startswith("AVX512") and _cpu_vendor() != "GenuineIntel"
+    assert onednn_backward() is want
+    monkeypatch.setenv(BACKWARD_ENV, "auto")
+    assert onednn_backward() is want
+
+
+def test_bad_backward_route_is_one_clear_error(monkeypatch) -> None:
+    monkeypatch.setenv(BACKWARD_ENV, "cublas")
+    with pytest.raises(ValueError, match=f"{BACKWARD_ENV} must be one of"):
+        onednn_backward()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -375,6 +376,31 @@ def test_gradcheck(mode: str, impl: str, stride: int) -> None:
     assert torch.autograd.gradcheck(
         f, (x.requires_grad_(), *g.parameters()), eps=1e-6, atol=1e-6, fast_mode=True
     )
+
+
+@pytest.mark.parametrize("route", ["onednn", "blas"])
+@pytest.mark.parametrize("mode", ["convit", "tcnn", "tcnn-s2"])
+def test_float32_gradients_on_both_gemm_routes(mode: str, route: str, monkeypatch) -> None:
+    """float32 gradients (the GEMMs on core.gemm's oneDNN or BLAS backward) equal float64 autograd's (where
+    core.gemm falls back to F.linear / F.conv2d) for the input and every parameter."""
+    monkeypatch.setenv("TCNN_GEMM_BACKWARD", route)
+    torch.manual_seed(9)
+    if mode == "convit":
+        g, x, extra = GPSA(24, num_heads=4, qkv_bias=True), torch.randn(3, 20, 24), ((4, 5),)
+    else:
+        g = GPSA(12, 10, mode="tcnn", stride=2 if mode == "tcnn-s2" else 1)
+        x, extra = torch.randn(3, 12, 7, 6), ()
+    g = _randomize(g)
+    g64 = copy.deepcopy(g).double()
+    gy = torch.randn_like(g(x, *extra))
+    x32, x64 = x.clone().requires_grad_(), x.double().requires_grad_()
+    g(x32, *extra).backward(gy)
+    g64(x64, *extra).backward(gy.double())
+    pairs = [("input", x32.grad, x64.grad)]
+    pairs += [(n, p.grad, q.grad) for (n, p), q in zip(g.named_parameters(), g64.parameters())]
+    for name, got, ref in pairs:
+        assert got is not None, name
+        torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-5 * ref.abs().max().item(), msg=name)
 
 
 @pytest.mark.parametrize("mode", ["convit", "tcnn"])
