@@ -9,8 +9,8 @@ on the CPU. Measured side by side (benchmarks/gemm.py, 2 threads):
   throughput of oneDNN's (the T-CNN's 3136 x 4536 x 504 output GEMM: 79 vs 36 ms forward, forward + backward
   250 vs 135 ms; 1.8-2.2x at every GPSA shape). Forcing MKL's AVX-512 path on AMD (the
   ``mkl_serv_intel_cpu_true`` shim) gives wrong results, so it is not an option.
-- AMD EPYC (Zen 3) with AVX2 only: forward about equal (oneDNN 1.02-1.19x faster), but oneDNN's backward
-  (the 1x1 convolution's data and weight gradients) is 1.5-1.7x slower than MKL's two GEMMs.
+- AMD EPYC (Zen 3) with AVX2 only: forward about equal (oneDNN 0.99-1.19x as fast), but oneDNN's backward
+  (the 1x1 convolution's data and weight gradients) is 1.5-1.9x slower than MKL's two GEMMs.
 So the forward always runs in oneDNN, and the backward in oneDNN only on AVX-512 CPUs that are not Intel's
 (where MKL is slow); elsewhere (AVX2, Intel) in BLAS (``torch.mm``, MKL), see `onednn_backward`. The environment
 variable ``TCNN_GEMM_BACKWARD`` = ``onednn`` | ``blas`` | ``auto`` (default) overrides the choice.
