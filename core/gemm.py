@@ -89,7 +89,7 @@ def _blas_grads(
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     gx = torch.mm(g, weight) if need_x else None
     gw = torch.mm(g.t(), rows) if need_w else None
-    gb = g.sum(0) if need_b and ctx.has_bias else None
+    gb = g.sum(0) if need_b else None  # False for a None bias
     return gx, gw, gb
 
 
@@ -99,7 +99,6 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
         return _onednn_linear(x, weight, bias)
 
     @staticmethod
@@ -116,7 +115,6 @@ class _Project(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
         return F.conv2d(x, weight[:, :, None, None], bias)
 
     @staticmethod

@@ -18,6 +18,11 @@ def _inputs(shape: tuple[int, ...], n: int, bias: bool, seed: int = 0) -> list[t
     return [x, w, b]
 
 
+def _close(got: torch.Tensor, ref: torch.Tensor, k: int) -> bool:
+    scale = ref.abs().max().item() + 1e-12
+    return (got.double() - ref).abs().max().item() <= 1e-6 * max(k, 8) ** 0.5 * scale
+
+
 ROUTES = ["onednn", "blas"]
 
 
@@ -39,10 +44,8 @@ def test_matches_float64_linear_values_and_grads(shape, n, bias, route) -> None:
     gy = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1))
     ref.backward(gy.double())
     got.backward(gy)
-    k = shape[-1]
     for r, g in [(ref, got)] + [(a.grad, c.grad) for a, c in zip(ref_in, got_in) if a is not None]:
-        scale = r.abs().max().item() + 1e-12
-        assert (g.double() - r).abs().max().item() <= 1e-6 * max(k, 8) ** 0.5 * scale
+        assert _close(g, r, shape[-1])
 
 
 def test_route_is_taken_on_cpu_float32_and_not_elsewhere() -> None:
@@ -67,11 +70,6 @@ def test_bad_shapes_raise_like_f_linear() -> None:
     x, w, _ = _inputs((4, 8), 3, False)
     with pytest.raises(RuntimeError):
         linear(x, w[:, :5])
-
-
-def _close(got: torch.Tensor, ref: torch.Tensor, k: int) -> bool:
-    scale = ref.abs().max().item() + 1e-12
-    return (got.double() - ref).abs().max().item() <= 1e-6 * max(k, 8) ** 0.5 * scale
 
 
 @pytest.mark.parametrize("stride", [1, 2])
