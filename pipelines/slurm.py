@@ -310,6 +310,9 @@ def _tail(path: Path, n: int = 20) -> str:
         return "(no log)"
 
 
+_IGNORE_USR2_EXEC = 'trap "" USR2; exec "$@"'  # sh -c SCRIPT NAME ARGS...: $@ is the command
+
+
 class RayClusterJob(submitit.helpers.Checkpointable):
     """The submitit callable that runs a Ray cluster over the job's nodes and ``driver`` on the head."""
 
@@ -370,10 +373,20 @@ class RayClusterJob(submitit.helpers.Checkpointable):
         return args
 
     def _spawn(self, cmd: list[str], log: Path) -> subprocess.Popen:
+        """Start ``cmd`` (a ``ray start``) with SIGUSR2 ignored, in its own process group.
+
+        SLURM's ``--signal=USR2@120`` (submitit's time-limit warning) reaches every process of the job step,
+        and Ray's gcs_server, raylet and workers do not handle USR2, so by default they die of it while
+        submitit's handler in the driver is still checkpointing and running ``scontrol requeue``: a driver
+        whose Ray runtime vanished can fail the job before the requeue. An ignored signal stays ignored
+        across fork/exec, so the whole Ray tree inherits it; Ray stops at the requeue's SIGTERM as before.
+        The shell's ``exec`` keeps the pid (``_stop`` signals it). ``preexec_fn`` would do the same but is
+        unsafe in a process with threads.
+        """
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
             return subprocess.Popen(
-                cmd,
+                ["/bin/sh", "-c", _IGNORE_USR2_EXEC, cmd[0], *cmd],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

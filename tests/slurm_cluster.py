@@ -48,10 +48,12 @@ class SlurmCluster:
                 return item.split("=", 1)[1]
         return None
 
-    def release_requeued(self, job_id: str, timeout: float = 150) -> None:
+    def release_requeued(self, job_id: str, timeout: float = 150, log_dir: Path | None = None) -> None:
         """SLURM holds a requeued job for ~2 minutes (Reason=BeginTime); make it eligible now (tests only).
 
-        Call it right after triggering the requeue; returns once the job has left the queue again.
+        Call it right after triggering the requeue; returns once the job has left the queue again. A job that
+        ends instead of being requeued fails at once; the tails of its submitit logs in ``log_dir`` (if given)
+        go into the error.
         """
         deadline = time.monotonic() + timeout
         seen: list[str] = []
@@ -68,8 +70,27 @@ class SlurmCluster:
                     seen.append(f"update: {res.stderr.strip()}")
             elif pending_seen and state not in (None, "PENDING"):
                 return
+            elif not pending_seen and restarts == 0 and state in _ENDED:
+                break  # it ended without a requeue: nothing more will happen
             time.sleep(0.25)
-        raise TimeoutError(f"job {job_id} was not requeued and restarted within {timeout}s (states {seen})")
+        raise TimeoutError(
+            f"job {job_id} was not requeued and restarted within {timeout}s (states {seen})"
+            + _log_tails(log_dir, job_id)
+        )
+
+
+_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}
+
+
+def _log_tails(log_dir: Path | None, job_id: str, lines: int = 40) -> str:
+    """The last ``lines`` lines of each submitit log of ``job_id`` in ``log_dir`` ('' without a dir)."""
+    if log_dir is None:
+        return ""
+    parts = []
+    for log in sorted(Path(log_dir).glob(f"{job_id}_*_log.*")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"\n--- {log.name} (last {len(tail)} lines)\n" + "\n".join(tail))
+    return "".join(parts) or f"\n(no submitit logs of job {job_id} in {log_dir})"
 
 
 def _skip_or_fail(reason: str) -> None:

@@ -114,7 +114,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes(cluster: SlurmCluste
     # USR2 alone, as SLURM sends it `signal_delay_s` before the time limit. (submitit's `_interrupt()` default
     # also sends SIGTERM 5 ms earlier, which can kill the `scontrol requeue` the USR2 handler starts.)
     job._interrupt(timeout=True)
-    cluster.release_requeued(job.job_id)
+    cluster.release_requeued(job.job_id, log_dir=tmp_path / "submitit")
     assert wait_result(job, timeout_s=240) == 12
     steps = _lines(log)
     assert [s for s, _ in steps] == list(range(1, 13))  # resumed where it stopped: no step twice, none lost
@@ -148,7 +148,7 @@ def test_scontrol_requeue_restarts_the_job_which_resumes(cluster: SlurmCluster, 
     job = executor.submit(_resumable_count, str(log), 24)
     _wait_steps(log, 3)
     cluster.run("scontrol", "requeue", job.job_id)
-    cluster.release_requeued(job.job_id)
+    cluster.release_requeued(job.job_id, log_dir=tmp_path / "submitit")
     assert wait_result(job, timeout_s=240) == 24
     steps = _lines(log)
     assert [s for s, _ in steps] == list(range(1, 25))

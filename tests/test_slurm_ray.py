@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -33,18 +35,47 @@ def _ray_processes(marker: str) -> list[str]:
     return [ln for ln in out.splitlines() if marker in ln]
 
 
+def _usr2(pid: int) -> str:
+    """How process ``pid`` treats SIGUSR2, from the SigIgn/SigCgt masks in /proc: ignored, caught or default."""
+    masks = dict(
+        ln.split(":\t") for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in ln
+    )
+    bit = 1 << (signal.SIGUSR2 - 1)  # signal n is bit n-1
+    if int(masks["SigIgn"], 16) & bit:
+        return "ignored"
+    return "caught" if int(masks["SigCgt"], 16) & bit else "default"
+
+
+def _ray_pids(marker: str) -> dict[str, int]:
+    """gcs_server and raylet processes whose command line mentions ``marker`` (the job's Ray temp dir)."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if proc.name.isdigit() and marker in (proc / "cmdline").read_text():
+                comm = (proc / "comm").read_text().strip()
+                if comm in ("gcs_server", "raylet"):
+                    found[comm] = int(proc.name)
+    return found
+
+
 def _driver(values: list[int]) -> dict:
     """Runs on the head node inside the SLURM job, with ray.init(address=...) already done."""
     import ray
 
     @ray.remote(num_cpus=1)
-    def square(x: int) -> tuple[int, str]:
-        return x * x, os.environ.get("SLURM_JOB_ID", "")
+    def square(x: int) -> tuple[int, str, str]:
+        return x * x, os.environ.get("SLURM_JOB_ID", ""), _usr2(os.getpid())
 
     results = ray.get([square.remote(v) for v in values])
+    job = os.environ.get("SLURM_JOB_ID", "")
     return {
         "squares": [r[0] for r in results],
         "task_job_ids": sorted({r[1] for r in results}),
+        "usr2": {
+            "driver": _usr2(os.getpid()),
+            "task workers": sorted({r[2] for r in results}),
+            **{name: _usr2(pid) for name, pid in _ray_pids(f"/tmp/tcnn-ray-{job}/").items()},
+        },
         "resources": ray.cluster_resources(),
         "address": os.environ.get("RAY_ADDRESS"),
         "nodes": len([n for n in ray.nodes() if n["Alive"]]),
@@ -75,6 +106,14 @@ def test_ray_cluster_on_slurm_via_submitit(cluster: SlurmCluster, tmp_path: Path
     assert out["resources"].get("GPU", 0) == 0
     assert out["resources"]["object_store_memory"] == pytest.approx(OBJECT_STORE, rel=0.01)
     assert out["address"].endswith(f":{ports.gcs}")  # the pinned GCS port
+    # USR2 (the time-limit warning reaches every process of the step) is submitit's to handle in the driver;
+    # Ray's processes ignore it, so the runtime survives until the requeue stops it.
+    assert out["usr2"] == {
+        "driver": "caught",
+        "task workers": ["ignored"],
+        "gcs_server": "ignored",
+        "raylet": "ignored",
+    }
     # Clean shutdown: the job ended, its Ray processes and temp dir are gone, the rendezvous file removed.
     deadline = time.monotonic() + 60
     while cluster.job_field(job.job_id, "JobState") not in ("COMPLETED", None):
@@ -163,7 +202,7 @@ def test_ray_cluster_job_survives_time_limit_requeue(cluster: SlurmCluster, tmp_
             assert not job.done(), job.stderr()
             time.sleep(0.5)
         job._interrupt(timeout=True)  # USR2, as SLURM sends it before the time limit
-        cluster.release_requeued(job.job_id)
+        cluster.release_requeued(job.job_id, log_dir=tmp_path / "submitit")
         result = wait_result(job, timeout_s=420)
     except BaseException:
         cluster.run("scancel", job.job_id, check=False)

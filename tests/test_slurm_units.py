@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -76,6 +77,25 @@ def test_long_temp_root_is_refused() -> None:
         job._temp_dir()
     ok = RayClusterJob(print, rendezvous_dir="/tmp", config=RayClusterConfig())
     assert len(str(ok._temp_dir())) + 70 <= RAY_SOCKET_LIMIT
+
+
+def test_spawned_ray_processes_ignore_usr2_and_keep_their_pid(tmp_path: Path) -> None:
+    """SLURM's time-limit USR2 reaches every process of the step; what ``_spawn`` starts (and its children)
+    must ignore it, while ``proc.pid`` stays the command's own pid (``_stop`` signals it)."""
+    job = RayClusterJob(print, rendezvous_dir=tmp_path)
+    script = (
+        "import os, signal, subprocess, sys; "
+        "child = subprocess.run([sys.executable, '-c', 'import signal; "
+        "print(signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN)'], capture_output=True, text=True); "
+        "print(os.getpid(), signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN, child.stdout.strip())"
+    )
+    log = tmp_path / "logs" / "spawn.log"
+    proc = job._spawn([sys.executable, "-c", script], log)
+    assert proc.wait(timeout=60) == 0
+    pid, ignored, child_ignored = log.read_text().split()
+    assert int(pid) == proc.pid
+    assert ignored == child_ignored == "True"
+    assert signal.getsignal(signal.SIGUSR2) != signal.SIG_IGN  # the caller's own handling is untouched
 
 
 def test_squeue_output_parsed_like_sacct() -> None:

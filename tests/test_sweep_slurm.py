@@ -54,7 +54,7 @@ def test_sweep_via_slurm_survives_requeue(cluster: SlurmCluster, tmp_path: Path)
         done_before = {p.parent.name for p in sweep_dir.glob("trials/*/done.json")}
         assert len(done_before) < 4, "the sweep finished before the requeue"
         cluster.run("scancel", job_id, "--signal", "USR2")  # the time-limit warning: submitit requeues
-        cluster.release_requeued(job_id)
+        cluster.release_requeued(job_id, log_dir=sweep_dir / "slurm")
         rc = proc.wait(timeout=900)
     except BaseException:
         if job_id:
