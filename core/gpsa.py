@@ -32,9 +32,10 @@ reused across forwards while autograd is off and the parameters are unchanged), 
 the batch folded into the GEMM: one matmul with the dense P on small maps, one per axis with the factors on
 larger ones (cost (H + W) per token instead of H * W). q/k/v come from one fused projection. The content term
 goes through ``F.scaled_dot_product_attention`` (``attn_impl="sdpa"``). ``attn_impl="dense"`` instead
-materialises the mixed attention once and multiplies it with V in one batched matmul; ``"auto"`` uses it only
-for the T-CNN mode on CPU, where SDPA's fused kernel does not apply (it needs equal q/k/v head widths; T-CNN
-values are D_in wide per head) and its math fallback would materialise the attention anyway. The dense T-CNN
+materialises the mixed attention once and multiplies it with V in one batched matmul; ``"auto"`` uses it on
+CPU for the T-CNN mode, where SDPA's fused kernel does not apply (it needs equal q/k/v head widths; T-CNN
+values are D_in wide per head) and its math fallback would materialise the attention anyway, and for the ConViT
+mode on maps of at most `_DENSE_MAX_TOKENS` tokens, where it is measured faster. The dense T-CNN
 path (`_forward_tcnn_dense`) reads the NCHW map in place, folds W_val into the output weight and ends in the
 conv's own im2col-shaped GEMM (heads * D_in -> D_out). Probabilities below 1e-19 are flushed to zero (see
 `_flush_tiny`): subnormal operands slow CPU matmuls 10-45x.
@@ -65,6 +66,10 @@ _MODES = ("convit", "tcnn")
 _STRIDE_MODES = ("exact", "s1")
 _POSITIONAL = ("softplus", "linear")
 _ATTN_IMPLS = ("auto", "sdpa", "dense")
+# ConViT mode on CPU, attn_impl="auto": the dense path up to this many keys. benchmarks/gpsa.py shapes and
+# others, forward+backward time SDPA / dense on a 2-core AVX2 EPYC: 4x4 1.08, 7x7 1.13-1.24, 8x8 1.16,
+# 10x10 1.26; 12x12 0.91, 14x14 0.85 (and 0.6-0.7 at 14x14 to 28x28 for the benchmark's shapes).
+_DENSE_MAX_TOKENS = 100
 
 
 def softplus_inverse(alpha: torch.Tensor | float, beta: float = ALPHA_BETA) -> torch.Tensor:
@@ -499,12 +504,16 @@ class GPSA(nn.Module):
         return (py[:, :, None, :, None] * px[:, None, :, None, :]).reshape(nh, hq * wq, h * w)
 
     # -------------------------------------------------------------------------------- forward
-    def _use_dense(self, device: torch.device) -> bool:
-        """ "auto": the dense path only for the T-CNN mode on CPU, where SDPA's fused kernel does not apply
-        (per-head values are D_in wide, not d_qk) and its math fallback would materialise the attention too."""
+    def _use_dense(self, device: torch.device, tokens: int) -> bool:
+        """ "auto" picks the dense path on CPU for the T-CNN mode, where SDPA's fused kernel does not apply
+        (per-head values are D_in wide, not d_qk) and its math fallback would materialise the attention too,
+        and for the ConViT mode on small maps (``tokens`` keys <= `_DENSE_MAX_TOKENS`), where the attention
+        matrices are small and SDPA's CPU flash kernel, tiled for long sequences, is the slower one."""
         if self.attn_impl != "auto":
             return self.attn_impl == "dense"
-        return device.type == "cpu" and self.mode == "tcnn"
+        if device.type != "cpu":
+            return False
+        return self.mode == "tcnn" or tokens <= _DENSE_MAX_TOKENS
 
     def _tokens(self, x: torch.Tensor, size: tuple[int, int] | None) -> tuple[torch.Tensor, int, int]:
         """Input -> tokens [B, L, C] (channels last) and the grid (h, w)."""
@@ -527,7 +536,7 @@ class GPSA(nn.Module):
 
     def forward(self, x: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
         """T-CNN mode: [B, D_in, H, W] -> [B, D_out, H', W']. ConViT mode: [B, N, C] on grid ``size``."""
-        if self.mode == "tcnn" and self._use_dense(x.device):
+        if self.mode == "tcnn" and self._use_dense(x.device, x.shape[-2] * x.shape[-1]):
             return self._forward_tcnn_dense(x)
         tokens, h, w = self._tokens(x, size)
         b, lk, _ = tokens.shape
@@ -554,7 +563,7 @@ class GPSA(nn.Module):
             if self.mode == "convit":
                 v = v.unflatten(-1, (nh, dv // nh))
         mix = self._mix_tcnn if self.mode == "tcnn" else self._mix_convit
-        y = mix(q, k, v, h, w, dense=self._use_dense(x.device))
+        y = mix(q, k, v, h, w, dense=self._use_dense(x.device, lk))
         if self.mode == "tcnn":  # y: [B, Lq, D_out], output projection and bias included
             out = y.view(b, hq, wq, self.out_dim).permute(0, 3, 1, 2)
             if self.stride > 1 and self.stride_mode == "s1":

@@ -300,6 +300,31 @@ def test_sdpa_and_dense_paths_agree(mode: str) -> None:
             torch.testing.assert_close(a(*xx), b(*xx), rtol=1e-5, atol=1e-5)
 
 
+def test_auto_attention_path_by_mode_and_map_size() -> None:
+    """attn_impl="auto" on CPU: the dense path for the T-CNN mode at any size and for the ConViT mode up to
+    `_DENSE_MAX_TOKENS` tokens; SDPA above; an explicit choice always wins; never dense on another device."""
+    from core.gpsa import _DENSE_MAX_TOKENS
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    convit, tcnn = GPSA(18, num_heads=9), GPSA.from_conv(nn.Conv2d(4, 4, 3, padding=1))
+    assert convit._use_dense(cpu, 49) and convit._use_dense(cpu, _DENSE_MAX_TOKENS)
+    assert not convit._use_dense(cpu, _DENSE_MAX_TOKENS + 1) and not convit._use_dense(cpu, 196)
+    assert tcnn._use_dense(cpu, 49) and tcnn._use_dense(cpu, 3136)
+    assert not convit._use_dense(cuda, 49) and not tcnn._use_dense(cuda, 49)
+    assert not GPSA(18, num_heads=9, attn_impl="sdpa")._use_dense(cpu, 49)
+    assert GPSA(18, num_heads=9, attn_impl="dense")._use_dense(cpu, 196)
+    # the auto module computes what both explicit paths compute, on either side of the threshold
+    torch.manual_seed(3)
+    a = _randomize(GPSA(18, num_heads=9))
+    for impl in ("sdpa", "dense"):
+        b = GPSA(**_init_kwargs(a), attn_impl=impl)
+        b.load_state_dict(a.state_dict())
+        for n in (49, 121):
+            x = torch.randn(2, n, 18)
+            with torch.no_grad():
+                torch.testing.assert_close(a(x), b(x), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("stride", [1, 2])
 @pytest.mark.parametrize(
     "out_dim", [2, 11]
