@@ -68,7 +68,7 @@ _POSITIONAL = ("softplus", "linear")
 _ATTN_IMPLS = ("auto", "sdpa", "dense")
 # ConViT mode on CPU, attn_impl="auto": the dense path up to this many keys. benchmarks/gpsa.py shapes and
 # others, forward+backward time SDPA / dense on a 2-core AVX2 EPYC: 4x4 1.08, 7x7 1.13-1.24, 8x8 1.16,
-# 10x10 1.26; 12x12 0.91, 14x14 0.85 (and 0.6-0.7 at 14x14 to 28x28 for the benchmark's shapes).
+# 10x10 1.26; 12x12 0.91, 14x14 0.85; the benchmark's 14x14, 16x16 and 28x28 shapes 0.63, 0.72 and 0.39.
 _DENSE_MAX_TOKENS = 100
 
 
