@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from pipelines.slurm import _tail
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "infra" / "slurm" / "local_cluster.sh"
 STATE_DIR = Path(os.environ.get("TCNN_SLURM_DIR", "/tmp/tcnn-slurm"))
@@ -86,10 +88,9 @@ def _log_tails(log_dir: Path | None, job_id: str, lines: int = 40) -> str:
     """The last ``lines`` lines of each submitit log of ``job_id`` in ``log_dir`` ('' without a dir)."""
     if log_dir is None:
         return ""
-    parts = []
-    for log in sorted(Path(log_dir).glob(f"{job_id}_*_log.*")):
-        tail = log.read_text(errors="replace").splitlines()[-lines:]
-        parts.append(f"\n--- {log.name} (last {len(tail)} lines)\n" + "\n".join(tail))
+    parts = [
+        f"\n--- {log.name}\n{_tail(log, lines)}" for log in sorted(Path(log_dir).glob(f"{job_id}_*_log.*"))
+    ]
     return "".join(parts) or f"\n(no submitit logs of job {job_id} in {log_dir})"
 
 

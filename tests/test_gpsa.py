@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from core.gemm import BACKWARD_ENV
 from core.gpsa import ALPHA_MIN, GPSA, relative_encodings, softplus_inverse
 
 
@@ -408,7 +409,7 @@ def test_gradcheck(mode: str, impl: str, stride: int) -> None:
 def test_float32_gradients_on_both_gemm_routes(mode: str, route: str, monkeypatch) -> None:
     """float32 gradients (the GEMMs on core.gemm's oneDNN or BLAS backward) equal float64 autograd's (where
     core.gemm falls back to F.linear / F.conv2d) for the input and every parameter."""
-    monkeypatch.setenv("TCNN_GEMM_BACKWARD", route)
+    monkeypatch.setenv(BACKWARD_ENV, route)
     torch.manual_seed(9)
     if mode == "convit":
         g, x, extra = GPSA(24, num_heads=4, qkv_bias=True), torch.randn(3, 20, 24), ((4, 5),)

@@ -29,10 +29,20 @@ def cluster() -> SlurmCluster:
     return start_cluster()
 
 
+def _processes(marker: str) -> dict[int, tuple[str, str]]:
+    """Live processes whose command line mentions ``marker`` (a job's Ray temp dir): pid -> (name, command line)."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            cmdline = (proc / "cmdline").read_text().replace("\0", " ").strip() if proc.name.isdigit() else ""
+            if marker in cmdline:
+                found[int(proc.name)] = ((proc / "comm").read_text().strip(), cmdline)
+    return found
+
+
 def _ray_processes(marker: str) -> list[str]:
-    """Command lines of live processes that mention ``marker`` (a job's Ray temp dir)."""
-    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    return [ln for ln in out.splitlines() if marker in ln]
+    """Command lines of live processes that mention ``marker``."""
+    return [cmdline for _, cmdline in _processes(marker).values()]
 
 
 def _usr2(pid: int) -> str:
@@ -44,18 +54,6 @@ def _usr2(pid: int) -> str:
     if int(masks["SigIgn"], 16) & bit:
         return "ignored"
     return "caught" if int(masks["SigCgt"], 16) & bit else "default"
-
-
-def _ray_pids(marker: str) -> dict[str, int]:
-    """gcs_server and raylet processes whose command line mentions ``marker`` (the job's Ray temp dir)."""
-    found = {}
-    for proc in Path("/proc").iterdir():
-        with contextlib.suppress(OSError):
-            if proc.name.isdigit() and marker in (proc / "cmdline").read_text():
-                comm = (proc / "comm").read_text().strip()
-                if comm in ("gcs_server", "raylet"):
-                    found[comm] = int(proc.name)
-    return found
 
 
 def _driver(values: list[int]) -> dict:
@@ -74,7 +72,11 @@ def _driver(values: list[int]) -> dict:
         "usr2": {
             "driver": _usr2(os.getpid()),
             "task workers": sorted({r[2] for r in results}),
-            **{name: _usr2(pid) for name, pid in _ray_pids(f"/tmp/tcnn-ray-{job}/").items()},
+            **{
+                name: _usr2(pid)
+                for pid, (name, _) in _processes(f"/tmp/tcnn-ray-{job}/").items()
+                if name in ("gcs_server", "raylet")
+            },
         },
         "resources": ray.cluster_resources(),
         "address": os.environ.get("RAY_ADDRESS"),
