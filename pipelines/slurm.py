@@ -313,6 +313,37 @@ def _tail(path: Path, n: int = 20) -> str:
 _IGNORE_USR2_EXEC = 'trap "" USR2; exec "$@"'  # sh -c SCRIPT NAME ARGS...: $@ is the command
 
 
+def _pids_using(temp: Path) -> list[int]:
+    """Processes on this node whose command line names ``temp`` or a path under it (a job's Ray processes)."""
+    marks = (f"{temp}/".encode(), f"{temp}\0".encode())  # /proc cmdline: arguments end with NUL
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                cmdline = (proc / "cmdline").read_bytes()
+                if any(m in cmdline for m in marks):
+                    pids.append(int(proc.name))
+    return pids
+
+
+def _clear_previous_run(temp: Path, timeout_s: float = 30.0) -> None:
+    """Remove what a previous run of this job left on this node: its Ray processes (SIGKILL) and temp dir.
+
+    Ray ignores the time-limit USR2 (see `RayClusterJob._spawn`), so at a requeue it meets SLURM's SIGTERM
+    mid-run and shuts down gracefully; where the job step's process tracking loses the orphans (the
+    proctrack/linuxproc plugin follows parent links), a slow one can outlive the step and still hold the pinned
+    ports when the requeued run starts here."""
+    deadline = time.monotonic() + timeout_s
+    while pids := _pids_using(temp):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        if time.monotonic() > deadline:
+            raise SlurmLaunchError(f"processes {pids} of a previous run (using {temp}) do not exit")
+        time.sleep(0.2)
+    shutil.rmtree(temp, ignore_errors=True)
+
+
 class RayClusterJob(submitit.helpers.Checkpointable):
     """The submitit callable that runs a Ray cluster over the job's nodes and ``driver`` on the head."""
 
@@ -419,7 +450,7 @@ class RayClusterJob(submitit.helpers.Checkpointable):
         cfg = self.config
         rendezvous, done, logs = self._paths()
         temp = self._temp_dir()
-        shutil.rmtree(temp, ignore_errors=True)  # leftovers of a previous (requeued) run of this job
+        _clear_previous_run(temp)
         done.unlink(missing_ok=True)
         ip = self._node_ip()
         address = f"{ip}:{cfg.ports.gcs}"
@@ -498,7 +529,7 @@ class RayClusterJob(submitit.helpers.Checkpointable):
                 )
             time.sleep(1.0)
         info = json.loads(rendezvous.read_text())
-        shutil.rmtree(temp, ignore_errors=True)
+        _clear_previous_run(temp)
         ip = self._node_ip()
         cmd = [self._ray(), "start", f"--address={info['address']}", f"--node-ip-address={ip}"]
         cmd += [*self.config.ports.node_args(), *self._common_args(temp)]

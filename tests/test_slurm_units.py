@@ -18,6 +18,7 @@ from pipelines.slurm import (
     RayPorts,
     SlurmLaunchError,
     SqueueFallbackWatcher,
+    _clear_previous_run,
 )
 
 
@@ -96,6 +97,24 @@ def test_spawned_ray_processes_ignore_usr2_and_keep_their_pid(tmp_path: Path) ->
     assert int(pid) == proc.pid
     assert ignored == child_ignored == "True"
     assert signal.getsignal(signal.SIGUSR2) != signal.SIG_IGN  # the caller's own handling is untouched
+
+
+def test_previous_run_is_cleared_and_only_it(tmp_path: Path) -> None:
+    """A requeued run first kills the processes that still use its temp dir (by path, as `--temp-dir=T` or
+    under T/) and removes the dir; a process of another job whose dir merely starts with the same name lives."""
+    temp, other = tmp_path / "tcnn-ray-9", tmp_path / "tcnn-ray-90"
+    (temp / "session").mkdir(parents=True)
+    sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
+    mine = [subprocess.Popen([*sleep, f"--temp-dir={temp}"]), subprocess.Popen([*sleep, f"{temp}/session/x"])]
+    theirs = subprocess.Popen([*sleep, f"--temp-dir={other}"])
+    try:
+        _clear_previous_run(temp)
+        assert [p.wait(timeout=10) for p in mine] == [-signal.SIGKILL] * 2
+        assert theirs.poll() is None and not temp.exists()
+    finally:
+        for p in (*mine, theirs):
+            p.kill()
+            p.wait()
 
 
 def test_squeue_output_parsed_like_sacct() -> None:
