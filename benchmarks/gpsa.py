@@ -9,10 +9,12 @@
 3. Whole models, T-CNN (to_tcnn, paper init alpha = lambda = 1) vs its CNN: resnet10_cifar at 28 px and
    resnet50 at 224 px, images/s in eval forward and in a training step.
 
-Timing: the contenders run interleaved (A, B, A, B, ...) after warm-up on the same inputs and each reports its
-median wall time and median process CPU time, so load from other processes on the shared machine hits both
-alike; only the ratios are meant to be compared (the ``_cpu`` columns are the less load-sensitive ones). The
-layer-level forward+backward feeds the same fixed dense upstream gradient to both contenders.
+Timing: the contenders run interleaved (A, B, A, B, ...) for ``--reps`` rounds after warm-up on the same inputs,
+so load from other processes on the shared machine hits both alike. Each ratio is the median over rounds of the
+ratio within a round (a slow phase of the machine divides out), printed with its interquartile range (``_iqr``);
+``_ms`` / ``img_s`` columns are median times. Only the ratios are meant to be compared (the ``_cpu`` columns, from
+process CPU time, are the less load-sensitive ones). The layer-level forward+backward feeds the same fixed dense
+upstream gradient to both contenders.
 
 Peak memory (CPU): the PyTorch profiler with ``profile_memory=True`` records every allocation and free made
 through the c10 CPU allocator (including the temporaries inside fused kernels) with the running "Total
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -58,13 +61,42 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def bench(fns: dict[str, Callable[[], object]], device: torch.device, reps: int, warmup: int = 2) -> dict:
-    """Per-call seconds for each fn, run interleaved: {name: (wall, cpu)}, each the median over ``reps``.
+@dataclasses.dataclass
+class Timings:
+    """Per-call seconds of interleaved contenders: ``wall[name][i]`` and ``cpu[name][i]`` for round i."""
 
-    Interleaving (A, B, A, B, ...) makes load from other processes hit all contenders alike; the median is
-    robust to the bursts. ``cpu`` is the process CPU time (all threads; OpenMP threads wait passively, see
-    the top of this file), which a busy machine inflates much less than wall time: the contention-robust
-    measure of the work done.
+    wall: dict[str, list[float]]
+    cpu: dict[str, list[float]]
+
+    def ms(self, name: str) -> float:
+        """Median wall milliseconds of one contender."""
+        return statistics.median(self.wall[name]) * 1e3
+
+    def _pairs(self, num: str, den: str, cpu: bool) -> list[float]:
+        t = self.cpu if cpu else self.wall
+        return [a / b for a, b in zip(t[num], t[den])]
+
+    def ratio(self, num: str, den: str, *, cpu: bool = False) -> float:
+        """Median over rounds of time(num) / time(den), each ratio taken within one round (side by side), so a
+        slow phase of the shared machine that spans a round divides out."""
+        return statistics.median(self._pairs(num, den, cpu))
+
+    def quartiles(self, num: str, den: str) -> str:
+        """Lower-upper quartile of the per-round wall ratios: the run's spread, printed next to the median."""
+        r = self._pairs(num, den, False)
+        if len(r) < 2:
+            return f"{r[0]:.2f}"
+        q = statistics.quantiles(r, n=4, method="inclusive")
+        return f"{q[0]:.2f}-{q[2]:.2f}"
+
+
+def bench(fns: dict[str, Callable[[], object]], device: torch.device, reps: int, warmup: int = 2) -> Timings:
+    """Per-call seconds for each fn over ``reps`` rounds, run interleaved (A, B, A, B, ...).
+
+    Interleaving makes load from other processes hit all contenders alike; ratios are taken per round and their
+    median reported (`Timings.ratio`), robust to the bursts. ``cpu`` is the process CPU time (all threads;
+    OpenMP threads wait passively, see the top of this file), which a busy machine inflates much less than wall
+    time: the contention-robust measure of the work done.
     """
     wall: dict[str, list[float]] = {k: [] for k in fns}
     cpu: dict[str, list[float]] = {k: [] for k in fns}
@@ -79,7 +111,7 @@ def bench(fns: dict[str, Callable[[], object]], device: torch.device, reps: int,
             _sync(device)
             wall[k].append(time.perf_counter() - t0)
             cpu[k].append(time.process_time() - c0)
-    return {k: (statistics.median(wall[k]), statistics.median(cpu[k])) for k in fns}
+    return Timings(wall, cpu)
 
 
 @contextlib.contextmanager
@@ -174,7 +206,7 @@ def section_convit(device: torch.device, reps: int) -> list[dict]:
             err = (ours(x) - ref(x)).abs().max().item()
         gy = _upstream(ref, x)
         f = bench({"timm": _fwd(ref, x), "ours": _fwd(ours, x)}, device, reps)
-        fb = bench({"timm": _fwd_bwd(ref, x, gy), "ours": _fwd_bwd(ours, x, gy)}, device, max(3, reps // 2))
+        fb = bench({"timm": _fwd_bwd(ref, x, gy), "ours": _fwd_bwd(ours, x, gy)}, device, reps)
         _zero_grads(ref, ours)
         x.grad = None
         mem_t = peak_memory(_fwd_bwd(ref, x, gy), device)
@@ -184,14 +216,16 @@ def section_convit(device: torch.device, reps: int) -> list[dict]:
         rows.append(
             dict(
                 shape=f"({b}, {s}x{s}, {d}, {h})",
-                fwd_timm_ms=f["timm"][0] * 1e3,
-                fwd_ours_ms=f["ours"][0] * 1e3,
-                fwd_speedup=f["timm"][0] / f["ours"][0],
-                fwd_speedup_cpu=f["timm"][1] / f["ours"][1],
-                fb_timm_ms=fb["timm"][0] * 1e3,
-                fb_ours_ms=fb["ours"][0] * 1e3,
-                fb_speedup=fb["timm"][0] / fb["ours"][0],
-                fb_speedup_cpu=fb["timm"][1] / fb["ours"][1],
+                fwd_timm_ms=f.ms("timm"),
+                fwd_ours_ms=f.ms("ours"),
+                fwd_speedup=f.ratio("timm", "ours"),
+                fwd_speedup_iqr=f.quartiles("timm", "ours"),
+                fwd_speedup_cpu=f.ratio("timm", "ours", cpu=True),
+                fb_timm_ms=fb.ms("timm"),
+                fb_ours_ms=fb.ms("ours"),
+                fb_speedup=fb.ratio("timm", "ours"),
+                fb_speedup_iqr=fb.quartiles("timm", "ours"),
+                fb_speedup_cpu=fb.ratio("timm", "ours", cpu=True),
                 mem_timm_mb=mem_t / 2**20,
                 mem_ours_mb=mem_o / 2**20,
                 mem_ratio=mem_o / max(mem_t, 1),
@@ -212,18 +246,20 @@ def section_tcnn(device: torch.device, reps: int) -> list[dict]:
         x = torch.randn(b, d, s, s, device=device, requires_grad=True)
         gy = _upstream(conv, x)
         f = bench({"conv": _fwd(conv, x), "gpsa": _fwd(gpsa, x)}, device, reps)
-        fb = bench({"conv": _fwd_bwd(conv, x, gy), "gpsa": _fwd_bwd(gpsa, x, gy)}, device, max(3, reps // 2))
+        fb = bench({"conv": _fwd_bwd(conv, x, gy), "gpsa": _fwd_bwd(gpsa, x, gy)}, device, reps)
         rows.append(
             dict(
                 shape=f"({b}, {s}x{s}, {d}, 9)",
-                fwd_conv_ms=f["conv"][0] * 1e3,
-                fwd_gpsa_ms=f["gpsa"][0] * 1e3,
-                fwd_cost_ratio=f["gpsa"][0] / f["conv"][0],
-                fwd_cost_ratio_cpu=f["gpsa"][1] / f["conv"][1],
-                fb_conv_ms=fb["conv"][0] * 1e3,
-                fb_gpsa_ms=fb["gpsa"][0] * 1e3,
-                fb_cost_ratio=fb["gpsa"][0] / fb["conv"][0],
-                fb_cost_ratio_cpu=fb["gpsa"][1] / fb["conv"][1],
+                fwd_conv_ms=f.ms("conv"),
+                fwd_gpsa_ms=f.ms("gpsa"),
+                fwd_cost_ratio=f.ratio("gpsa", "conv"),
+                fwd_cost_ratio_iqr=f.quartiles("gpsa", "conv"),
+                fwd_cost_ratio_cpu=f.ratio("gpsa", "conv", cpu=True),
+                fb_conv_ms=fb.ms("conv"),
+                fb_gpsa_ms=fb.ms("gpsa"),
+                fb_cost_ratio=fb.ratio("gpsa", "conv"),
+                fb_cost_ratio_iqr=fb.quartiles("gpsa", "conv"),
+                fb_cost_ratio_cpu=fb.ratio("gpsa", "conv", cpu=True),
             )
         )
         print(_fmt_row(rows[-1]), flush=True)
@@ -245,18 +281,20 @@ def section_model(device: torch.device, reps: int, quick: bool) -> list[dict]:
         f = bench({"cnn": _fwd(cnn, x), "tcnn": _fwd(tcnn, x)}, device, reps)
         cnn.train()
         tcnn.train()
-        fb = bench({"cnn": _fwd_bwd(cnn, x), "tcnn": _fwd_bwd(tcnn, x)}, device, max(3, reps // 2))
+        fb = bench({"cnn": _fwd_bwd(cnn, x), "tcnn": _fwd_bwd(tcnn, x)}, device, reps)
         rows.append(
             dict(
                 model=f"{arch} @ {px} px, batch {batch}",
-                eval_cnn_img_s=batch / f["cnn"][0],
-                eval_tcnn_img_s=batch / f["tcnn"][0],
-                eval_ratio=f["cnn"][0] / f["tcnn"][0],
-                eval_ratio_cpu=f["cnn"][1] / f["tcnn"][1],
-                train_cnn_img_s=batch / fb["cnn"][0],
-                train_tcnn_img_s=batch / fb["tcnn"][0],
-                train_ratio=fb["cnn"][0] / fb["tcnn"][0],
-                train_ratio_cpu=fb["cnn"][1] / fb["tcnn"][1],
+                eval_cnn_img_s=batch / f.ms("cnn") * 1e3,
+                eval_tcnn_img_s=batch / f.ms("tcnn") * 1e3,
+                eval_ratio=f.ratio("cnn", "tcnn"),
+                eval_ratio_iqr=f.quartiles("cnn", "tcnn"),
+                eval_ratio_cpu=f.ratio("cnn", "tcnn", cpu=True),
+                train_cnn_img_s=batch / fb.ms("cnn") * 1e3,
+                train_tcnn_img_s=batch / fb.ms("tcnn") * 1e3,
+                train_ratio=fb.ratio("cnn", "tcnn"),
+                train_ratio_iqr=fb.quartiles("cnn", "tcnn"),
+                train_ratio_cpu=fb.ratio("cnn", "tcnn", cpu=True),
             )
         )
         print(_fmt_row(rows[-1]), flush=True)

@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core.gemm import linear, project
+from core.gemm import linear, linear_split, project
 
 __all__ = [
     "ALPHA_BETA",
@@ -545,19 +545,15 @@ class GPSA(nn.Module):
         nh, dq, dv = self.num_heads, self.qk_head_dim, self.v_dim
         qk = nh * dq
         wqkv, bqkv = self.qkv_weight, self.qkv_bias
-        # split/unbind (not slicing): their backward concatenates the grads instead of zero-fill + add per slice
+        # one GEMM, split (not sliced: a slice's backward zero-fills + adds per slice); see core.gemm.linear_split
         if s == 1:
-            qkv = linear(tokens, wqkv, bqkv)
-            if self.mode == "convit" and qk == dv:
-                q, k, v = qkv.view(b, lk, 3, nh, dq).unbind(2)  # [B, L, heads, d] views
-            else:
-                q, k, v = qkv.split([qk, qk, dv], dim=-1)
+            q, k, v = linear_split(tokens, wqkv, bqkv, [qk, qk, dv])  # [B, L, *] column views of one GEMM
         else:  # exact stride: queries only at the conv's output positions
             xq = tokens.view(b, h, w, -1)[:, ::s, ::s].reshape(b, lq, -1)
             wq_, wkv = wqkv.split([qk, qk + dv])
             bq, bkv = (None, None) if bqkv is None else bqkv.split([qk, qk + dv])
             q = linear(xq, wq_, bq)
-            k, v = linear(tokens, wkv, bkv).split([qk, dv], dim=-1)
+            k, v = linear_split(tokens, wkv, bkv, [qk, dv])
         if q.ndim == 3:
             q, k = q.unflatten(-1, (nh, dq)), k.unflatten(-1, (nh, dq))
             if self.mode == "convit":

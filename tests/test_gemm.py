@@ -7,7 +7,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.gemm import BACKWARD_ENV, _cpu_vendor, linear, onednn_backward, project, use_onednn
+from core.gemm import (
+    _ROW_BLOCK_FROM,
+    BACKWARD_ENV,
+    _cpu_vendor,
+    _mm_row_blocks,
+    _row_blocked,
+    linear,
+    linear_split,
+    onednn_backward,
+    project,
+    use_onednn,
+)
 
 
 def _inputs(shape: tuple[int, ...], n: int, bias: bool, seed: int = 0) -> list[torch.Tensor | None]:
@@ -34,7 +45,11 @@ def route(request, monkeypatch) -> str:
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("shape,n", [((3136, 504), 1512), ((8, 49, 72), 24), ((5, 7, 3, 40), 9), ((1, 1), 1)])
+@pytest.mark.parametrize(
+    "shape,n",
+    # (2, 2600, 256) -> 256: 5200 rows, so the BLAS data gradient runs in row blocks with a ragged last block
+    [((3136, 504), 1512), ((2, 2600, 256), 256), ((8, 49, 72), 24), ((5, 7, 3, 40), 9), ((1, 1), 1)],
+)
 def test_matches_float64_linear_values_and_grads(shape, n, bias, route) -> None:
     x, w, b = _inputs(shape, n, bias)
     ref_in = [t.double().requires_grad_() if t is not None else None for t in (x, w, b)]
@@ -64,6 +79,75 @@ def test_non_contiguous_and_empty_inputs() -> None:
     assert torch.allclose(linear(xt, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     empty = torch.randn(0, 30)
     assert linear(empty, w, b).shape == (0, 20)
+
+
+@pytest.mark.parametrize(
+    "rows,k,n",
+    [(_ROW_BLOCK_FROM - 1, 256, 256), (_ROW_BLOCK_FROM, 256, 256), (12295, 256, 256), (12295, 72, 64)],
+)
+def test_row_blocked_gemm_equals_one_gemm(rows, k, n) -> None:
+    """The data-gradient GEMM in row blocks: the same product as one GEMM (float64 reference), for a strided
+    left operand (the transposed view a backward hands over) and a ragged last block, and for the shapes that
+    stay whole (too few rows, too small a right operand); with autograd recording (double backward) it is one
+    plain GEMM."""
+    gen = torch.Generator().manual_seed(5)
+    a = torch.randn(k, rows, generator=gen).t()  # [rows, k], column-major
+    b = torch.randn(k, n, generator=gen)
+    assert _row_blocked(rows, b) is (rows >= _ROW_BLOCK_FROM and k * n >= 65536)
+    ref = a.double() @ b.double()
+    with torch.no_grad():
+        got = _mm_row_blocks(a, b)
+    assert got.shape == (rows, n) and got.is_contiguous() and _close(got, ref, k)
+    aa = a.clone().requires_grad_()
+    y = _mm_row_blocks(aa, b)  # grad mode on: differentiable
+    (g,) = torch.autograd.grad(y.sum(), aa)
+    assert _close(g, b.double().sum(1).expand(rows, k), n)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(2, 2600, 256), (3, 5, 12)])  # blocked (5200 rows) and small
+@pytest.mark.parametrize("used", [(0, 1, 2), (0, 2)])  # (0, 2): one part unused by the loss
+def test_linear_split_matches_float64(shape, bias, used, route) -> None:
+    """linear_split = F.linear(...).split(sizes): values, and gradients when only some parts reach the loss."""
+    sizes = [256, 256, 300] if shape[-1] == 256 else [6, 6, 10]
+    x, w, b = _inputs(shape, sum(sizes), bias, seed=7)
+    ref_in = [t.double().requires_grad_() if t is not None else None for t in (x, w, b)]
+    got_in = [t.clone().requires_grad_() if t is not None else None for t in (x, w, b)]
+    ref = F.linear(*ref_in).split(sizes, dim=-1)
+    got = linear_split(*got_in, sizes)
+    assert [g.shape for g in got] == [r.shape for r in ref]
+    gen = torch.Generator().manual_seed(2)
+    gys = [torch.randn(r.shape, generator=gen) for r in ref]
+    sum((ref[i] * gys[i].double()).sum() for i in used).backward()
+    sum((got[i] * gys[i]).sum() for i in used).backward()
+    for r, g in zip(ref, got):
+        assert _close(g.detach(), r.detach(), shape[-1])
+    for a, c in zip(ref_in, got_in):
+        if a is not None:
+            assert _close(c.grad, a.grad, shape[0] * shape[1])
+
+
+def test_linear_split_takes_the_split_backward(monkeypatch) -> None:
+    """On the BLAS route the parts' gradients feed the GEMMs directly: no split/cat node in the graph."""
+    x = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(9, 8, requires_grad=True)
+    monkeypatch.setenv(BACKWARD_ENV, "blas")
+    names = _graph_names(linear_split(x, w, None, [3, 6])[1])
+    assert "_LinearSplitBackward" in names and "SplitWithSizesBackward0" not in names, names
+    monkeypatch.setenv(BACKWARD_ENV, "onednn")
+    assert "SplitWithSizesBackward0" in _graph_names(linear_split(x, w, None, [3, 6])[1])
+
+
+def test_double_backward_through_linear(route) -> None:
+    """A gradient of a gradient (create_graph) through the BLAS backward, blocked rows included."""
+    x = torch.randn(_ROW_BLOCK_FROM + 5, 6, dtype=torch.float32, requires_grad=True)
+    w = torch.randn(4, 6, requires_grad=True)
+    (gx,) = torch.autograd.grad(linear(x, w).pow(2).sum(), x, create_graph=True)
+    (gw,) = torch.autograd.grad(gx.sum(), w)
+    xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    (gxd,) = torch.autograd.grad(F.linear(xd, wd).pow(2).sum(), xd, create_graph=True)
+    (gwd,) = torch.autograd.grad(gxd.sum(), wd)
+    assert _close(gx, gxd.detach(), 6) and _close(gw, gwd, x.shape[0])
 
 
 def test_bad_shapes_raise_like_f_linear() -> None:
