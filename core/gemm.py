@@ -176,7 +176,9 @@ class _LinearSplit(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         gx = _mm_row_blocks_sum(gs, parts).view(x.shape) if need_x else None
         gw = gb = None
-        if need_w:
+        if need_w and torch.is_grad_enabled():  # double backward: out= cannot record a graph
+            gw = torch.cat([torch.mm(g.t(), rows) for g in gs])
+        elif need_w:
             gw = weight.new_empty(weight.shape)
             for g, out in zip(gs, gw.split(ctx.sizes)):
                 torch.mm(g.t(), rows, out=out)

@@ -138,16 +138,27 @@ def test_linear_split_takes_the_split_backward(monkeypatch) -> None:
     assert "SplitWithSizesBackward0" in _graph_names(linear_split(x, w, None, [3, 6])[1])
 
 
-def test_double_backward_through_linear(route) -> None:
-    """A gradient of a gradient (create_graph) through the BLAS backward, blocked rows included."""
-    x = torch.randn(_ROW_BLOCK_FROM + 5, 6, dtype=torch.float32, requires_grad=True)
-    w = torch.randn(4, 6, requires_grad=True)
-    (gx,) = torch.autograd.grad(linear(x, w).pow(2).sum(), x, create_graph=True)
-    (gw,) = torch.autograd.grad(gx.sum(), w)
+@pytest.mark.parametrize("split", [False, True])
+def test_double_backward(split, route) -> None:
+    """A gradient of a gradient (create_graph) through linear / linear_split, on a GEMM tall and wide enough for
+    row blocks: with autograd recording, the backward takes its differentiable plain-GEMM branch."""
+    x = torch.randn(_ROW_BLOCK_FROM + 5, 256, requires_grad=True)
+    w = torch.randn(300, 256, requires_grad=True)
+    assert _row_blocked(x.shape[0], w)
+
+    def loss(xx: torch.Tensor, ww: torch.Tensor) -> torch.Tensor:
+        if xx.dtype == torch.float64:
+            ys = F.linear(xx, ww).split([100, 200], dim=-1)
+        else:
+            ys = linear_split(xx, ww, None, [100, 200]) if split else linear(xx, ww).split([100, 200], dim=-1)
+        return ys[0].pow(2).sum() + ys[1].sum()
+
+    (gx,) = torch.autograd.grad(loss(x, w), x, create_graph=True)
+    (gw,) = torch.autograd.grad(gx.pow(2).sum(), w)
     xd, wd = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    (gxd,) = torch.autograd.grad(F.linear(xd, wd).pow(2).sum(), xd, create_graph=True)
-    (gwd,) = torch.autograd.grad(gxd.sum(), wd)
-    assert _close(gx, gxd.detach(), 6) and _close(gw, gwd, x.shape[0])
+    (gxd,) = torch.autograd.grad(loss(xd, wd), xd, create_graph=True)
+    (gwd,) = torch.autograd.grad(gxd.pow(2).sum(), wd)
+    assert _close(gx, gxd.detach(), 300) and _close(gw, gwd, x.shape[0])
 
 
 def test_bad_shapes_raise_like_f_linear() -> None:
