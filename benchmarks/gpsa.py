@@ -90,6 +90,15 @@ class Timings:
         return f"{q[0]:.2f}-{q[2]:.2f}"
 
 
+def _ratio_columns(name: str, t: Timings, num: str, den: str) -> dict:
+    """The columns ``name`` (median ratio time(num) / time(den)), ``name_iqr`` and ``name_cpu`` of a table row."""
+    return {
+        name: t.ratio(num, den),
+        f"{name}_iqr": t.quartiles(num, den),
+        f"{name}_cpu": t.ratio(num, den, cpu=True),
+    }
+
+
 def bench(fns: dict[str, Callable[[], object]], device: torch.device, reps: int, warmup: int = 2) -> Timings:
     """Per-call seconds for each fn over ``reps`` rounds, run interleaved (A, B, A, B, ...).
 
@@ -218,14 +227,10 @@ def section_convit(device: torch.device, reps: int) -> list[dict]:
                 shape=f"({b}, {s}x{s}, {d}, {h})",
                 fwd_timm_ms=f.ms("timm"),
                 fwd_ours_ms=f.ms("ours"),
-                fwd_speedup=f.ratio("timm", "ours"),
-                fwd_speedup_iqr=f.quartiles("timm", "ours"),
-                fwd_speedup_cpu=f.ratio("timm", "ours", cpu=True),
+                **_ratio_columns("fwd_speedup", f, "timm", "ours"),
                 fb_timm_ms=fb.ms("timm"),
                 fb_ours_ms=fb.ms("ours"),
-                fb_speedup=fb.ratio("timm", "ours"),
-                fb_speedup_iqr=fb.quartiles("timm", "ours"),
-                fb_speedup_cpu=fb.ratio("timm", "ours", cpu=True),
+                **_ratio_columns("fb_speedup", fb, "timm", "ours"),
                 mem_timm_mb=mem_t / 2**20,
                 mem_ours_mb=mem_o / 2**20,
                 mem_ratio=mem_o / max(mem_t, 1),
@@ -252,14 +257,10 @@ def section_tcnn(device: torch.device, reps: int) -> list[dict]:
                 shape=f"({b}, {s}x{s}, {d}, 9)",
                 fwd_conv_ms=f.ms("conv"),
                 fwd_gpsa_ms=f.ms("gpsa"),
-                fwd_cost_ratio=f.ratio("gpsa", "conv"),
-                fwd_cost_ratio_iqr=f.quartiles("gpsa", "conv"),
-                fwd_cost_ratio_cpu=f.ratio("gpsa", "conv", cpu=True),
+                **_ratio_columns("fwd_cost_ratio", f, "gpsa", "conv"),
                 fb_conv_ms=fb.ms("conv"),
                 fb_gpsa_ms=fb.ms("gpsa"),
-                fb_cost_ratio=fb.ratio("gpsa", "conv"),
-                fb_cost_ratio_iqr=fb.quartiles("gpsa", "conv"),
-                fb_cost_ratio_cpu=fb.ratio("gpsa", "conv", cpu=True),
+                **_ratio_columns("fb_cost_ratio", fb, "gpsa", "conv"),
             )
         )
         print(_fmt_row(rows[-1]), flush=True)
@@ -287,14 +288,10 @@ def section_model(device: torch.device, reps: int, quick: bool) -> list[dict]:
                 model=f"{arch} @ {px} px, batch {batch}",
                 eval_cnn_img_s=batch / f.ms("cnn") * 1e3,
                 eval_tcnn_img_s=batch / f.ms("tcnn") * 1e3,
-                eval_ratio=f.ratio("cnn", "tcnn"),
-                eval_ratio_iqr=f.quartiles("cnn", "tcnn"),
-                eval_ratio_cpu=f.ratio("cnn", "tcnn", cpu=True),
+                **_ratio_columns("eval_ratio", f, "cnn", "tcnn"),
                 train_cnn_img_s=batch / fb.ms("cnn") * 1e3,
                 train_tcnn_img_s=batch / fb.ms("tcnn") * 1e3,
-                train_ratio=fb.ratio("cnn", "tcnn"),
-                train_ratio_iqr=fb.quartiles("cnn", "tcnn"),
-                train_ratio_cpu=fb.ratio("cnn", "tcnn", cpu=True),
+                **_ratio_columns("train_ratio", fb, "cnn", "tcnn"),
             )
         )
         print(_fmt_row(rows[-1]), flush=True)

@@ -103,20 +103,17 @@ def _mm_row_blocks(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     3136-row GEMMs are equal either way, and so are small right operands (below `_ROW_BLOCK_MIN_KN` elements:
     6272 x 72 -> 64 took 0.84 ms whole, 1.04 in blocks). Each output row is the same dot products either way.
     """
-    m = a.shape[0]
-    if not _row_blocked(m, b) or torch.is_grad_enabled():  # out= cannot record a graph (double backward)
-        return torch.mm(a, b)
-    out = a.new_empty(m, b.shape[1])
-    for i in range(0, m, _ROW_BLOCK):
-        torch.mm(a[i : i + _ROW_BLOCK], b, out=out[i : i + _ROW_BLOCK])
-    return out
+    return _mm_row_blocks_sum([a], [b])
 
 
 def _mm_row_blocks_sum(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
-    """``sum_i a_i @ b_i`` in blocks of rows as in `_mm_row_blocks` (each block accumulated in place)."""
+    """``sum_i a_i @ b_i``, in blocks of rows as in `_mm_row_blocks` (each block accumulated in place)."""
+    if torch.is_grad_enabled():  # double backward: out= and in-place cannot record a graph
+        out = torch.mm(a[0], b[0])
+        for ai, bi in zip(a[1:], b[1:]):
+            out = torch.addmm(out, ai, bi)
+        return out
     m = a[0].shape[0]
-    if torch.is_grad_enabled():  # double backward: a differentiable sum
-        return sum(torch.mm(ai, bi) for ai, bi in zip(a, b))
     out = a[0].new_empty(m, b[0].shape[1])
     step = _ROW_BLOCK if _row_blocked(m, b[0]) else max(m, 1)
     for i in range(0, m, step):
@@ -175,15 +172,8 @@ class _LinearSplit(torch.autograd.Function):
         gs = [g.reshape(-1, w.shape[0]) for g, w in zip(grads, parts)]
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         gx = _mm_row_blocks_sum(gs, parts).view(x.shape) if need_x else None
-        gw = gb = None
-        if need_w and torch.is_grad_enabled():  # double backward: out= cannot record a graph
-            gw = torch.cat([torch.mm(g.t(), rows) for g in gs])
-        elif need_w:
-            gw = weight.new_empty(weight.shape)
-            for g, out in zip(gs, gw.split(ctx.sizes)):
-                torch.mm(g.t(), rows, out=out)
-        if need_b:
-            gb = torch.cat([g.sum(0) for g in gs])
+        gw = torch.cat([torch.mm(g.t(), rows) for g in gs]) if need_w else None
+        gb = torch.cat([g.sum(0) for g in gs]) if need_b else None
         return gx, gw, gb, None
 
 

@@ -554,10 +554,9 @@ class GPSA(nn.Module):
             bq, bkv = (None, None) if bqkv is None else bqkv.split([qk, qk + dv])
             q = linear(xq, wq_, bq)
             k, v = linear_split(tokens, wkv, bkv, [qk, dv])
-        if q.ndim == 3:
-            q, k = q.unflatten(-1, (nh, dq)), k.unflatten(-1, (nh, dq))
-            if self.mode == "convit":
-                v = v.unflatten(-1, (nh, dv // nh))
+        q, k = q.unflatten(-1, (nh, dq)), k.unflatten(-1, (nh, dq))
+        if self.mode == "convit":
+            v = v.unflatten(-1, (nh, dv // nh))
         mix = self._mix_tcnn if self.mode == "tcnn" else self._mix_convit
         y = mix(q, k, v, h, w, dense=self._use_dense(x.device, lk))
         if self.mode == "tcnn":  # y: [B, Lq, D_out], output projection and bias included
