@@ -35,6 +35,12 @@ ALL_CORRUPTIONS = (
 )  # fmt: skip
 
 
+# The default network: the project's CIFAR-style ResNet-10 with a dilated last stage (timm's output_stride=16),
+# so at 28 px its last stage -- the one the T-CNN converts -- works on a 7x7 map, as the paper's last stage
+# does at 224 px; on the plain resnet10_cifar it is 4x4, where a 3x3 conv already sees most of the map.
+DEFAULT_ARCH = "resnet10_cifar_os16"
+
+
 class ConfigError(ValueError):
     """A bad configuration: the message is one line naming the key."""
 
@@ -65,6 +71,9 @@ class DataConfig(_Strict):
     image_size: int = Field(28, ge=8, le=1024)
     num_workers: int = Field(0, ge=0, le=64)
     shard_rows: int = Field(10000, ge=16)
+    # 001 Table 2: at fraction f < 1 every phase trains max(1, round(E / f)) epochs, so it sees as many images
+    # as the full-data run (`plan_epochs`; the DVC path and the sweeps apply the same function).
+    fraction_scales_epochs: bool = True
 
     @field_validator("source")
     @classmethod
@@ -76,7 +85,7 @@ class DataConfig(_Strict):
 
 class ModelConfig(_Strict):
     kind: Literal["cnn", "tcnn", "convit", "psa", "hybrid_scratch", "aa_resnet", "cmhsa"] = "tcnn"
-    arch: str = "resnet10_cifar"
+    arch: str = DEFAULT_ARCH
     drop_path: float = Field(0.0, ge=0.0, lt=1.0)
     options: dict[str, Any] = Field(default_factory=dict)
 
@@ -149,7 +158,10 @@ class ModelConfig(_Strict):
 
 
 class AugmentConfig(_Strict):
-    crop_padding: int = Field(2, ge=0)
+    """Training augmentation. One policy (`Params.augment`) serves pretraining, fine-tuning and the control;
+    `pretrain.augment` / `finetune.augment` replace it for one phase when set."""
+
+    crop_padding: int = Field(0, ge=0)
     hflip: bool = True
     randaugment: str | None = None  # a timm RandAugment spec, e.g. "rand-m9-mstd0.5"
     mixup: float = Field(0.0, ge=0.0)
@@ -170,21 +182,20 @@ class AugmentConfig(_Strict):
 
 
 class PretrainConfig(_Strict):
-    epochs: int = Field(6, gt=0)
+    epochs: int = Field(2, gt=0)
     batch_size: int = Field(128, gt=0)
     lr: float = Field(0.1, gt=0.0)
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
     weight_decay: float = Field(5e-4, ge=0.0)
-    warmup_epochs: float = Field(1.0, ge=0.0)
+    warmup_epochs: float = Field(0.3, ge=0.0)
     checkpoint_epochs: list[int] = Field(default_factory=list)  # extra t1 epochs to keep
-    checkpoint_every_steps: int = Field(
-        200, ge=0
-    )  # resume checkpoints between epoch ends; 0 = epoch ends only
-    augment: AugmentConfig = Field(default_factory=AugmentConfig)
+    # resume checkpoints between epoch ends; 0 = epoch ends only
+    checkpoint_every_steps: int = Field(200, ge=0)
+    augment: AugmentConfig | None = None  # None = the shared policy `augment`
 
 
 class ReparamConfig(_Strict):
-    epoch: int = Field(6, ge=0)  # t1; 0 = reparameterize the untrained CNN
+    epoch: int = Field(2, ge=0)  # t1; 0 = reparameterize the untrained CNN
     alpha_init: float = Field(1.0, gt=0.0)
     lambda_init: float = 1.0
     stride_mode: Literal["exact", "s1"] = "exact"
@@ -192,22 +203,32 @@ class ReparamConfig(_Strict):
 
 
 class FinetuneConfig(_Strict):
-    epochs: int = Field(3, gt=0)
+    epochs: int = Field(2, gt=0)
     mode: Literal["fresh", "continue"] = "fresh"
-    lr: float = Field(1e-4, gt=0.0)  # at batch 1024, scaled linearly with batch_size (000, Sec. 3)
+    # Both learning rates are the paper's values at batch 1024 (000 Sec. 3: AdamW warmed up to 1e-4, the gates
+    # at 0.1) and both scale linearly with batch_size, so the gate / weight ratio stays the paper's 1000.
+    lr: float = Field(1e-4, gt=0.0)
     gate_lr: float = Field(0.1, gt=0.0)
     batch_size: int = Field(128, gt=0)
     weight_decay: float = Field(0.05, ge=0.0)
-    warmup_epochs: float = Field(1.0, ge=0.0)
+    warmup_epochs: float = Field(0.2, ge=0.0)
     drop_path: float = Field(0.1, ge=0.0, lt=1.0)
     image_size: int | None = Field(None, ge=8, le=1024)  # None = pretraining resolution
     checkpoint_every_steps: int = Field(200, ge=0)
     freeze: list[str] = Field(default_factory=list)  # parameter leaf names to freeze, e.g. [qkv_weight]
-    augment: AugmentConfig = Field(default_factory=AugmentConfig)
+    augment: AugmentConfig | None = None  # None = the shared policy `augment`
+    # The matched control: the same pretrained checkpoint fine-tuned with this same recipe, without attention
+    # (000 Table 1's "without SA" column). false skips it (and every comparison against it).
+    control: bool = True
+
+    def scaled_lrs(self) -> tuple[float, float]:
+        """(weight lr, gate lr) at this batch size: both given at batch 1024 and scaled linearly."""
+        scale = self.batch_size / 1024
+        return self.lr * scale, self.gate_lr * scale
 
 
 class RobustnessConfig(_Strict):
-    n_images: int = Field(2000, gt=0)
+    n_images: int = Field(500, gt=0)
     corruptions: list[str] = Field(default_factory=lambda: list(ALL_CORRUPTIONS))
     severities: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5])
     dir: Path = Path("data/fashion_mnist-c")
@@ -215,6 +236,8 @@ class RobustnessConfig(_Strict):
     # CE/mCE normaliser: "cnn" (this run's pretrained CNN), "alexnet" (ImageNet-C only), or a baseline JSON
     baseline: str = Field("cnn", min_length=1)
     workers: int = Field(0, ge=0, le=256)  # corrupt-stage processes; 0 = all cores
+    # Paired bootstrap over test images for every difference evaluate reports (95% percentile intervals).
+    bootstrap: int = Field(1000, ge=10, le=100_000)
 
     @field_validator("corruptions")
     @classmethod
@@ -239,7 +262,6 @@ class SweepConfig(_Strict):
     cpus_per_trial: float = Field(1.0, gt=0.0)
     gpus_per_trial: float = Field(0.0, ge=0.0)
     max_failures: int = Field(2, ge=0)
-    fraction_scales_epochs: bool = True  # 001 Table 2: epochs x 1/f at fraction f
     storage: Path = Path("sweeps")
     # Trials with the same pretraining inputs share one content-addressed pretraining run (pipelines/sweep_plan.py);
     # false = every trial pretrains in its own directory (the naive grid, e.g. for benchmarks/sweep.py).
@@ -255,6 +277,7 @@ class TrackingConfig(_Strict):
 class Params(_Strict):
     seed: int = Field(0, ge=0)
     data: DataConfig = Field(default_factory=DataConfig)
+    augment: AugmentConfig = Field(default_factory=AugmentConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     pretrain: PretrainConfig = Field(default_factory=PretrainConfig)
     reparam: ReparamConfig = Field(default_factory=ReparamConfig)
@@ -278,12 +301,54 @@ class Params(_Strict):
             raise ValueError("data.source: an imagefolder dataset needs the path of its tree")
         return self
 
+    def augment_for(self, phase: Literal["pretrain", "finetune"]) -> AugmentConfig:
+        """The augmentation of a training phase: its own section's when set, else the shared policy."""
+        own = getattr(self, phase).augment
+        return own if own is not None else self.augment
+
+    def test_image_size(self) -> int:
+        """The one resolution every model is evaluated at: the fine-tuning resolution (000 Sec. 3 may raise it
+        over the pretraining one), so the CNN, the control and the T-CNN see the same test pixels."""
+        return self.finetune.image_size or self.data.image_size
+
     def with_overrides(self, overrides: dict[str, Any]) -> Params:
         """A validated copy with dotted keys replaced (used by `-S key=value` and sweep grids)."""
         raw = self.model_dump(mode="json")
         for key, value in overrides.items():
             set_dotted(raw, key, value)
         return validate_params(raw)
+
+
+def scaled_epochs(epochs: int, fraction: float) -> int:
+    """Epochs at training-sample fraction f that see as many images as `epochs` at f = 1 (001 Table 2):
+    max(1, round(E / f)); e.g. E = 3 gives 10 at f = 0.3 and 4 at f = 0.7."""
+    return max(1, round(epochs / fraction))
+
+
+def plan_epochs(params: Params) -> Params:
+    """The epoch plan of a run at ``data.sample_fraction`` f < 1 with ``data.fraction_scales_epochs``: every
+    phase trains E' = scaled_epochs(E, f) epochs. t1 (and every pretrain.checkpoint_epochs value) keeps its
+    place in the schedule, t1' = round(t1 E'/E); warmups keep their share of the schedule. The DVC stages and
+    the sweep planner both call this; the result has ``fraction_scales_epochs`` false, so planning an already
+    planned config changes nothing."""
+    f = params.data.sample_fraction
+    if not params.data.fraction_scales_epochs or f >= 1.0:
+        return params
+    p, ft = params.pretrain, params.finetune
+    e_new = scaled_epochs(p.epochs, f)
+    s = e_new / p.epochs
+    f_new = scaled_epochs(ft.epochs, f)
+    return params.with_overrides(
+        {
+            "data.fraction_scales_epochs": False,
+            "pretrain.epochs": e_new,
+            "pretrain.warmup_epochs": p.warmup_epochs * s,
+            "pretrain.checkpoint_epochs": sorted({min(e_new, round(e * s)) for e in p.checkpoint_epochs}),
+            "reparam.epoch": min(e_new, round(params.reparam.epoch * s)),
+            "finetune.epochs": f_new,
+            "finetune.warmup_epochs": ft.warmup_epochs * f_new / ft.epochs,
+        }
+    )
 
 
 GRID_PREFIX = "sweep.grid."
@@ -307,11 +372,14 @@ def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
         return
     node = raw
     *parents, leaf = key.split(".")
+    opened = False  # an optional section left at null (e.g. pretrain.augment): its keys come from the model
     for part in parents:
+        if part in node and node[part] is None:
+            node[part], opened = {}, True
         if not isinstance(node.get(part), dict):
             raise ConfigError(f"{key}: unknown key")
         node = node[part]
-    if leaf not in node and not (parents and parents[-1] in ("grid", "options")):
+    if leaf not in node and not opened and not (parents and parents[-1] in ("grid", "options")):
         raise ConfigError(f"{key}: unknown key")
     node[leaf] = value
 
@@ -406,7 +474,9 @@ def _set_new(raw: dict, key: str, value: Any) -> None:
     node = raw
     *parents, leaf = key.split(".")
     for part in parents:
-        node = node.setdefault(part, {})
+        if node.get(part) is None:
+            node[part] = {}
+        node = node[part]
         if not isinstance(node, dict):
             raise ConfigError(f"{key}: unknown key")
     node[leaf] = value

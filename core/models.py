@@ -51,6 +51,7 @@ __all__ = [
     "CONVIT_CONFIGS",
     "KINDS",
     "PROJECT_ARCHS",
+    "REPARAMETERIZED_KINDS",
     "ConViT",
     "apply_ablations",
     "backbone_options",
@@ -62,10 +63,21 @@ __all__ = [
 ]
 
 KINDS = ("cnn", "tcnn", "convit", "psa", "hybrid_scratch", "aa_resnet", "cmhsa")
+# Kinds whose fine-tuned model is a reparameterized pretrained network: they have a matched control (the same
+# pretrained checkpoint fine-tuned with the same recipe, unconverted; stages/control.py).
+REPARAMETERIZED_KINDS = ("tcnn", "psa", "cmhsa")
 
 PROJECT_ARCHS: dict[str, dict[str, Any]] = {
     # name: ResNet kwargs. Widths chosen so the default CPU pipeline fits its time goal.
     "resnet10_cifar": dict(block=BasicBlock, layers=(1, 1, 1, 1), channels=(16, 32, 64, 128)),
+    # The default: a dilated last stage (timm's output_stride=16: layer4 keeps layer3's resolution, its second
+    # 3x3 conv gets dilation 2), so at 28 px the T-CNN's GPSA layers work on 7x7 maps (4x4 on resnet10_cifar);
+    # the conversion of dilated convs is exact (core.gpsa: centres at dilation * tap). The last stage keeps
+    # layer3's 64 channels: at 7x7 a 128-wide one trains 1.6x slower as a T-CNN (and 1.55x as a CNN; measured
+    # on 2 cores, AVX-512 EPYC), which the default chain's 10-minute budget cannot pay.
+    "resnet10_cifar_os16": dict(
+        block=BasicBlock, layers=(1, 1, 1, 1), channels=(16, 32, 64, 64), output_stride=16
+    ),
     "resnet18_cifar": dict(block=BasicBlock, layers=(2, 2, 2, 2), channels=(64, 128, 256, 512)),
 }
 
@@ -122,6 +134,11 @@ def _cifar_resnet(name: str, pretrained: bool = False, **kwargs: Any) -> ResNet:
 @register_model
 def resnet10_cifar(pretrained: bool = False, **kwargs: Any) -> ResNet:
     return _cifar_resnet("resnet10_cifar", pretrained, **kwargs)
+
+
+@register_model
+def resnet10_cifar_os16(pretrained: bool = False, **kwargs: Any) -> ResNet:
+    return _cifar_resnet("resnet10_cifar_os16", pretrained, **kwargs)
 
 
 @register_model

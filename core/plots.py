@@ -1,4 +1,5 @@
-"""Robustness figures (matplotlib, Agg backend): 000 Fig. 3-style gains and corruption contact sheets.
+"""Robustness figures (matplotlib, Agg backend): 000 Fig. 3-style gains with intervals and corruption contact
+sheets.
 
 Both functions write their PNG atomically (temporary file in the same directory, fsync, os.replace).
 """
@@ -103,53 +104,43 @@ def contact_sheet(
     return _save(fig, Path(path), dpi)
 
 
-def _group_accuracy(rows: list[dict[str, Any]], model: str, key: str) -> dict[Any, float]:
-    acc: dict[Any, list[float]] = {}
-    for r in rows:
-        if (
-            r["model"] == model
-            and r["severity"] > 0
-            and r.get("meaningful", True)
-            and r["category"] != "extra"
-        ):
-            acc.setdefault(r[key], []).append(r["accuracy"])
-    return {g: float(np.mean(v)) for g, v in acc.items()}
-
-
-def relative_improvement(table: Any, model_a: str, model_b: str) -> dict[str, dict[Any, float]]:
-    """000 Fig. 3: ``acc_B / acc_A - 1`` per corruption category and per severity, where acc is the mean
-    top-1 accuracy over the (benchmark, meaningful) corruption x severity cells of the group."""
-    rows = table.to_pylist() if hasattr(table, "to_pylist") else list(table)
-    out: dict[str, dict[Any, float]] = {}
-    for key, name in (("category", "per_category"), ("severity", "per_severity")):
-        a, b = _group_accuracy(rows, model_a, key), _group_accuracy(rows, model_b, key)
-        missing = set(a) ^ set(b)
-        if not a or missing:
-            raise ValueError(
-                f"relative_improvement: models {model_a!r} and {model_b!r} lack matching rows ({sorted(map(str, missing))})"
-            )
-        order = [x for x in CATEGORIES if x in a] if key == "category" else sorted(a)
-        out[name] = {g: (b[g] / a[g] - 1.0) if a[g] > 0 else float("nan") for g in order}
-    return out
-
-
-def plot_relative_improvement(
-    table: Any, model_a: str, model_b: str, path: str | os.PathLike, *, title: str | None = None
-) -> dict[str, dict[Any, float]]:
-    """Bar charts of :func:`relative_improvement` of `model_b` over `model_a` (in %), per category (left)
-    and per severity (right), as 000 Fig. 3. Returns the plotted numbers."""
-    gains = relative_improvement(table, model_a, model_b)
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), dpi=120, gridspec_kw={"width_ratios": [4, 5]})
-    for ax, (name, xlabel) in zip(axes, (("per_category", "category"), ("per_severity", "severity"))):
-        groups = list(gains[name])
-        vals = [100 * gains[name][g] for g in groups]
-        colors = ["tab:red" if v >= 0 else "tab:blue" for v in vals]
-        ax.bar([str(g) for g in groups], vals, color=colors)
+def plot_gains(
+    comparisons: Mapping[str, Mapping[str, Any]],
+    keys: Sequence[str],
+    path: str | os.PathLike,
+    *,
+    labels: Mapping[str, str] | None = None,
+    title: str | None = None,
+) -> Path:
+    """000 Fig. 3 with uncertainty: the relative improvement acc_B / acc_A - 1 (in %) per corruption category
+    (left) and severity (right) for each comparison ``"<B>-<A>"`` in `keys` (grouped bars), with its paired
+    bootstrap 95% interval as an error bar (the ``gain_<group>`` entries of
+    :func:`core.robustness.comparisons`). A group without an entry is left out."""
+    labels = labels or {}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), dpi=120, gridspec_kw={"width_ratios": [4, 5]})
+    colors = ["tab:red", "tab:gray", "tab:blue"]
+    for ax, groups in zip(axes, (list(CATEGORIES), [f"sev{s}" for s in SEVERITIES])):
+        present = [g for g in groups if any(f"gain_{g}" in comparisons.get(k, {}) for k in keys)]
+        width = 0.8 / max(1, len(keys))
+        for i, key in enumerate(keys):
+            entries = [comparisons.get(key, {}).get(f"gain_{g}") for g in present]
+            xs = [j + (i - (len(keys) - 1) / 2) * width for j in range(len(present))]
+            vals = [100 * e["diff"] if e else np.nan for e in entries]
+            err = [[100 * (e["diff"] - e["low"]) if e else 0 for e in entries],
+                   [100 * (e["high"] - e["diff"]) if e else 0 for e in entries]]  # fmt: skip
+            b, a = key.split("-", 1)
+            ax.bar(xs, vals, width, yerr=err, capsize=2, color=colors[i % len(colors)],
+                   label=f"{labels.get(b, b)} over {labels.get(a, a)}")  # fmt: skip
+        ax.set_xticks(range(len(present)), [g.removeprefix("sev") for g in present])
         ax.axhline(0, color="black", lw=0.8)
-        ax.set_xlabel(xlabel)
+        ax.set_xlabel("category" if groups[0] in CATEGORIES else "severity")
         ax.set_ylabel("relative improvement (%)")
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(title or f"{model_b} over {model_a}: top-1 accuracy on corrupted images", fontsize=10)
+    axes[0].legend(fontsize=7, loc="best")
+    fig.suptitle(
+        title
+        or "Relative improvement in top-1 accuracy on corrupted images (bars: 95% paired-bootstrap intervals)",
+        fontsize=9,
+    )
     fig.tight_layout()
-    _save(fig, Path(path), 120)
-    return gains
+    return _save(fig, Path(path), 120)

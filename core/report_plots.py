@@ -117,23 +117,27 @@ def plot_training_curves(
     *,
     reparam_epoch: int | None = None,
     title: str | None = None,
+    control: Sequence[Mapping[str, Any]] | None = None,
 ) -> bytes:
-    """Loss, accuracy and learning rate per epoch: pretraining (blue) and fine-tuning (orange); solid = train,
-    dashed = validation. Fine-tuning is drawn at ``reparam_epoch + finetune_epoch`` (t1 + t), so both phases
-    share the axis of 000 Table 3's schedule; the reparameterization is a dotted vertical line.
+    """Loss, accuracy and learning rate per epoch: pretraining (blue), fine-tuning of the T-CNN (orange) and
+    of its matched control (green); solid = train, dashed = validation. Fine-tuning is drawn at
+    ``reparam_epoch + finetune_epoch`` (t1 + t), so the phases share the axis of 000 Table 3's schedule; the
+    reparameterization is a dotted vertical line.
 
     Rows are history.json rows of the stages (``epoch``, ``finetune_epoch``, ``train_loss``, ``train_acc``,
-    ``val_loss``, ``val_acc``, ``lr``). Either history may be None or empty.
+    ``val_loss``, ``val_acc``, ``lr``). Any history may be None or empty.
     """
     phases = []
     if pretrain:
         phases.append(("pretrain", pretrain, 0.0, "epoch", "tab:blue"))
-    if finetune:
+    for name, hist, color in (("T-CNN", finetune, "tab:orange"), ("control", control, "tab:green")):
+        if not hist:
+            continue
         t1 = float(reparam_epoch or 0)
-        key = "finetune_epoch" if any("finetune_epoch" in r for r in finetune) else "epoch"
+        key = "finetune_epoch" if any("finetune_epoch" in r for r in hist) else "epoch"
         if key == "epoch":  # no relative column: shift so the first row sits at t1
-            t1 -= min(_num(r.get("epoch")) for r in finetune)
-        phases.append(("finetune", finetune, t1, key, "tab:orange"))
+            t1 -= min(_num(r.get("epoch")) for r in hist)
+        phases.append((name, hist, t1, key, color))
     if not phases:
         raise ValueError("plot_training_curves: no history to plot")
     fig, axes = _grid(1, 3, (3.7, 2.6), left=0.65, right=0.15, top=0.45, bottom=0.5, wspace=0.75, hspace=0)
@@ -151,7 +155,7 @@ def plot_training_curves(
                     ax.plot(x, y, style, color=color, marker="o", ms=3, label=f"{name} {split}")
         if metric == "lr" and ax.lines and all((np.asarray(ln.get_ydata()) > 0).all() for ln in ax.lines):
             ax.set_yscale("log")  # pretraining and fine-tuning peaks differ by orders of magnitude
-        if reparam_epoch is not None and pretrain and finetune:
+        if reparam_epoch is not None and pretrain and (finetune or control):
             ax.axvline(reparam_epoch, color="grey", ls=":", lw=1.2, label=f"reparam. (t1={reparam_epoch})")
         if ax.lines:
             ax.legend(fontsize=8, loc="best")
@@ -161,7 +165,8 @@ def plot_training_curves(
         ax.grid(alpha=0.3)
     fig.suptitle(
         title
-        or "Training curves: pretraining (blue), fine-tuning (orange); solid = train, dashed = validation",
+        or "Training curves: pretraining (blue), T-CNN fine-tuning (orange), control fine-tuning (green); "
+        "solid = train, dashed = validation",
         fontsize=10,
     )
     return _finish(fig, path)

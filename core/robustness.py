@@ -187,7 +187,7 @@ def _normaliser(mean: Sequence[float], std: Sequence[float], channels: int, devi
 
 
 @torch.inference_mode()
-def count_correct(
+def correct_per_image(
     model: torch.nn.Module,
     batches: Iterable[tuple[np.ndarray, np.ndarray]],
     *,
@@ -196,8 +196,9 @@ def count_correct(
     device: str | torch.device = "cpu",
     image_size: int | None = None,
     class_subset: Sequence[int] | np.ndarray | None = None,
-) -> tuple[int, int]:
-    """(top-1 correct, images) of `model` over batches of (uint8 images [B, H, W, C], int labels [B]).
+) -> np.ndarray:
+    """Top-1 correctness (bool [N], in batch order) of `model` on batches of (uint8 images [B, H, W, C],
+    int labels [B]).
 
     Images are scaled to [0, 1], normalised with the per-channel `mean`/`std` and, when `image_size` is
     given and differs, resized (bilinear). With `class_subset` (indices into the model's classes, e.g. the
@@ -209,7 +210,7 @@ def count_correct(
     subset = None
     if class_subset is not None:
         subset = torch.as_tensor(np.asarray(class_subset, dtype=np.int64), device=device)
-    correct = total = 0
+    out: list[np.ndarray] = []
     norm = None
     for images, labels in batches:
         images = np.asarray(images)
@@ -231,9 +232,16 @@ def count_correct(
         else:
             pred = logits.argmax(1)
         y = torch.as_tensor(np.asarray(labels, dtype=np.int64), device=device)
-        correct += int((pred == y).sum())
-        total += len(y)
-    return correct, total
+        out.append((pred == y).cpu().numpy())
+    return np.concatenate(out) if out else np.zeros(0, dtype=bool)
+
+
+def count_correct(
+    model: torch.nn.Module, batches: Iterable[tuple[np.ndarray, np.ndarray]], **kwargs: Any
+) -> tuple[int, int]:
+    """(top-1 correct, images) of `model` over the batches (see :func:`correct_per_image` for the options)."""
+    correct = correct_per_image(model, batches, **kwargs)
+    return int(correct.sum()), len(correct)
 
 
 def _array_batches(images: np.ndarray, labels: np.ndarray, batch_size: int):
@@ -254,35 +262,68 @@ def evaluate_model(
     device: str | torch.device = "cpu",
     model_name: str = "model",
     image_size: int | None = None,
-) -> pa.Table:
+    per_image: bool = False,
+) -> pa.Table | tuple[pa.Table, pa.Table]:
     """Top-1 accuracy of `model` on the clean images and on every stored corrupted set.
 
-    `clean` is (uint8 images [N, H, W, C], labels [N]); the sets are read from
+    `clean` is (uint8 images [N, H, W, C], labels [N]) -- image i has test index i; the sets are read from
     ``<corrupted_dir>/<corruption>/<severity>.parquet`` (written by the corrupt stage). Returns a table with
     :data:`TABLE_SCHEMA`: a clean row (corruption "clean", severity 0) then one row per corruption x
     severity, with ``meaningful`` copied from the set (False: saturate on grayscale). Concatenate the tables
-    of several models (``pa.concat_tables``) to compare them.
+    of several models (``pa.concat_tables``) to compare them. With ``per_image``, also the correctness of
+    every image (:data:`PER_IMAGE_SCHEMA`, rows keyed by the image's test index), what
+    :func:`bootstrap_metrics` resamples.
     """
     images, labels = clean
     if len(images) != len(labels):
         raise ValueError(f"clean: {len(images)} images but {len(labels)} labels")
-    rows = []
-    correct, n = count_correct(
-        model, _array_batches(images, np.asarray(labels), batch_size), mean=mean, std=std, device=device,
-        image_size=image_size,
-    )  # fmt: skip
-    rows.append(_row(model_name, "clean", 0, correct, n, True))
+    opts = {"mean": mean, "std": std, "device": device, "image_size": image_size}
+    rows, parts = [], []
+    correct = correct_per_image(model, _array_batches(images, np.asarray(labels), batch_size), **opts)
+    rows.append(_row(model_name, "clean", 0, int(correct.sum()), len(correct), True))
+    parts.append(("clean", 0, np.arange(len(correct)), correct))
     for c in corruptions:
         if c not in CATEGORY_OF:
             raise ValueError(f"unknown corruption {c!r}")
         for s in severities:
             stored = read_set(set_path(corrupted_dir, c, s))
-            correct, n = count_correct(
-                model, _array_batches(stored.images, stored.labels, batch_size), mean=mean, std=std,
-                device=device, image_size=image_size,
-            )  # fmt: skip
-            rows.append(_row(model_name, c, int(s), correct, n, bool(stored.meta.get("meaningful", True))))
-    return pa.Table.from_pylist(rows, schema=TABLE_SCHEMA)
+            correct = correct_per_image(
+                model, _array_batches(stored.images, stored.labels, batch_size), **opts
+            )
+            meaningful = bool(stored.meta.get("meaningful", True))
+            rows.append(_row(model_name, c, int(s), int(correct.sum()), len(correct), meaningful))
+            parts.append((c, int(s), stored.indices, correct))
+    table = pa.Table.from_pylist(rows, schema=TABLE_SCHEMA)
+    if not per_image:
+        return table
+    return table, _per_image_table(model_name, parts)
+
+
+#: Per-image correctness: one row per model x set x image; ``index`` is the image's index in the test split
+#: (a corrupted image shares it with its clean original).
+PER_IMAGE_SCHEMA = pa.schema(
+    [
+        ("model", pa.dictionary(pa.int8(), pa.string())),
+        ("corruption", pa.dictionary(pa.int8(), pa.string())),
+        ("severity", pa.int8()),
+        ("index", pa.int32()),
+        ("correct", pa.bool_()),
+    ]
+)
+
+
+def _per_image_table(model: str, parts: list[tuple[str, int, np.ndarray, np.ndarray]]) -> pa.Table:
+    n = [len(p[3]) for p in parts]
+    columns = {
+        "model": pa.array([model] * sum(n)).dictionary_encode(),
+        "corruption": pa.array(
+            [c for (c, _, _, _), k in zip(parts, n) for _ in range(k)]
+        ).dictionary_encode(),
+        "severity": np.concatenate([np.full(k, s, np.int8) for (_, s, _, _), k in zip(parts, n)]),
+        "index": np.concatenate([np.asarray(i, np.int32) for _, _, i, _ in parts]),
+        "correct": np.concatenate([np.asarray(c, bool) for _, _, _, c in parts]),
+    }
+    return pa.table(columns).cast(PER_IMAGE_SCHEMA)
 
 
 def _row(
@@ -490,3 +531,159 @@ def flat_metrics(summary: Mapping[str, Any], prefix: str = "") -> dict[str, floa
     return {
         f"{prefix}{k}": float(v) for k, v in out.items() if v is not None and not math.isnan(float(v))
     }  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Uncertainty: paired bootstrap over test images (core.intervals)
+# ----------------------------------------------------------------------------------------------------------
+
+#: The differences evaluate reports with intervals: the headline metrics, then per category and severity
+#: (``mca_<group>`` / ``mce_<group>`` keys of :func:`flat_metrics`).
+COMPARED_METRICS = ("clean_accuracy", "mca", "mce", "relative_mce", "extra_accuracy", "extra_mce")
+
+
+def compared(name: str) -> bool:
+    """Whether a flat metric gets a difference with an interval (headline, per category, per severity)."""
+    return name in COMPARED_METRICS or name.startswith(("mca_", "mce_"))
+
+
+class _ModelCells:
+    """One model's per-image correctness, arranged for weighted (bootstrap) accuracies."""
+
+    def __init__(self, clean: np.ndarray, groups: list[tuple[np.ndarray, list[tuple[str, int]], np.ndarray]]):
+        self.clean = clean  # float64 [N], by test index
+        self.groups = (
+            groups  # (positions [n], set keys [k], correctness float64 [k, n]) of sets sharing images
+        )
+
+    def rows(self, model: str, counts: np.ndarray, meaningful: Mapping[tuple[str, int], bool]) -> list[dict]:
+        """Evaluation rows (model, corruption, severity, error, meaningful) at image weights ``counts``."""
+        total = counts.sum()
+        acc = float(counts @ self.clean) / total
+        out = [{"model": model, "corruption": "clean", "severity": 0, "error": 1.0 - acc, "meaningful": True}]
+        for pos, keys, correct in self.groups:
+            w = counts[pos].astype(np.float64)
+            accs = correct @ w / w.sum()
+            for (c, s), a in zip(keys, accs):
+                out.append({"model": model, "corruption": c, "severity": s, "error": 1.0 - float(a),
+                            "meaningful": meaningful.get((c, s), True)})  # fmt: skip
+        return out
+
+
+def _cells(per_image: pa.Table) -> tuple[dict[str, _ModelCells], int]:
+    cols = {
+        k: per_image.column(k).cast(pa.string()).to_numpy(zero_copy_only=False)
+        if k in ("model", "corruption")
+        else per_image.column(k).to_numpy()
+        for k in ("model", "corruption", "severity", "index", "correct")
+    }
+    out: dict[str, _ModelCells] = {}
+    n_clean = None
+    for model in dict.fromkeys(cols["model"]):
+        mine = cols["model"] == model
+        keys = cols["corruption"][mine], cols["severity"][mine].astype(int)
+        index, correct = cols["index"][mine].astype(np.int64), cols["correct"][mine].astype(np.float64)
+        is_clean = keys[0] == "clean"
+        order = np.argsort(index[is_clean], kind="stable")
+        clean_index = index[is_clean][order]
+        if not np.array_equal(clean_index, np.arange(len(clean_index))):
+            raise ValueError(
+                f"per-image table: the clean rows of {model!r} must cover test indices 0..N-1 once"
+            )
+        if n_clean is not None and len(clean_index) != n_clean:
+            raise ValueError(f"per-image table: {model!r} has {len(clean_index)} clean images, not {n_clean}")
+        n_clean = len(clean_index)
+        groups: dict[bytes, tuple[np.ndarray, list[tuple[str, int]], list[np.ndarray]]] = {}
+        sets = dict.fromkeys(zip(keys[0][~is_clean].tolist(), keys[1][~is_clean].tolist()))
+        for c, s in sets:
+            sel = (keys[0] == c) & (keys[1] == s)
+            pos = index[sel]
+            if pos.size and (pos.min() < 0 or pos.max() >= n_clean):
+                raise ValueError(
+                    f"per-image table: {model!r} {c}/{s} has test indices outside 0..{n_clean - 1}"
+                )
+            g = groups.setdefault(pos.tobytes(), (pos, [], []))
+            g[1].append((c, s))
+            g[2].append(correct[sel])
+        out[model] = _ModelCells(
+            correct[is_clean][order], [(p, k, np.stack(v)) for p, k, v in groups.values()]
+        )
+    if n_clean is None:
+        raise ValueError("per-image table: no rows")
+    return out, n_clean
+
+
+def bootstrap_metrics(
+    table: pa.Table,
+    per_image: pa.Table,
+    baseline: Baseline | str | None,
+    *,
+    replicates: int,
+    seed: int,
+) -> dict[str, dict[str, np.ndarray]]:
+    """Paired bootstrap replicates of every model's :func:`flat_metrics` ({model: {metric: array}}).
+
+    Each replicate reweights the test images by one draw of :func:`core.intervals.resample_counts` (the same
+    draw for every model and every set) and recomputes each model's evaluation rows and their summary; the
+    CE baseline is recomputed on the same draw when it is a model of the table (``baseline`` = its name),
+    and stays fixed otherwise (a :class:`Baseline`). ``table`` (the :func:`evaluate_model` counts) supplies
+    the meaningful flags. At all-ones counts the replicate equals :func:`summarize` of ``table``."""
+    from core.intervals import bootstrap
+
+    cells, n = _cells(per_image)
+    meaningful = {(r["corruption"], int(r["severity"])): bool(r["meaningful"]) for r in table.to_pylist()}
+    if isinstance(baseline, str) and baseline not in cells:
+        raise ValueError(f"bootstrap_metrics: baseline model {baseline!r} not in the per-image table")
+
+    def statistic(counts: np.ndarray) -> dict[str, float]:
+        rows = {m: c.rows(m, counts, meaningful) for m, c in cells.items()}
+        base = (
+            Baseline.from_table(rows[baseline], model=baseline, name=baseline)
+            if isinstance(baseline, str)
+            else baseline
+        )
+        out = {}
+        for m, r in rows.items():
+            out.update({f"{m}\t{k}": v for k, v in flat_metrics(summarize(r, base, model=m)).items()})
+        return out
+
+    flat = bootstrap(n, statistic, replicates=replicates, seed=seed)
+    result: dict[str, dict[str, np.ndarray]] = {}
+    for key, samples in flat.items():
+        m, name = key.split("\t", 1)
+        result.setdefault(m, {})[name] = samples
+    return result
+
+
+def comparisons(
+    points: Mapping[str, Mapping[str, float]],
+    samples: Mapping[str, Mapping[str, np.ndarray]],
+    pairs: Sequence[tuple[str, str]],
+    *,
+    confidence: float = 0.95,
+) -> dict[str, dict[str, Any]]:
+    """For each (a, b) in ``pairs``: ``"<b>-<a>"`` -> {metric: difference b - a with its paired interval
+    (core.intervals.difference)} over :func:`compared` metrics both models have, plus ``gain_<group>``: the
+    relative improvement acc_b / acc_a - 1 per category and severity (000 Fig. 3) with its interval."""
+    from core.intervals import difference
+
+    out: dict[str, dict[str, Any]] = {}
+    for a, b in pairs:
+        if a not in points or b not in points:
+            continue
+        pa_, pb = points[a], points[b]
+        sa, sb = samples.get(a, {}), samples.get(b, {})
+        diffs: dict[str, Any] = {}
+        for name in pa_:
+            if name in pb and compared(name):
+                d = difference(pa_[name], pb[name], sa.get(name), sb.get(name), confidence=confidence)
+                if d is not None:
+                    diffs[name] = d
+                if name.startswith("mca_"):
+                    g = difference(
+                        pa_[name], pb[name], sa.get(name), sb.get(name), ratio=True, confidence=confidence
+                    )
+                    if g is not None:
+                        diffs[f"gain_{name.removeprefix('mca_')}"] = g
+        out[f"{b}-{a}"] = diffs
+    return out

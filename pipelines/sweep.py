@@ -322,7 +322,10 @@ def run_sweep(
                 if tid:
                     status[tid] = "error" if r.error else "terminated"
             rows = sweep_summary.summary_rows(spec, status)
-            summary = sweep_summary.write_table(rows, sweep_dir / "summary.parquet")
+            srows = sweep_summary.seed_rows(spec, rows)
+            summary = sweep_summary.write_table(
+                sweep_summary.with_seed_columns(rows, srows, spec), sweep_dir / "summary.parquet"
+            )
             try:
                 plots = sweep_summary.make_plots(spec, rows, sweep_dir / "plots")
             except Exception as err:  # a plot must not cost the sweep its summary and parent run
@@ -330,7 +333,8 @@ def run_sweep(
                 plots = []
             krows = sweep_summary.kind_rows(spec, rows)
             kind_files = sweep_summary.write_kinds(krows, sweep_dir) if krows else []
-            kind_files.append(sweep_report.write_report(spec, rows, krows, plots, sweep_dir))
+            kind_files += sweep_summary.write_seeds(srows, sweep_dir) if srows else []
+            kind_files.append(sweep_report.write_report(spec, rows, krows, plots, sweep_dir, srows))
             finished = sum(r["status"] == "finished" for r in rows)
             runs = sweep_shared.pretrain_runs(sweep_dir)
             metrics = {
@@ -347,6 +351,7 @@ def run_sweep(
             if accs:
                 metrics["best_tcnn_clean_accuracy"] = max(accs)
             metrics.update(sweep_summary.kind_metrics(krows))
+            metrics.update(sweep_summary.seed_metrics(srows))
             metrics["wall_s"] = time.monotonic() - t0
             tracker.log_metrics(metrics)
             if tracker.enabled:
@@ -361,6 +366,8 @@ def run_sweep(
             print(sweep_summary.format_table(rows, list(spec["grid"])), flush=True)
             if krows:
                 print(sweep_summary.kinds_markdown(krows), flush=True)
+            if srows:
+                print(sweep_summary.seeds_markdown(srows), flush=True)
             say(
                 f"{finished}/{n} trials finished, {runs} pretraining run(s) executed; summary {summary}"
                 + (

@@ -10,12 +10,10 @@ kept), the device kind and the pretraining code -- form one *group*. A group pre
 content-addressed directory ``<storage>/pretrain/<key>/`` (key = sha256 of those inputs), keeping a
 checkpoint at every t1 its trials ask for; later sweeps with the same inputs reuse it.
 
-Fraction sweeps (001 Table 2): with ``sweep.fraction_scales_epochs`` a trial at sample fraction f < 1
-trains E' = max(1, round(E / f)) pretraining epochs instead of E, so it sees as many images as the f = 1
-run. The reparameterization epoch t1 is given on the f = 1 schedule and keeps its place in the schedule:
-t1' = round(t1 * E' / E) (likewise every pretrain.checkpoint_epochs value); the warmup keeps its length in
-steps (warmup_epochs x E'/E). Fine-tuning scales the same way: finetune.epochs F -> max(1, round(F / f)),
-finetune.warmup_epochs x F'/F. The summary table shows the grid value and the effective epochs.
+Fraction sweeps (001 Table 2): with ``data.fraction_scales_epochs`` a trial at sample fraction f < 1
+trains E' = max(1, round(E / f)) epochs in every phase, so it sees as many images as the f = 1 run; t1 keeps
+its place in the schedule (`core.config.plan_epochs`, the same function the DVC stages apply). The summary
+table shows the grid value and the effective epochs.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.config import ConfigError, Params, validate_params
+from core.config import ConfigError, Params, plan_epochs, validate_params
 
 PLAN_VERSION = 1
 #: Source files whose content decides what pretraining computes (part of the shared-pretraining key).
@@ -47,11 +45,14 @@ PRETRAIN_CODE = (
     "core/aa.py",
     "core/cmhsa.py",
 )
+#: Source files whose content decides what the matched control computes (fine-tuning on top of pretraining).
+CONTROL_CODE = (*PRETRAIN_CODE, "stages/finetune.py", "stages/control.py", "core/dissect.py", "core/gemm.py")
 REPO = Path(__file__).resolve().parents[1]
 SHORT = {
     "reparam.epoch": "t1",
     "reparam.alpha_init": "alpha",
     "reparam.lambda_init": "lambda",
+    "reparam.stride_mode": "stride_mode",
     "data.sample_fraction": "f",
     "model.kind": "kind",
     "seed": "seed",
@@ -70,6 +71,7 @@ class TrialPlan:
     params: Params  # validated: overrides, fraction scaling, absolute paths, empty grid
     pretrain_key: str
     corrupt_key: str
+    control_key: str | None = None  # the shared matched control (None: this trial has no control)
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class SweepPlan:
     trials: list[TrialPlan]
     groups: dict[str, PretrainGroup]
     corrupt: dict[str, Params] = field(default_factory=dict)
+    controls: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> params, pretrain key, identity
 
     def trial(self, tid: str) -> TrialPlan:
         for t in self.trials:
@@ -139,23 +142,12 @@ def data_fingerprint(manifest: dict[str, Any]) -> str:
     return stable_hash({k: v for k, v in manifest.items() if k != "source"})
 
 
-def scale_for_fraction(params: Params) -> dict[str, Any]:
-    """The overrides that keep images seen constant at sample fraction f (see the module docstring)."""
-    f = params.data.sample_fraction
-    if not params.sweep.fraction_scales_epochs or f >= 1.0:
-        return {}
-    p, ft = params.pretrain, params.finetune
-    e_new = max(1, round(p.epochs / f))
-    s = e_new / p.epochs
-    f_new = max(1, round(ft.epochs / f))
-    return {
-        "pretrain.epochs": e_new,
-        "pretrain.warmup_epochs": p.warmup_epochs * s,
-        "pretrain.checkpoint_epochs": sorted({min(e_new, round(e * s)) for e in p.checkpoint_epochs}),
-        "reparam.epoch": min(e_new, round(params.reparam.epoch * s)),
-        "finetune.epochs": f_new,
-        "finetune.warmup_epochs": ft.warmup_epochs * f_new / ft.epochs,
-    }
+def planned(params: Params, what: str) -> Params:
+    """`core.config.plan_epochs` (the one epoch plan of the DVC path and the sweeps), errors as SweepError."""
+    try:
+        return plan_epochs(params)
+    except ConfigError as err:
+        raise SweepError(f"{what}: {err}") from None
 
 
 def pretrain_identity(params: Params, manifest: dict[str, Any], device: str, code: str) -> dict[str, Any]:
@@ -170,6 +162,7 @@ def pretrain_identity(params: Params, manifest: dict[str, Any], device: str, cod
     pre = params.pretrain.model_dump(mode="json")
     for k in ("checkpoint_epochs", "checkpoint_every_steps"):
         pre.pop(k, None)
+    pre["augment"] = params.augment_for("pretrain").model_dump(mode="json")
     model: dict[str, Any] = {"drop_path": params.model.drop_path}
     if hasattr(pretrain, "model_spec"):
         num_classes, in_chans = int(manifest["num_classes"]), int(manifest["image_shape"][-1])
@@ -197,6 +190,25 @@ def pretrain_identity(params: Params, manifest: dict[str, Any], device: str, cod
     if gate_lr is not None:
         ident["gate_lr"] = gate_lr
     return ident
+
+
+def control_identity(params: Params, pretrain_key: str, device: str, code: str) -> dict[str, Any]:
+    """Everything the matched control's result depends on: its pretraining (by key), t1, the fine-tuning
+    recipe (the whole finetune section but its operational keys, the effective augmentation), the device and
+    the code. Trials that differ only in the reparameterization (alpha/lambda init, stride mode, tcnn vs psa on
+    the same CNN) share one control."""
+    from stages import _training as T
+
+    mode = params.finetune.mode
+    return {
+        "version": PLAN_VERSION,
+        "pretrain_key": pretrain_key,
+        "t1": params.reparam.epoch,
+        "finetune": T.section_identity(params.finetune),
+        "augment": params.augment_for("finetune" if mode == "fresh" else "pretrain").model_dump(mode="json"),
+        "device": device,
+        "code": code,
+    }
 
 
 def corrupt_identity(params: Params, manifest: dict[str, Any]) -> dict[str, Any]:
@@ -249,6 +261,7 @@ def make_plan(
         raise SweepError(f"sweep.grid.{bad[0]}: sweep.* and tracking.* settings cannot vary within a sweep")
     storage = (cwd / base.sweep.storage).resolve()
     code = code_digest()
+    control_code = code_digest(CONTROL_CODE)
     fixed: dict[str, Any] = {"sweep.grid": {}, "sweep.storage": str(storage)}
     if tracking_uri is not None:
         fixed["tracking.uri"] = tracking_uri
@@ -257,6 +270,7 @@ def make_plan(
     members: dict[str, list[TrialPlan]] = {}
     identities: dict[str, dict[str, Any]] = {}
     corrupt: dict[str, Params] = {}
+    controls: dict[str, dict[str, Any]] = {}
     for i, combo in enumerate(expand_grid(grid) if grid else [{}]):
         label = f"sweep.grid ({trial_label(combo)})"
         p = _override(base, combo, label)
@@ -265,12 +279,18 @@ def make_plan(
             manifests[data_dir] = read_manifest(data_dir)
         manifest = manifests[data_dir]
         p = _override(p, {**fixed, "data.dir": str(data_dir)}, label)
-        p = _override(p, scale_for_fraction(p), label)
+        p = planned(p, label)
         ident = pretrain_identity(p, manifest, device, code)
         pkey = short_key(ident)
         ckey = short_key(corrupt_identity(p, manifest))
         p = _override(p, {"robustness.dir": str(storage / "corrupt" / ckey)}, label)
-        t = TrialPlan(i, trial_id(i, combo), combo, p, pkey, ckey)
+        xkey = None
+        if has_control(p):
+            xident = control_identity(p, pkey, device, control_code)
+            xkey = short_key(xident)
+            controls.setdefault(xkey, {"params": p, "pretrain_key": pkey, "identity": xident, "trials": []})
+            controls[xkey]["trials"].append(trial_id(i, combo))
+        t = TrialPlan(i, trial_id(i, combo), combo, p, pkey, ckey, xkey)
         trials.append(t)
         members.setdefault(pkey, []).append(t)
         identities[pkey] = ident
@@ -283,7 +303,13 @@ def make_plan(
         norm = {"pretrain.checkpoint_epochs": epochs, "reparam.epoch": epochs[0]}
         gp = _override(ts[0].params, norm, f"pretraining group {key}")
         groups[key] = PretrainGroup(key, gp, epochs, [t.tid for t in ts], identities[key])
-    return SweepPlan(base, grid, storage, trials, groups, corrupt)
+    return SweepPlan(base, grid, storage, trials, groups, corrupt, controls)
+
+
+def has_control(params: Params) -> bool:
+    from stages.control import disabled_reason
+
+    return disabled_reason(params) is None
 
 
 def default_name(params_file: Path, base: Params) -> str:
@@ -323,8 +349,18 @@ def plan_spec(plan: SweepPlan, *, name: str, share_pretraining: bool) -> dict[st
                 "params": t.params.model_dump(mode="json"),
                 "pretrain_key": t.pretrain_key,
                 "corrupt_key": t.corrupt_key,
+                "control_key": t.control_key,
             }
             for t in plan.trials
+        },
+        "controls": {
+            k: {
+                "params": c["params"].model_dump(mode="json"),
+                "pretrain_key": c["pretrain_key"],
+                "trials": c["trials"],
+                "identity": c["identity"],
+            }
+            for k, c in plan.controls.items()
         },
         "groups": {
             k: {

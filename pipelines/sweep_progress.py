@@ -33,10 +33,19 @@ class SweepProgress(tune.Callback):
             text = f"reparameterized (max |logit diff| {_f(result, 'max_abs_logit_diff'):.2e})"
         elif stage == "finetune":
             text = f"finetune epoch {result.get('finetune_epoch')} val_acc {_f(result, 'val_acc'):.4f}"
+        elif stage == "control":
+            text = f"control fine-tuned (test acc {_f(result, 'control_test_acc'):.4f})"
         elif stage == "done":
+            d = "tcnn_minus_control_clean_accuracy"
+            vs = (
+                f" T-CNN-control {100 * _f(result, d):+.2f} pp [{100 * _f(result, d + '_ci_low'):+.2f}, "
+                f"{100 * _f(result, d + '_ci_high'):+.2f}]"
+                if d in result
+                else ""
+            )
             text = (
-                f"done: CNN {_f(result, 'cnn_clean_accuracy'):.4f} T-CNN {_f(result, 'tcnn_clean_accuracy'):.4f} "
-                f"mCA {_f(result, 'tcnn_mca'):.4f} mCE {_f(result, 'tcnn_mce'):.3f}"
+                f"done: CNN {_f(result, 'cnn_clean_accuracy'):.4f} T-CNN {_f(result, 'tcnn_clean_accuracy'):.4f}"
+                f"{vs} mCA {_f(result, 'tcnn_mca'):.4f} mCE {_f(result, 'tcnn_mce'):.3f}"
             )
         else:
             return

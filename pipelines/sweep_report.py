@@ -2,7 +2,8 @@
 
 What a reader of a sweep wants on one page, also logged on the sweep's parent MLflow run: the model-kind
 comparison against one common baseline (when the grid varies ``model``; :func:`sweep_summary.kind_rows`),
-every trial's headline numbers (:data:`sweep_summary.METRIC_COLUMNS`), and the sweep's plots. Tables are
+every configuration's mean over seeds with its t-interval (when the grid varies ``seed``), every trial's
+headline numbers (:data:`TRIAL_COLUMNS` of :data:`sweep_summary.METRIC_COLUMNS`), and the sweep's plots. Tables are
 rendered by pandas (``DataFrame.to_html``, escaped); images are base64 PNGs so the file travels alone.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from core.atomic import atomic_write
-from pipelines.sweep_summary import METRIC_COLUMNS
+from pipelines.sweep_summary import METRIC_COLUMNS, SEED_METRICS
 
 REPORT = "report.html"
 STYLE = (
@@ -23,6 +24,20 @@ STYLE = (
     "td,th{border:1px solid #bbb;padding:3px 8px;text-align:right}th{background:#eee}img{max-width:100%}"
 )
 PERCENT = ("clean_accuracy", "mca", "mce", "relative_mce")
+#: The per-trial numbers shown in the report (summary.parquet holds every :data:`METRIC_COLUMNS` name).
+TRIAL_COLUMNS = tuple(
+    c
+    for c in (
+        *(f"{m}_{k}" for k in ("clean_accuracy", "mca", "mce") for m in ("cnn", "control", "tcnn")),
+        *(
+            f"tcnn_minus_control_{k}{e}"
+            for k in ("clean_accuracy", "mca")
+            for e in ("", "_ci_low", "_ci_high")
+        ),
+        "equivalence_error",
+    )
+    if c in METRIC_COLUMNS
+)
 
 
 def _pct(v: Any) -> str:
@@ -62,13 +77,31 @@ def trials_table(rows: list[dict[str, Any]], grid_keys: list[str]) -> str:
     for r in rows:
         rec = {"trial": r["trial"], **{k: _num(r.get(k)) for k in grid_keys}, "status": r["status"]}
         rec.update({k: _num(r.get(k)) for k in ("pretrain_epochs", "t1", "finetune_epochs")})
-        rec.update({k: _num(r.get(k)) for k in METRIC_COLUMNS})
+        rec.update({k: _num(r.get(k)) for k in TRIAL_COLUMNS})
+        recs.append(rec)
+    return _frame_html(recs)
+
+
+def seeds_table(srows: list[dict[str, Any]]) -> str:
+    """Per configuration: mean over seeds [95% t-interval] of each model's accuracies and of the differences."""
+    recs = []
+    for s in srows:
+        rec: dict[str, Any] = {"config": s["config"], "seeds": s["n_seeds"]}
+        for m in SEED_METRICS:
+            mean, lo, hi = s.get(f"{m}_mean"), s.get(f"{m}_ci_low"), s.get(f"{m}_ci_high")
+            rec[f"{m} (%)"] = (
+                "-" if mean is None else _pct(mean) + ("" if lo is None else f" [{_pct(lo)}, {_pct(hi)}]")
+            )
         recs.append(rec)
     return _frame_html(recs)
 
 
 def render(
-    spec: dict[str, Any], rows: list[dict[str, Any]], krows: list[dict[str, Any]], plots: list[Path]
+    spec: dict[str, Any],
+    rows: list[dict[str, Any]],
+    krows: list[dict[str, Any]],
+    plots: list[Path],
+    srows: list[dict[str, Any]] | None = None,
 ) -> str:
     """The HTML text of the report."""
     parts = [
@@ -83,6 +116,13 @@ def render(
             f"<p>Corruption errors of every kind normalised by one baseline: {html.escape(krows[0]['baseline'])}."
             "</p>",
             kinds_table(krows),
+        ]
+    if srows:
+        parts += [
+            "<h2>Over seeds</h2>",
+            "<p>Per configuration: mean over seeds [95% Student t-interval over seeds]; <code>tcnn_minus_control</code> "
+            "is what attention buys (T-CNN minus the matched control), in percentage points.</p>",
+            seeds_table(srows),
         ]
     parts += ["<h2>Trials</h2>", trials_table(rows, list(spec["grid"]))]
     for p in plots:
@@ -99,7 +139,8 @@ def write_report(
     krows: list[dict[str, Any]],
     plots: list[Path],
     sweep_dir: Path,
+    srows: list[dict[str, Any]] | None = None,
 ) -> Path:
     """``<sweep_dir>/report.html`` (atomic)."""
-    text = render(spec, rows, krows, plots)
+    text = render(spec, rows, krows, plots, srows)
     return atomic_write(sweep_dir / REPORT, lambda fh: fh.write(text.encode()), shared=True)

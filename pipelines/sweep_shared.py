@@ -1,4 +1,5 @@
-"""Work that sweep trials share: one pretraining run per group, one corrupted test set per sweep input.
+"""Work that sweep trials share: one pretraining run per group, one matched control per (pretraining, t1,
+fine-tuning recipe), one corrupted test set per sweep input.
 
 Both live in content-addressed directories under ``sweep.storage`` (see pipelines/sweep_plan.py) and are
 built under an exclusive ``fcntl.flock`` on a lock file in that directory: the first trial (or driver) to
@@ -166,21 +167,48 @@ def ensure_pretraining(
         return directory, True, metrics
 
 
-def link_pretraining(root: Path, group_dir: Path) -> None:
-    """``root/runs/pretrain`` -> the group's ``runs/pretrain`` (a relative symlink, replaced atomically)."""
+def link_pretraining(root: Path, group_dir: Path, stage: str = "pretrain") -> None:
+    """``root/runs/<stage>`` -> the shared ``<group_dir>/runs/<stage>`` (a relative symlink, replaced
+    atomically): the shared pretraining, or the shared control."""
     runs = root / "runs"
     runs.mkdir(parents=True, exist_ok=True)
-    target = os.path.relpath(group_dir / "runs" / "pretrain", runs)
-    link = runs / "pretrain"
+    target = os.path.relpath(group_dir / "runs" / stage, runs)
+    link = runs / stage
     if link.is_symlink() and os.readlink(link) == target:
         return
     if link.exists() and not link.is_symlink():
-        raise RuntimeError(f"{link} exists and is not a link to the shared pretraining")
-    tmp = runs / f".pretrain.{os.getpid()}.link"
+        raise RuntimeError(f"{link} exists and is not a link to the shared {stage}")
+    tmp = runs / f".{stage}.{os.getpid()}.link"
     with contextlib.suppress(FileNotFoundError):
         tmp.unlink()
     os.symlink(target, tmp)
     os.replace(tmp, link)
+
+
+def ensure_control(
+    spec: dict[str, Any], key: str, *, trial: str, log: Any = None
+) -> tuple[Path, bool, dict[str, Any]]:
+    """Make ``<storage>/control/<key>`` hold the finished matched control of its trials (run by the control
+    stage in that directory, on the shared pretraining, which must exist). Returns (directory, whether this
+    call trained it, the control stage's metrics)."""
+    from stages import control
+
+    entry = spec["controls"][key]
+    directory = Path(spec["storage"]) / "control" / key
+    with locked(directory, f"control {key}", log):
+        done = directory / COMPLETE
+        if done.is_file() and control.checkpoint_path(directory).is_file():
+            return directory, False, json.loads(done.read_text())["metrics"]
+        link_pretraining(directory, Path(spec["storage"]) / "pretrain" / entry["pretrain_key"])
+        atomic_write_json(directory / "inputs.json", entry["identity"])
+        _say(log, f"control {key}: fine-tuning the CNN without attention for trials {entry['trials']}")
+        t0 = time.time()
+        metrics = control.run(validate_params(entry["params"]), root=directory)
+        atomic_write_json(done, {"finished": time.time(), "metrics": metrics})
+        record = {"sweep": spec["name"], "trial": trial, "key": key, "host": socket.gethostname(),
+                  "started": t0, "finished": time.time()}  # fmt: skip
+        append_line(directory / EXECUTIONS, record)
+        return directory, True, metrics
 
 
 def ensure_corrupted(storage: Path, key: str, params: Params, log: Any = None) -> dict[str, Any]:

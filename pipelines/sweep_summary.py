@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from core.atomic import atomic_write
+from pipelines.sweep_plan import SHORT
 from pipelines.sweep_trial import HEADLINE
 
 T1, ALPHA, LAMBDA, FRACTION = (
@@ -39,6 +40,17 @@ T1, ALPHA, LAMBDA, FRACTION = (
     "data.sample_fraction",
 )
 METRIC_COLUMNS = HEADLINE  # the numbers every trial reports last
+SEED = "seed"
+#: The metrics aggregated over seeds (mean and t-interval per configuration): each model's headline numbers
+#: and what attention buys (T-CNN - control) and the T-CNN vs the pretrained CNN.
+SEED_METRICS = tuple(
+    [f"{m}_{k}" for m in ("cnn", "control", "tcnn") for k in ("clean_accuracy", "mca", "mce", "relative_mce")]
+    + [
+        f"{d}_{k}"
+        for d in ("tcnn_minus_control", "tcnn_minus_cnn")
+        for k in ("clean_accuracy", "mca", "mce", "relative_mce")
+    ]
+)
 
 
 def _json(path: Path) -> Any:
@@ -73,11 +85,8 @@ def summary_rows(spec: dict[str, Any], status: dict[str, str] | None = None) -> 
         for col in METRIC_COLUMNS:
             value = head.get(col)
             row[col] = float(value) if value is not None else None
-        row["max_abs_logit_diff"] = (
-            row["max_abs_logit_diff"]
-            if row["max_abs_logit_diff"] is not None
-            else eq.get("max_abs_logit_diff")
-        )
+        if row["equivalence_error"] is None:
+            row["equivalence_error"] = eq.get("max_abs_logit_diff")
         row["pretrain_key"] = t["pretrain_key"] if spec.get("share_pretraining", True) else None
         row["trial_dir"] = str(root)
         row["mlflow_run_id"] = (done or {}).get("mlflow_run_id") or (_json(root / "trial.json") or {}).get(
@@ -99,6 +108,109 @@ def write_table(rows: list[dict[str, Any]], path: Path) -> Path:
     names = list(rows[0]) if rows else ["trial"]
     table = pa.table({n: _column([r.get(n) for r in rows]) for n in names})
     return atomic_write(path, lambda fh: pq.write_table(table, fh), shared=True)
+
+
+# ------------------------------------------------------------------------------------------ seeds
+
+
+def config_label(row: dict[str, Any], keys: list[str]) -> str:
+    """The configuration of a trial without its seed, in short form (``stride_mode=s1 alpha=0.5``)."""
+    return " ".join(f"{SHORT.get(k, k)}={json.dumps(row.get(k)) if isinstance(row.get(k), dict | list) else row.get(k)}"
+                    for k in keys) or "(base config)"  # fmt: skip
+
+
+def seed_rows(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """When the grid varies ``seed``: one row per configuration (the other grid keys) with, for every
+    :data:`SEED_METRICS` name, the mean over its finished seeds and Student's 95% t-interval
+    (``<metric>_mean`` / ``_ci_low`` / ``_ci_high``; core.intervals.t_interval) and ``n_seeds``. [] otherwise."""
+    from core.intervals import t_interval
+
+    if SEED not in spec["grid"]:
+        return []
+    keys = [k for k in spec["grid"] if k != SEED]
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in _finished(rows):
+        groups.setdefault(config_label(r, keys), []).append(r)
+    out = []
+    for label, members in groups.items():
+        row: dict[str, Any] = {"config": label, **{k: members[0].get(k) for k in keys}}
+        row["n_seeds"] = len(members)
+        row["seeds"] = json.dumps(sorted(m.get(SEED) for m in members))
+        for metric in SEED_METRICS:
+            ci = t_interval([m.get(metric) for m in members])
+            row[f"{metric}_mean"], row[f"{metric}_ci_low"], row[f"{metric}_ci_high"] = (
+                ci["mean"],
+                ci["low"],
+                ci["high"],
+            )
+        out.append(row)
+    return out
+
+
+def with_seed_columns(
+    rows: list[dict[str, Any]], srows: list[dict[str, Any]], spec: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """The per-trial rows with their configuration's seed aggregate appended (``config`` and the
+    ``<metric>_mean`` / ``_ci_low`` / ``_ci_high`` columns of :func:`seed_rows`), for summary.parquet."""
+    if not srows:
+        return rows
+    keys = [k for k in spec["grid"] if k != SEED]
+    by = {s["config"]: s for s in srows}
+    out = []
+    for r in rows:
+        agg = by.get(config_label(r, keys), {})
+        extra = {
+            k: v
+            for k, v in agg.items()
+            if k == "config" or k == "n_seeds" or k.endswith(("_mean", "_ci_low", "_ci_high"))
+        }
+        out.append({**r, "config": config_label(r, keys), **extra})
+    return out
+
+
+def write_seeds(srows: list[dict[str, Any]], sweep_dir: Path) -> list[Path]:
+    """``seeds.parquet`` (one row per configuration) and ``seeds.md`` in the sweep directory (atomic)."""
+    text = seeds_markdown(srows)
+    return [
+        write_table(srows, sweep_dir / "seeds.parquet"),
+        atomic_write(sweep_dir / "seeds.md", lambda fh: fh.write(text.encode()), shared=True),
+    ]
+
+
+def seed_metrics(srows: list[dict[str, Any]]) -> dict[str, float]:
+    """The seed aggregates as parent-run metrics: ``seeds/<config>/<metric>_{mean,ci_low,ci_high}``."""
+    import re
+
+    out: dict[str, float] = {}
+    for s in srows:
+        label = re.sub(r"[^A-Za-z0-9_.\-/ ]+", "_", s["config"]).replace(" ", "/")
+        for k, v in s.items():
+            if k.endswith(("_mean", "_ci_low", "_ci_high")) and isinstance(v, int | float):
+                out[f"seeds/{label}/{k}"] = float(v)
+    return out
+
+
+def seeds_markdown(srows: list[dict[str, Any]]) -> str:
+    """The seed aggregate as a Markdown table: mean [95% t-interval] in % (differences in pp)."""
+
+    def cell(s: dict[str, Any], m: str) -> str:
+        mean, lo, hi = s.get(f"{m}_mean"), s.get(f"{m}_ci_low"), s.get(f"{m}_ci_high")
+        if mean is None:
+            return "-"
+        sign = "+" if "_minus_" in m else ""
+        return f"{100 * mean:{sign}.2f}" + (
+            f" [{100 * lo:{sign}.2f}, {100 * hi:{sign}.2f}]" if lo is not None else ""
+        )
+
+    cols = ["tcnn_clean_accuracy", "control_clean_accuracy", "tcnn_minus_control_clean_accuracy", "tcnn_mca",
+            "control_mca", "tcnn_minus_control_mca", "tcnn_minus_control_mce", "tcnn_minus_cnn_mce"]  # fmt: skip
+    lines = ["| config | seeds | " + " | ".join(cols) + " |", "|---|---:|" + "---:|" * len(cols)]
+    for s in srows:
+        lines.append(f"| {s['config']} | {s['n_seeds']} | " + " | ".join(cell(s, c) for c in cols) + " |")
+    return (
+        "\n".join(lines)
+        + "\n\nMean over seeds [95% t-interval over seeds], in %; `_minus_` columns are differences in pp.\n"
+    )
 
 
 # ----------------------------------------------------------------------------------------------- plots
@@ -321,21 +433,22 @@ def write_kinds(krows: list[dict[str, Any]], sweep_dir: Path) -> list[Path]:
 
 
 def _scales(spec: dict[str, Any]) -> bool:
-    return bool(spec["base"]["sweep"].get("fraction_scales_epochs", True))
+    return bool(spec["base"]["data"].get("fraction_scales_epochs", True))
 
 
 def format_table(rows: list[dict[str, Any]], grid_keys: list[str]) -> str:
-    """A compact text table for the terminal."""
-    head = ["trial", *grid_keys, "status", "cnn", "tcnn", "tcnn_mca", "tcnn_mce"]
+    """A compact text table for the terminal (clean accuracies, T-CNN - control, T-CNN mCA / mCE)."""
+    cols = ("cnn_clean_accuracy", "control_clean_accuracy", "tcnn_clean_accuracy",
+            "tcnn_minus_control_clean_accuracy", "tcnn_mca", "tcnn_mce")  # fmt: skip
+    head = ["trial", *grid_keys, "status", "cnn", "control", "tcnn", "tcnn-control", "tcnn_mca", "tcnn_mce"]
     lines = [head]
+
+    def f(v: Any) -> str:
+        return "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
+
     for r in rows:
-
-        def f(v: Any) -> str:
-            return "-" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)
-
         lines.append(
-            [r["trial"], *(f(r.get(k)) for k in grid_keys), r["status"]]
-            + [f(r.get(k)) for k in ("cnn_clean_accuracy", "tcnn_clean_accuracy", "tcnn_mca", "tcnn_mce")]
+            [r["trial"], *(f(r.get(k)) for k in grid_keys), r["status"]] + [f(r.get(k)) for k in cols]
         )
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines)

@@ -1,8 +1,10 @@
-"""One sweep trial: the DVC chain's stage functions (reparam -> finetune -> evaluate) in the trial's directory.
+"""One sweep trial: the DVC chain's stage functions (reparam -> finetune -> control -> evaluate) in the trial's
+directory.
 
 Runs inside a Ray Tune function trainable. Its directory ``<sweep>/trials/<tid>/`` is the ``root`` of every
-stage call (runs/..., results/...), with ``runs/pretrain`` a link to the shared pretraining of its group
-(pipelines/sweep_shared.py) and robustness.dir the sweep's shared corrupted sets. No stage logic lives here.
+stage call (runs/..., results/...), with ``runs/pretrain`` a link to the shared pretraining of its group, ``runs/control`` a link to the shared
+matched control (pipelines/sweep_shared.py) and robustness.dir the sweep's shared corrupted sets. No stage
+logic lives here.
 
 Resume and exactly-once:
 - ``trial.json`` (and every Tune checkpoint) holds the trial's MLflow run id; a restarted trial (Tune retry,
@@ -37,26 +39,20 @@ from pipelines.sweep_plan import trial_label, trial_params
 from pipelines.sweep_shared import (
     SWEEP_PRETRAIN_RUNS,
     append_line,
+    ensure_control,
     ensure_pretraining,
     link_pretraining,
     locked,
 )
+from stages._cli import SUMMARY_METRICS, summary_metrics
 
 STATE = "trial.json"
 DONE = "done.json"
 STAGE_LOG = "stages.jsonl"
 LOG = "trial.log"
-#: The headline numbers every trial reports last (also the summary table's columns).
-HEADLINE = (
-    "cnn_clean_accuracy",
-    "tcnn_clean_accuracy",
-    "cnn_mca",
-    "tcnn_mca",
-    "cnn_mce",
-    "tcnn_mce",
-    "tcnn_relative_mce",
-    "max_abs_logit_diff",
-)
+#: The headline numbers every trial reports last (also the summary table's columns): the DVC path's summary
+#: metrics, under the same names (stages._cli.SUMMARY_METRICS).
+HEADLINE = tuple(SUMMARY_METRICS)
 
 
 def trial_dir(spec: dict[str, Any], tid: str) -> Path:
@@ -77,12 +73,9 @@ def numeric(obj: Any, prefix: str = "") -> dict[str, float]:
     return {f"{prefix}{k}": v for k, v in numeric_metrics(obj).items()}
 
 
-def headline(evaluate: dict[str, Any], reparam: dict[str, Any]) -> dict[str, float]:
-    flat = numeric(evaluate)
-    out = {k: flat[k] for k in HEADLINE if k in flat}
-    if reparam.get("max_abs_logit_diff") is not None:
-        out["max_abs_logit_diff"] = float(reparam["max_abs_logit_diff"])
-    return out
+def headline(root: Path) -> dict[str, float]:
+    """The trial's :data:`HEADLINE` numbers, read from its stage outputs as the DVC path reads them."""
+    return summary_metrics(root)
 
 
 # ------------------------------------------------------------------------------------------- tracking
@@ -267,7 +260,7 @@ class TrialRunner:
             return self._run()
 
     def _run(self) -> dict[str, Any]:
-        from stages import evaluate, finetune, pretrain, reparam
+        from stages import control, evaluate, finetune, pretrain, reparam
 
         state = read_json(self.root / STATE) or {}
         done = read_json(self.root / DONE)
@@ -293,7 +286,7 @@ class TrialRunner:
         report = Reporter(self.tid, run_id, self.report_enabled)
         report({"stage": "start", "attempt": attempts})
         try:
-            done = self._stages(tracker, report, pretrain, reparam, finetune, evaluate)
+            done = self._stages(tracker, report, pretrain, reparam, finetune, control, evaluate)
             tracker.end("FINISHED")
         except BaseException:
             tracker.end("FAILED")
@@ -302,7 +295,14 @@ class TrialRunner:
         return done
 
     def _stages(
-        self, tracker: Any, report: Reporter, pretrain: Any, reparam: Any, finetune: Any, evaluate: Any
+        self,
+        tracker: Any,
+        report: Reporter,
+        pretrain: Any,
+        reparam: Any,
+        finetune: Any,
+        control: Any,
+        evaluate: Any,
     ) -> dict:
         p, root, t = self.params, self.root, self.spec["trials"][self.tid]
         if self.spec["share_pretraining"]:
@@ -357,16 +357,31 @@ class TrialRunner:
             return metrics
 
         ft, _ = self.stage("finetune", tune_)
+        if self.spec["share_pretraining"] and t.get("control_key"):
+            cdir, executed, ctl = ensure_control(self.spec, t["control_key"], trial=self.tid)
+            link_pretraining(root, cdir, "control")
+            if executed:
+                append_line(
+                    root / STAGE_LOG,
+                    {"stage": "control", "shared": t["control_key"], "finished": time.time()},
+                )
+        else:
+            ctl, _ = self.stage("control", lambda: control.run(p, root=root))
+        report({"stage": "control", "control_test_acc": ctl.get("test_acc", 0.0)})
         ev, _ = self.stage("evaluate", lambda: evaluate.run(p, root=root))
 
         tracker.log_metrics(numeric(pre, "pretrain_"))
         tracker.log_metrics(numeric(rep, "reparam_"))
         tracker.log_metrics(numeric(ft, "finetune_"))
+        tracker.log_metrics(numeric(ctl, "control_"))
         tracker.log_metrics(numeric(ev))
+        tracker.log_metrics(headline(root))  # the names the DVC path logs on its parent run
         for rel in (
             "runs/reparam/equivalence.json",
             "runs/finetune/metrics.json",
             "runs/finetune/history.csv",
+            "runs/control/metrics.json",
+            "runs/control/history.csv",
             "results/metrics.json",
             "results/robustness.parquet",
         ):
@@ -376,7 +391,7 @@ class TrialRunner:
             "tid": self.tid,
             "label": trial_label(t["overrides"]),
             "overrides": t["overrides"],
-            "headline": headline(ev, rep),
+            "headline": headline(root),
             "pretrain_key": t["pretrain_key"] if self.spec["share_pretraining"] else None,
             "mlflow_run_id": tracker.run_id,
             "finished": time.time(),

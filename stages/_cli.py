@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from core.config import ConfigError, Params, load_params
+from core.config import ConfigError, Params, load_params, plan_epochs
 from core.importers import DataError
 
 #: Files (or directories) each stage logs to MLflow as artifacts when they exist (relative to the repo
@@ -28,9 +28,14 @@ STAGE_ARTIFACTS: dict[str, tuple[str | tuple[str, str], ...]] = {
         "runs/finetune/metrics.json", "runs/finetune/history.json", "runs/finetune/history.csv",
         "runs/finetune/gpsa.csv", ("runs/finetune/tcnn-final.pt", "checkpoints"),
     ),
+    "control": (
+        "runs/control/metrics.json", "runs/control/history.json", "runs/control/history.csv",
+        ("runs/control/model/control-final.pt", "checkpoints"),
+    ),
     "corrupt": ("{robustness_dir}/index.json", "{robustness_dir}/contact_sheet.png"),
     "evaluate": (
-        "results/robustness.parquet", "results/metrics.json", "results/summary.json", "results/baseline.json",
+        "results/robustness.parquet", "results/per_image.parquet", "results/metrics.json",
+        "results/summary.json", "results/baseline.json",
         "results/robustness_by_category.csv", "results/robustness_by_severity.csv",
         ("results/plots/robustness_gain.png", "plots"),
     ),
@@ -45,10 +50,20 @@ SUMMARY_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "equivalence_error": ("runs/reparam/equivalence.json", ("max_abs_logit_diff",)),
     "equivalence_mean_abs_logit_diff": ("runs/reparam/equivalence.json", ("mean_abs_logit_diff",)),
     "equivalence_prediction_agreement": ("runs/reparam/equivalence.json", ("prediction_agreement",)),
+    "control_test_acc": ("runs/control/metrics.json", ("test_acc",)),
     **{
         f"{model}_{name}": ("results/metrics.json", (model, name))
-        for model in ("cnn", "tcnn")
+        for model in ("cnn", "control", "tcnn")
         for name in ("clean_accuracy", "mca", "mce", "relative_mce")
+    },
+    # What attention buys (T-CNN - control) and the T-CNN vs the pretrained CNN, with 95% interval ends
+    # (control - pretrained CNN stays in results/metrics.json and the evaluate run: the parent keeps the two
+    # differences a reader compares runs by).
+    **{
+        f"{b}_minus_{a}_{name}{end}": ("results/metrics.json", ("comparisons", f"{b}-{a}", name, field))
+        for a, b in (("control", "tcnn"), ("cnn", "tcnn"))
+        for name in ("clean_accuracy", "mca", "mce", "relative_mce")
+        for end, field in (("", "diff"), ("_ci_low", "low"), ("_ci_high", "high"))
     },
 }
 
@@ -56,6 +71,7 @@ SUMMARY_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
 STAGE_MODELS: dict[str, tuple[str, str]] = {
     "pretrain": ("runs/pretrain/cnn-final.pt", "cnn"),
     "finetune": ("runs/finetune/tcnn-final.pt", "tcnn"),
+    "control": ("runs/control/model/control-final.pt", "control"),
 }
 
 
@@ -190,16 +206,16 @@ def _log_outputs(tracker: Any, params: Params, name: str, metrics: Any, root: Pa
     if name == "reparam" and "max_abs_logit_diff" in final:
         final["equivalence_error"] = final["max_abs_logit_diff"]
     tracker.log_metrics(final)
-    if name in ("pretrain", "finetune"):
+    if name in ("pretrain", "finetune", "control"):
         log_history(
             tracker,
             root / "runs" / name / "history.json",
-            "finetune_epoch" if name == "finetune" else "epoch",
+            "epoch" if name == "pretrain" else "finetune_epoch",
         )
     data_dir = root / params.data.dir
     if name == "prepare":
         log_dataset_dir(tracker, params.data.name, data_dir, "prepared")
-    elif name in ("pretrain", "finetune"):
+    elif name in ("pretrain", "finetune", "control"):
         log_dataset_dir(tracker, params.data.name, data_dir, "train")
     elif name == "evaluate":
         log_dataset_dir(tracker, params.data.name, data_dir, "test")
@@ -229,7 +245,7 @@ def stage_main(name: str, run: Callable[[Params], object], argv: list[str] | Non
     )
     args = parser.parse_args(argv)
     try:
-        params = load_params(args.params, args.set)
+        params = plan_epochs(load_params(args.params, args.set))  # epochs x 1/f, as the sweeps plan them
         with _tracked(params, name) as tracker:
             metrics = run(params)
             _log_outputs(tracker, params, name, metrics)

@@ -105,6 +105,23 @@ def extra_state(spec: dict[str, Any], ds: Datasets, image_size: int | None) -> d
     }
 
 
+def carry(ckpt: dict[str, Any], state: dict[str, dict[str, Any]], moved: dict[str, str]) -> dict[str, Any]:
+    """What "continue" fine-tuning resumes from (000 Table 3): a pretraining checkpoint's per-parameter
+    optimizer state (keyed by the fine-tuned network's parameter names), scheduler, step, RNG states."""
+    return {
+        "optimizer_state": state,
+        "param_groups": [
+            {k: v for k, v in g.items() if k != "params"} for g in ckpt["optimizer"]["param_groups"]
+        ],
+        "scheduler": ckpt["scheduler"],
+        "epoch": int(ckpt["epoch"]),
+        "global_step": int(ckpt["global_step"]),
+        "steps_per_epoch": int(ckpt.get("steps_per_epoch", 0)),
+        "rng": ckpt["rng"],
+        "moved": moved,
+    }
+
+
 def cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
 

@@ -1,19 +1,30 @@
-"""Stage `evaluate`: accuracy of the CNN and the T-CNN on the clean and corrupted test sets.
+"""Stage `evaluate`: accuracy of the pretrained CNN, the matched control and the T-CNN, clean and corrupted,
+and every difference between them with a paired bootstrap interval.
 
     python -m stages.evaluate [--params params.yaml]
 
-Reads the corrupt stage's sets (``robustness.dir``), the pretrained CNN (``runs/pretrain/cnn-final.pt``)
-and the fine-tuned T-CNN (``runs/finetune/tcnn-final.pt``), and writes under ``results/``:
+Models (names used in tables, metrics and MLflow): ``cnn`` = the pretrained CNN (``runs/pretrain/cnn-final.pt``),
+``control`` = the same checkpoint fine-tuned with the T-CNN's recipe without attention
+(``runs/control/model/control-final.pt``; absent when the control is off) and ``tcnn`` = the fine-tuned
+model of ``model.kind`` (``runs/finetune/tcnn-final.pt``). All are evaluated at one resolution
+(`Params.test_image_size`) on the full clean test split and on the corrupt stage's sets
+(``robustness.dir``). Writes under ``results/``:
 
 - ``robustness.parquet``: one row per model x corruption x severity (clean row: severity 0) with n,
   correct, accuracy, error and the meaningful flag (core.robustness.TABLE_SCHEMA);
-- ``baseline.json``: the frozen baseline's 19 x 5 errors and clean error (``robustness.baseline``: "cnn" =
-  this run's own pretrained CNN, the default; "alexnet" = AlexNet's ImageNet-C table; or a baseline JSON);
+- ``per_image.parquet``: the correctness of every model on every image of every set
+  (core.robustness.PER_IMAGE_SCHEMA), what the intervals resample;
+- ``baseline.json``: the frozen CE baseline's 19 x 5 errors and clean error (``robustness.baseline``: "cnn" =
+  this run's pretrained CNN, the default, one normaliser for every model; "alexnet" = AlexNet's ImageNet-C
+  table; or a baseline JSON);
 - ``metrics.json``: per model the flat robustness metrics (clean accuracy, mCA, mCE, relative mCE, per
-  category / severity / corruption) — DVC metrics;
+  category / severity / corruption); ``comparisons``: T-CNN minus control (what attention buys), T-CNN minus
+  the pretrained CNN and control minus the pretrained CNN, each metric with its paired-bootstrap 95%
+  interval over test images (``robustness.bootstrap`` replicates, seeded by ``seed``; core.intervals) and
+  the relative gain per category / severity (000 Fig. 3) -- DVC metrics;
 - ``robustness_by_category.csv`` / ``robustness_by_severity.csv``: mean corruption accuracy per group and
-  model (DVC plots), and ``plots/robustness_gain.png``: the T-CNN's relative improvement over the CNN per
-  category and severity (000 Fig. 3).
+  model (DVC plots), and ``plots/robustness_gain.png``: the T-CNN's relative improvement over the control and
+  over the pretrained CNN per category and severity, with intervals (000 Fig. 3).
 """
 
 from __future__ import annotations
@@ -30,23 +41,43 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from core.atomic import atomic_write
 from core.checkpoint import CheckpointError, atomic_write_json, atomic_write_text, load_model
 from core.config import Params
-from core.corruptions import read_set, set_path
-from core.data import DataError, read_manifest
-from core.plots import plot_relative_improvement
-from core.robustness import Baseline, evaluate_model, flat_metrics, summarize
+from core.data import DataError, load_split, read_manifest
+from core.intervals import CONFIDENCE
+from core.plots import plot_gains
+from core.robustness import (
+    Baseline,
+    bootstrap_metrics,
+    comparisons,
+    evaluate_model,
+    flat_metrics,
+    summarize,
+)
+from core.train import derive_seed
 from stages._cli import StageError, stage_main
 
 NAME = "evaluate"
 
 
-def model_paths(root: Path) -> dict[str, Path]:
-    """The models the default chain compares, by the names used in tables, metrics and MLflow."""
-    return {
+#: The differences evaluate reports (b - a for (a, b)): first what attention buys (T-CNN vs its matched
+#: control), then each fine-tuned model vs the pretrained CNN.
+PAIRS = (("control", "tcnn"), ("cnn", "tcnn"), ("cnn", "control"))
+
+
+def model_paths(params: Params, root: Path) -> dict[str, Path]:
+    """The checkpoints of the models this config compares, in report order (see the module docstring)."""
+    from stages import control
+
+    paths = {
         "cnn": root / "runs" / "pretrain" / "cnn-final.pt",
+        "control": control.checkpoint_path(root),
         "tcnn": root / "runs" / "finetune" / "tcnn-final.pt",
     }
+    if control.disabled_reason(params) is not None:
+        del paths["control"]
+    return paths
 
 
 def resolve_baseline(spec: str, table: pa.Table) -> Baseline:
@@ -68,6 +99,13 @@ def _group_csv(summaries: dict[str, dict[str, Any]], key: str) -> str:
         vals = [summaries[m][key].get(g, {}).get("accuracy") for m in summaries]
         lines.append(",".join([str(g), *("" if v is None else f"{v:.6f}" for v in vals)]))
     return "\n".join(lines) + "\n"
+
+
+LABELS = {"cnn": "pretrained CNN", "control": "control (CNN fine-tuned, no attention)", "tcnn": "T-CNN"}
+
+
+def write_parquet(table: pa.Table, path: Path) -> None:
+    atomic_write(path, lambda fh: pq.write_table(table, fh))
 
 
 class _ChannelsLast(torch.nn.Module):
@@ -122,50 +160,48 @@ def inference_model(model: torch.nn.Module, example: torch.Tensor, *, tol: float
     return best[2], best[1]
 
 
-def evaluate_models(params: Params, root: Path, paths: dict[str, Path]) -> pa.Table:
+def evaluate_models(params: Params, root: Path, paths: dict[str, Path]) -> tuple[pa.Table, pa.Table]:
+    """(counts table, per-image table) of every model on the full clean test split and the corrupted sets,
+    all at `Params.test_image_size`."""
     rob = params.robustness
     cdir = root / rob.dir
     try:
         manifest = read_manifest(root / params.data.dir)
-        clean = read_set(set_path(cdir, "clean", 0))
+        images, labels = load_split(root / params.data.dir, "test")
     except (DataError, FileNotFoundError, ValueError) as err:
         raise StageError(str(err)) from None
+    size = params.test_image_size()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tables = []
+    tables, per_image = [], []
     for name, path in paths.items():
         try:
             model = load_model(path, map_location=device)
         except CheckpointError as err:
             raise StageError(str(err)) from None
-        size = params.finetune.image_size if name != "cnn" else None
         if device.type == "cpu":
-            example = _example_batch(clean.images, manifest, size, min(rob.batch_size, len(clean.images)))
+            example = _example_batch(images, manifest, size, min(rob.batch_size, len(images)))
             model, kind = inference_model(model, example)
         else:
             kind = "eager"
         t0 = time.perf_counter()
         print(
-            f"evaluate: {name} on clean + {len(rob.corruptions)} x {len(rob.severities)} corrupted sets ({kind})"
+            f"evaluate: {name} on {len(images)} clean + {len(rob.corruptions)} x {len(rob.severities)} corrupted "
+            f"sets at {size} px ({kind})"
         )
-        tables.append(
-            evaluate_model(
-                model,
-                (clean.images, clean.labels),
-                cdir,
-                rob.corruptions,
-                rob.severities,
-                mean=manifest["mean"],
-                std=manifest["std"],
-                batch_size=rob.batch_size,
-                device=device,
-                model_name=name,
-                image_size=size,
+        try:
+            table, correct = evaluate_model(
+                model, (images, labels), cdir, rob.corruptions, rob.severities, mean=manifest["mean"],
+                std=manifest["std"], batch_size=rob.batch_size, device=device, model_name=name,
+                image_size=size, per_image=True,
             )  # fmt: skip
-        )
-        n = sum(tables[-1].column("n").to_pylist())
+        except FileNotFoundError as err:
+            raise StageError(f"robustness.dir: {err} (run the corrupt stage)") from None
+        tables.append(table)
+        per_image.append(correct)
+        n = sum(table.column("n").to_pylist())
         dt = time.perf_counter() - t0
         print(f"evaluate: {name}: {n} images in {dt:.1f} s ({n / max(dt, 1e-9):.0f} img/s)")
-    return pa.concat_tables(tables)
+    return pa.concat_tables(tables), pa.concat_tables(per_image)
 
 
 def _example_batch(images: Any, manifest: dict[str, Any], size: int | None, n: int) -> torch.Tensor:
@@ -181,25 +217,49 @@ def _example_batch(images: Any, manifest: dict[str, Any], size: int | None, n: i
 
 def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     root = Path(root)
-    paths = model_paths(root)
+    rob = params.robustness
+    paths = model_paths(params, root)
     missing = [str(p) for p in paths.values() if not p.is_file()]
     if missing:
-        raise StageError(f"missing model checkpoint(s): {', '.join(missing)} (run pretrain and finetune)")
-    table = evaluate_models(params, root, paths)
-    baseline = resolve_baseline(params.robustness.baseline, table)
+        raise StageError(
+            f"missing model checkpoint(s): {', '.join(missing)} (run pretrain, finetune and control)"
+        )
+    table, per_image = evaluate_models(params, root, paths)
+    baseline = resolve_baseline(rob.baseline, table)
     summaries = {m: summarize(table, baseline, model=m) for m in paths}
+    points = {m: flat_metrics(s) for m, s in summaries.items()}
+    t0 = time.perf_counter()
+    samples = bootstrap_metrics(
+        table, per_image, rob.baseline if rob.baseline in paths else baseline,
+        replicates=rob.bootstrap, seed=derive_seed(params.seed, "bootstrap"),
+    )  # fmt: skip
+    pairs = [(a, b) for a, b in PAIRS if a in paths and b in paths]
+    comps = comparisons(points, samples, pairs)
+    print(
+        f"evaluate: paired bootstrap, {rob.bootstrap} replicates over test images, in {time.perf_counter() - t0:.1f} s"
+    )
+
     out = root / "results"
     (out / "plots").mkdir(parents=True, exist_ok=True)
-    tmp = out / ".robustness.parquet.tmp"
-    pq.write_table(table, tmp)
-    tmp.replace(out / "robustness.parquet")
+    write_parquet(table, out / "robustness.parquet")
+    write_parquet(per_image, out / "per_image.parquet")
     baseline.save(out / "baseline.json")
-    gains = plot_relative_improvement(table, "cnn", "tcnn", out / "plots" / "robustness_gain.png")
+    plot_gains(comps, [f"{b}-{a}" for a, b in pairs if b == "tcnn"], out / "plots" / "robustness_gain.png",
+               labels=LABELS)  # fmt: skip
     atomic_write_text(out / "robustness_by_category.csv", _group_csv(summaries, "per_category"))
     atomic_write_text(out / "robustness_by_severity.csv", _group_csv(summaries, "per_severity"))
-    metrics = {m: flat_metrics(s) for m, s in summaries.items()}
+    metrics: dict[str, Any] = dict(points)
     metrics["baseline"] = baseline.name
-    metrics["tcnn_gain"] = {k: {str(g): v for g, v in d.items()} for k, d in gains.items()}
+    metrics["test_image_size"] = params.test_image_size()
+    metrics["comparisons"] = comps
+    metrics["bootstrap"] = {
+        "replicates": rob.bootstrap,
+        "confidence": CONFIDENCE,
+        "unit": "test image (paired: one draw for every model and set)",
+        "method": "percentile",
+        "seed": derive_seed(params.seed, "bootstrap"),
+        "images": _set_sizes(table),
+    }
     atomic_write_json(out / "metrics.json", metrics)
     atomic_write_json(out / "summary.json", summaries)
     for m, s in summaries.items():
@@ -207,7 +267,26 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         print(
             f"evaluate: {m}: clean {s['clean_accuracy']:.4f}  mean corruption acc {s['mca']:.4f}  mCE {mce}"
         )
+    for key, diffs in comps.items():
+        print(
+            f"evaluate: {key}: "
+            + "  ".join(_say(diffs, k) for k in ("clean_accuracy", "mca", "mce") if k in diffs)
+        )
     return metrics
+
+
+def _set_sizes(table: pa.Table) -> dict[str, int]:
+    """Images per set: the clean test split and (the largest) corrupted set."""
+    rows = table.to_pylist()
+    return {
+        "clean": max((r["n"] for r in rows if r["corruption"] == "clean"), default=0),
+        "per_corrupted_set": max((r["n"] for r in rows if r["corruption"] != "clean"), default=0),
+    }
+
+
+def _say(diffs: dict[str, Any], key: str) -> str:
+    d = diffs[key]
+    return f"{key} {100 * d['diff']:+.2f} pp [{100 * d['low']:+.2f}, {100 * d['high']:+.2f}]"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,10 +3,11 @@
 `finetune.mode`:
 - "fresh" (000 Sec. 3): AdamW, linear warmup over `finetune.warmup_epochs` to
   lr = finetune.lr x finetune.batch_size / 1024, then per-step cosine decay over `finetune.epochs`; the
-  gating parameters lambda (Eq. 7) use `finetune.gate_lr` (not batch-scaled, on the same warmup + cosine
-  shape); no weight decay on alpha, lambda, attention centres, norms and biases; stochastic depth
-  `finetune.drop_path` (timm's linear rule over the ResNet blocks); augmentation `finetune.augment`;
-  resolution `finetune.image_size` (null = pretraining resolution); data order seeded by derive_seed(seed).
+  gating parameters lambda (Eq. 7) use finetune.gate_lr x finetune.batch_size / 1024 (the paper gives both
+  at batch 1024; scaling both keeps its gate / weight ratio), on the same warmup + cosine shape; no weight
+  decay on alpha, lambda, attention centres, norms and biases; stochastic depth `finetune.drop_path` (timm's
+  linear rule over the ResNet blocks); augmentation `Params.augment_for("finetune")`; resolution
+  `finetune.image_size` (null = pretraining resolution); data order seeded by derive_seed(seed, "finetune").
 - "continue" (000 Table 3): the pretraining run goes on with the T-CNN in place of the CNN. It trains the
   t2 = pretrain.epochs - reparam.epoch epochs that remain of the schedule planned over pretrain.epochs
   (`finetune.epochs` is ignored in this mode; t2 = 0 just evaluates the converted network), with the CNN
@@ -15,6 +16,12 @@
   filter; new GPSA parameters start with empty state), its RNG states, its data order (epochs t1..E-1 of
   the same BatchLoader seed), batch size, augmentation, resolution and `model.drop_path`. Gates get the
   same lr as every other parameter: one optimizer, one schedule.
+
+The matched control (stages/control.py) runs this same function on the CNN checkpoint at t1 (no
+reparameterization): the same optimizer, lr schedule, epochs, resolution, augmentation, stochastic depth, data
+order and seeds -- only the network differs (000 Table 1, "without SA"). To keep the random streams equal, the
+global RNG is re-seeded after the model is built (building a T-CNN draws its new W_qry/W_key), so stochastic
+depth draws the same masks in both runs.
 
 Outputs (`root/runs/finetune/`, published when the run completes): tcnn-final.pt (model checkpoint),
 history.csv / history.json (one row per epoch, the first row being the state right after
@@ -31,6 +38,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,13 +71,32 @@ NAME = "finetune"
 PROBE = 128  # validation images fed through the network for the per-epoch nonlocality
 
 
+@dataclass(frozen=True)
+class Variant:
+    """Which network a fine-tuning run trains, and where its files go (the T-CNN, or the matched control)."""
+
+    name: str  # work dir runs/.partial/<name>, outputs runs/<name>/, progress label
+    final: str  # the final model checkpoint, relative to runs/<name>/
+
+    def out_dir(self, root: Path) -> Path:
+        return root / "runs" / self.name
+
+    def work_dir(self, root: Path) -> Path:
+        return root / "runs" / ".partial" / self.name
+
+
+TCNN = Variant(NAME, "tcnn-final.pt")
+
+
 def source_path(root: Path) -> Path:
     return root / "runs" / "reparam" / "tcnn.pt"
 
 
-def run_hash(params: Params, input_sha: str, device: str, freeze: Sequence[str] = ()) -> str:
+def run_hash(
+    params: Params, input_sha: str, device: str, freeze: Sequence[str] = (), variant: str = NAME
+) -> str:
     ident: dict[str, Any] = {
-        "stage": NAME,
+        "stage": variant,
         "seed": params.seed,
         "data": T.data_identity(params),
         "mode": params.finetune.mode,
@@ -79,8 +106,10 @@ def run_hash(params: Params, input_sha: str, device: str, freeze: Sequence[str] 
     }
     if params.finetune.mode == "fresh":
         ident["finetune"] = T.section_identity(params.finetune)
+        ident["augment"] = params.augment_for("finetune").model_dump(mode="json")
     else:
         ident["pretrain"] = T.section_identity(params.pretrain)
+        ident["augment"] = params.augment_for("pretrain").model_dump(mode="json")
         ident["drop_path"] = params.model.drop_path
     return stable_hash(ident)
 
@@ -98,52 +127,65 @@ def freeze_parameters(model: torch.nn.Module, names: Sequence[str]) -> list[str]
 
 
 def run(params: Params, *, root: Path = Path("."), freeze: Sequence[str] = ()) -> dict[str, Any]:
-    """Fine-tune; `freeze` (plus `finetune.freeze` when that key exists) names parameters to keep fixed."""
-    t_wall = time.perf_counter()
+    """Fine-tune the reparameterized network; `freeze` (plus `finetune.freeze`) names parameters to keep fixed."""
     root = Path(root)
-    out_dir, work_dir = root / "runs" / NAME, root / "runs" / ".partial" / NAME
     src = source_path(root)
-    mode = params.finetune.mode
-    required = ("model", "model_spec") + (("carry",) if mode == "continue" else ())
+    required = ("model", "model_spec") + (("carry",) if params.finetune.mode == "continue" else ())
     ckpt = T.load_checkpoint(src, required, "reparameterized model written by the reparam stage")
-    spec = ckpt["model_spec"]
-    # Fresh mode draws its own random stream (stochastic depth masks, GPSA init before the weights load);
-    # continue mode restores the pretraining run's RNG states further down.
-    seed_everything(derive_seed(params.seed, NAME))
+    return train(params, root, ckpt, src, TCNN, freeze=freeze)
+
+
+def _build(ckpt: dict[str, Any], src: Path) -> torch.nn.Module:
     try:
-        model = build_from_spec(spec)
+        model = build_from_spec(ckpt["model_spec"])
         model.load_state_dict(ckpt["model"])
     except (ValueError, TypeError, KeyError, RuntimeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise StageError(f"{src}: cannot rebuild the model from this checkpoint ({first})") from None
+    return model
+
+
+def train(
+    params: Params,
+    root: Path,
+    ckpt: dict[str, Any],
+    src: Path,
+    variant: Variant,
+    *,
+    freeze: Sequence[str] = (),
+    strict_freeze: bool = True,
+) -> dict[str, Any]:
+    """Fine-tune the model of `ckpt` (read from `src`: {"model", "model_spec"[, "carry"]}) with the recipe of
+    `finetune.mode` and publish it under runs/<variant.name>/. `strict_freeze`: a freeze name that matches
+    no parameter is an error (the control passes False: the T-CNN's attention-only names do not exist there)."""
+    t_wall = time.perf_counter()
+    out_dir, work_dir = variant.out_dir(root), variant.work_dir(root)
+    mode = params.finetune.mode
+    seed = derive_seed(params.seed, NAME)  # one stream for every variant (the control matches the T-CNN)
+    seed_everything(seed)
+    model = _build(ckpt, src)
+    spec = ckpt["model_spec"]
     ds = T.datasets(params, root)
     device = select_device()
     f, p = params.finetune, params.pretrain
-    freeze = sorted({*freeze, *getattr(f, "freeze", ())})
+    freeze = sorted({*freeze, *f.freeze})
     frozen = freeze_parameters(model, freeze) if freeze else []
-    if freeze and not frozen:
+    if freeze and not frozen and strict_freeze:
         raise StageError(f"finetune.freeze: no parameter of the model is named {freeze}")
 
     if mode == "fresh":
         size = f.image_size or params.data.image_size
         set_stochastic_depth(model, f.drop_path)
-        loaders = T.loaders(
-            params,
-            ds,
-            batch_size=f.batch_size,
-            seed=derive_seed(params.seed, NAME),
-            augment=f.augment,
-            size=size,
-        )
+        augment = params.augment_for("finetune")
+        loaders = T.loaders(params, ds, batch_size=f.batch_size, seed=seed, augment=augment, size=size)
         spe = _steps(loaders, f.batch_size, ds, "finetune.batch_size")
-        peak_lr = f.lr * f.batch_size / 1024
-        optimizer = build_adamw(model, lr=peak_lr, gate_lr=f.gate_lr, weight_decay=f.weight_decay)
+        peak_lr, gate_lr = f.scaled_lrs()
+        optimizer = build_adamw(model, lr=peak_lr, gate_lr=gate_lr, weight_decay=f.weight_decay)
         scheduler = WarmupCosine(
             optimizer, total_steps=f.epochs * spe, warmup_steps=round(f.warmup_epochs * spe)
         )
         epochs = range(0, f.epochs)
-        loss_fn = TrainLoss(f.augment.label_smoothing)
-        info: dict[str, Any] = {"peak_lr": peak_lr, "gate_lr": f.gate_lr}
+        info: dict[str, Any] = {"peak_lr": peak_lr, "gate_lr": gate_lr}
     else:
         carry = ckpt["carry"]
         t1 = int(carry["epoch"])
@@ -153,9 +195,8 @@ def run(params: Params, *, root: Path = Path("."), freeze: Sequence[str] = ()) -
             )
         size = int(ckpt.get("image_size") or params.data.image_size)
         set_stochastic_depth(model, params.model.drop_path)
-        loaders = T.loaders(
-            params, ds, batch_size=p.batch_size, seed=params.seed, augment=p.augment, size=size
-        )
+        augment = params.augment_for("pretrain")
+        loaders = T.loaders(params, ds, batch_size=p.batch_size, seed=params.seed, augment=augment, size=size)
         spe = _steps(loaders, p.batch_size, ds, "pretrain.batch_size")
         total = p.epochs * spe
         saved = carry["scheduler"]
@@ -176,9 +217,7 @@ def run(params: Params, *, root: Path = Path("."), freeze: Sequence[str] = ()) -
             min_factor=float(saved.get("min_factor", 0.0)),
             start_step=int(carry["global_step"]),
         )
-        restore_rng(carry["rng"])
         epochs = range(t1, p.epochs)
-        loss_fn = TrainLoss(p.augment.label_smoothing)
         info = {"t1": t1, "t2": p.epochs - t1, "peak_lr": p.lr}
 
     channels_last = T.use_channels_last(device)
@@ -198,6 +237,10 @@ def run(params: Params, *, root: Path = Path("."), freeze: Sequence[str] = ()) -
             v = evaluate(model, loaders.val.batches(0), device=device, channels_last=channels_last)
             start.update(val_loss=v["loss"], val_acc=v["acc"])
         start.update(stats(model, epochs.start))
+        if mode == "fresh":
+            seed_everything(seed)  # building the model drew from the stream: restart it (see the docstring)
+        else:
+            restore_rng(carry["rng"])  # the pretraining run's RNG states at t1
         result = fit(
             model,
             optimizer,
@@ -205,8 +248,8 @@ def run(params: Params, *, root: Path = Path("."), freeze: Sequence[str] = ()) -
             loaders.train,
             epochs=epochs,
             work_dir=work_dir,
-            run_hash=run_hash(params, file_fingerprint(src), device.type, freeze),
-            loss_fn=loss_fn,
+            run_hash=run_hash(params, file_fingerprint(src), device.type, freeze, variant.name),
+            loss_fn=TrainLoss(augment.label_smoothing),
             val_loader=loaders.val,
             device=device,
             channels_last=channels_last,
@@ -214,7 +257,7 @@ def run(params: Params, *, root: Path = Path("."), freeze: Sequence[str] = ()) -
             extra_state=extra,
             epoch_stats=stats,
             history_start=[start],
-            desc=f"{NAME}[{mode}]",
+            desc=f"{variant.name}[{mode}]",
         )
         test = evaluate(model, loaders.test.batches(0), device=device, channels_last=channels_last)
 
@@ -246,9 +289,9 @@ def run(params: Params, *, root: Path = Path("."), freeze: Sequence[str] = ()) -
     T.publish(
         work_dir,
         out_dir,
-        objects={"tcnn-final.pt": final},
+        objects={variant.final: final},
         history=result.history,
-        csvs={"gpsa.csv": long_rows(result.history)},
+        csvs={"gpsa.csv": long_rows(result.history)} if variant is TCNN else None,
         metrics=metrics,
     )
     return metrics

@@ -105,6 +105,7 @@ def run_hash(params: Params, data_fingerprint: str, device: str) -> str:
         "data": T.data_identity(params),
         "model": params.model.model_dump(mode="json"),
         "pretrain": T.section_identity(params.pretrain),
+        "augment": params.augment_for("pretrain").model_dump(mode="json"),
         "keep": checkpoint_epochs(params),
         "input": data_fingerprint,
         "device": device,
@@ -132,8 +133,9 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     set_stochastic_depth(model, params.model.drop_path)
 
     image_size = params.data.image_size
+    augment = params.augment_for(NAME)
     loaders = T.loaders(
-        params, ds, batch_size=p.batch_size, seed=params.seed, augment=p.augment, size=image_size
+        params, ds, batch_size=p.batch_size, seed=params.seed, augment=augment, size=image_size
     )
     spe = len(loaders.train)
     if spe == 0:
@@ -158,7 +160,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
             epochs=range(0, p.epochs),
             work_dir=work_dir,
             run_hash=run_hash(params, ds.fingerprint, device.type),
-            loss_fn=TrainLoss(p.augment.label_smoothing),
+            loss_fn=TrainLoss(augment.label_smoothing),
             val_loader=loaders.val,
             device=device,
             channels_last=channels_last,

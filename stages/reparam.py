@@ -202,6 +202,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         except (ValueError, NotImplementedError) as err:
             report[f"max_abs_logit_diff_{other}"] = None
             report[f"{other}_error"] = str(err)
+        report["inits"] = _other_inits(cnn, params, probe, logits_cnn, loaders.test, device)
     cl = T.use_channels_last(device)  # the accuracies: fast layout (the logit diffs above use NCHW)
     if cl:
         cnn.to(memory_format=torch.channels_last)
@@ -228,23 +229,48 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
             "sha256": file_fingerprint(src),
             "epoch": int(ckpt["epoch"]),
         },
-        "carry": {
-            "optimizer_state": state,
-            "param_groups": [
-                {k: v for k, v in g.items() if k != "params"} for g in ckpt["optimizer"]["param_groups"]
-            ],
-            "scheduler": ckpt["scheduler"],
-            "epoch": int(ckpt["epoch"]),
-            "global_step": int(ckpt["global_step"]),
-            "steps_per_epoch": int(ckpt.get("steps_per_epoch", 0)),
-            "rng": ckpt["rng"],
-            "moved": moved,
-        },
+        "carry": T.carry(ckpt, state, moved),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_save(out, out_dir / "tcnn.pt")
     atomic_write_json(out_dir / "equivalence.json", report)
     return report
+
+
+PAPER_INIT = (1.0, 1.0)  # 000 Sec. 2: alpha = lambda = 1 puts the T-CNN "on the verge of locality"
+LARGE_INIT = (50.0, 50.0)  # large alpha and lambda: the conv's function to float precision (DESIGN section 4)
+
+
+def _other_inits(
+    cnn: torch.nn.Module,
+    params: Params,
+    probe: torch.Tensor,
+    logits_cnn: torch.Tensor,
+    test: Any,
+    device: Any,
+) -> list[dict[str, Any]]:
+    """How far the converted network is from the CNN at the paper's init and at a large init, next to the
+    configured one: max |logit diff| and prediction agreement on the probe batch, and at the paper's init the
+    test accuracy right after reparameterization (what the paper's fine-tuning starts from)."""
+    configured = (params.reparam.alpha_init, params.reparam.lambda_init)
+    rows = []
+    for label, (a, lam) in (("paper", PAPER_INIT), ("large", LARGE_INIT)):
+        if (a, lam) == configured:
+            continue
+        other = convert(cnn, params.with_overrides({"reparam.alpha_init": a, "reparam.lambda_init": lam}))
+        other = other.to(device).eval()
+        logits = predict(other, probe)
+        row = {
+            "init": label,
+            "alpha_init": a,
+            "lambda_init": lam,
+            "max_abs_logit_diff": float((logits - logits_cnn).abs().max()),
+            "prediction_agreement": float((logits.argmax(-1) == logits_cnn.argmax(-1)).float().mean()),
+        }
+        if label == "paper" and test is not None:
+            row["test_acc"] = evaluate(other, test.batches(0), device=device)["acc"]
+        rows.append(row)
+    return rows
 
 
 def _attention(model: torch.nn.Module) -> list:

@@ -46,7 +46,7 @@ from stages._cli import StageError, stage_main
 NAME = "report"
 PARENT_ENV = "TCNN_PARENT_RUN_ID"  # the tracking adapter's variable (pipelines/tracking.py PARENT_ENV)
 RUN_IDS_FILE = Path("runs") / "mlflow_runs.json"
-STAGE_ORDER = ("prepare", "pretrain", "reparam", "finetune", "corrupt", "evaluate", "report")
+STAGE_ORDER = ("prepare", "pretrain", "reparam", "finetune", "control", "corrupt", "evaluate", "report")
 FIGURES = {
     "training_curves": "training_curves.png",
     "fig4": "fig4_dynamics.png",
@@ -54,7 +54,8 @@ FIGURES = {
     "contours": "attention_contours.png",
     "nonlocality": "nonlocality.png",
 }
-MODEL_LABELS = {"cnn": "CNN", "tcnn": "T-CNN"}
+MODEL_LABELS = {"cnn": "pretrained CNN", "control": "control", "tcnn": "T-CNN"}
+NOT_MODELS = ("comparisons", "bootstrap", "tcnn_gain")  # results/metrics.json entries that are not models
 
 
 def input_paths(params: Params, root: Path) -> dict[str, Path]:
@@ -69,6 +70,8 @@ def input_paths(params: Params, root: Path) -> dict[str, Path]:
         "pretrain_metrics": runs / "pretrain" / "metrics.json",
         "finetune_history": runs / "finetune" / "history.json",
         "finetune_metrics": runs / "finetune" / "metrics.json",
+        "control_history": runs / "control" / "history.json",
+        "control_metrics": runs / "control" / "metrics.json",
         "gpsa": runs / "finetune" / "gpsa.csv",
         "summary": res / "summary.json",
         "gain_png": res / "plots" / "robustness_gain.png",
@@ -152,6 +155,8 @@ class Inputs:
     pretrain_metrics: dict[str, Any] | None = None
     finetune_history: list[dict[str, Any]] | None = None
     finetune_metrics: dict[str, Any] | None = None
+    control_history: list[dict[str, Any]] | None = None
+    control_metrics: dict[str, Any] | None = None
     gpsa_rows: list[dict[str, Any]] | None = None
     summary: dict[str, Any] | None = None
     figures: dict[str, bytes | None] = field(default_factory=dict)
@@ -349,31 +354,22 @@ def _dissection_figures(inputs: Inputs) -> tuple[bytes | None, bytes | None]:
 def _gain_png(paths: dict[str, Path], inputs: Inputs) -> bytes | None:
     if paths["gain_png"].is_file():
         return paths["gain_png"].read_bytes()
-    if not paths["robustness"].is_file():
+    comps = inputs.metrics.get("comparisons") or {}
+    keys = [k for k in ("tcnn-control", "tcnn-cnn") if comps.get(k)]
+    if not keys:
         inputs.note(
             "fig3",
-            f"{inputs.rel(paths['gain_png'])} and {inputs.rel(paths['robustness'])} are missing: no Fig. 3.",
+            f"{inputs.rel(paths['gain_png'])} is missing and metrics.json has no comparisons: no Fig. 3.",
         )
         return None
     import tempfile
 
-    import pyarrow.parquet as pq
+    from core.plots import plot_gains
 
-    from core.plots import plot_relative_improvement
-
-    try:
-        table = pq.read_table(paths["robustness"])
-        with tempfile.TemporaryDirectory() as tmp:
-            plot_relative_improvement(table, "cnn", "tcnn", Path(tmp) / "gain.png")
-            data = (Path(tmp) / "gain.png").read_bytes()
-    except (OSError, ValueError, KeyError) as err:
-        inputs.note(
-            "fig3", f"Cannot draw Fig. 3 from {inputs.rel(paths['robustness'])} ({str(err).splitlines()[0]})."
-        )
-        return None
-    inputs.note(
-        "fig3", f"{inputs.rel(paths['gain_png'])} is missing; redrawn from {inputs.rel(paths['robustness'])}."
-    )
+    with tempfile.TemporaryDirectory() as tmp:
+        plot_gains(comps, keys, Path(tmp) / "gain.png", labels=MODEL_LABELS)
+        data = (Path(tmp) / "gain.png").read_bytes()
+    inputs.note("fig3", f"{inputs.rel(paths['gain_png'])} is missing; redrawn from results/metrics.json.")
     return data
 
 
@@ -442,7 +438,7 @@ def _notes(inputs: Inputs, section: str) -> str:
 
 
 def _models(metrics: dict[str, Any]) -> list[str]:
-    names = [m for m, v in metrics.items() if isinstance(v, dict) and m != "tcnn_gain"]
+    names = [m for m, v in metrics.items() if isinstance(v, dict) and m not in NOT_MODELS]
     return sorted(
         names,
         key=lambda m: (m not in MODEL_LABELS, list(MODEL_LABELS).index(m) if m in MODEL_LABELS else 0, m),
@@ -524,8 +520,27 @@ def _section_equivalence(eq: dict[str, Any] | None) -> str:
         verdict = (
             "<p>The converted network computes the CNN's function to float precision (max |diff| &le; 1e-4).</p>"
             if diff <= 1e-4
-            else "<p>The converted network does not reproduce the CNN exactly at this init (expected unless "
-            "alpha and lambda are large, e.g. 50; the paper starts from alpha = lambda = 1).</p>"
+            else "<p>The converted network does not reproduce the CNN exactly at this init: GPSA computes the "
+            "conv only in the limit of large alpha and lambda (e.g. 50); at the paper's alpha = lambda = 1 each head "
+            "attends around its tap and the gate mixes in content attention, so the T-CNN starts near, not at, "
+            "the CNN's function.</p>"
+        )
+    inits = [r for r in eq.get("inits") or [] if isinstance(r, dict)]
+    if inits:
+        names = {"paper": "the paper's init (000 Sec. 2)", "large": "a large init"}
+        body = [[_e(names.get(r.get("init"), r.get("init"))), fmt_num(r.get("alpha_init")), fmt_num(r.get("lambda_init")),
+                 fmt_sci(r.get("max_abs_logit_diff")), fmt_pct(r.get("prediction_agreement")),
+                 fmt_pct(r.get("test_acc")) if "test_acc" in r else "not measured"] for r in inits]  # fmt: skip
+        verdict += "<p>The same CNN converted at other inits:</p>" + _table(
+            [
+                "init",
+                "alpha",
+                "lambda",
+                "max |logit diff| vs CNN",
+                "prediction agreement",
+                "test accuracy before fine-tuning",
+            ],
+            body,
         )
     return _table(["quantity", "value"], rows) + verdict
 
@@ -549,56 +564,126 @@ def _summary_lines(summary: dict[str, Any] | None) -> str:
     return "".join(f"<p>{_e(', '.join(who))}: {_e(text)}</p>" for text, who in facts.items())
 
 
+def fmt_diff(d: Mapping[str, Any] | None, kind: str = "acc") -> str:
+    """A difference with its 95% interval: '+0.42 pp [−0.10, +0.95]' (bold when the interval excludes 0)."""
+    if not d or not _finite(d.get("diff")):
+        return "n/a"
+    scale, unit = (100, " pp") if kind == "acc" else (100, " pp") if kind == "err" else (100, " %")
+    text = f"{scale * d['diff']:+.2f}{unit} [{scale * d['low']:+.2f}, {scale * d['high']:+.2f}]"
+    return f"<b>{_e(text)}</b>" if d.get("excludes_zero") else _e(text)
+
+
+HEADLINE = (
+    ("clean accuracy", "clean_accuracy", "acc"),
+    ("mean corruption accuracy (mCA, 15 benchmark corruptions)", "mca", "acc"),
+    ("mCE (lower is better)", "mce", "err"),
+    ("relative mCE (lower is better)", "relative_mce", "err"),
+    ("extra corruptions: mean accuracy", "extra_accuracy", "acc"),
+    ("extra corruptions: mCE", "extra_mce", "err"),
+)
+COMPARISON_LABELS = {
+    "tcnn-control": "T-CNN − control",
+    "tcnn-cnn": "T-CNN − pretrained CNN",
+    "control-cnn": "control − pretrained CNN",
+}
+
+
+def verdict(
+    name: str, d: Mapping[str, Any] | None, higher_is_better: bool = True, other: str = "the control"
+) -> str:
+    """One sentence on what the interval of a difference (T-CNN minus `other`) says."""
+    if not d or not _finite(d.get("diff")):
+        return ""
+    span = f"{100 * d['diff']:+.2f} pp, 95% interval [{100 * d['low']:+.2f}, {100 * d['high']:+.2f}] pp"
+    if not d.get("excludes_zero"):
+        return (f"{name}: {span}. The interval includes 0: the difference is within what resampling the test "
+                f"images gives, so this run cannot tell the T-CNN and {other} apart.")  # fmt: skip
+    better = (d["diff"] > 0) == higher_is_better
+    return (f"{name}: {span}. The interval excludes 0: on these test images the T-CNN is "
+            f"{'better' if better else 'worse'} than {other} (one training run: the interval covers test-set "
+            "sampling, not seed-to-seed variation).")  # fmt: skip
+
+
 def _section_robustness(metrics: dict[str, Any]) -> str:
     models = _models(metrics)
     if not models:
         return '<p class="note">results/metrics.json holds no model.</p>'
-    a, b = ("cnn", "tcnn") if {"cnn", "tcnn"} <= set(models) else (None, None)
-    headers = ["metric", *[_label(m) for m in models]] + (["T-CNN − CNN"] if a else [])
-    spec = [
-        ("clean accuracy", "clean_accuracy", "acc"),
-        ("mean corruption accuracy (mCA, 15 benchmark corruptions)", "mca", "acc"),
-        ("mCE (lower is better)", "mce", "err"),
-        ("relative mCE (lower is better)", "relative_mce", "err"),
-        ("extra corruptions: mean accuracy", "extra_accuracy", "acc"),
-        ("extra corruptions: mCE", "extra_mce", "err"),
-    ]
+    comps = metrics.get("comparisons") or {}
+    keys = [k for k in COMPARISON_LABELS if k in comps]
+    headers = ["metric", *[_label(m) for m in models], *[COMPARISON_LABELS[k] + " [95% CI]" for k in keys]]
     rows = []
-    for label, key, kind in spec:
+    for label, key, kind in HEADLINE:
         vals = [metrics[m].get(key) for m in models]
         if all(v is None for v in vals):
             continue
         digits = 2 if kind == "acc" else 1
-        row = [_e(label), *[fmt_pct(v, digits) for v in vals]]
-        if a:
-            row.append(fmt_delta_pp(metrics[a].get(key), metrics[b].get(key)))
-        rows.append(row)
+        rows.append(
+            [
+                _e(label),
+                *[fmt_pct(v, digits) for v in vals],
+                *[fmt_diff(comps[k].get(key), kind) for k in keys],
+            ]
+        )
     out = [_table(headers, rows, cls="main")]
-    out.append(f"<p>CE normaliser (100% = baseline): <code>{_e(metrics.get('baseline', 'n/a'))}</code>. "
-               "Accuracies are top-1; pp = percentage points.</p>")  # fmt: skip
-    # per category / per severity mean accuracy
+    boot = metrics.get("bootstrap") or {}
+    images = boot.get("images") or {}
+    out.append(
+        f"<p>CE normaliser (100% = baseline, one for every model): <code>{_e(metrics.get('baseline', 'n/a'))}</code>. "
+        f"Every model evaluated at {_e(metrics.get('test_image_size', 'n/a'))} px on {fmt_num(images.get('clean'))} clean "
+        f"test images and {fmt_num(images.get('per_corrupted_set'))} images per corrupted set. Differences are "
+        f"column minus column in percentage points (pp) with a paired bootstrap 95% interval over test images "
+        f"({fmt_num(boot.get('replicates'))} replicates); <b>bold</b>: the interval excludes 0.</p>"
+    )
     for title, pred, strip in (
         ("per category", lambda k: k.startswith("mca_") and not k.startswith("mca_sev"), "mca_"),
         ("per severity", lambda k: k.startswith("mca_sev"), "mca_sev"),
     ):
-        keys = list(dict.fromkeys(k for m in models for k in metrics[m] if pred(k)))
-        if not keys:
+        mkeys = list(dict.fromkeys(k for m in models for k in metrics[m] if pred(k)))
+        if not mkeys:
             continue
-        gain = (metrics.get("tcnn_gain") or {}).get(
-            "per_category" if "category" in title else "per_severity", {}
-        )
-        hdr = [title.split()[1], *[f"{_label(m)} mCA" for m in models]] + (
-            ["T-CNN − CNN", "relative gain"] if a else []
-        )
+        hdr = [title.split()[1], *[f"{_label(m)} mCA" for m in models]]
+        hdr += [f"{COMPARISON_LABELS[k]} [95% CI]" for k in keys]
+        hdr += [
+            f"relative gain {COMPARISON_LABELS[k].replace(' − ', ' over ')}"
+            for k in keys
+            if k.startswith("tcnn")
+        ]
         body = []
-        for k in keys:
+        for k in mkeys:
             g = k.removeprefix(strip)
+            gain_key = f"gain_{'sev' if strip == 'mca_sev' else ''}{g}"
             row = [_e(g), *[fmt_pct(metrics[m].get(k)) for m in models]]
-            if a:
-                row += [fmt_delta_pp(metrics[a].get(k), metrics[b].get(k)), fmt_pct(gain.get(g), 1)]
+            row += [fmt_diff(comps[c].get(k)) for c in keys]
+            row += [fmt_diff(comps[c].get(gain_key), "ratio") for c in keys if c.startswith("tcnn")]
             body.append(row)
         out.append(f"<h3>Mean corruption accuracy {title}</h3>" + _table(hdr, body))
     return "".join(out)
+
+
+def _lead(metrics: dict[str, Any]) -> str:
+    """The report's first words: what attention buys (T-CNN vs its matched control), in sentences."""
+    comps = metrics.get("comparisons") or {}
+    main = comps.get("tcnn-control")
+    if not main:
+        why = ("the control is off (finetune.control: false) or this model kind has none"
+               if "tcnn-cnn" in comps else "results/metrics.json has no comparisons")  # fmt: skip
+        return (
+            f'<p class="note">No matched control in this run ({_e(why)}): the differences below mix '
+            "attention with the extra fine-tuning.</p>"
+        )
+    parts = ["<p>The control is the same pretrained CNN checkpoint fine-tuned with the T-CNN's recipe "
+             "(optimizer, schedule, epochs, augmentation, resolution, data order, seed) without attention, so "
+             "T-CNN − control is what the attention layers buy in this run.</p><ul>"]  # fmt: skip
+    for name, key, better in (
+        ("Clean accuracy", "clean_accuracy", True),
+        ("mCA", "mca", True),
+        ("mCE", "mce", False),
+    ):
+        text = verdict(f"{name} (T-CNN − control)", main.get(key), better)
+        if text:
+            parts.append(f"<li>{_e(text)}</li>")
+    parts.append("</ul>")
+    return "".join(parts)
 
 
 def _section_training(inputs: Inputs) -> str:
@@ -606,8 +691,9 @@ def _section_training(inputs: Inputs) -> str:
     for phase, m in (
         ("pretrain (CNN)", inputs.pretrain_metrics),
         ("finetune (T-CNN)", inputs.finetune_metrics),
+        ("control (CNN, same fine-tuning recipe)", inputs.control_metrics),
     ):
-        if not m:
+        if not m or m.get("enabled") is False:
             continue
         epochs = m.get("epochs", m.get("epochs_run"))
         rows.append([_e(phase), fmt_num(epochs), fmt_pct(m.get("train_acc")), fmt_pct(m.get("val_acc")),
@@ -671,12 +757,14 @@ def render_html(
     CNN vs T-CNN robustness, training curves, Fig. 3, Fig. 4, Fig. 5, notes on missing optional inputs."""
     p, m, eq = inputs.params, inputs.metrics, inputs.equivalence
     fig = inputs.figures
-    cnn, tcnn = m.get("cnn") or {}, m.get("tcnn") or {}
+    comps = m.get("comparisons") or {}
+    ref = "tcnn-control" if "tcnn-control" in comps else "tcnn-cnn"
+    vs = COMPARISON_LABELS.get(ref, ref)
     kpis = [
-        ("CNN clean accuracy", fmt_pct(cnn.get("clean_accuracy"))),
-        ("T-CNN clean accuracy", fmt_pct(tcnn.get("clean_accuracy"))),
-        ("CNN / T-CNN mCA", f"{fmt_pct(cnn.get('mca'))} / {fmt_pct(tcnn.get('mca'))}"),
-        ("T-CNN mCE", fmt_pct(tcnn.get("mce"), 1)),
+        (f"{vs}: clean accuracy", fmt_diff((comps.get(ref) or {}).get("clean_accuracy"))),
+        (f"{vs}: mCA", fmt_diff((comps.get(ref) or {}).get("mca"))),
+        (f"{vs}: mCE", fmt_diff((comps.get(ref) or {}).get("mce"), "err")),
+        ("T-CNN clean accuracy", fmt_pct((m.get("tcnn") or {}).get("clean_accuracy"))),
         ("equivalence max |Δlogit|", fmt_sci((eq or {}).get("max_abs_logit_diff"))),
     ]
     data = p.get("data", {})
@@ -695,9 +783,11 @@ def render_html(
         "<h1>tcnn run report</h1>",
         f"<p class='caption'>{subtitle}</p>",
         "<div class='kpi'>" + "".join(f"<div>{_e(k)}<b>{v}</b></div>" for k, v in kpis) + "</div>",
+        '<h2 id="attention">What attention buys: T-CNN vs its matched control</h2>',
+        _lead(m),
         '<h2 id="mlflow">MLflow runs</h2>',
         _section_runs(run_ids, p, run_ids_note, run_meta),
-        '<h2 id="robustness">CNN vs T-CNN</h2>',
+        '<h2 id="robustness">Pretrained CNN, control and T-CNN, clean and corrupted</h2>',
         _section_robustness(m),
         _summary_lines(inputs.summary),
         _notes(inputs, "robustness"),
@@ -775,7 +865,11 @@ def run(params: Params, *, root: Path = Path("."), run_ids: dict[str, str] | Non
     )  # fmt: skip
     inputs.pretrain_history = _history(paths["pretrain_history"], inputs, "training")
     inputs.finetune_history = _history(paths["finetune_history"], inputs, "training")
-    for key in ("pretrain_metrics", "finetune_metrics"):
+    phases = ["pretrain_metrics", "finetune_metrics"]
+    if "control" in metrics:  # evaluate compared a control: its training files belong in the report
+        inputs.control_history = _history(paths["control_history"], inputs, "training")
+        phases.append("control_metrics")
+    for key in phases:
         obj = _read_json(paths[key], required=False, inputs=inputs, section="training")
         setattr(inputs, key, _dict_or_note(obj, paths[key], inputs, "training"))
     inputs.summary = _dict_or_note(
@@ -789,7 +883,7 @@ def run(params: Params, *, root: Path = Path("."), run_ids: dict[str, str] | Non
     t1 = (inputs.equivalence or {}).get("reparam_epoch", params.reparam.epoch)
     if inputs.pretrain_history or inputs.finetune_history:
         figs["training_curves"] = plot_training_curves(
-            inputs.pretrain_history, inputs.finetune_history, reparam_epoch=t1
+            inputs.pretrain_history, inputs.finetune_history, reparam_epoch=t1, control=inputs.control_history
         )
     else:
         figs["training_curves"] = None

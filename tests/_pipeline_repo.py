@@ -19,18 +19,18 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-STAGES = ("prepare", "pretrain", "reparam", "finetune", "corrupt", "evaluate", "report")
+STAGES = ("prepare", "pretrain", "reparam", "finetune", "control", "corrupt", "evaluate", "report")
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 
 #: A chain of about a minute on 2 cores: 1% of Fashion-MNIST's training images (550), one pretraining and
 #: one fine-tuning epoch, 2 corruptions x 2 severities of 50 test images.
 TINY: dict[str, Any] = {
-    "data": {"sample_fraction": 0.01, "val_size": 100},
+    "data": {"sample_fraction": 0.01, "val_size": 100, "fraction_scales_epochs": False},
     "pretrain": {"epochs": 1, "batch_size": 50, "lr": 0.05, "warmup_epochs": 0.2, "checkpoint_every_steps": 0},
     "reparam": {"epoch": 1},
     "finetune": {"epochs": 1, "batch_size": 50, "lr": 0.004, "warmup_epochs": 0.2, "checkpoint_every_steps": 0},
     "robustness": {"n_images": 50, "corruptions": ["gaussian_noise", "contrast"], "severities": [1, 2],
-                   "batch_size": 50, "workers": 1},
+                   "batch_size": 50, "workers": 1, "bootstrap": 200},
     "tracking": {"enabled": True, "uri": "sqlite:///mlruns.db", "experiment": "tcnn"},
 }  # fmt: skip
 

@@ -70,7 +70,7 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"reparam": {"alpha_init": 0.0}}, "reparam.alpha_init: Input should be greater than 0"),
     ({"reparam": {"alpha_init": -1.0}}, "reparam.alpha_init: Input should be greater than 0"),
     ({"pretrain": {"epochs": 6}, "reparam": {"epoch": 7}}, "reparam.epoch: t1=7 exceeds pretrain.epochs=6"),
-    ({"pretrain": {"epochs": 2}}, "reparam.epoch: t1=3 exceeds pretrain.epochs=2"),
+    ({"pretrain": {"epochs": 1}}, "reparam.epoch: t1=2 exceeds pretrain.epochs=1"),
     ({"model": {"arch": "resnet_nope"}}, "model.arch: unknown arch 'resnet_nope'"),
     ({"model": {"kind": "vit"}}, "model.kind: Input should be"),
     ({"finetune": {"mode": "restart"}}, "finetune.mode: Input should be 'fresh' or 'continue'"),
@@ -139,7 +139,7 @@ def test_missing_params_file(tmp_path: Path) -> None:
     [
         ("data.foo=1", "data.foo: unknown key"),
         ("data.name", "override 'data.name': expected key=value"),
-        ("reparam.epoch=9", "reparam.epoch: t1=9 exceeds pretrain.epochs=3"),
+        ("reparam.epoch=9", "reparam.epoch: t1=9 exceeds pretrain.epochs=2"),
         ("data.sample_fraction=0", "data.sample_fraction: Input should be greater than 0"),
         ("finetune.mode=frozen", "finetune.mode: Input should be 'fresh' or 'continue'"),
     ],
@@ -228,3 +228,22 @@ def test_sweep_grid_override_with_dotted_key() -> None:
     except ConfigError as err:
         raise AssertionError(str(err)) from None
     assert p.sweep.grid == {"data.sample_fraction": [0.1, 0.5]}
+
+
+def test_config_defaults_equal_params_yaml() -> None:
+    """One default per key: the pydantic model's defaults are the default experiment of params.yaml."""
+    assert Params().model_dump(mode="json") == load_params(REPO / "params.yaml").model_dump(mode="json")
+
+
+def test_one_augmentation_policy_unless_a_phase_sets_its_own() -> None:
+    p = load_params(REPO / "params.yaml")
+    assert p.augment_for("pretrain") == p.augment_for("finetune") == p.augment
+    own = p.with_overrides({"finetune.augment.crop_padding": 0})
+    assert own.augment_for("finetune").crop_padding == 0 and own.augment_for("pretrain") == p.augment
+
+
+def test_learning_rates_scale_with_the_batch() -> None:
+    """000 Sec. 3 gives lr 1e-4 and the gates' 0.1 at batch 1024: both scale linearly, keeping their ratio."""
+    p = load_params(REPO / "params.yaml").with_overrides({"finetune.batch_size": 256})
+    lr, gate = p.finetune.scaled_lrs()
+    assert lr == pytest.approx(p.finetune.lr / 4) and gate == pytest.approx(p.finetune.gate_lr / 4)

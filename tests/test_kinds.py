@@ -16,7 +16,7 @@ from core.config import ConfigError, validate_params
 from core.models import KINDS, build
 from core.reparam import gpsa_modules
 from core.train import evaluate, load_datasets, make_loader
-from stages import corrupt, finetune, pretrain, reparam
+from stages import control, corrupt, finetune, pretrain, reparam
 from stages import evaluate as evaluate_stage
 
 ARCH = {"convit": "convit_fmnist", "cmhsa": "cmhsa_fmnist"}
@@ -89,6 +89,7 @@ def test_every_kind_runs_the_same_stages(kind: str, shared: dict[str, Path], tmp
     m_pre = pretrain.run(params, root=tmp_path)
     rep = reparam.run(params, root=tmp_path)
     m_ft = finetune.run(params, root=tmp_path)
+    m_ctl = control.run(params, root=tmp_path)
     m_ev = evaluate_stage.run(params, root=tmp_path)
 
     ds = load_datasets(params.data.dir, val_size=50, sample_fraction=1.0, seed=params.seed)
@@ -128,6 +129,14 @@ def test_every_kind_runs_the_same_stages(kind: str, shared: dict[str, Path], tmp
     for m in ("cnn", "tcnn"):
         assert 0 <= m_ev[m]["clean_accuracy"] <= 1
     assert (tmp_path / "results/robustness.parquet").is_file()
+    # The matched control exists for the kinds that reparameterize a pretrained network (the same CNN
+    # checkpoint fine-tuned without conversion); the others have none and say why.
+    assert m_ctl["enabled"] == (kind in ("tcnn", "psa", "cmhsa"))
+    assert ("control" in m_ev) == m_ctl["enabled"]
+    if m_ctl["enabled"]:
+        assert m_ctl["steps"] == m_ft["steps"] and m_ctl["peak_lr"] == m_ft["peak_lr"]
+        assert load(control.checkpoint_path(tmp_path))["model_spec"] == spec_pre  # the unconverted network
+        assert "tcnn-control" in m_ev["comparisons"]
 
 
 def test_stage_refuses_a_checkpoint_of_another_kind(shared: dict[str, Path], tmp_path: Path) -> None:

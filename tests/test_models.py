@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import timm
 import torch
@@ -9,6 +11,8 @@ import torch
 from core.gpsa import GPSA
 from core.models import PROJECT_ARCHS, build, is_known_arch
 from core.reparam import gpsa_modules
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_cnn_small_nets_via_timm_factory() -> None:
@@ -117,3 +121,31 @@ def test_spec_errors() -> None:
     old = {"kind": "tcnn", "arch": "resnet10_cifar", "num_classes": 10, "in_chans": 1, "options": {},
            "tcnn": {"alpha_init": 1.0, "lambda_init": 1.0, "stages": [-1], "stride_mode": "exact"}}  # fmt: skip
     assert all(isinstance(g, GPSA) for _, g in gpsa_modules(build_from_spec(old)))
+
+
+def test_default_model_gpsa_layers_see_at_least_7x7_maps() -> None:
+    """At the default resolution the default network's GPSA layers work on maps of 7x7 or more (the paper's
+    last stage is 7x7 at 224 px); checked on the layers' real inputs with forward hooks."""
+    from core.config import load_params
+    from core.models import build
+    from core.reparam import gpsa_modules, to_tcnn
+
+    p = load_params(REPO / "params.yaml")
+    cnn = build("cnn", p.model.arch, 10, in_chans=1)
+    tcnn = to_tcnn(cnn, stages=tuple(p.reparam.stages)).eval()
+    seen = {}
+    layers = gpsa_modules(tcnn)
+    assert len(layers) == 2
+
+    def hook(name: str):
+        def record(mod, args, out) -> None:  # returns None: the layer's output is left alone
+            seen[name] = (args[0].shape, out.shape)
+
+        return record
+
+    for name, m in layers:
+        m.register_forward_hook(hook(name))
+    with torch.no_grad():
+        tcnn(torch.zeros(2, 1, p.data.image_size, p.data.image_size))
+    for name, (inp, out) in seen.items():
+        assert min(inp[-2:]) >= 7 and min(out[-2:]) >= 7, (name, inp, out)

@@ -24,9 +24,9 @@ from core.dissect import layer_stats as gpsa_stats
 from core.dissect import long_rows as gpsa_long_rows
 from core.importers import write_array_dataset
 from core.models import build
-from core.plots import plot_relative_improvement
+from core.plots import plot_gains
 from core.reparam import gpsa_modules, to_tcnn
-from core.robustness import Baseline, flat_metrics, summarize, table_from_errors
+from core.robustness import Baseline, comparisons, flat_metrics, summarize, table_from_errors
 from stages import _training as T
 from stages import report
 from stages._cli import StageError
@@ -120,22 +120,35 @@ def build_chain(root: Path) -> dict:
     T.publish(None, root / "runs" / "finetune", objects={"tcnn-final.pt": _model_ckpt(ft, tspec, manifest)},
               history=hist, csvs={"gpsa.csv": gpsa_long_rows(hist)}, metrics=ft_metrics)  # fmt: skip
 
-    # results/ as stages/evaluate.py writes them
+    # the matched control: the same CNN fine-tuned without attention (history rows like the finetune stage's)
+    ctl_hist = [{k: v for k, v in r.items() if k != "gpsa"} for r in hist]
+    ctl_metrics = {"enabled": True, "mode": "fresh", "epochs_run": 3, "train_acc": 0.52, "val_acc": 0.54,
+                   "test_acc": 0.5432, "test_loss": 1.25, "train_time_s": 0.9, "device": "cpu"}  # fmt: skip
+    T.publish(None, root / "runs" / "control", history=ctl_hist, metrics=ctl_metrics)
+
+    # results/ as stages/evaluate.py writes them: the pretrained CNN (the CE baseline), the control (errors
+    # 0.95x the CNN's) and the T-CNN (0.9x); intervals from made-up bootstrap replicates around the points
     rng = np.random.default_rng(2)
     errs = {c: sorted(rng.uniform(0.2, 0.8, 5)) for c in CORRUPTIONS}
     table = pa.concat_tables([
         table_from_errors("cnn", 0.2, errs, n=10),
+        table_from_errors("control", 0.19, {c: [e * 0.95 for e in v] for c, v in errs.items()}, n=10),
         table_from_errors("tcnn", 0.18, {c: [e * 0.9 for e in v] for c, v in errs.items()}, n=10),
     ])  # fmt: skip
     base = Baseline.from_table(table, model="cnn", name="cnn (this run)")
-    summaries = {m: summarize(table, base, model=m) for m in ("cnn", "tcnn")}
+    summaries = {m: summarize(table, base, model=m) for m in ("cnn", "control", "tcnn")}
     res = root / "results"
     (res / "plots").mkdir(parents=True)
     pq.write_table(table, res / "robustness.parquet")
-    gains = plot_relative_improvement(table, "cnn", "tcnn", res / "plots" / "robustness_gain.png")
-    metrics = {m: flat_metrics(s) for m, s in summaries.items()}
+    points = {m: flat_metrics(s) for m, s in summaries.items()}
+    samples = {m: {k: v + rng.normal(0, 0.003, 200) for k, v in p.items()} for m, p in points.items()}
+    comps = comparisons(points, samples, [("control", "tcnn"), ("cnn", "tcnn"), ("cnn", "control")])
+    plot_gains(comps, ["tcnn-control", "tcnn-cnn"], res / "plots" / "robustness_gain.png")
+    metrics = dict(points)
     metrics["baseline"] = base.name
-    metrics["tcnn_gain"] = {k: {str(g): v for g, v in d.items()} for k, d in gains.items()}
+    metrics["test_image_size"] = 28
+    metrics["comparisons"] = comps
+    metrics["bootstrap"] = {"replicates": 200, "images": {"clean": 12, "per_corrupted_set": 10}}
     atomic_write_json(res / "metrics.json", metrics)
     atomic_write_json(res / "summary.json", summaries)
     return {"params": params, "raw": raw, "eq": eq, "metrics": metrics, "history": hist, "manifest": manifest}
@@ -183,7 +196,7 @@ def test_report_shows_the_numbers_of_its_inputs(rendered) -> None:
     assert f"{eq['max_abs_logit_diff_s1']:.3e}" in text
     assert f"{_pct(eq['test_acc_cnn'])} / {_pct(eq['test_acc_tcnn'])}" in text
     assert "layer4.0.conv1, layer4.0.conv2" in text
-    for model in ("cnn", "tcnn"):
+    for model in ("cnn", "control", "tcnn"):
         assert _pct(m[model]["clean_accuracy"]) in text
         assert _pct(m[model]["mca"]) in text
         assert _pct(m[model]["mce"], 1) in text
@@ -191,9 +204,19 @@ def test_report_shows_the_numbers_of_its_inputs(rendered) -> None:
         assert _pct(m[model]["extra_accuracy"]) in text
     # T-CNN errors are 0.9x the CNN's (the baseline): mCE 90%
     assert m["tcnn"]["mce"] == pytest.approx(0.9) and "90.0%" in text
-    assert f"{100 * (m['tcnn']['clean_accuracy'] - m['cnn']['clean_accuracy']):+.2f} pp" in text
-    assert _pct(m["tcnn_gain"]["per_category"]["blur"], 1) in text
-    assert "43.21%" in text and "56.78%" in text  # pretrain / finetune test accuracy
+    for a, b in (("control", "tcnn"), ("cnn", "tcnn"), ("cnn", "control")):  # differences with intervals
+        for key in ("clean_accuracy", "mca", "mce", "mca_blur", "mca_sev3"):
+            d = m["comparisons"][f"{b}-{a}"][key]
+            assert d["diff"] == pytest.approx(m[b][key] - m[a][key])
+            assert f"{100 * d['diff']:+.2f} pp [{100 * d['low']:+.2f}, {100 * d['high']:+.2f}]" in text
+    g = m["comparisons"]["tcnn-control"]["gain_blur"]  # 000 Fig. 3's relative gain, with its interval
+    assert g["diff"] == pytest.approx(m["tcnn"]["mca_blur"] / m["control"]["mca_blur"] - 1)
+    assert f"{100 * g['diff']:+.2f} % [{100 * g['low']:+.2f}, {100 * g['high']:+.2f}]" in text
+    # The report leads with T-CNN vs its control and says in words what the interval means.
+    lead = text[text.index('id="attention"') : text.index('id="mlflow"')]
+    assert "matched control" in lead and "Clean accuracy (T-CNN − control)" in lead
+    assert ("excludes 0" in lead) and ("better than the control" in lead or "worse than the control" in lead)
+    assert "43.21%" in text and "56.78%" in text and "54.32%" in text  # pretrain / T-CNN / control test acc.
     assert "alpha_init: 50.0" in text  # the config block
     assert out["figures"] == {"training_curves": True, "fig3": True, "fig4": True, "fig5": True, "contours": True,
                               "nonlocality": True}  # fmt: skip
@@ -260,7 +283,7 @@ def test_missing_optional_inputs_become_notes(chain, tmp_path) -> None:
     text = (root / "results" / "report.html").read_text()
     for rel in ("runs/finetune/gpsa.csv", "runs/reparam/equivalence.json", "runs/pretrain/history.json"):
         assert f"{rel} is missing" in text
-    assert "redrawn from" in text  # Fig. 3 from robustness.parquet
+    assert "redrawn from results/metrics.json" in text  # Fig. 3 from the comparisons
     assert out["figures"] == {"training_curves": False, "fig3": True, "fig4": False, "fig5": True, "contours": True,
                               "nonlocality": False}  # fmt: skip
     assert "label 0 (t-shirt)" in text and "test split, index 0" in text  # fell back to the data dir
@@ -286,10 +309,10 @@ def test_no_gpsa_layer(chain, tmp_path) -> None:
     root = _bare_copy(src, tmp_path / "r")
     shutil.copy(root / "runs/pretrain/cnn-final.pt", root / "runs/finetune/tcnn-final.pt")  # model.kind=cnn
     out = report.run(info["params"], root=root)
-    assert out["figures"] == {"training_curves": False, "fig3": False, "fig4": False, "fig5": False, "contours": False,
+    assert out["figures"] == {"training_curves": False, "fig3": True, "fig4": False, "fig5": False, "contours": False,
                               "nonlocality": False}  # fmt: skip
     assert "no attention layer" in " ".join(out["notes"]) and out["attention"] == []
-    assert "results/plots/robustness_gain.png and results/robustness.parquet are missing" in " ".join(
+    assert "results/plots/robustness_gain.png is missing; redrawn from results/metrics.json" in " ".join(
         out["notes"]
     )
 
@@ -302,7 +325,9 @@ def test_no_test_images(chain, tmp_path) -> None:
     assert out["figures"]["fig5"] is False
     assert "No clean test image available (data/fm/manifest.json: missing" in " ".join(out["notes"])
     text = (root / "results" / "report.html").read_text()
-    assert "No clean test image" in text and text.count("data:image/png;base64,") == 0
+    assert (
+        "No clean test image" in text and text.count("data:image/png;base64,") == 1
+    )  # Fig. 3 (metrics.json)
 
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -389,7 +414,7 @@ def test_report_on_the_real_chain(tmp_path, monkeypatch) -> None:
     """prepare-format data -> the real pretrain, reparam, finetune, corrupt and evaluate stages -> report."""
     from _train_helpers import write_dataset
 
-    from stages import corrupt, evaluate, finetune, pretrain, reparam
+    from stages import control, corrupt, evaluate, finetune, pretrain, reparam
 
     monkeypatch.setenv("TCNN_QUIET", "1")
     monkeypatch.setenv("TCNN_DEVICE", "cpu")
@@ -401,7 +426,7 @@ def test_report_on_the_real_chain(tmp_path, monkeypatch) -> None:
                                   "severities": [1, 3], "workers": 1})  # fmt: skip
     raw["data"]["val_size"] = 50
     params = validate_params(raw)
-    for stage in (pretrain, reparam, finetune, corrupt, evaluate):
+    for stage in (pretrain, reparam, finetune, control, corrupt, evaluate):
         stage.run(params, root=tmp_path)
     out = report.run(params, root=tmp_path)
     text = (tmp_path / "results" / "report.html").read_text()
@@ -412,9 +437,9 @@ def test_report_on_the_real_chain(tmp_path, monkeypatch) -> None:
     metrics = json.loads((tmp_path / "results/metrics.json").read_text())
     assert f"{eq['max_abs_logit_diff']:.3e}" in text
     assert f"{_pct(eq['val_acc_cnn'])} / {_pct(eq['val_acc_tcnn'])}" in text
-    for m in ("cnn", "tcnn"):
+    for m in ("cnn", "control", "tcnn"):
         assert _pct(metrics[m]["clean_accuracy"]) in text and _pct(metrics[m]["mca"]) in text
-    ft = json.loads((tmp_path / "runs/finetune/metrics.json").read_text())
-    assert _pct(ft["test_acc"]) in text
+    for stage in ("finetune", "control"):
+        assert _pct(json.loads((tmp_path / f"runs/{stage}/metrics.json").read_text())["test_acc"]) in text
     for name in report.FIGURES.values():
         _png(tmp_path / "results" / "plots" / name)

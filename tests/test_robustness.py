@@ -15,7 +15,7 @@ from torch import nn
 
 from core import corruptions as C
 from core import robustness as R
-from core.plots import contact_sheet, plot_relative_improvement, relative_improvement
+from core.plots import contact_sheet, plot_gains
 
 # a copy of ../shared/reference/alexnet_imagenet_c_errors.json, kept in the repo so the check runs everywhere
 REFERENCE = Path(__file__).parent / "reference" / "alexnet_imagenet_c_errors.json"
@@ -206,20 +206,24 @@ def _two_models() -> pa.Table:
 
 
 def test_relative_improvement_per_category_and_severity(tmp_path):
+    """000 Fig. 3's relative gain acc_B / acc_A - 1 per category and severity (the ``gain_<group>`` entries of
+    the comparisons), against hand-computed values, and its plot."""
     table = _two_models()
-    g = relative_improvement(table, "cnn", "tcnn")
+    base = R.Baseline.from_table(table, model="cnn")
+    points = {m: R.flat_metrics(R.summarize(table, base, model=m)) for m in ("cnn", "tcnn")}
+    samples = {m: {k: np.full(5, v) for k, v in p.items()} for m, p in points.items()}  # no spread
+    g = R.comparisons(points, samples, [("cnn", "tcnn")])["tcnn-cnn"]
     # blur: accuracy 0.75 vs 0.5 -> +50%; noise: severities 1-4 at 0.5, 5 at 1.0 -> mean 0.6 -> +20%
-    assert g["per_category"]["blur"] == pytest.approx(0.5) and g["per_category"]["noise"] == pytest.approx(
-        0.2
-    )
-    assert list(g["per_category"]) == ["noise", "blur", "weather", "digital"]
+    assert g["gain_blur"]["diff"] == pytest.approx(0.5) and g["gain_noise"]["diff"] == pytest.approx(0.2)
+    assert [k for k in g if k.startswith("gain_") and "sev" not in k] == [
+        "gain_noise", "gain_blur", "gain_weather", "gain_digital",
+    ]  # fmt: skip
     # severity 5: 4 blurs at 0.75, 11 others at 1.0 -> mean (3 + 11) / 15 vs 0.5
-    assert g["per_severity"][5] == pytest.approx((3 + 11) / 15 / 0.5 - 1)
-    assert g["per_severity"][1] == pytest.approx((4 * 0.75 + 11 * 0.5) / 15 / 0.5 - 1)
-    out = plot_relative_improvement(table, "cnn", "tcnn", tmp_path / "fig3.png")
-    assert out == g and (tmp_path / "fig3.png").read_bytes()[:4] == b"\x89PNG"
-    with pytest.raises(ValueError):
-        relative_improvement(table, "cnn", "vit")
+    assert g["gain_sev5"]["diff"] == pytest.approx((3 + 11) / 15 / 0.5 - 1)
+    assert g["gain_sev1"]["diff"] == pytest.approx((4 * 0.75 + 11 * 0.5) / 15 / 0.5 - 1)
+    assert g["gain_blur"]["low"] == pytest.approx(0.5) and g["gain_blur"]["excludes_zero"]
+    plot_gains({"tcnn-cnn": g}, ["tcnn-cnn"], tmp_path / "fig3.png")
+    assert (tmp_path / "fig3.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_contact_sheet_is_written(tmp_path):

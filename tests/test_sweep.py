@@ -19,9 +19,9 @@ import pytest
 import yaml
 from _train_helpers import tiny_params, write_dataset
 
-from core.config import load_params
+from core.config import load_params, plan_epochs
 from pipelines.cli import main as tcnn_main
-from pipelines.sweep_plan import SweepError, expand_grid, make_plan, scale_for_fraction
+from pipelines.sweep_plan import SweepError, expand_grid, make_plan
 
 REPO = Path(__file__).resolve().parents[1]
 TCNN = str(Path(sys.executable).with_name("tcnn"))
@@ -140,9 +140,13 @@ def test_fraction_scaling_keeps_images_seen_and_t1_in_place(tmp_path: Path) -> N
     assert len(plan.groups) == 2
     assert sorted(g.epochs for g in plan.groups.values()) == [[1, 2], [4, 8]]
     off = load_params(path).with_overrides(
-        {"sweep.fraction_scales_epochs": False, "data.sample_fraction": 0.25}
+        {"data.fraction_scales_epochs": False, "data.sample_fraction": 0.25}
     )
-    assert scale_for_fraction(off) == {}
+    assert plan_epochs(off) == off
+    # The DVC path plans with the same function: a trial's params are the stage's planned params.
+    on = load_params(path).with_overrides({"data.sample_fraction": 0.25, "reparam.epoch": 1})
+    planned = plan_epochs(on)
+    assert by[(0.25, 1)].pretrain == planned.pretrain and by[(0.25, 1)].finetune == planned.finetune
 
 
 # ------------------------------------------------------------------------------------------ bad input
@@ -285,7 +289,7 @@ def test_plots_only_for_what_the_grid_varies(tmp_path: Path) -> None:
         "reparam.lambda_init": [0.0, 3.0],
         "data.sample_fraction": [0.5, 1.0],
     }
-    spec = {"name": "s", "grid": grid, "base": {"sweep": {"fraction_scales_epochs": True}}}
+    spec = {"name": "s", "grid": grid, "base": {"data": {"fraction_scales_epochs": True}}}
     rows = []
     for i, (a, lam, f) in enumerate(itertools.product(*grid.values())):
         rows.append(

@@ -78,6 +78,11 @@ def test_sweep_2x2_one_pretraining_mlflow_parent_children_and_reuse(tmp_path: Pa
     ]
     trials = sorted((sweep_dir / "trials").iterdir())
     assert len(trials) == 4
+    # One matched control per t1 (alpha only changes the reparameterization), shared by its two trials.
+    controls = sorted((tmp_path / "sweeps" / "control").iterdir())
+    assert len(controls) == 2
+    assert all(len((c / "executions.jsonl").read_text().splitlines()) == 1 for c in controls)
+    assert all((t / "runs" / "control").is_symlink() for t in trials)
     for t in trials:
         assert (t / "runs" / "pretrain").resolve() == (group / "runs" / "pretrain").resolve()
         assert (
@@ -210,3 +215,33 @@ def test_model_kind_grid(tmp_path: Path, kinds: list[str]) -> None:
         assert 0.0 <= parent[f"kind_{name}_clean_accuracy"] <= 1.0 and parent[f"kind_{name}_mce"] > 0
     assert parent["kind_baseline_mce"] == pytest.approx(1.0)  # the baseline against itself
     assert parent["best_tcnn_clean_accuracy"] == pytest.approx(rows["tcnn"]["tcnn_clean_accuracy"])
+
+
+def test_seed_grid_aggregates_each_configuration_over_seeds(tmp_path: Path) -> None:
+    """A grid holding `seed`: per configuration, the mean over seeds with Student's t-interval in
+    summary.parquet, seeds.parquet, the sweep report and the parent run."""
+    import numpy as np
+    from scipy import stats
+
+    make_project(tmp_path, {"seed": [0, 1], "reparam.alpha_init": [0.5]})
+    res = run_sweep(tmp_path, "--name", "s")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    sweep_dir = tmp_path / "sweeps" / "s"
+    rows = pq.read_table(sweep_dir / "summary.parquet").to_pylist()
+    assert len(rows) == 2 and {r["seed"] for r in rows} == {0, 1}
+    (agg,) = pq.read_table(sweep_dir / "seeds.parquet").to_pylist()
+    assert agg["config"] == "alpha=0.5" and agg["n_seeds"] == 2
+    for metric in ("tcnn_clean_accuracy", "tcnn_minus_control_clean_accuracy", "tcnn_minus_control_mca"):
+        vals = np.array([r[metric] for r in rows])
+        sem = stats.sem(vals)  # scipy gives nan for zero spread; the interval is then the point
+        lo, hi = (
+            stats.t.interval(0.95, 1, loc=vals.mean(), scale=sem) if sem > 0 else (vals.mean(), vals.mean())
+        )
+        assert agg[f"{metric}_mean"] == pytest.approx(vals.mean())
+        assert (agg[f"{metric}_ci_low"], agg[f"{metric}_ci_high"]) == pytest.approx((lo, hi))
+        assert all(r[f"{metric}_mean"] == pytest.approx(vals.mean()) for r in rows)  # in summary.parquet too
+    parent, _ = sweep_runs(tmp_path, "s")
+    key = "seeds/alpha_0.5/tcnn_minus_control_clean_accuracy_mean"  # MLflow names take no "="
+    assert parent.data.metrics[key] == pytest.approx(agg["tcnn_minus_control_clean_accuracy_mean"])
+    assert "Over seeds" in (sweep_dir / "report.html").read_text()
+    assert "alpha=0.5" in (sweep_dir / "seeds.md").read_text()

@@ -63,18 +63,18 @@ def test_flatten_params_stable_names() -> None:
         {
             "reparam.alpha_init": 2.0,
             "reparam.lambda_init": 3.0,
-            "reparam.epoch": 4,
+            "reparam.epoch": 1,
             "data.sample_fraction": 0.5,
         }
     )
     flat = flatten_params(params)
     assert flat["alpha_init"] == "2.0"
     assert flat["lambda_init"] == "3.0"
-    assert flat["reparam_epoch"] == "4"
+    assert flat["reparam_epoch"] == "1"
     assert flat["sample_fraction"] == "0.5"
     for dotted in ("reparam.alpha_init", "reparam.lambda_init", "reparam.epoch", "data.sample_fraction"):
         assert dotted not in flat
-    assert flat["pretrain.augment.hflip"] == "True"
+    assert flat["augment.hflip"] == "True" and flat["pretrain.augment"] == "None"  # the shared policy
     assert flat["finetune.lr"] == str(params.finetune.lr)
     assert json.loads(flat["robustness.severities"]) == params.robustness.severities
     assert flat["sweep.grid"] == "{}"  # empty mappings keep their name so every run has the same keys
@@ -161,7 +161,7 @@ def test_parent_child_params_metrics_artifacts(store: str, tmp_path: Path) -> No
         assert run.data.tags[PARENT_TAG] == parent  # the UI nests by this tag
         assert run.data.tags[STAGE_TAG] == stage
         assert run.info.run_name == stage
-        assert run.data.params["alpha_init"] == "2.0" and run.data.params["reparam_epoch"] == "6"
+        assert run.data.params["alpha_init"] == "2.0" and run.data.params["reparam_epoch"] == "2"
         assert run.data.params == flatten_params(params)
         history = client.get_metric_history(run_id, "val_acc")
         assert [(m.step, round(m.value, 6)) for m in history] == [(0, 0.5), (1, 0.6), (2, 0.7)]

@@ -1,0 +1,101 @@
+"""Stage `control`: the matched control of the T-CNN -- the same CNN checkpoint, fine-tuned without attention.
+
+    python -m stages.control [--params params.yaml]
+
+What attention buys is the T-CNN minus this model (000 Table 1 reports the CNN fine-tuned "without SA" next to
+each T-CNN). It starts from the pretraining checkpoint the reparam stage converts
+(``runs/pretrain/ckpt/ckpt-epoch-{t1:03d}.pt``) and runs the finetune stage's own training function
+(`stages.finetune.train`) with the same params: optimizer, lr schedule, epochs, resolution, augmentation,
+stochastic depth, data order and seeds; only the reparameterization is missing. In "continue" mode it is the
+CNN run continued for the same t2 epochs (000 Table 3's CNN row). Names in ``finetune.freeze`` that the CNN
+does not have (the GPSA's attention-only parameters) are skipped.
+
+The control exists for the kinds whose fine-tuned model is a reparameterized pretrained network
+(`core.models.REPARAMETERIZED_KINDS`) and when ``finetune.control`` is true. Otherwise the stage writes its
+outputs empty and says why in metrics.json (``enabled: false``), so the DVC graph stays the same.
+
+Outputs (``root/runs/control/``): ``model/control-final.pt``, ``history.json`` / ``history.csv`` (one row per
+epoch, as the finetune stage's), ``metrics.json``. Resume state: ``root/runs/.partial/control/``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from core.checkpoint import atomic_write_json, atomic_write_text
+from core.config import Params
+from core.models import REPARAMETERIZED_KINDS
+from core.optim import named_state
+from core.train import EXIT_PREEMPTED, Preempted
+from stages import _training as T
+from stages import finetune, reparam
+from stages._cli import stage_main
+
+NAME = "control"
+VARIANT = finetune.Variant(NAME, "model/control-final.pt")
+
+
+def checkpoint_path(root: Path) -> Path:
+    """The control's final model (what evaluate compares the T-CNN with)."""
+    return VARIANT.out_dir(root) / VARIANT.final
+
+
+def disabled_reason(params: Params) -> str | None:
+    """Why this config has no control (None: it has one)."""
+    if not params.finetune.control:
+        return "finetune.control is false"
+    if params.model.kind not in REPARAMETERIZED_KINDS:
+        return (
+            f"model.kind={params.model.kind!r} fine-tunes without reparameterization: its fine-tuned model is "
+            "already the control"
+        )
+    return None
+
+
+def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
+    root = Path(root)
+    reason = disabled_reason(params)
+    if reason is not None:
+        return _disabled(root, reason)
+    src = reparam.source_path(params, root)
+    ckpt = T.load_checkpoint(
+        src, reparam.REQUIRED, f"pretraining checkpoint at reparam.epoch={params.reparam.epoch}"
+    )
+    state = named_state(ckpt["optimizer"], ckpt["param_names"])
+    start = {
+        "model": ckpt["model"],
+        "model_spec": ckpt["model_spec"],
+        "image_size": ckpt.get("image_size"),
+        "carry": T.carry(ckpt, state, {k: k for k in state}),
+    }
+    metrics = finetune.train(params, root, start, src, VARIANT, strict_freeze=False)
+    return {"enabled": True, **metrics}
+
+
+def _disabled(root: Path, reason: str) -> dict[str, Any]:
+    out = VARIANT.out_dir(root)
+    model_dir = checkpoint_path(root).parent
+    if model_dir.exists():
+        shutil.rmtree(model_dir)
+    model_dir.mkdir(parents=True)
+    atomic_write_json(out / "history.json", [])
+    atomic_write_text(out / "history.csv", "finetune_epoch,val_acc,val_loss\n")
+    metrics = {"enabled": False, "reason": reason}
+    atomic_write_json(out / "metrics.json", metrics)
+    print(f"{NAME}: no control ({reason})")
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return stage_main(NAME, run, argv)
+    except Preempted as stop:
+        print(f"{NAME}: {stop}", file=sys.stderr)
+        return EXIT_PREEMPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Stage `evaluate`: the numbers it writes, checked by hand from its own per-image table; one test resolution
+for every model; the comparisons and their intervals; a config without a control."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from _train_helpers import tiny_params, write_dataset
+
+from core import corruptions as C
+from core.checkpoint import load_model
+from core.config import validate_params
+from core.data import load_split, read_manifest
+from core.robustness import BENCHMARK_CORRUPTIONS, correct_per_image
+from stages import control, corrupt, evaluate, pretrain
+
+CORRUPTIONS = ["gaussian_noise", "contrast", "speckle_noise"]  # two benchmark corruptions and one extra
+
+
+@pytest.fixture(autouse=True)
+def _quiet(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TCNN_QUIET", "1")
+    monkeypatch.setenv("TCNN_DEVICE", "cpu")
+    monkeypatch.setattr(C, "default_workers", lambda: 1)
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny checkpoints of three different networks in the places evaluate reads them (the pretraining
+    run's epochs 4, 1 and 0 as CNN, control and T-CNN), plus corrupted sets of 40 test images."""
+    root = tmp_path_factory.mktemp("eval")
+    data = write_dataset(root / "data" / "fmnist", n_train=1100, n_test=120)
+    raw = _raw(data, root)
+    params = validate_params(raw)
+    pretrain.run(params, root=root)
+    ckpt = root / "runs" / "pretrain" / "ckpt"
+    control.checkpoint_path(root).parent.mkdir(parents=True)
+    shutil.copy(ckpt / "ckpt-epoch-001.pt", control.checkpoint_path(root))
+    (root / "runs" / "finetune").mkdir(parents=True)
+    shutil.copy(ckpt / "ckpt-epoch-000.pt", root / "runs" / "finetune" / "tcnn-final.pt")
+    corrupt.run(params, root=root)
+    return root
+
+
+def _raw(data: Path, root: Path, **extra: dict) -> dict:
+    return tiny_params(
+        data,
+        pretrain={"epochs": 4, "lr": 0.1, "checkpoint_epochs": [0, 1, 4]},
+        reparam={"epoch": 4},
+        robustness={"dir": str(root / "c"), "n_images": 40, "corruptions": CORRUPTIONS,
+                    "severities": [1, 3], "batch_size": 50, "bootstrap": 200, **extra.get("robustness", {})},
+        **{k: v for k, v in extra.items() if k != "robustness"},
+    )  # fmt: skip
+
+
+def _errors(per_image: dict, model: str) -> tuple[float, dict[str, dict[int, float]]]:
+    """(clean error, {corruption: {severity: error}}) of one model, straight from the per-image table."""
+    m = per_image["model"] == model
+    clean = 1 - per_image["correct"][m & (per_image["corruption"] == "clean")].mean()
+    errs: dict[str, dict[int, float]] = {}
+    for c in CORRUPTIONS:
+        for s in (1, 3):
+            sel = m & (per_image["corruption"] == c) & (per_image["severity"] == s)
+            errs.setdefault(c, {})[s] = 1 - per_image["correct"][sel].mean()
+    return clean, errs
+
+
+@pytest.mark.slow
+def test_metrics_equal_hand_computed_values_from_the_per_image_table(chain) -> None:
+    """mCE of the baseline is 1; every other model's mCE and relative mCE are computed here by hand
+    (Hendrycks & Dietterich: CE_c = sum_s E / sum_s E_base, mean over the benchmark corruptions; rCE with the
+    clean errors subtracted) from the stage's own per-image table, with the pretrained CNN as normaliser."""
+    params = validate_params(_raw(chain / "data" / "fmnist", chain))
+    metrics = evaluate.run(params, root=chain)
+    table = pq.read_table(chain / "results" / "per_image.parquet")
+    per_image = {k: np.asarray(table.column(k).to_pylist()) for k in table.column_names}
+    assert set(per_image["model"]) == {"cnn", "control", "tcnn"}
+    assert (per_image["corruption"] == "clean").sum() == 3 * 120  # the full clean test split per model
+
+    base_clean, base = _errors(per_image, "cnn")
+    bench = [c for c in CORRUPTIONS if c in BENCHMARK_CORRUPTIONS]
+    assert metrics["cnn"]["mce"] == pytest.approx(1.0)
+    assert all(sum(b - base_clean for b in base[c].values()) > 0 for c in bench)  # rCE is defined
+    for model in ("cnn", "control", "tcnn"):
+        clean, errs = _errors(per_image, model)
+        ce = [sum(errs[c].values()) / sum(base[c].values()) for c in bench]
+        rce = [
+            sum(e - clean for e in errs[c].values()) / sum(b - base_clean for b in base[c].values())
+            for c in bench
+        ]
+        assert metrics[model]["clean_accuracy"] == pytest.approx(1 - clean)
+        assert metrics[model]["mce"] == pytest.approx(np.mean(ce), abs=1e-12)
+        assert metrics[model]["relative_mce"] == pytest.approx(np.mean(rce), abs=1e-12)
+        cells = [1 - e for c in bench for e in errs[c].values()]
+        assert metrics[model]["mca"] == pytest.approx(np.mean(cells), abs=1e-12)
+    # Differences are b - a of the point values, and their intervals contain them.
+    comps = metrics["comparisons"]
+    assert list(comps) == ["tcnn-control", "tcnn-cnn", "control-cnn"]
+    for key, (a, b) in {"tcnn-control": ("control", "tcnn"), "tcnn-cnn": ("cnn", "tcnn")}.items():
+        for name in ("clean_accuracy", "mca", "mce", "relative_mce"):
+            d = comps[key][name]
+            assert d["diff"] == pytest.approx(metrics[b][name] - metrics[a][name], abs=1e-12)
+            assert d["low"] <= d["diff"] <= d["high"]
+            assert d["excludes_zero"] == (d["low"] > 0 or d["high"] < 0)
+    assert metrics["bootstrap"]["replicates"] == 200 and metrics["bootstrap"]["images"] == {
+        "clean": 120, "per_corrupted_set": 40,
+    }  # fmt: skip
+    assert (chain / "results" / "plots" / "robustness_gain.png").stat().st_size > 1000
+    header = (chain / "results" / "robustness_by_category.csv").read_text().splitlines()[0]
+    assert header == "category,cnn,control,tcnn"
+
+
+@pytest.mark.slow
+def test_every_model_is_evaluated_at_the_fine_tuning_resolution(chain, tmp_path) -> None:
+    """finetune.image_size = 32: the pretrained CNN is evaluated at 32 px too, like the fine-tuned models."""
+    params = validate_params(_raw(chain / "data" / "fmnist", chain, finetune={"image_size": 32}))
+    root = tmp_path / "r"
+    shutil.copytree(chain / "runs", root / "runs")
+    metrics = evaluate.run(params, root=root)  # data and sets are absolute paths inside `chain`
+    assert metrics["test_image_size"] == 32
+    manifest = read_manifest(chain / "data" / "fmnist")
+    images, labels = load_split(chain / "data" / "fmnist", "test")
+    table = pq.read_table(root / "results" / "per_image.parquet").to_pylist()
+    got = [r["correct"] for r in table if r["model"] == "cnn" and r["corruption"] == "clean"]
+    cnn = load_model(chain / "runs" / "pretrain" / "cnn-final.pt")
+    want = correct_per_image(
+        cnn, [(images, labels)], mean=manifest["mean"], std=manifest["std"], image_size=32
+    )
+    assert got == want.tolist()
+
+
+@pytest.mark.slow
+def test_without_a_control_only_the_pretrained_comparison(chain, tmp_path) -> None:
+    params = validate_params(_raw(chain / "data" / "fmnist", chain, finetune={"control": False}))
+    root = tmp_path / "r"
+    shutil.copytree(chain / "runs", root / "runs")
+    metrics = evaluate.run(params, root=root)
+    assert "control" not in metrics and list(metrics["comparisons"]) == ["tcnn-cnn"]
+    assert json.loads((root / "results" / "metrics.json").read_text())["comparisons"].keys() == {"tcnn-cnn"}
