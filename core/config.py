@@ -203,7 +203,7 @@ class ReparamConfig(_Strict):
 
 
 class FinetuneConfig(_Strict):
-    epochs: int = Field(2, gt=0)
+    epochs: int = Field(1, gt=0)
     mode: Literal["fresh", "continue"] = "fresh"
     # Both learning rates are the paper's values at batch 1024 (000 Sec. 3: AdamW warmed up to 1e-4, the gates
     # at 0.1) and both scale linearly with batch_size, so the gate / weight ratio stays the paper's 1000.
