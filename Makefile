@@ -16,13 +16,14 @@ run: setup
 test: setup-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
 test-quick: setup-test
 	$(BIN)/python -m pytest -m "not slow and not slurm"
 
 lint:
-	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports
 
 format:
 	$(BIN)/ruff check --fix . && $(BIN)/ruff format .

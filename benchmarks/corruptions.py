@@ -6,8 +6,8 @@
    rounds so background load hits both alike): "naive" use of the imagecorruptions package -- each image
    converted to RGB (as ``corrupt()`` requires), the package's per-corruption function with its 224 px
    constants, frost re-reading its texture file on every call, ``np.random.seed`` per image, ``seed=`` for
-   glass_blur / impulse_noise -- against ``core.corruptions.corrupt_batch``. Prints both and the ratio.
-2. The full run: ``core.corruptions.iter_sets`` over all 10k images x 95 sets with `--workers` processes
+   glass_blur / impulse_noise -- against ``core.robustness.corruptions.corrupt_batch``. Prints both and the ratio.
+2. The full run: ``core.robustness.corruptions.iter_sets`` over all 10k images x 95 sets with `--workers` processes
    (spawned, each loading textures and the cached numba kernel once), including worker start-up and
    writing every set to Parquet in a temporary directory. Goal: <= 150 s on 2 cores (naive: ~300 s).
 
@@ -31,7 +31,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from core import corruptions as C  # noqa: E402
+from core.robustness import corruptions as C  # noqa: E402
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
 

@@ -1,14 +1,14 @@
-"""GEMM route benchmark: ``F.linear`` (MKL on CPU) vs ``core.gemm.linear`` (oneDNN 1x1 convolution), side by side.
+"""GEMM route benchmark: ``F.linear`` (MKL on CPU) vs ``core.nn.gemm.linear`` (oneDNN 1x1 convolution), side by side.
 
     .venv/bin/python benchmarks/gemm.py [--threads 2] [--reps 10]
 
 Shapes (M, K, N) are the GPSA's own: the T-CNN output GEMM at 7x7 (B = 64, heads * D_in = 9 * 504 -> 504), the
 ConViT q/k/v and output projections at 7x7 and 14x14, and the default net's last stage (B = 128, 4 x 4). Both
 contenders run interleaved on the same inputs (median of ``--reps``); forward alone and forward + backward
-(both operands require grad), with the backward in oneDNN and in BLAS (the two routes of core.gemm). Prints the
+(both operands require grad), with the backward in oneDNN and in BLAS (the two routes of core.nn.gemm). Prints the
 ratios and the largest relative difference between the results. Why it matters: MKL runs its generic
 (non-AVX-512) SGEMM kernels on AMD CPUs with AVX-512, oneDNN does not; on AVX2 CPUs oneDNN's backward is the
-slower one (core/gemm.py).
+slower one (core/nn/gemm.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from core.gemm import BACKWARD_ENV, linear, onednn_backward  # noqa: E402
+from core.nn.gemm import BACKWARD_ENV, linear, onednn_backward  # noqa: E402
 
 SHAPES = [(3136, 4536, 504), (3136, 504, 1512), (3136, 504, 504), (12544, 252, 756), (2048, 1152, 128)]
 
@@ -43,7 +43,7 @@ def _median_ms(fns: dict, reps: int) -> dict[str, float]:
 
 
 def _route(name: str):
-    """A contender: F.linear (MKL), or core.gemm.linear with its backward forced to oneDNN / BLAS."""
+    """A contender: F.linear (MKL), or core.nn.gemm.linear with its backward forced to oneDNN / BLAS."""
     if name == "mkl":
         return F.linear
 

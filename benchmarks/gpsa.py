@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/gpsa.py [--quick] [--device cpu|cuda] [--threads 2] [--sections convit,tcnn,model]
 
-1. ConViT-mode GPSA (core.gpsa) vs timm's GPSA, forward and forward+backward, at (batch, tokens, dim, heads) =
+1. ConViT-mode GPSA (core.nn.gpsa) vs timm's GPSA, forward and forward+backward, at (batch, tokens, dim, heads) =
    (64, 14x14, 252, 9), (32, 16x16, 378, 9), (8, 28x28, 252, 9), (64, 7x7, 504, 9); and peak memory of one
    forward+backward.
 2. T-CNN-mode GPSA vs the 3x3 conv it replaces (dim -> dim, padding 1) at the same shapes (NCHW maps).
@@ -48,9 +48,9 @@ import torch.nn as nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from core.gpsa import GPSA  # noqa: E402
 from core.models import build  # noqa: E402
-from core.reparam import to_tcnn  # noqa: E402
+from core.models.reparam import to_tcnn  # noqa: E402
+from core.nn.gpsa import GPSA  # noqa: E402
 
 SHAPES = [(64, 14, 252, 9), (32, 16, 378, 9), (8, 28, 252, 9), (64, 7, 504, 9)]
 GOALS = {14: 3.5, 16: 3.5, 28: 7.0, 7: 1.1}

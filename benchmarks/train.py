@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from core.models import build
-from core.optim import build_sgd
-from core.reparam import to_tcnn
-from core.train import autocast, select_device
+from core.models.reparam import to_tcnn
+from core.training.loop import autocast, select_device
+from core.training.optim import build_sgd
 
 
 def _step_rate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> float:

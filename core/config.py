@@ -22,17 +22,14 @@ from pydantic import (
     model_validator,
 )
 
-DATASETS = ("fashion_mnist", "cifar10", "cifar100", "imagefolder")
-MODEL_KINDS = ("cnn", "tcnn", "convit", "psa", "hybrid_scratch", "aa_resnet", "cmhsa")
-FINETUNE_MODES = ("fresh", "continue")
-STRIDE_MODES = ("exact", "s1")
-ALL_CORRUPTIONS = (
-    "gaussian_noise", "shot_noise", "impulse_noise",
-    "defocus_blur", "glass_blur", "motion_blur", "zoom_blur",
-    "snow", "frost", "fog", "brightness",
-    "contrast", "elastic_transform", "pixelate", "jpeg_compression",
-    "speckle_noise", "gaussian_blur", "spatter", "saturate",
-)  # fmt: skip
+from core.data.importers import DATASETS
+from core.models import CONVIT_CONFIGS, KINDS, check_options, is_known_arch
+from core.nn.cmhsa import CMHSA_ARCHS
+from core.nn.gpsa import STRIDE_MODES
+from core.nn.psa import QK_INITS
+from core.robustness.suite import CORRUPTIONS
+
+FINETUNE_MODES = ("fresh", "continue")  # 000 Sec. 3 ("fresh") and Table 3 ("continue")
 
 
 # The default network: the project's CIFAR-style ResNet-10 with a dilated last stage (timm's output_stride=16),
@@ -63,7 +60,7 @@ class _Strict(BaseModel):
 
 
 class DataConfig(_Strict):
-    name: Literal["fashion_mnist", "cifar10", "cifar100", "imagefolder"] = "fashion_mnist"
+    name: Literal[DATASETS] = "fashion_mnist"
     source: Path | None = None  # raw files; None = the dataset's default location (or a download)
     dir: Path = Path("data/fashion_mnist")  # Parquet shards + manifest.json
     sample_fraction: float = Field(1.0, gt=0.0, le=1.0)
@@ -84,7 +81,7 @@ class DataConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    kind: Literal["cnn", "tcnn", "convit", "psa", "hybrid_scratch", "aa_resnet", "cmhsa"] = "tcnn"
+    kind: Literal[KINDS] = "tcnn"
     arch: str = DEFAULT_ARCH
     drop_path: float = Field(0.0, ge=0.0, lt=1.0)
     options: dict[str, Any] = Field(default_factory=dict)
@@ -92,17 +89,12 @@ class ModelConfig(_Strict):
     @field_validator("arch")
     @classmethod
     def _known_arch(cls, v: str, info: ValidationInfo) -> str:
-        from core.models import CONVIT_CONFIGS, is_known_arch  # lazy: timm/torch only when checked
-
         kind = info.data.get("kind")
         if kind == "convit" and v not in CONVIT_CONFIGS:
             raise ValueError(f"unknown arch {v!r} for kind 'convit' (choose from {sorted(CONVIT_CONFIGS)})")
-        if kind == "cmhsa":
-            from core.cmhsa import CMHSA_ARCHS
-
-            if v not in CMHSA_ARCHS:
-                raise ValueError(f"unknown arch {v!r} for kind 'cmhsa' (choose from {sorted(CMHSA_ARCHS)})")
-        elif kind != "convit" and not is_known_arch(v, "cnn"):
+        if kind == "cmhsa" and v not in CMHSA_ARCHS:
+            raise ValueError(f"unknown arch {v!r} for kind 'cmhsa' (choose from {sorted(CMHSA_ARCHS)})")
+        if kind not in ("convit", "cmhsa") and not is_known_arch(v, "cnn"):
             raise ValueError(f"unknown arch {v!r} (not a timm model name nor a project-registered net)")
         return v
 
@@ -111,8 +103,6 @@ class ModelConfig(_Strict):
     def _kind_options(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         """Kind-specific options: the ablation switches (001 Table 3), the conversion of hybrid_scratch and
         psa's qk_init; tcnn / psa convert with the `reparam` section, cmhsa's phase is set by the stages."""
-        from core.models import check_options  # lazy
-
         kind = info.data.get("kind")
         if kind is None:
             return v
@@ -126,8 +116,6 @@ class ModelConfig(_Strict):
             if bad:
                 raise ValueError(f"{bad[0]}: kind {kind!r} converts with reparam.{bad[0]}; set that instead")
         if "qk_init" in v:
-            from core.psa import QK_INITS
-
             if kind != "psa":
                 raise ValueError(f"qk_init: applies to kind 'psa', not {kind!r}")
             if v["qk_init"] not in QK_INITS:
@@ -198,13 +186,13 @@ class ReparamConfig(_Strict):
     epoch: int = Field(2, ge=0)  # t1; 0 = reparameterize the untrained CNN
     alpha_init: float = Field(1.0, gt=0.0)
     lambda_init: float = 1.0
-    stride_mode: Literal["exact", "s1"] = "exact"
+    stride_mode: Literal[STRIDE_MODES] = "exact"
     stages: list[int] = Field(default_factory=lambda: [-1])
 
 
 class FinetuneConfig(_Strict):
     epochs: int = Field(1, gt=0)
-    mode: Literal["fresh", "continue"] = "fresh"
+    mode: Literal[FINETUNE_MODES] = "fresh"
     # Both learning rates are the paper's values at batch 1024 (000 Sec. 3: AdamW warmed up to 1e-4, the gates
     # at 0.1) and both scale linearly with batch_size, so the gate / weight ratio stays the paper's 1000.
     lr: float = Field(1e-4, gt=0.0)
@@ -229,7 +217,7 @@ class FinetuneConfig(_Strict):
 
 class RobustnessConfig(_Strict):
     n_images: int = Field(500, gt=0)
-    corruptions: list[str] = Field(default_factory=lambda: list(ALL_CORRUPTIONS))
+    corruptions: list[str] = Field(default_factory=lambda: list(CORRUPTIONS))
     severities: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5])
     dir: Path = Path("data/fashion_mnist-c")
     batch_size: int = Field(500, gt=0)
@@ -242,9 +230,9 @@ class RobustnessConfig(_Strict):
     @field_validator("corruptions")
     @classmethod
     def _known_corruptions(cls, v: list[str]) -> list[str]:
-        bad = [c for c in v if c not in ALL_CORRUPTIONS]
+        bad = [c for c in v if c not in CORRUPTIONS]
         if bad:
-            raise ValueError(f"unknown corruption(s) {bad}; choose from {list(ALL_CORRUPTIONS)}")
+            raise ValueError(f"unknown corruption(s) {bad}; choose from {list(CORRUPTIONS)}")
         if not v:
             raise ValueError("must name at least one corruption")
         return v

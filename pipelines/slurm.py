@@ -38,6 +38,8 @@ from typing import Any
 import submitit
 from submitit.slurm.slurm import SlurmInfoWatcher, SlurmJob
 
+from core.utils.atomic import atomic_write_json
+
 RAY_SOCKET_LIMIT = 107  # bytes in a unix socket path (sun_path)
 # <temp>/session_YYYY-MM-DD_HH-MM-SS_ffffff_<pid>/sockets/plasma_store: ~68 bytes after <temp>
 _RAY_SOCKET_SUFFIX = 70
@@ -294,15 +296,6 @@ def align_ray_auth() -> str:
     return mode
 
 
-def _atomic_write_json(path: Path, obj: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _tail(path: Path, n: int = 20) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
@@ -470,7 +463,7 @@ class RayClusterJob(submitit.helpers.Checkpointable):
                 "num_nodes": num_nodes,
                 "temp_dir": str(temp),
             }
-            _atomic_write_json(rendezvous, info)
+            atomic_write_json(rendezvous, info, shared=True)
             import ray
 
             os.environ["RAY_ADDRESS"] = address

@@ -40,8 +40,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from core.atomic import atomic_write_json
 from core.config import ConfigError, Params, load_params
+from core.utils.atomic import atomic_write_json
 from pipelines.sweep_plan import (
     SweepError,
     check_name,
@@ -73,7 +73,7 @@ def tracking_enabled(params: Params) -> bool:
 
 def build_spec(params: Params, *, name: str | None, params_file: Path, cwd: Path | None = None) -> dict:
     """Validate and plan the sweep; the returned spec is all a driver and its trials need (JSON-able)."""
-    from pipelines.tracking import resolve_uri
+    from stages.tracking import resolve_uri
 
     cwd = Path(cwd or Path.cwd()).resolve()
     sw = params.sweep
@@ -251,7 +251,7 @@ def driver_lock(sweep_dir: Path) -> Any:
 
 
 def _open_parent(spec: dict) -> Any:
-    from pipelines.tracking import PARENT_ENV, Tracker
+    from stages.tracking import PARENT_ENV, Tracker
 
     t = spec["tracking"]
     tracker = Tracker(enabled=t["enabled"], uri=t["uri"], experiment=t["experiment"], export_env=False)

@@ -6,7 +6,8 @@ fails with one line and nothing written, and every trial (on any node) finds its
 Shared pretraining (issue 7): trials whose pretraining inputs are equal -- seed, data content (manifest
 fingerprint), data.sample_fraction / val_size / image_size, the network pretraining trains (model.arch,
 options, drop_path and ``stages.pretrain.pretrain_kind``), the pretrain section (minus which epochs are
-kept), the device kind and the pretraining code -- form one *group*. A group pretrains once, in the
+kept), the device kind and the pretraining code (the files dvc.yaml lists as the pretrain stage's deps) --
+form one *group*. A group pretrains once, in the
 content-addressed directory ``<storage>/pretrain/<key>/`` (key = sha256 of those inputs), keeping a
 checkpoint at every t1 its trials ask for; later sweeps with the same inputs reuse it.
 
@@ -29,24 +30,6 @@ from typing import Any
 from core.config import ConfigError, Params, plan_epochs, validate_params
 
 PLAN_VERSION = 1
-#: Source files whose content decides what pretraining computes (part of the shared-pretraining key).
-PRETRAIN_CODE = (
-    "stages/pretrain.py",
-    "stages/_training.py",
-    "core/train.py",
-    "core/optim.py",
-    "core/data.py",
-    "core/loader.py",
-    "core/models.py",
-    "core/checkpoint.py",
-    "core/gpsa.py",  # the model kinds pretraining may build (ConViT, hybrid_scratch, AA, cmhsa)
-    "core/psa.py",
-    "core/reparam.py",
-    "core/aa.py",
-    "core/cmhsa.py",
-)
-#: Source files whose content decides what the matched control computes (fine-tuning on top of pretraining).
-CONTROL_CODE = (*PRETRAIN_CODE, "stages/finetune.py", "stages/control.py", "core/dissect.py", "core/gemm.py")
 REPO = Path(__file__).resolve().parents[1]
 SHORT = {
     "reparam.epoch": "t1",
@@ -119,12 +102,29 @@ def trial_label(overrides: dict[str, Any]) -> str:
     return " ".join(f"{SHORT.get(k, k)}={v}" for k, v in overrides.items()) or "(base config)"
 
 
-def code_digest(files: tuple[str, ...] = PRETRAIN_CODE, repo: Path = REPO) -> str:
+def stage_code_files(stage: str, repo: Path = REPO) -> list[str]:
+    """The code files (under core/ and stages/) that dvc.yaml lists as deps of ``stage``, folders expanded to
+    their .py files: the code part of DVC's own identity of the stage (tests/test_dvc_deps.py keeps those
+    deps complete)."""
+    import yaml
+
+    deps = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"][stage]["deps"]
+    files: set[str] = set()
+    for d in deps:
+        if not isinstance(d, str) or not d.startswith(("core/", "stages/")):
+            continue
+        path = repo / d
+        found = path.rglob("*.py") if path.is_dir() else [path]
+        files |= {str(p.relative_to(repo)) for p in found if "__pycache__" not in p.parts}
+    return sorted(files)
+
+
+def code_digest(stage: str, repo: Path = REPO) -> str:
+    """sha256 over the contents of :func:`stage_code_files` (path and bytes of each file, in order)."""
     h = hashlib.sha256()
-    for rel in files:
-        path = repo / rel
+    for rel in stage_code_files(stage, repo):
         h.update(rel.encode())
-        h.update(path.read_bytes() if path.is_file() else b"<missing>")
+        h.update((repo / rel).read_bytes())
     return h.hexdigest()
 
 
@@ -226,7 +226,7 @@ def corrupt_identity(params: Params, manifest: dict[str, Any]) -> dict[str, Any]
 
 
 def stable_hash(obj: Any) -> str:
-    from core.train import stable_hash as _hash  # lazy: torch is not needed to parse the CLI
+    from core.utils.hashing import stable_hash as _hash
 
     return _hash(obj)
 
@@ -260,8 +260,8 @@ def make_plan(
     if bad:
         raise SweepError(f"sweep.grid.{bad[0]}: sweep.* and tracking.* settings cannot vary within a sweep")
     storage = (cwd / base.sweep.storage).resolve()
-    code = code_digest()
-    control_code = code_digest(CONTROL_CODE)
+    code = code_digest("pretrain")  # the same code DVC hashes for its pretrain and control stages
+    control_code = code_digest("control")
     fixed: dict[str, Any] = {"sweep.grid": {}, "sweep.storage": str(storage)}
     if tracking_uri is not None:
         fixed["tracking.uri"] = tracking_uri

@@ -25,8 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from core.atomic import atomic_write_json
 from core.config import Params, validate_params
+from core.utils.atomic import atomic_write_json
 
 LOCK = ".lock"
 COMPLETE = "complete.json"

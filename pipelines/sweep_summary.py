@@ -29,7 +29,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from core.atomic import atomic_write
+from core.utils.atomic import atomic_write
 from pipelines.sweep_plan import SHORT
 from pipelines.sweep_trial import HEADLINE
 
@@ -122,8 +122,8 @@ def config_label(row: dict[str, Any], keys: list[str]) -> str:
 def seed_rows(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """When the grid varies ``seed``: one row per configuration (the other grid keys) with, for every
     :data:`SEED_METRICS` name, the mean over its finished seeds and Student's 95% t-interval
-    (``<metric>_mean`` / ``_ci_low`` / ``_ci_high``; core.intervals.t_interval) and ``n_seeds``. [] otherwise."""
-    from core.intervals import t_interval
+    (``<metric>_mean`` / ``_ci_low`` / ``_ci_high``; core.robustness.intervals.t_interval) and ``n_seeds``. [] otherwise."""
+    from core.robustness.intervals import t_interval
 
     if SEED not in spec["grid"]:
         return []
@@ -341,7 +341,7 @@ def kind_rows(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str
     kind, arch, grid label, clean accuracy, mCA, and mCE / relative mCE of the trial's final model against the
     pretrained CNN of the first finished ``kind=cnn`` trial (see the module docstring). Without a cnn trial,
     mCE columns are the trials' own (each against its own pretrained model) and ``baseline`` says so."""
-    from core.robustness import Baseline, summarize
+    from core.robustness.metrics import Baseline, summarize
 
     done = _finished(rows)
     if len(_kinds(done)) < 2:

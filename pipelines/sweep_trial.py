@@ -33,8 +33,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from core.atomic import atomic_write_json
 from core.config import Params
+from core.utils.atomic import atomic_write_json
 from pipelines.sweep_plan import trial_label, trial_params
 from pipelines.sweep_shared import (
     SWEEP_PRETRAIN_RUNS,
@@ -44,14 +44,14 @@ from pipelines.sweep_shared import (
     link_pretraining,
     locked,
 )
-from stages._cli import SUMMARY_METRICS, summary_metrics
+from stages.catalogue import SUMMARY_METRICS, numeric_metrics, summary_metrics
 
 STATE = "trial.json"
 DONE = "done.json"
 STAGE_LOG = "stages.jsonl"
 LOG = "trial.log"
 #: The headline numbers every trial reports last (also the summary table's columns): the DVC path's summary
-#: metrics, under the same names (stages._cli.SUMMARY_METRICS).
+#: metrics, under the same names (stages.catalogue.SUMMARY_METRICS).
 HEADLINE = tuple(SUMMARY_METRICS)
 
 
@@ -67,9 +67,7 @@ def read_json(path: Path) -> dict[str, Any] | None:
 
 
 def numeric(obj: Any, prefix: str = "") -> dict[str, float]:
-    """A stage's returned metrics flattened to MLflow numbers (the DVC path's names: stages._cli)."""
-    from stages._cli import numeric_metrics
-
+    """A stage's returned metrics flattened to MLflow numbers (the DVC path's names: stages.catalogue)."""
     return {f"{prefix}{k}": v for k, v in numeric_metrics(obj).items()}
 
 
@@ -83,7 +81,7 @@ def headline(root: Path) -> dict[str, float]:
 
 def open_run(spec: dict[str, Any], tid: str, params: Params, root: Path, known_id: str | None) -> Any:
     """The trial's MLflow child run under the sweep's parent: reopened when the trial ran before."""
-    from pipelines.tracking import Tracker, TrackingError
+    from stages.tracking import Tracker, TrackingError
 
     cfg = spec["tracking"]
     tracker = Tracker(enabled=cfg["enabled"], uri=cfg["uri"], experiment=cfg["experiment"], export_env=False)
@@ -113,7 +111,7 @@ def close_run(spec: dict[str, Any], run_id: str | None) -> None:
     cfg = spec["tracking"]
     if not cfg["enabled"] or not run_id:
         return
-    from pipelines.tracking import Tracker
+    from stages.tracking import Tracker
 
     tracker = Tracker(enabled=True, uri=cfg["uri"], experiment=cfg["experiment"], export_env=False)
     if tracker.client.get_run(run_id).info.status != "FINISHED":

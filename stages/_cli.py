@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import sys
@@ -13,83 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from core.config import ConfigError, Params, load_params, plan_epochs
-from core.importers import DataError
-
-#: Files (or directories) each stage logs to MLflow as artifacts when they exist (relative to the repo
-#: root), as ``path`` or ``(path, artifact_dir)``.
-STAGE_ARTIFACTS: dict[str, tuple[str | tuple[str, str], ...]] = {
-    "prepare": ("{data_dir}/manifest.json",),
-    "pretrain": (
-        "runs/pretrain/metrics.json", "runs/pretrain/history.json", "runs/pretrain/history.csv",
-        ("runs/pretrain/cnn-final.pt", "checkpoints"), ("runs/pretrain/ckpt", "checkpoints/ckpt"),
-    ),
-    "reparam": ("runs/reparam/equivalence.json", ("runs/reparam/tcnn.pt", "checkpoints")),
-    "finetune": (
-        "runs/finetune/metrics.json", "runs/finetune/history.json", "runs/finetune/history.csv",
-        "runs/finetune/gpsa.csv", ("runs/finetune/tcnn-final.pt", "checkpoints"),
-    ),
-    "control": (
-        "runs/control/metrics.json", "runs/control/history.json", "runs/control/history.csv",
-        ("runs/control/model/control-final.pt", "checkpoints"),
-    ),
-    "corrupt": ("{robustness_dir}/index.json", "{robustness_dir}/contact_sheet.png"),
-    "evaluate": (
-        "results/robustness.parquet", "results/per_image.parquet", "results/metrics.json",
-        "results/summary.json", "results/baseline.json",
-        "results/robustness_by_category.csv", "results/robustness_by_severity.csv",
-        ("results/plots/robustness_gain.png", "plots"),
-    ),
-    "report": ("results/report.html", ("results/plots", "plots")),
-}  # fmt: skip
-
-#: Final metrics with stable names, logged on the parent run at the end of the chain so that the compare
-#: view of pipeline executions lines them up: name -> (file relative to the root, key path in its JSON).
-SUMMARY_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "cnn_test_acc": ("runs/pretrain/metrics.json", ("test_acc",)),
-    "tcnn_test_acc": ("runs/finetune/metrics.json", ("test_acc",)),
-    "equivalence_error": ("runs/reparam/equivalence.json", ("max_abs_logit_diff",)),
-    "equivalence_mean_abs_logit_diff": ("runs/reparam/equivalence.json", ("mean_abs_logit_diff",)),
-    "equivalence_prediction_agreement": ("runs/reparam/equivalence.json", ("prediction_agreement",)),
-    "control_test_acc": ("runs/control/metrics.json", ("test_acc",)),
-    **{
-        f"{model}_{name}": ("results/metrics.json", (model, name))
-        for model in ("cnn", "control", "tcnn")
-        for name in ("clean_accuracy", "mca", "mce", "relative_mce")
-    },
-    # What attention buys (T-CNN - control) and the T-CNN vs the pretrained CNN, with 95% interval ends
-    # (control - pretrained CNN stays in results/metrics.json and the evaluate run: the parent keeps the two
-    # differences a reader compares runs by).
-    **{
-        f"{b}_minus_{a}_{name}{end}": ("results/metrics.json", ("comparisons", f"{b}-{a}", name, field))
-        for a, b in (("control", "tcnn"), ("cnn", "tcnn"))
-        for name in ("clean_accuracy", "mca", "mce", "relative_mce")
-        for end, field in (("", "diff"), ("_ci_low", "low"), ("_ci_high", "high"))
-    },
-}
-
-#: Models logged with ``mlflow.pytorch.log_model`` (stage -> (checkpoint, MLflow model name)).
-STAGE_MODELS: dict[str, tuple[str, str]] = {
-    "pretrain": ("runs/pretrain/cnn-final.pt", "cnn"),
-    "finetune": ("runs/finetune/tcnn-final.pt", "tcnn"),
-    "control": ("runs/control/model/control-final.pt", "control"),
-}
+from core.data.importers import DataError
+from core.utils.hashing import file_digest
+from stages.catalogue import STAGE_ARTIFACTS, STAGE_MODELS, numeric_metrics, read_json, summary_metrics
 
 
 class StageError(RuntimeError):
     """A stage cannot run on its inputs (missing or corrupt checkpoint, bad data): one line, exit 2."""
-
-
-def numeric_metrics(obj: Any, prefix: str = "") -> dict[str, float]:
-    """Flatten a stage's returned metrics to MLflow-loggable numbers (names joined with '_')."""
-    out: dict[str, float] = {}
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out.update(
-                numeric_metrics(v, f"{prefix}{k}_" if not isinstance(v, (int, float)) else f"{prefix}{k}")
-            )
-    elif isinstance(obj, (int, float)) and not isinstance(obj, bool) and math.isfinite(obj):
-        out[prefix.rstrip("_")] = float(obj)
-    return out
 
 
 def tracking_on(params: Params) -> bool:
@@ -103,17 +32,10 @@ def _tracked(params: Params, name: str) -> Iterator[Any]:
     if not tracking_on(params):
         yield None
         return
-    from pipelines.tracking import stage_run  # the one tracking adapter; stages work without it
+    from stages.tracking import stage_run  # the one tracking adapter; stages work without it
 
     with stage_run(params, name, root=".", end_parent=name == "report", system_metrics=True) as tracker:
         yield tracker
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _epoch_metrics(row: dict[str, Any]) -> dict[str, float]:
@@ -131,7 +53,7 @@ def _epoch_metrics(row: dict[str, Any]) -> dict[str, float]:
 
 def log_history(tracker: Any, path: Path, step_key: str = "epoch") -> int:
     """Per-epoch metrics of a training history (``history.json``: a list of rows) with step = the epoch."""
-    rows = _read_json(path)
+    rows = read_json(path)
     if not isinstance(rows, list):
         return 0
     n = 0
@@ -145,13 +67,11 @@ def log_history(tracker: Any, path: Path, step_key: str = "epoch") -> int:
 
 def log_dataset_dir(tracker: Any, name: str, data_dir: Path, context: str) -> None:
     """A prepared dataset as an MLflow input: digest = sha256 of its manifest (which holds every file's sha256)."""
-    from pipelines.tracking import file_digest
-
     manifest = data_dir / "manifest.json"
-    digest = file_digest(manifest)
-    if digest is None:
+    if not manifest.is_file():
         return
-    info = _read_json(manifest) or {}
+    digest = file_digest(manifest)
+    info = read_json(manifest) or {}
     profile = {k: info.get(k) for k in ("num_classes", "image_shape", "class_counts") if k in info}
     profile["manifest_sha256"] = digest
     tracker.log_dataset(name, digest, str(data_dir), context=context, profile=profile)
@@ -159,12 +79,10 @@ def log_dataset_dir(tracker: Any, name: str, data_dir: Path, context: str) -> No
 
 def log_corrupted_sets(tracker: Any, params: Params, root: Path) -> None:
     """The corrupted test sets as an MLflow input: digest = sha256 of their index (one sha256 per set)."""
-    from pipelines.tracking import file_digest
-
     index = root / params.robustness.dir / "index.json"
-    digest = file_digest(index)
-    if digest is not None:
-        info = _read_json(index) or {}
+    if index.is_file():
+        digest = file_digest(index)
+        info = read_json(index) or {}
         profile = {"n_images": info.get("n"), "sets": len(info.get("sets") or []), "index_sha256": digest}
         tracker.log_dataset(f"{params.data.name}-c", digest, str(root / params.robustness.dir),
                             context="test-corrupted", profile=profile)  # fmt: skip
@@ -172,26 +90,13 @@ def log_corrupted_sets(tracker: Any, params: Params, root: Path) -> None:
 
 def log_model(tracker: Any, checkpoint: Path, name: str) -> None:
     """The model of a checkpoint through ``mlflow.pytorch.log_model`` (loadable with
-    ``mlflow.pytorch.load_model``; it gives the logits of ``core.checkpoint.load_model``)."""
+    ``mlflow.pytorch.load_model``; it gives the logits of ``core.training.checkpoint.load_model``)."""
     if not checkpoint.is_file():
         return
-    from core.checkpoint import load_model
+    from core.training.checkpoint import load_model
 
     model = load_model(checkpoint)
     tracker.log_torch_model(model, name=name)
-
-
-def summary_metrics(root: Path) -> dict[str, float]:
-    """:data:`SUMMARY_METRICS` read from the chain's outputs (missing ones are left out)."""
-    out: dict[str, float] = {}
-    cache: dict[str, Any] = {}
-    for name, (rel, keys) in SUMMARY_METRICS.items():
-        node = cache.setdefault(rel, _read_json(root / rel))
-        for k in keys:
-            node = node.get(k) if isinstance(node, dict) else None
-        if isinstance(node, (int, float)) and not isinstance(node, bool) and math.isfinite(node):
-            out[name] = float(node)
-    return out
 
 
 def _log_outputs(tracker: Any, params: Params, name: str, metrics: Any, root: Path = Path(".")) -> None:
@@ -253,7 +158,7 @@ def stage_main(name: str, run: Callable[[Params], object], argv: list[str] | Non
         print(f"{name}: error: {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:
-        # pipelines.tracking.TrackingError (server down and the like), without importing MLflow here
+        # stages.tracking.TrackingError (server down and the like), without importing MLflow here
         if type(err).__name__ != "TrackingError":
             raise
         print(f"{name}: error: {err}", file=sys.stderr)

@@ -13,10 +13,11 @@ import torch
 import torch.nn as nn
 from pydantic import BaseModel
 
-from core.atomic import remove_stale_temps
-from core.checkpoint import CheckpointError, atomic_save, atomic_write_json, atomic_write_text, load
 from core.config import Params
-from core.train import Datasets, csv_text, history_rows_flat, load_datasets, make_loader
+from core.data import Datasets, load_datasets, make_loader
+from core.training.checkpoint import CheckpointError, atomic_save, load
+from core.training.history import csv_text, history_rows_flat
+from core.utils.atomic import atomic_write_json, atomic_write_text, remove_stale_temps
 from stages._cli import StageError
 
 EVAL_BATCH = 500

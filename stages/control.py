@@ -25,11 +25,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from core.checkpoint import atomic_write_json, atomic_write_text
 from core.config import Params
 from core.models import REPARAMETERIZED_KINDS
-from core.optim import named_state
-from core.train import EXIT_PREEMPTED, Preempted
+from core.training.loop import EXIT_PREEMPTED, Preempted
+from core.training.optim import named_state
+from core.utils.atomic import atomic_write_json, atomic_write_text
 from stages import _training as T
 from stages import finetune, reparam
 from stages._cli import stage_main

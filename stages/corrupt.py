@@ -3,7 +3,7 @@
     python -m stages.corrupt [--params params.yaml] [-S robustness.n_images=500]
 
 Reads the test split of ``data.dir``, keeps ``robustness.n_images`` images chosen class-stratified (classes
-take turns in index order, see ``core.corruptions.select_indices``; deterministic, and growing n keeps the
+take turns in index order, see ``core.robustness.corruptions.select_indices``; deterministic, and growing n keeps the
 images already chosen) and writes, under ``robustness.dir``:
 
 - ``<corruption>/<severity>.parquet`` for every ``robustness.corruptions`` x ``robustness.severities``
@@ -22,7 +22,6 @@ exists; 0 = all), with a progress bar.
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import time
 from pathlib import Path
@@ -30,21 +29,15 @@ from typing import Any
 
 import numpy as np
 
-from core import corruptions as C
 from core.config import Params
+from core.robustness import corruptions as C
+from core.utils.atomic import atomic_write_json
+from core.utils.hashing import file_digest
 from stages._cli import StageError, stage_main
 
 CONTACT_SHEET = "contact_sheet.png"
 INDEX = "index.json"
 SELECTION = "stratified"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _load_test(params: Params, data_dir: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -124,7 +117,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
 
     sheet = out_dir / CONTACT_SHEET
     if todo or not sheet.is_file():
-        from core.plots import contact_sheet
+        from core.viz.plots import contact_sheet
 
         for c, s in pairs:
             if (c, s) not in shown:
@@ -150,12 +143,12 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
                 "category": C.CATEGORY_OF[c],
                 "meaningful": C.is_meaningful(c, images.shape[3]),
                 "file": str(C.set_path(Path("."), c, s)),
-                "sha256": _sha256(C.set_path(out_dir, c, s)),
+                "sha256": file_digest(C.set_path(out_dir, c, s)),
             }
             for c, s in pairs
         ],
     }
-    C.write_json_atomic(index, out_dir / INDEX)
+    atomic_write_json(out_dir / INDEX, index, indent=1)
     result = {
         "n_images": len(images),
         "n_sets": len(pairs),

@@ -20,7 +20,7 @@ model of ``model.kind`` (``runs/finetune/tcnn-final.pt``). All are evaluated at 
 - ``metrics.json``: per model the flat robustness metrics (clean accuracy, mCA, mCE, relative mCE, per
   category / severity / corruption); ``comparisons``: T-CNN minus control (what attention buys), T-CNN minus
   the pretrained CNN and control minus the pretrained CNN, each metric with its paired-bootstrap 95%
-  interval over test images (``robustness.bootstrap`` replicates, seeded by ``seed``; core.intervals) and
+  interval over test images (``robustness.bootstrap`` replicates, seeded by ``seed``; core.robustness.intervals) and
   the relative gain per category / severity (000 Fig. 3) -- DVC metrics;
 - ``robustness_by_category.csv`` / ``robustness_by_severity.csv``: mean corruption accuracy per group and
   model (DVC plots), and ``plots/robustness_gain.png``: the T-CNN's relative improvement over the control and
@@ -41,13 +41,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from core.atomic import atomic_write
-from core.checkpoint import CheckpointError, atomic_write_json, atomic_write_text, load_model
 from core.config import Params
 from core.data import DataError, load_split, read_manifest
-from core.intervals import CONFIDENCE
-from core.plots import plot_gains
-from core.robustness import (
+from core.robustness.intervals import CONFIDENCE
+from core.robustness.metrics import (
     Baseline,
     bootstrap_metrics,
     comparisons,
@@ -55,7 +52,10 @@ from core.robustness import (
     flat_metrics,
     summarize,
 )
-from core.train import derive_seed
+from core.training.checkpoint import CheckpointError, load_model
+from core.utils.atomic import atomic_write, atomic_write_json, atomic_write_text
+from core.utils.hashing import derive_seed
+from core.viz.plots import plot_gains
 from stages._cli import StageError, stage_main
 
 NAME = "evaluate"

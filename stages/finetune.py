@@ -25,10 +25,10 @@ depth draws the same masks in both runs.
 
 Outputs (`root/runs/finetune/`, published when the run completes): tcnn-final.pt (model checkpoint),
 history.csv / history.json (one row per epoch, the first row being the state right after
-reparameterization; per attention layer (GPSA, PSA, ConViT, AA, cmhsa's MHSA; `core.dissect.layer_stats`)
+reparameterization; per attention layer (GPSA, PSA, ConViT, AA, cmhsa's MHSA; `core.analysis.dissect.layer_stats`)
 mean 1/alpha, sigma(lambda) where the layer has them, and the nonlocality (001 Eq. 8) on the layer's real
 input for a fixed validation batch), gpsa.csv (per epoch, layer and head), metrics.json. Every model kind
-fine-tunes the same way: AdamW groups from `core.optim.param_groups` (GPSA / PSA positional parameters
+fine-tunes the same way: AdamW groups from `core.training.optim.param_groups` (GPSA / PSA positional parameters
 without weight decay, GPSA gates at finetune.gate_lr); parameters frozen by ablation switches stay frozen.
 Resume as in the pretrain stage (`root/runs/.partial/finetune/`).
 """
@@ -44,26 +44,24 @@ from typing import Any
 
 import torch
 
-from core.checkpoint import build_from_spec, restore_rng
+from core.analysis.dissect import layer_stats, long_rows
 from core.config import Params
-from core.dissect import layer_stats, long_rows
+from core.data import first_batch
 from core.models import set_stochastic_depth
-from core.optim import WarmupCosine, build_adamw, build_sgd, load_named_state
-from core.train import (
+from core.training.checkpoint import build_from_spec, restore_rng
+from core.training.history import summarize_gpsa
+from core.training.loop import (
     EXIT_PREEMPTED,
     Preempted,
     TrainLoss,
-    derive_seed,
     deterministic,
     evaluate,
-    file_fingerprint,
-    first_batch,
     fit,
     seed_everything,
     select_device,
-    stable_hash,
-    summarize_gpsa,
 )
+from core.training.optim import WarmupCosine, build_adamw, build_sgd, load_named_state
+from core.utils.hashing import derive_seed, file_digest, stable_hash
 from stages import _training as T
 from stages._cli import StageError, stage_main
 
@@ -228,7 +226,7 @@ def train(
     probe = first_batch(loaders.val if loaders.val is not None else loaders.test, PROBE)
 
     def stats(m: torch.nn.Module, label: int) -> dict[str, Any]:
-        s = layer_stats(m, probe)  # every attention layer, on its real input (core.dissect)
+        s = layer_stats(m, probe)  # every attention layer, on its real input (core.analysis.dissect)
         return {"finetune_epoch": label - epochs.start, **({"gpsa": s} if s else {})}
 
     with deterministic(device):
@@ -248,7 +246,7 @@ def train(
             loaders.train,
             epochs=epochs,
             work_dir=work_dir,
-            run_hash=run_hash(params, file_fingerprint(src), device.type, freeze, variant.name),
+            run_hash=run_hash(params, file_digest(src), device.type, freeze, variant.name),
             loss_fn=TrainLoss(augment.label_smoothing),
             val_loader=loaders.val,
             device=device,

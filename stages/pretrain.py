@@ -8,7 +8,7 @@ Outputs (under `root/runs/pretrain/`, published only when the run completes):
   metrics.json        final train/val/test loss and accuracy, timings
 
 While running, state lives in `root/runs/.partial/pretrain/` (outside DVC's outs, which DVC deletes before a
-stage runs); a rerun with the same params and data resumes from it exactly (see core.train.fit).
+stage runs); a rerun with the same params and data resumes from it exactly (see core.training.loop.fit).
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ from typing import Any
 
 import torch
 
-from core.checkpoint import build_from_spec, make_model_spec
 from core.config import Params
 from core.models import set_stochastic_depth
-from core.optim import WarmupCosine, build_sgd, param_groups
-from core.train import (
+from core.training.checkpoint import build_from_spec, make_model_spec
+from core.training.loop import (
     EXIT_PREEMPTED,
     Preempted,
     TrainLoss,
@@ -33,8 +32,9 @@ from core.train import (
     fit,
     seed_everything,
     select_device,
-    stable_hash,
 )
+from core.training.optim import WarmupCosine, build_sgd, param_groups
+from core.utils.hashing import stable_hash
 from stages import _training as T
 from stages._cli import StageError, stage_main
 

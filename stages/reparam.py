@@ -12,10 +12,10 @@ Reads `root/runs/pretrain/ckpt/ckpt-epoch-{t1:03d}.pt`, applies `core.reparam.to
                      the other stride mode, and the accuracy of both networks on the validation and test sets.
 
 Dispatch on `model.kind`:
-- "tcnn": GPSA (000 Sec. 2); "psa": ungated positional self-attention (`core.psa`, 003 / 001 App. A), with
+- "tcnn": GPSA (000 Sec. 2); "psa": ungated positional self-attention (`core.nn.psa`, 003 / 001 App. A), with
   `reparam.alpha_init`, `reparam.stages`, `reparam.stride_mode` (and `model.options.qk_init`); both followed by
   the ablation switches of `model.options` (gating, freeze_gpsa; `core.models`).
-- "cmhsa": the convolution phase becomes the self-attention phase by 002 Theorem 1 (`core.cmhsa.to_mhsa`);
+- "cmhsa": the convolution phase becomes the self-attention phase by 002 Theorem 1 (`core.nn.cmhsa.to_mhsa`);
   the optimizer state of parameters that keep their name and shape is carried, the rest starts empty.
 - "cnn" (Table 1's fine-tuning "without SA" baseline), "convit", "aa_resnet" and "hybrid_scratch" (the T-CNN
   architecture trained from scratch, t1 = 0 of 000 Table 3): the network passes through unconverted, with
@@ -31,18 +31,14 @@ from typing import Any
 
 import torch
 
-from core.checkpoint import atomic_save, atomic_write_json, build_from_spec, make_model_spec
 from core.config import Params
-from core.optim import map_state_to_tcnn, named_state
-from core.train import (
-    derive_seed,
-    evaluate,
-    file_fingerprint,
-    first_batch,
-    predict,
-    seed_everything,
-    select_device,
-)
+from core.data import first_batch
+from core.nn.cmhsa import to_mhsa
+from core.training.checkpoint import atomic_save, build_from_spec, make_model_spec
+from core.training.loop import evaluate, predict, seed_everything, select_device
+from core.training.optim import map_state_to_tcnn, named_state
+from core.utils.atomic import atomic_write_json
+from core.utils.hashing import derive_seed, file_digest
 from stages import _training as T
 from stages._cli import StageError, stage_main
 
@@ -144,9 +140,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
             kind, spec_cnn["arch"], spec_cnn["num_classes"], spec_cnn["in_chans"], options, conv
         )
     elif kind == "cmhsa":
-        from core.models import lazy_attr
-
-        tcnn = lazy_attr("core.cmhsa", "to_mhsa", kind)(cnn)
+        tcnn = to_mhsa(cnn)
         spec = make_model_spec(kind, spec_cnn["arch"], spec_cnn["num_classes"], spec_cnn["in_chans"],
                                spec_cnn["options"], phase="mhsa")  # fmt: skip
         dropped = sorted(set(state_in) - set(_carry_by_name(state_in, tcnn)))
@@ -226,7 +220,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         "image_size": int(size),
         "source": {
             "checkpoint": str(src.relative_to(root)) if src.is_relative_to(root) else str(src),
-            "sha256": file_fingerprint(src),
+            "sha256": file_digest(src),
             "epoch": int(ckpt["epoch"]),
         },
         "carry": T.carry(ckpt, state, moved),
@@ -274,14 +268,14 @@ def _other_inits(
 
 
 def _attention(model: torch.nn.Module) -> list:
-    from core.reparam import attention_modules
+    from core.models.reparam import attention_modules
 
     return list(attention_modules(model))
 
 
 def _gpsa(model: torch.nn.Module) -> list:
     try:
-        from core.reparam import gpsa_modules
+        from core.models.reparam import gpsa_modules
     except ImportError:
         return []
     return list(gpsa_modules(model))

@@ -24,27 +24,28 @@ different parent are dropped as stale). This module never imports MLflow: the re
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import csv
-import html
 import io
 import json
 import math
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+from markupsafe import Markup
 
 from core.config import Params
+from core.viz.html import finite, fmt_delta_pp, fmt_diff, fmt_num, fmt_pct, fmt_sci, render
 from stages._cli import StageError, stage_main
 
 NAME = "report"
-PARENT_ENV = "TCNN_PARENT_RUN_ID"  # the tracking adapter's variable (pipelines/tracking.py PARENT_ENV)
+PARENT_ENV = "TCNN_PARENT_RUN_ID"  # the tracking adapter's variable (stages/tracking.py PARENT_ENV)
 RUN_IDS_FILE = Path("runs") / "mlflow_runs.json"
 STAGE_ORDER = ("prepare", "pretrain", "reparam", "finetune", "control", "corrupt", "evaluate", "report")
 FIGURES = {
@@ -162,7 +163,7 @@ class Inputs:
     figures: dict[str, bytes | None] = field(default_factory=dict)
     fig5_caption: str | None = None
     attention_stats: list[dict[str, Any]] = field(default_factory=list)
-    attention_layers: list[Any] = field(default_factory=list)  # core.report_plots.LayerAttention of fig5
+    attention_layers: list[Any] = field(default_factory=list)  # core.analysis.dissect.LayerAttention of fig5
     notes: dict[str, list[str]] = field(default_factory=dict)
 
     def note(self, section: str, text: str) -> None:
@@ -216,7 +217,7 @@ def _read_csv(path: Path, inputs: Inputs, section: str) -> list[dict[str, Any]] 
 
 def _load_model(path: Path) -> tuple[Any, dict[str, Any]]:
     """(model in eval mode, checkpoint metadata: normalization, image_size, model_spec)."""
-    from core.checkpoint import CheckpointError, load, load_model
+    from core.training.checkpoint import CheckpointError, load, load_model
 
     try:
         ckpt = load(path, require=("model", "model_spec"))
@@ -247,8 +248,8 @@ def _test_image(
     paths: dict[str, Path], rel: Callable[[Path], str] = str
 ) -> tuple[Any, int | None, str, dict[str, Any] | None]:
     """(uint8 image [H, W, C], label, where it came from, manifest or None) of the first clean test image."""
-    from core.corruptions import read_set
     from core.data import DataError, load_split, read_manifest
+    from core.robustness.corruptions import read_set
 
     manifest = None
     with contextlib.suppress(DataError, FileNotFoundError, ValueError, OSError):
@@ -277,10 +278,10 @@ def _figure5(
     """000 Fig. 5 for the first clean test image (attention data kept in ``inputs.attention_stats``)."""
     import numpy as np
 
+    from core.analysis.dissect import centre_query_maps
     from core.data import DataError
-    from core.dissect import centre_query_maps
-    from core.reparam import attention_modules
-    from core.report_plots import plot_attention_maps, preprocess_image
+    from core.models.reparam import attention_modules
+    from core.viz.report_plots import plot_attention_maps, preprocess_image
 
     if not attention_modules(tcnn):
         inputs.note("fig5", "The fine-tuned model has no attention layer: no attention maps.")
@@ -333,7 +334,7 @@ def _figure5(
 
 def _dissection_figures(inputs: Inputs) -> tuple[bytes | None, bytes | None]:
     """Mass contours of the Fig. 5 maps and 001 Fig. 5 (nonlocality per layer over fine-tuning epochs)."""
-    from core.dissect import plot_attention_contours, plot_nonlocality, to_png
+    from core.viz.report_plots import plot_attention_contours, plot_nonlocality, to_png
 
     contours = nonloc = None
     if inputs.attention_layers:
@@ -364,7 +365,7 @@ def _gain_png(paths: dict[str, Path], inputs: Inputs) -> bytes | None:
         return None
     import tempfile
 
-    from core.plots import plot_gains
+    from core.viz.plots import plot_gains
 
     with tempfile.TemporaryDirectory() as tmp:
         plot_gains(comps, keys, Path(tmp) / "gain.png", labels=MODEL_LABELS)
@@ -389,54 +390,8 @@ def _placeholder(text: str) -> bytes:
 
 
 # ------------------------------------------------------------------------------------------------ HTML
-def _e(x: Any) -> str:
-    return html.escape(str(x))
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def fmt_pct(v: Any, digits: int = 2) -> str:
-    """0.91234 -> '91.23%' (None / nan -> 'n/a')."""
-    return f"{100 * v:.{digits}f}%" if _finite(v) else "n/a"
-
-
-def fmt_sci(v: Any) -> str:
-    return f"{v:.3e}" if _finite(v) else "n/a"
-
-
-def fmt_num(v: Any, digits: int = 4) -> str:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return _e(v) if v is not None else "n/a"
-    if isinstance(v, int):
-        return f"{v:,}"
-    return f"{v:.{digits}g}" if math.isfinite(v) else "n/a"
-
-
-def fmt_delta_pp(a: Any, b: Any) -> str:
-    """Difference b - a of two fractions in percentage points, signed."""
-    return f"{100 * (b - a):+.2f} pp" if _finite(a) and _finite(b) else "n/a"
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, cls: str = "") -> str:
-    """`rows` cells are already-escaped HTML."""
-    head = "".join(f"<th>{_e(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in r) + "</tr>" for r in rows)
-    return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
-
-
-def _img(data: bytes | None, alt: str) -> str:
-    if not data:
-        return ""
-    b64 = base64.b64encode(data).decode("ascii")
-    return f'<img alt="{_e(alt)}" src="data:image/png;base64,{b64}">'
-
-
-def _notes(inputs: Inputs, section: str) -> str:
-    return "".join(f'<p class="note">{_e(n)}</p>' for n in inputs.notes.get(section, []))
-
-
+# What the report shows is decided here; core/viz/templates/run_*.html lay it out (core.viz.html.render).
+# Values are escaped by the templates; a cell holding HTML is built as Markup, which escapes what it formats.
 def _models(metrics: dict[str, Any]) -> list[str]:
     names = [m for m, v in metrics.items() if isinstance(v, dict) and m not in NOT_MODELS]
     return sorted(
@@ -449,59 +404,62 @@ def _label(m: str) -> str:
     return MODEL_LABELS.get(m, m)
 
 
+def _code(x: Any) -> Markup:
+    return Markup("<code>{}</code>").format(x)
+
+
 def _section_runs(
     run_ids: dict[str, str] | None,
     params: dict[str, Any],
     note: str | None,
     meta: Mapping[str, str] | None = None,
-) -> str:
+) -> Markup:
+    """The MLflow section: tracking settings, the parent run's place in the UI, the run ids in stage order."""
     tr = params.get("tracking", {})
-    parts = [f"<p>Tracking: enabled={_e(tr.get('enabled'))}, uri <code>{_e(tr.get('uri'))}</code>, "
-             f"experiment <code>{_e(tr.get('experiment'))}</code>.</p>"]  # fmt: skip
     meta = meta or {}
-    if meta.get("dvc_exp_name"):
-        parts.append(
-            f"<p>DVC experiment <code>{_e(meta['dvc_exp_name'])}</code> (the parent run's name).</p>"
-        )
+    ui_link = None
     if run_ids and run_ids.get("parent") and meta.get("experiment_id"):
-        link = f"#/experiments/{meta['experiment_id']}/runs/{run_ids['parent']}"
-        parts.append(f"<p>In the MLflow UI (<code>infra/mlflow/server.sh</code>, then http://127.0.0.1:5000/): "
-                     f"<code>{_e(link)}</code>; store <code>{_e(meta.get('tracking_uri', ''))}</code>.</p>")  # fmt: skip
+        ui_link = f"#/experiments/{meta['experiment_id']}/runs/{run_ids['parent']}"
+    rows = []
     if run_ids:
         order = ["parent", *STAGE_ORDER]
         keys = sorted(run_ids, key=lambda k: (order.index(k) if k in order else len(order), k))
-        rows = [[_e("parent (pipeline)" if k == "parent" else f"stage: {k}" if k in STAGE_ORDER else k),
-                 f"<code>{_e(run_ids[k])}</code>"] for k in keys]  # fmt: skip
-        parts.append(_table(["run", "MLflow run id"], rows))
-    else:
-        parts.append('<p class="note">No MLflow run ids: tracking was disabled, or the report ran outside a '
-                     "tracked pipeline execution (no $TCNN_PARENT_RUN_ID, no runs/mlflow_runs.json).</p>")  # fmt: skip
-    if note:
-        parts.append(f'<p class="note">{_e(note)}</p>')
-    return "".join(parts)
+        rows = [["parent (pipeline)" if k == "parent" else f"stage: {k}" if k in STAGE_ORDER else k,
+                 _code(run_ids[k])] for k in keys]  # fmt: skip
+    return render(
+        "run_mlflow.html",
+        enabled=tr.get("enabled"),
+        uri=tr.get("uri"),
+        experiment=tr.get("experiment"),
+        dvc_exp_name=meta.get("dvc_exp_name"),
+        ui_link=ui_link,
+        store=meta.get("tracking_uri", ""),
+        rows=rows,
+        note=note,
+    )
 
 
-def _section_equivalence(eq: dict[str, Any] | None) -> str:
+def _section_equivalence(eq: dict[str, Any] | None) -> Markup:
     if not eq:
-        return ""
+        return Markup()
     other = "s1" if eq.get("stride_mode") == "exact" else "exact"
     lam = eq.get("lambda_init")
-    sig = 1 / (1 + math.exp(-lam)) if _finite(lam) else None
+    sig = 1 / (1 + math.exp(-lam)) if finite(lam) else None
     diff = eq.get("max_abs_logit_diff")
     scale = eq.get("max_abs_logit_cnn")
-    rel = diff / scale if _finite(diff) and _finite(scale) and scale > 0 else None
+    rel = diff / scale if finite(diff) and finite(scale) and scale > 0 else None
     rows = [
         ["reparameterization epoch t1", fmt_num(eq.get("reparam_epoch"))],
-        ["converted layers", _e(", ".join(eq.get("gpsa_layers") or []) or "none")],
-        ["stride mode", f"<code>{_e(eq.get('stride_mode'))}</code>"],
+        ["converted layers", ", ".join(eq.get("gpsa_layers") or []) or "none"],
+        ["stride mode", _code(eq.get("stride_mode"))],
         ["alpha init", fmt_num(eq.get("alpha_init"))],
         ["lambda init (sigma(lambda))", f"{fmt_num(lam)} ({fmt_num(sig, 3)})"],
         ["probe images", fmt_num(eq.get("probe_images"))],
-        [f"max |logit diff| T-CNN vs CNN ({_e(eq.get('stride_mode'))})", f"<b>{fmt_sci(diff)}</b>"
-         + (f" (relative to max |logit| {fmt_num(scale, 3)}: {fmt_sci(rel)})" if rel is not None else "")],
+        [f"max |logit diff| T-CNN vs CNN ({eq.get('stride_mode')})", Markup("<b>{}</b>{}").format(fmt_sci(diff),
+         f" (relative to max |logit| {fmt_num(scale, 3)}: {fmt_sci(rel)})" if rel is not None else "")],
         ["mean |logit diff|", fmt_sci(eq.get("mean_abs_logit_diff"))],
         [f"max |logit diff| with stride mode {other}", fmt_sci(eq.get(f"max_abs_logit_diff_{other}"))
-         + (f" ({_e(eq[f'{other}_error'])})" if eq.get(f"{other}_error") else "")],
+         + (f" ({eq[f'{other}_error']})" if eq.get(f"{other}_error") else "")],
         ["prediction agreement", fmt_pct(eq.get("prediction_agreement"))],
     ]  # fmt: skip
     for split in ("val", "test"):
@@ -514,44 +472,21 @@ def _section_equivalence(eq: dict[str, Any] | None) -> str:
             ["parameters CNN / T-CNN", f"{fmt_num(eq.get('params_cnn'))} / {fmt_num(eq.get('params_tcnn'))}"]
         )
     if eq.get("note"):
-        rows.append(["note", _e(eq["note"])])
-    verdict = ""
-    if _finite(diff):
-        verdict = (
-            "<p>The converted network computes the CNN's function to float precision (max |diff| &le; 1e-4).</p>"
-            if diff <= 1e-4
-            else "<p>The converted network does not reproduce the CNN exactly at this init: GPSA computes the "
-            "conv only in the limit of large alpha and lambda (e.g. 50); at the paper's alpha = lambda = 1 each head "
-            "attends around its tap and the gate mixes in content attention, so the T-CNN starts near, not at, "
-            "the CNN's function.</p>"
-        )
-    inits = [r for r in eq.get("inits") or [] if isinstance(r, dict)]
-    if inits:
-        names = {"paper": "the paper's init (000 Sec. 2)", "large": "a large init"}
-        body = [[_e(names.get(r.get("init"), r.get("init"))), fmt_num(r.get("alpha_init")), fmt_num(r.get("lambda_init")),
-                 fmt_sci(r.get("max_abs_logit_diff")), fmt_pct(r.get("prediction_agreement")),
-                 fmt_pct(r.get("test_acc")) if "test_acc" in r else "not measured"] for r in inits]  # fmt: skip
-        verdict += "<p>The same CNN converted at other inits:</p>" + _table(
-            [
-                "init",
-                "alpha",
-                "lambda",
-                "max |logit diff| vs CNN",
-                "prediction agreement",
-                "test accuracy before fine-tuning",
-            ],
-            body,
-        )
-    return _table(["quantity", "value"], rows) + verdict
+        rows.append(["note", eq["note"]])
+    names = {"paper": "the paper's init (000 Sec. 2)", "large": "a large init"}
+    inits = [[names.get(r.get("init"), r.get("init")), fmt_num(r.get("alpha_init")), fmt_num(r.get("lambda_init")),
+              fmt_sci(r.get("max_abs_logit_diff")), fmt_pct(r.get("prediction_agreement")),
+              fmt_pct(r.get("test_acc")) if "test_acc" in r else "not measured"]
+             for r in eq.get("inits") or [] if isinstance(r, dict)]  # fmt: skip
+    exact = diff <= 1e-4 if finite(diff) else None  # to float precision; None: not measured
+    return render("run_equivalence.html", rows=rows, exact=exact, inits=inits)
 
 
-def _summary_lines(summary: dict[str, Any] | None) -> str:
-    """Coverage facts from results/summary.json (corruptions left out, incomplete benchmark), one line per
-    fact with the models it applies to."""
-    if not summary:
-        return ""
+def _coverage(summary: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """Coverage facts from results/summary.json (corruptions left out, incomplete benchmark) as (the models
+    it applies to, fact), one per fact."""
     facts: dict[str, list[str]] = {}
-    for m, s in summary.items():
+    for m, s in (summary or {}).items():
         if not isinstance(s, dict):
             continue
         if s.get("excluded"):
@@ -561,16 +496,7 @@ def _summary_lines(summary: dict[str, Any] | None) -> str:
             text = (f"evaluated on {len(s.get('corruptions') or [])} of the 15 benchmark corruptions and/or a "
                     "subset of the 5 severities (CE and mCE over what was evaluated).")  # fmt: skip
             facts.setdefault(text, []).append(_label(m))
-    return "".join(f"<p>{_e(', '.join(who))}: {_e(text)}</p>" for text, who in facts.items())
-
-
-def fmt_diff(d: Mapping[str, Any] | None, kind: str = "acc") -> str:
-    """A difference with its 95% interval: '+0.42 pp [−0.10, +0.95]' (bold when the interval excludes 0)."""
-    if not d or not _finite(d.get("diff")):
-        return "n/a"
-    scale, unit = (100, " pp") if kind == "acc" else (100, " pp") if kind == "err" else (100, " %")
-    text = f"{scale * d['diff']:+.2f}{unit} [{scale * d['low']:+.2f}, {scale * d['high']:+.2f}]"
-    return f"<b>{_e(text)}</b>" if d.get("excludes_zero") else _e(text)
+    return [(", ".join(who), text) for text, who in facts.items()]
 
 
 HEADLINE = (
@@ -592,7 +518,7 @@ def verdict(
     name: str, d: Mapping[str, Any] | None, higher_is_better: bool = True, other: str = "the control"
 ) -> str:
     """One sentence on what the interval of a difference (T-CNN minus `other`) says."""
-    if not d or not _finite(d.get("diff")):
+    if not d or not finite(d.get("diff")):
         return ""
     span = f"{100 * d['diff']:+.2f} pp, 95% interval [{100 * d['low']:+.2f}, {100 * d['high']:+.2f}] pp"
     if not d.get("excludes_zero"):
@@ -604,10 +530,10 @@ def verdict(
             "sampling, not seed-to-seed variation).")  # fmt: skip
 
 
-def _section_robustness(metrics: dict[str, Any]) -> str:
+def _section_robustness(metrics: dict[str, Any]) -> Markup:
     models = _models(metrics)
     if not models:
-        return '<p class="note">results/metrics.json holds no model.</p>'
+        return render("run_robustness.html", headline=None)
     comps = metrics.get("comparisons") or {}
     keys = [k for k in COMPARISON_LABELS if k in comps]
     headers = ["metric", *[_label(m) for m in models], *[COMPARISON_LABELS[k] + " [95% CI]" for k in keys]]
@@ -618,22 +544,9 @@ def _section_robustness(metrics: dict[str, Any]) -> str:
             continue
         digits = 2 if kind == "acc" else 1
         rows.append(
-            [
-                _e(label),
-                *[fmt_pct(v, digits) for v in vals],
-                *[fmt_diff(comps[k].get(key), kind) for k in keys],
-            ]
+            [label, *[fmt_pct(v, digits) for v in vals], *[fmt_diff(comps[k].get(key), kind) for k in keys]]
         )
-    out = [_table(headers, rows, cls="main")]
-    boot = metrics.get("bootstrap") or {}
-    images = boot.get("images") or {}
-    out.append(
-        f"<p>CE normaliser (100% = baseline, one for every model): <code>{_e(metrics.get('baseline', 'n/a'))}</code>. "
-        f"Every model evaluated at {_e(metrics.get('test_image_size', 'n/a'))} px on {fmt_num(images.get('clean'))} clean "
-        f"test images and {fmt_num(images.get('per_corrupted_set'))} images per corrupted set. Differences are "
-        f"column minus column in percentage points (pp) with a paired bootstrap 95% interval over test images "
-        f"({fmt_num(boot.get('replicates'))} replicates); <b>bold</b>: the interval excludes 0.</p>"
-    )
+    breakdowns = []
     for title, pred, strip in (
         ("per category", lambda k: k.startswith("mca_") and not k.startswith("mca_sev"), "mca_"),
         ("per severity", lambda k: k.startswith("mca_sev"), "mca_sev"),
@@ -652,41 +565,43 @@ def _section_robustness(metrics: dict[str, Any]) -> str:
         for k in mkeys:
             g = k.removeprefix(strip)
             gain_key = f"gain_{'sev' if strip == 'mca_sev' else ''}{g}"
-            row = [_e(g), *[fmt_pct(metrics[m].get(k)) for m in models]]
+            row = [g, *[fmt_pct(metrics[m].get(k)) for m in models]]
             row += [fmt_diff(comps[c].get(k)) for c in keys]
             row += [fmt_diff(comps[c].get(gain_key), "ratio") for c in keys if c.startswith("tcnn")]
             body.append(row)
-        out.append(f"<h3>Mean corruption accuracy {title}</h3>" + _table(hdr, body))
-    return "".join(out)
+        breakdowns.append({"title": title, "headers": hdr, "rows": body})
+    boot = metrics.get("bootstrap") or {}
+    images = boot.get("images") or {}
+    return render(
+        "run_robustness.html",
+        headline={"headers": headers, "rows": rows},
+        baseline=metrics.get("baseline", "n/a"),
+        image_size=metrics.get("test_image_size", "n/a"),
+        clean_images=images.get("clean"),
+        images_per_set=images.get("per_corrupted_set"),
+        replicates=boot.get("replicates"),
+        breakdowns=breakdowns,
+    )
 
 
-def _lead(metrics: dict[str, Any]) -> str:
+def _lead(metrics: dict[str, Any]) -> Markup:
     """The report's first words: what attention buys (T-CNN vs its matched control), in sentences."""
     comps = metrics.get("comparisons") or {}
     main = comps.get("tcnn-control")
     if not main:
         why = ("the control is off (finetune.control: false) or this model kind has none"
                if "tcnn-cnn" in comps else "results/metrics.json has no comparisons")  # fmt: skip
-        return (
-            f'<p class="note">No matched control in this run ({_e(why)}): the differences below mix '
-            "attention with the extra fine-tuning.</p>"
-        )
-    parts = ["<p>The control is the same pretrained CNN checkpoint fine-tuned with the T-CNN's recipe "
-             "(optimizer, schedule, epochs, augmentation, resolution, data order, seed) without attention, so "
-             "T-CNN − control is what the attention layers buy in this run.</p><ul>"]  # fmt: skip
-    for name, key, better in (
-        ("Clean accuracy", "clean_accuracy", True),
-        ("mCA", "mca", True),
-        ("mCE", "mce", False),
-    ):
-        text = verdict(f"{name} (T-CNN − control)", main.get(key), better)
-        if text:
-            parts.append(f"<li>{_e(text)}</li>")
-    parts.append("</ul>")
-    return "".join(parts)
+        return render("run_lead.html", why=why, sentences=[])
+    sentences = [
+        verdict(f"{name} (T-CNN − control)", main.get(key), better)
+        for name, key, better in (("Clean accuracy", "clean_accuracy", True), ("mCA", "mca", True),
+                                  ("mCE", "mce", False))
+    ]  # fmt: skip
+    return render("run_lead.html", why=None, sentences=[s for s in sentences if s])
 
 
-def _section_training(inputs: Inputs) -> str:
+def _training_rows(inputs: Inputs) -> list[list[str]]:
+    """One row per training phase with final metrics (the control only when it was enabled)."""
     rows = []
     for phase, m in (
         ("pretrain (CNN)", inputs.pretrain_metrics),
@@ -696,30 +611,28 @@ def _section_training(inputs: Inputs) -> str:
         if not m or m.get("enabled") is False:
             continue
         epochs = m.get("epochs", m.get("epochs_run"))
-        rows.append([_e(phase), fmt_num(epochs), fmt_pct(m.get("train_acc")), fmt_pct(m.get("val_acc")),
+        rows.append([phase, fmt_num(epochs), fmt_pct(m.get("train_acc")), fmt_pct(m.get("val_acc")),
                      fmt_pct(m.get("test_acc")), fmt_num(m.get("test_loss")),
-                     fmt_num(m.get("train_time_s"), 3), _e(m.get("device", ""))])  # fmt: skip
-    if not rows:
-        return ""
-    return _table(
-        ["phase", "epochs", "train acc", "val acc", "test acc", "test loss", "train time (s)", "device"], rows
-    )
+                     fmt_num(m.get("train_time_s"), 3), m.get("device", "")])  # fmt: skip
+    return rows
 
 
-def _section_fig4_table(rows: list[dict[str, Any]] | None) -> str:
+def _fig4_table(rows: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """Per GPSA layer, the mean span, gate and nonlocality right after reparameterization and at the last
+    fine-tuning epoch: {"rows": ..., "last_epoch": ...}; None without (readable) GPSA history."""
     if not rows:
-        return ""
-    from core.report_plots import gpsa_dynamics
+        return None
+    from core.viz.report_plots import gpsa_dynamics
 
     try:
         dyn = gpsa_dynamics(rows)
     except ValueError:
-        return ""
+        return None
     import numpy as np
 
     body = []
     for layer, qs in dyn.values.items():
-        cells = [_e(layer)]
+        cells = [layer]
         for q in ("inv_alpha", "gate", "nonlocality"):
             if q in qs:
                 with np.errstate(all="ignore"):
@@ -728,23 +641,7 @@ def _section_fig4_table(rows: list[dict[str, Any]] | None) -> str:
             else:
                 cells.append("n/a")
         body.append(cells)
-    last = int(dyn.epochs[-1])
-    return _table(["layer", "mean 1/α (start → end)", "mean σ(λ) (start → end)", "mean nonlocality (start → end)"],
-                  body) + f"<p>Start = right after reparameterization, end = fine-tuning epoch {last}.</p>"  # fmt: skip
-
-
-CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Helvetica,Arial,sans-serif;max-width:1180px;margin:24px auto;
-padding:0 16px;color:#1d1d1f;line-height:1.45}
-h1{font-size:1.6em;margin-bottom:.2em}h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.8em}
-table{border-collapse:collapse;margin:.6em 0;font-size:.92em}th,td{border:1px solid #ddd;padding:4px 10px;
-text-align:left}th{background:#f4f5f7}table.main td:not(:first-child){text-align:right;font-variant-numeric:tabular-nums}
-td{font-variant-numeric:tabular-nums}img{max-width:100%;border:1px solid #eee;margin:.4em 0}
-.note{background:#fff8e1;border-left:4px solid #f0b400;padding:4px 10px;margin:.4em 0;font-size:.92em}
-pre{background:#f6f8fa;padding:10px;overflow:auto;font-size:.85em;max-height:480px}
-.kpi{display:flex;flex-wrap:wrap;gap:12px;margin:1em 0}.kpi div{background:#f4f5f7;border-radius:6px;padding:8px 14px}
-.kpi b{display:block;font-size:1.25em}.caption{color:#555;font-size:.9em}
-"""
+    return {"rows": body, "last_epoch": int(dyn.epochs[-1])}
 
 
 def render_html(
@@ -756,7 +653,6 @@ def render_html(
     """The report as one HTML string (no file access, no MLflow): config, MLflow run ids, equivalence,
     CNN vs T-CNN robustness, training curves, Fig. 3, Fig. 4, Fig. 5, notes on missing optional inputs."""
     p, m, eq = inputs.params, inputs.metrics, inputs.equivalence
-    fig = inputs.figures
     comps = m.get("comparisons") or {}
     ref = "tcnn-control" if "tcnn-control" in comps else "tcnn-cnn"
     vs = COMPARISON_LABELS.get(ref, ref)
@@ -767,79 +663,36 @@ def render_html(
         ("T-CNN clean accuracy", fmt_pct((m.get("tcnn") or {}).get("clean_accuracy"))),
         ("equivalence max |Δlogit|", fmt_sci((eq or {}).get("max_abs_logit_diff"))),
     ]
-    data = p.get("data", {})
-    model = p.get("model", {})
-    rp = p.get("reparam", {})
-    subtitle = (
-        f"{_e(data.get('name'))} · {_e(model.get('kind'))} / {_e(model.get('arch'))} · t1 = {_e(rp.get('epoch'))} · "
-        f"alpha_init = {_e(rp.get('alpha_init'))} · lambda_init = {_e(rp.get('lambda_init'))} · "
-        f"finetune {_e(p.get('finetune', {}).get('mode'))} · seed {_e(p.get('seed'))}"
+    data, model, rp = p.get("data", {}), p.get("model", {}), p.get("reparam", {})
+    run = {
+        "data": data.get("name"),
+        "kind": model.get("kind"),
+        "arch": model.get("arch"),
+        "t1": rp.get("epoch"),
+        "alpha_init": rp.get("alpha_init"),
+        "lambda_init": rp.get("lambda_init"),
+        "finetune_mode": p.get("finetune", {}).get("mode"),
+        "seed": p.get("seed"),
+    }
+    attention = [[a["layer"], a["grid"], a["query"], fmt_num(a["mass"], 6), fmt_num(a["peak"], 3),
+                  fmt_num(a["gate"], 3)] for a in inputs.attention_stats]  # fmt: skip
+    return render(
+        "run_report.html",
+        run=run,
+        kpis=kpis,
+        lead=_lead(m),
+        runs=_section_runs(run_ids, p, run_ids_note, run_meta),
+        robustness=_section_robustness(m),
+        coverage=_coverage(inputs.summary),
+        equivalence=_section_equivalence(eq),
+        training=_training_rows(inputs),
+        fig4=_fig4_table(inputs.gpsa_rows),
+        fig5_caption=inputs.fig5_caption,
+        attention=attention,
+        figures={k: inputs.figures.get(k) for k in ("fig3", *FIGURES)},
+        section_notes=defaultdict(list, inputs.notes),
+        config=yaml.safe_dump(p, sort_keys=False, default_flow_style=None, width=100),
     )
-    s: list[str] = [
-        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
-        "<meta name='viewport' content='width=device-width,initial-scale=1'>",
-        f"<title>tcnn run report — {_e(data.get('name'))} {_e(model.get('arch'))}</title>",
-        f"<style>{CSS}</style></head><body>",
-        "<h1>tcnn run report</h1>",
-        f"<p class='caption'>{subtitle}</p>",
-        "<div class='kpi'>" + "".join(f"<div>{_e(k)}<b>{v}</b></div>" for k, v in kpis) + "</div>",
-        '<h2 id="attention">What attention buys: T-CNN vs its matched control</h2>',
-        _lead(m),
-        '<h2 id="mlflow">MLflow runs</h2>',
-        _section_runs(run_ids, p, run_ids_note, run_meta),
-        '<h2 id="robustness">Pretrained CNN, control and T-CNN, clean and corrupted</h2>',
-        _section_robustness(m),
-        _summary_lines(inputs.summary),
-        _notes(inputs, "robustness"),
-        '<h2 id="equivalence">Equivalence check (reparameterization)</h2>',
-        _section_equivalence(eq),
-        _notes(inputs, "equivalence"),
-        '<h2 id="training">Training curves</h2>',
-        _section_training(inputs),
-        _img(fig.get("training_curves"), "training curves"),
-        _notes(inputs, "training"),
-        '<h2 id="fig3">Robustness gain per category and severity (000 Fig. 3)</h2>',
-        _img(fig.get("fig3"), "relative improvement of the T-CNN over the CNN"),
-        _notes(inputs, "fig3"),
-        '<h2 id="fig4">GPSA dynamics during fine-tuning (000 Fig. 4)</h2>',
-        "<p class='caption'>Per GPSA layer: attention span 1/α<sub>h</sub> (Eq. 3-4) and gate σ(λ<sub>h</sub>) "
-        "(weight of positional attention, Eq. 7) of every head (thin) and their mean (thick) over fine-tuning "
-        "epochs; nonlocality (001 Eq. 8) on a fixed validation batch.</p>",
-        _img(fig.get("fig4"), "per-head attention span and gate over fine-tuning"),
-        _section_fig4_table(inputs.gpsa_rows),
-        _notes(inputs, "fig4"),
-        '<h2 id="fig5">Attention maps of a centre query (000 Fig. 5)</h2>',
-        "<p class='caption'>One test image fed through the fine-tuned T-CNN; for each GPSA layer, the attention "
-        "of the query nearest the centre of the layer's input grid (red box) over the layer's input pixels, per "
-        "head, each map scaled to its own maximum; σ(λ<sub>h</sub>) in red (1 = purely positional, 0 = purely "
-        "content-based).</p>",
-        f"<p class='caption'>{_e(inputs.fig5_caption)}</p>" if inputs.fig5_caption else "",
-        _img(fig.get("fig5"), "attention maps of the centre query per layer and head"),
-    ]
-    if inputs.attention_stats:
-        rows = [[_e(a["layer"]), _e(a["grid"]), _e(a["query"]), fmt_num(a["mass"], 6), fmt_num(a["peak"], 3),
-                 fmt_num(a["gate"], 3)] for a in inputs.attention_stats]  # fmt: skip
-        s.append(_table(["layer", "key grid", "query (row, col)", "min over heads of Σ attention over keys",
-                         "mean peak weight", "mean σ(λ)"], rows))  # fmt: skip
-        s.append("<p class='caption'>Σ over the layer's input pixels is 1 minus the positional mass on the "
-                 "zero-padded border keys (as a conv's zero padding; small for an interior query).</p>")  # fmt: skip
-    s += [
-        _notes(inputs, "fig5"),
-        '<h2 id="contours">Attention mass contours</h2>',
-        "<p class='caption'>The same centre-query maps on a log colour scale, with the smallest key sets holding "
-        "90 %, 50 % and 10 % of each head's attention mass: how far each head really looks.</p>",
-        _img(fig.get("contours"), "attention mass contours of the centre query per layer and head"),
-        _notes(inputs, "contours"),
-        '<h2 id="nonlocality">Nonlocality over fine-tuning (001 Eq. 8, Fig. 5)</h2>',
-        "<p class='caption'>Per attention layer, the attention-weighted mean distance between query and key "
-        "pixels (mean over heads) on a fixed validation batch, per fine-tuning epoch.</p>",
-        _img(fig.get("nonlocality"), "nonlocality per layer over fine-tuning"),
-        _notes(inputs, "nonlocality"),
-        '<h2 id="config">Configuration</h2>',
-        f"<pre>{_e(yaml.safe_dump(p, sort_keys=False, default_flow_style=None, width=100))}</pre>",
-        "</body></html>",
-    ]
-    return "\n".join(x for x in s if x)
 
 
 # ------------------------------------------------------------------------------------------------ stage
@@ -877,7 +730,12 @@ def run(params: Params, *, root: Path = Path("."), run_ids: dict[str, str] | Non
     )
     inputs.gpsa_rows = _read_csv(paths["gpsa"], inputs, "fig4")
 
-    from core.report_plots import gpsa_dynamics, plot_gpsa_dynamics, plot_training_curves, write_bytes_atomic
+    from core.viz.report_plots import (
+        gpsa_dynamics,
+        plot_gpsa_dynamics,
+        plot_training_curves,
+        write_bytes_atomic,
+    )
 
     figs: dict[str, bytes | None] = {}
     t1 = (inputs.equivalence or {}).get("reparam_epoch", params.reparam.epoch)

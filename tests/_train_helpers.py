@@ -44,7 +44,7 @@ def fmnist_slice(n_train: int, n_test: int) -> dict[str, tuple[np.ndarray, np.nd
 
 def write_dataset(out: Path, n_train: int = 600, n_test: int = 200) -> Path:
     """A prepared dataset directory (Parquet shards + manifest.json) written by core's own writer."""
-    from core.importers import _write_array_dataset
+    from core.data.importers import _write_array_dataset
 
     arrays = fmnist_slice(n_train, n_test)
     _write_array_dataset(

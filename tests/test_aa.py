@@ -10,7 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core.aa import AAConv2d, aa_modules, build_aa_resnet
+from core.models.aa_resnet import build_aa_resnet
+from core.nn.aa import AAConv2d, aa_modules
 
 TABLE6 = {0.25: 24.3, 0.5: 22.3, 0.75: 20.7, 1.0: 19.4}  # 004 Table 6, AA-ResNet-50 params (M)
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core.cmhsa import CMHSA, CMHSA_ARCHS, _wo_from_conv, build_cmhsa, mhsa_modules, patch_radius, to_mhsa
+from core.nn.cmhsa import CMHSA, CMHSA_ARCHS, _wo_from_conv, build_cmhsa, mhsa_modules, patch_radius, to_mhsa
 
 TOL = 1e-4
 

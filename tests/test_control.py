@@ -11,9 +11,9 @@ import pytest
 import torch
 from _train_helpers import tiny_params, write_dataset
 
-from core.checkpoint import load, load_model
 from core.config import validate_params
-from core.train import first_batch, load_datasets, make_loader
+from core.data import first_batch, load_datasets, make_loader
+from core.training.checkpoint import load, load_model
 from stages import _training as T
 from stages import control, finetune, pretrain, reparam
 

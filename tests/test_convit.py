@@ -7,8 +7,8 @@ import timm
 import torch
 from timm.models.convit import GPSA as TimmGPSA
 
-from core.gpsa import ALPHA_BETA, GPSA
 from core.models import ConViT, build
+from core.nn.gpsa import ALPHA_BETA, GPSA
 
 
 def _random_timm_gpsa(dim: int, heads: int, seed: int) -> TimmGPSA:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from core.checkpoint import build_from_spec, make_model_spec
-from core.gpsa import GPSA
-from core.models import build
-from core.optim import build_adamw
 from core.reparam import gpsa_modules
+
+from core.models import build
+from core.nn.gpsa import GPSA
+from core.training.checkpoint import build_from_spec, make_model_spec
+from core.training.optim import build_adamw
 
 
 def _step(model: torch.nn.Module, seed: int = 0) -> dict[str, torch.Tensor]:

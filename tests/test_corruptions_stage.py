@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core import corruptions as C
 from core.config import Params
+from core.robustness import corruptions as C
 from stages import corrupt
 from stages._cli import StageError
 
@@ -30,7 +30,7 @@ def _fmnist(n: int) -> tuple[np.ndarray, np.ndarray]:
 @pytest.fixture()
 def dataset(tmp_path) -> Path:
     """A prepared 60-image Fashion-MNIST dataset (train = test) written by the data helper's importer."""
-    from core.importers import write_array_dataset
+    from core.data.importers import write_array_dataset
 
     x, y = _fmnist(60)
     out = tmp_path / "data" / "fmnist"

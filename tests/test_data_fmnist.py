@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from torchvision.datasets.mnist import read_image_file, read_label_file
 
-import core.importers as importers
+import core.data.importers as importers
 from core.data import DataError, import_dataset, load_split, read_manifest
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def raw(tmp_path_factory: pytest.TempPathFactory) -> dict[str, np.ndarray]:
-    """The IDX arrays parsed by torchvision's reader (independent of core/importers.py's parser)."""
+    """The IDX arrays parsed by torchvision's reader (independent of core/data/importers.py's parser)."""
     d = tmp_path_factory.mktemp("idx")
     out = {}
     for n in NAMES:

@@ -13,7 +13,7 @@ from torchvision.transforms.v2 import functional as TF
 
 from core.config import AugmentConfig
 from core.data import BatchLoader
-from core.loader import _posterize_safe, build_randaugment, crop_flip
+from core.data.loader import _posterize_safe, build_randaugment, crop_flip
 
 MEAN, STD = [0.3], [0.25]
 NONE = AugmentConfig(crop_padding=0, hflip=False)

@@ -1,4 +1,4 @@
-"""Dissection views (core.dissect): centre-query maps, mass contours, nonlocality on real layer inputs."""
+"""Dissection views (core.analysis.dissect): centre-query maps, mass contours, nonlocality on real layer inputs."""
 
 from __future__ import annotations
 
@@ -9,20 +9,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from core.dissect import (
-    centre_query_maps,
-    dynamics_table,
-    grid_distances,
-    layer_stats,
-    long_rows,
-    mass_contours,
-    nonlocality,
-    plot_attention_contours,
-    plot_nonlocality,
-    to_png,
-)
-from core.gpsa import GPSA
-from core.psa import PSA
+from core.analysis.dissect import centre_query_maps, dynamics_table, layer_stats, long_rows, mass_contours
+from core.nn.gpsa import GPSA
+from core.nn.locality import grid_distances, nonlocality
+from core.nn.psa import PSA
+from core.viz.report_plots import plot_attention_contours, plot_nonlocality, to_png
 
 
 def _gpsa_net(stride: int = 1) -> nn.Sequential:

@@ -12,11 +12,12 @@ import pyarrow.parquet as pq
 import pytest
 from _train_helpers import tiny_params, write_dataset
 
-from core import corruptions as C
-from core.checkpoint import load_model
 from core.config import validate_params
 from core.data import load_split, read_manifest
-from core.robustness import BENCHMARK_CORRUPTIONS, correct_per_image
+from core.robustness import corruptions as C
+from core.robustness.metrics import correct_per_image
+from core.robustness.suite import BENCHMARK_CORRUPTIONS
+from core.training.checkpoint import load_model
 from stages import control, corrupt, evaluate, pretrain
 
 CORRUPTIONS = ["gaussian_noise", "contrast", "speckle_noise"]  # two benchmark corruptions and one extra

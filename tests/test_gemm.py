@@ -1,4 +1,4 @@
-"""core.gemm.linear / project (oneDNN forward; oneDNN or BLAS backward on CPU float32) against F.linear and F.conv2d
+"""core.nn.gemm.linear / project (oneDNN forward; oneDNN or BLAS backward on CPU float32) against F.linear and F.conv2d
 in float64: values and gradients, on both backward routes."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.gemm import (
+from core.nn.gemm import (
     _ROW_BLOCK_FROM,
     BACKWARD_ENV,
     _cpu_vendor,
@@ -207,7 +207,7 @@ def _graph_names(y: torch.Tensor) -> set[str]:
 
 
 def test_backward_route_is_the_one_asked_for(monkeypatch) -> None:
-    """The grad graph shows which backward runs: BLAS through core.gemm's Functions, oneDNN through conv2d's."""
+    """The grad graph shows which backward runs: BLAS through core.nn.gemm's Functions, oneDNN through conv2d's."""
     x = torch.randn(6, 8, requires_grad=True)
     w = torch.randn(3, 8, requires_grad=True)
     xm = torch.randn(2, 8, 3, 3, requires_grad=True)

@@ -1,4 +1,4 @@
-"""GPSA layer (core.gpsa): against the paper's formula written out naively, a direct conv, finite differences."""
+"""GPSA layer (core.nn.gpsa): against the paper's formula written out naively, a direct conv, finite differences."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core.gemm import BACKWARD_ENV
-from core.gpsa import ALPHA_MIN, GPSA, relative_encodings, softplus_inverse
+from core.nn.gemm import BACKWARD_ENV
+from core.nn.gpsa import ALPHA_MIN, GPSA, relative_encodings, softplus_inverse
 
 
 def _randomize(g: GPSA, *, lam_scale: float = 1.5, qk_std: float = 0.5) -> GPSA:
@@ -304,7 +304,7 @@ def test_sdpa_and_dense_paths_agree(mode: str) -> None:
 def test_auto_attention_path_by_mode_and_map_size() -> None:
     """attn_impl="auto" on CPU: the dense path for the T-CNN mode at any size and for the ConViT mode up to
     `_DENSE_MAX_TOKENS` tokens; SDPA above; an explicit choice always wins; never dense on another device."""
-    from core.gpsa import _DENSE_MAX_TOKENS
+    from core.nn.gpsa import _DENSE_MAX_TOKENS
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     convit, tcnn = GPSA(18, num_heads=9), GPSA.from_conv(nn.Conv2d(4, 4, 3, padding=1))
@@ -407,8 +407,8 @@ def test_gradcheck(mode: str, impl: str, stride: int) -> None:
 @pytest.mark.parametrize("route", ["onednn", "blas"])
 @pytest.mark.parametrize("mode", ["convit", "tcnn", "tcnn-s2"])
 def test_float32_gradients_on_both_gemm_routes(mode: str, route: str, monkeypatch) -> None:
-    """float32 gradients (the GEMMs on core.gemm's oneDNN or BLAS backward) equal float64 autograd's (where
-    core.gemm falls back to F.linear / F.conv2d) for the input and every parameter."""
+    """float32 gradients (the GEMMs on core.nn.gemm's oneDNN or BLAS backward) equal float64 autograd's (where
+    core.nn.gemm falls back to F.linear / F.conv2d) for the input and every parameter."""
     monkeypatch.setenv(BACKWARD_ENV, route)
     torch.manual_seed(9)
     if mode == "convit":

@@ -8,9 +8,9 @@ import pyarrow as pa
 import pytest
 from scipy import stats
 
-from core import robustness as R
 from core.config import Params, plan_epochs, scaled_epochs
-from core.intervals import difference, percentile_interval, resample_counts, t_interval
+from core.robustness import metrics as R
+from core.robustness.intervals import difference, percentile_interval, resample_counts, t_interval
 
 B = 300
 

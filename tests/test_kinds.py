@@ -1,9 +1,8 @@
 """Every model kind through the SAME stage functions (pretrain -> reparam -> finetune -> evaluate), and the
-checkpoints of every stage reload via core.checkpoint.load_model to the network the stage computed with."""
+checkpoints of every stage reload via core.training.checkpoint.load_model to the network the stage computed with."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,22 +10,16 @@ import pytest
 import torch
 from _train_helpers import tiny_params, write_dataset
 
-from core.checkpoint import load, load_model
 from core.config import ConfigError, validate_params
+from core.data import load_datasets, make_loader
 from core.models import KINDS, build
 from core.reparam import gpsa_modules
-from core.train import evaluate, load_datasets, make_loader
+from core.training.checkpoint import load, load_model
+from core.training.loop import evaluate
 from stages import control, corrupt, finetune, pretrain, reparam
 from stages import evaluate as evaluate_stage
 
 ARCH = {"convit": "convit_fmnist", "cmhsa": "cmhsa_fmnist"}
-MISSING = {"aa_resnet": "core.aa", "cmhsa": "core.cmhsa"}
-
-
-def _skip_missing(kind: str) -> None:
-    mod = MISSING.get(kind)
-    if mod and importlib.util.find_spec(mod) is None:
-        pytest.skip(f"kind {kind!r}: {mod} has not landed yet")
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +77,6 @@ def _reloaded_matches(path: Path, loader, loss: float, acc: float) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kind_runs_the_same_stages(kind: str, shared: dict[str, Path], tmp_path: Path) -> None:
-    _skip_missing(kind)
     params = validate_params(_raw(shared, kind))
     m_pre = pretrain.run(params, root=tmp_path)
     rep = reparam.run(params, root=tmp_path)
@@ -141,8 +133,8 @@ def test_every_kind_runs_the_same_stages(kind: str, shared: dict[str, Path], tmp
 
 def test_stage_refuses_a_checkpoint_of_another_kind(shared: dict[str, Path], tmp_path: Path) -> None:
     """reparam with model.kind=psa on a pretraining checkpoint of kind convit: one clear line."""
-    from core.checkpoint import atomic_save, make_model_spec
-    from core.optim import optimizer_param_names
+    from core.training.checkpoint import atomic_save, make_model_spec
+    from core.training.optim import optimizer_param_names
     from stages._cli import StageError
 
     params = validate_params(_raw(shared, "psa"))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.tracking import PARENT_ENV, PARENT_TAG, Tracker
+from stages.tracking import PARENT_ENV, PARENT_TAG, Tracker
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "infra" / "mlflow" / "server.sh"

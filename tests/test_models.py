@@ -8,8 +8,8 @@ import pytest
 import timm
 import torch
 
-from core.gpsa import GPSA
 from core.models import PROJECT_ARCHS, build, is_known_arch
+from core.nn.gpsa import GPSA
 from core.reparam import gpsa_modules
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,14 +77,9 @@ SPECS = [  # kind, arch, options, conversion section, phase
 def test_every_kind_rebuilds_from_its_spec(kind, arch, options, conv, phase) -> None:
     """make_model_spec -> build_from_spec (another random init) + load_state_dict: identical logits and the
     same frozen parameters; the conversion section and the phase decide what is built."""
-    import importlib.util
+    from core.nn.psa import PSA
+    from core.training.checkpoint import build_from_spec, make_model_spec
 
-    from core.checkpoint import build_from_spec, make_model_spec
-    from core.psa import PSA
-
-    module = {"aa_resnet": "core.aa", "cmhsa": "core.cmhsa"}.get(kind)
-    if module and importlib.util.find_spec(module) is None:
-        pytest.skip(f"{module} (kind {kind!r}) has not landed yet")
     spec = make_model_spec(kind, arch, 10, 1, options, conv, phase=phase)
     torch.manual_seed(0)
     a = build_from_spec(spec).eval()
@@ -110,7 +105,7 @@ def test_every_kind_rebuilds_from_its_spec(kind, arch, options, conv, phase) -> 
 
 
 def test_spec_errors() -> None:
-    from core.checkpoint import build_from_spec, make_model_spec
+    from core.training.checkpoint import build_from_spec, make_model_spec
 
     conv = {"alpha_init": 1.0, "lambda_init": 1.0, "stages": [-1], "stride_mode": "exact", "attention": "psa"}
     with pytest.raises(ValueError, match="does not fit kind 'tcnn'"):

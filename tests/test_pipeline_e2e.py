@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -29,6 +30,15 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return built_repo(tmp_path_factory.getbasetemp() / "pipeline")
+
+
+@pytest.fixture()
+def own_repo(repo: Path, tmp_path: Path) -> Path:
+    """A private copy of the built repository, for tests that change params or run experiments (the shared one
+    stays as `dvc repro` left it for every other test)."""
+    dst = tmp_path / "repo"
+    shutil.copytree(repo, dst, symlinks=True)
+    return dst
 
 
 def _parents(all_runs):
@@ -204,7 +214,7 @@ def test_logged_models_give_the_checkpoints_logits(repo: Path) -> None:
     import mlflow.pytorch
     import torch
 
-    from core.checkpoint import load_model
+    from core.training.checkpoint import load_model
 
     all_runs = runs(repo)
     parent = _parents(all_runs)[0]
@@ -252,7 +262,8 @@ def test_noop_rerun_is_clean_and_opens_no_run(repo: Path) -> None:
     assert "runs/mlflow_runs.json" not in again.stdout + again.stderr
 
 
-def test_lambda_init_reruns_only_reparam_and_after(repo: Path) -> None:
+def test_lambda_init_reruns_only_reparam_and_after(own_repo: Path) -> None:
+    repo = own_repo
     params = yaml.safe_load((repo / "params.yaml").read_text())
     params["reparam"]["lambda_init"] = 2.0
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
@@ -273,7 +284,8 @@ def test_lambda_init_reruns_only_reparam_and_after(repo: Path) -> None:
     assert f"<code>{new.info.run_id}</code>" in (repo / "results" / "report.html").read_text()
 
 
-def test_dvc_exp_run_is_its_own_parent_run(repo: Path) -> None:
+def test_dvc_exp_run_is_its_own_parent_run(own_repo: Path) -> None:
+    repo = own_repo
     before = {r.info.run_id for r in _parents(runs(repo))}
     out = dvc(repo, "exp", "run", "-S", "reparam.alpha_init=2")
     name = re.search(r"Ran experiment\(s\): (\S+)", out.stdout + out.stderr)

@@ -1,4 +1,4 @@
-"""PSA (core.psa): exact convolutional init (003 Lemma 1), the formula against a direct reference, gradients."""
+"""PSA (core.nn.psa): exact convolutional init (003 Lemma 1), the formula against a direct reference, gradients."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from core.reparam import gpsa_modules, to_psa, to_tcnn
 from test_reparam import _max_logit_diff, _nontrivial_bn
 
 import core.models  # noqa: F401  (registers the project's small nets in timm)
-from core.psa import PSA
-from core.reparam import gpsa_modules, to_psa, to_tcnn
+from core.nn.psa import PSA
 
 CASES = [
     pytest.param("resnet10_cifar", 1, [(28, 28), (27, 21)], id="resnet10_cifar"),
@@ -134,7 +134,7 @@ def test_gradients_reach_content_projections_and_alpha() -> None:
 
 def test_psa_model_kind_and_optimizer_groups() -> None:
     from core.models import build
-    from core.optim import param_groups
+    from core.training.optim import param_groups
 
     m = build("psa", "resnet10_cifar", 10, in_chans=1, alpha_init=3.0, stride_mode="s1")
     layers = gpsa_modules(m)

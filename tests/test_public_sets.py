@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from core import public_sets as P
-from core import robustness as R
+from core.robustness import metrics as R
+from core.robustness import public_sets as P
 
 
 def _jpeg(path: Path, value: int, size: int = 8) -> None:

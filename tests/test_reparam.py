@@ -8,10 +8,10 @@ import pytest
 import timm
 import torch
 import torch.nn as nn
+from core.reparam import gpsa_modules, model_stages, to_tcnn
 
 import core.models  # noqa: F401  (registers the project's small nets in timm)
-from core.gpsa import GPSA
-from core.reparam import gpsa_modules, model_stages, to_tcnn
+from core.nn.gpsa import GPSA
 
 
 def _nontrivial_bn(model: nn.Module, in_chans: int, hw: tuple[int, int], seed: int = 0) -> nn.Module:
@@ -162,8 +162,9 @@ def test_state_dict_round_trip_through_build() -> None:
 
 def test_attention_switch_keeps_the_gpsa_default() -> None:
     """to_tcnn(attention="psa") == to_psa: PSA layers at the same paths; the default stays GPSA."""
-    from core.psa import PSA
     from core.reparam import to_psa
+
+    from core.nn.psa import PSA
 
     cnn = timm.create_model("resnet10_cifar", num_classes=10, in_chans=1)
     a, b = to_tcnn(cnn, attention="psa", alpha_init=2.0), to_psa(cnn, alpha_init=2.0)

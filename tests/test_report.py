@@ -17,16 +17,17 @@ import torch
 from _train_helpers import tiny_params, write_params
 from PIL import Image
 
-from core.checkpoint import atomic_save, atomic_write_json, make_model_spec
+from core.analysis.dissect import layer_stats as gpsa_stats
+from core.analysis.dissect import long_rows as gpsa_long_rows
 from core.config import validate_params
-from core.corruptions import CORRUPTIONS, write_set
-from core.dissect import layer_stats as gpsa_stats
-from core.dissect import long_rows as gpsa_long_rows
-from core.importers import write_array_dataset
+from core.data.importers import write_array_dataset
 from core.models import build
-from core.plots import plot_gains
 from core.reparam import gpsa_modules, to_tcnn
-from core.robustness import Baseline, comparisons, flat_metrics, summarize, table_from_errors
+from core.robustness.corruptions import CORRUPTIONS, write_set
+from core.robustness.metrics import Baseline, comparisons, flat_metrics, summarize, table_from_errors
+from core.training.checkpoint import atomic_save, make_model_spec
+from core.utils.atomic import atomic_write_json
+from core.viz.plots import plot_gains
 from stages import _training as T
 from stages import report
 from stages._cli import StageError
@@ -388,8 +389,8 @@ def test_read_run_ids(tmp_path) -> None:
 
 
 def test_run_ids_file_written_by_the_tracking_layer(tmp_path) -> None:
-    """pipelines.tracking.record_run_ids writes what the report reads; its meta shows as the UI location."""
-    from pipelines.tracking import record_run_ids
+    """stages.tracking.record_run_ids writes what the report reads; its meta shows as the UI location."""
+    from stages.tracking import record_run_ids
 
     f = tmp_path / "runs" / "mlflow_runs.json"
     meta = {

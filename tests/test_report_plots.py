@@ -1,4 +1,4 @@
-"""core.report_plots: the data behind the Fig. 4 / Fig. 5 plots, checked against independent truths."""
+"""core.viz.report_plots: the data behind the Fig. 4 / Fig. 5 plots, checked against independent truths."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import math
 import numpy as np
 import pytest
 import torch
+from core.reparam import gpsa_modules, to_tcnn
 from PIL import Image
 
-from core.dissect import centre_query_maps as centre_query_attention
+from core.analysis.dissect import centre_query_maps as centre_query_attention
 from core.models import build
-from core.reparam import gpsa_modules, to_tcnn
-from core.report_plots import (
+from core.viz.report_plots import (
     gpsa_dynamics,
     plot_attention_maps,
     plot_gpsa_dynamics,

@@ -20,8 +20,8 @@ import torch
 import yaml
 from _train_helpers import run_stage, stage_cmd, stage_env, tiny_params, write_dataset, write_params
 
-from core.checkpoint import load
-from core.train import EXIT_PREEMPTED, RESUME_FILE, TIMING_KEYS
+from core.training.checkpoint import load
+from core.training.loop import EXIT_PREEMPTED, RESUME_FILE, TIMING_KEYS
 
 pytestmark = pytest.mark.slow
 

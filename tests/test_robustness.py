@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from core import corruptions as C
-from core import robustness as R
-from core.plots import contact_sheet, plot_gains
+from core.robustness import corruptions as C
+from core.robustness import metrics as R
+from core.viz.plots import contact_sheet, plot_gains
 
 # a copy of ../shared/reference/alexnet_imagenet_c_errors.json, kept in the repo so the check runs everywhere
 REFERENCE = Path(__file__).parent / "reference" / "alexnet_imagenet_c_errors.json"

@@ -11,9 +11,9 @@ import pytest
 import torch
 from _train_helpers import tiny_params, write_dataset, write_params
 
-from core.checkpoint import atomic_save, load, load_model
 from core.config import validate_params
-from core.train import first_batch, load_datasets, make_loader
+from core.data import first_batch, load_datasets, make_loader
+from core.training.checkpoint import atomic_save, load, load_model
 from stages import finetune, pretrain, reparam
 
 # GPSA parameters a CNN does not have (W_qry, W_key, W_val live in qkv_weight).
@@ -83,8 +83,8 @@ def test_finetune_rejects_a_missing_or_corrupt_input(
 
 
 def test_finetune_continue_needs_the_carried_state(tmp_path, data_dir, monkeypatch, capsys) -> None:
-    from core.checkpoint import make_model_spec
     from core.models import build
+    from core.training.checkpoint import make_model_spec
 
     spec = make_model_spec("cnn", "resnet10_cifar", 10, 1)
     atomic_save({"model": build("cnn", "resnet10_cifar", 10, in_chans=1).state_dict(), "model_spec": spec},

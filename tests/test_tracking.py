@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from core.config import Params
-from pipelines.tracking import (
+from stages.tracking import (
     ATTEMPT_TAG,
     KIND_TAG,
     PARENT_ENV,
@@ -279,7 +279,7 @@ def test_activate_for_fluent_calls_keeps_run_open(store: str) -> None:
 _STAGE_SCRIPT = textwrap.dedent(
     """
     import sys, time
-    from pipelines.tracking import Tracker
+    from stages.tracking import Tracker
     uri, mode, on_stale = sys.argv[1], sys.argv[2], sys.argv[3]
     t = Tracker(uri=uri, experiment="killed")
     parent = t.start_parent("pipeline", key="workspace")
@@ -428,7 +428,9 @@ def test_stage_run_failure_fails_child_and_parent_and_the_rerun_continues(
 
 
 def test_stage_run_preempted_is_killed(store: str, tmp_path: Path, chain_env: None) -> None:
-    class Preempted(Exception):  # core.train.Preempted: a stop signal, the stage resumes when run again
+    class Preempted(
+        Exception
+    ):  # core.training.loop.Preempted: a stop signal, the stage resumes when run again
         pass
 
     with pytest.raises(Preempted), stage_run(_chain_params(store), "finetune", root=tmp_path) as t:

@@ -1,4 +1,4 @@
-"""core.checkpoint: atomic writes, one-line errors on bad files, models rebuilt from their spec, RNG states."""
+"""core.training.checkpoint: atomic writes, one-line errors on bad files, models rebuilt from their spec, RNG states."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from core.reparam import to_tcnn
 
-from core.checkpoint import (
+from core.models import build
+from core.training.checkpoint import (
     CheckpointError,
     atomic_save,
     atomic_write,
@@ -21,8 +23,6 @@ from core.checkpoint import (
     make_model_spec,
     restore_rng,
 )
-from core.models import build
-from core.reparam import to_tcnn
 
 
 def _spec(tcnn: dict | None = None) -> dict:

@@ -1,4 +1,4 @@
-"""core.train.fit in-process: exact resume after a stop at any step, stop signals, hash checks, NaN guard."""
+"""core.training.loop.fit in-process: exact resume after a stop at any step, stop signals, hash checks, NaN guard."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn as nn
 
-from core.checkpoint import load
 from core.config import AugmentConfig
 from core.data import BatchLoader
-from core.optim import WarmupCosine, build_sgd
-from core.train import RESUME_FILE, TIMING_KEYS, Preempted, TrainingError, TrainLoss, fit
+from core.training.checkpoint import load
+from core.training.loop import RESUME_FILE, TIMING_KEYS, Preempted, TrainingError, TrainLoss, fit
+from core.training.optim import WarmupCosine, build_sgd
 
 EPOCHS = 3
 

@@ -1,4 +1,4 @@
-"""core.optim and model helpers: the schedule, parameter groups, optimizer-state transfer, stochastic depth."""
+"""core.training.optim and model helpers: the schedule, parameter groups, optimizer-state transfer, stochastic depth."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import math
 import pytest
 import timm
 import torch
+from core.reparam import to_tcnn
 from timm.layers import DropPath
 
-from core.models import build
-from core.optim import (
+from core.models import build, set_drop_path
+from core.training.optim import (
     WarmupCosine,
     build_adamw,
     build_sgd,
@@ -20,8 +21,6 @@ from core.optim import (
     optimizer_param_names,
     param_groups,
 )
-from core.reparam import to_tcnn
-from core.train import set_drop_path
 
 
 def _opt(lrs=(0.4,)) -> torch.optim.SGD:

@@ -1,0 +1,223 @@
+"""Checkpoint files: atomic writes, loads that fail with one clear line, and models rebuilt from their spec.
+
+A *model checkpoint* is a dict holding at least::
+    {"model": state_dict,
+     "model_spec": {"kind", "arch", "num_classes", "in_chans", "options",
+                    "tcnn": {"alpha_init", "lambda_init", "stages", "stride_mode", "attention"} | None,
+                    "phase": "conv" | "mhsa" | None},
+     ...}
+
+``tcnn`` is the conversion section of the kinds built by converting a CNN (`core.models.convert`): "tcnn" and
+"hybrid_scratch" (attention "gpsa") and "psa" (attention "psa"; lambda_init unused); ``phase`` the phase of a
+"cmhsa" model (002). Older specs without "attention" / "phase" read as "gpsa" / None. ``options`` holds the
+backbone options and the ablation switches (`core.models`), which the rebuild applies again (frozen
+parameters stay frozen).
+
+Training checkpoints (core.training.loop) add optimizer, scheduler, grad-scaler and RNG states to the same dict, so
+every checkpoint the project writes can be opened with :func:`load_model`.
+
+Files are written atomically (temp file in the same directory, fsync, ``os.replace``, fsync of the
+directory): a reader, or a run killed at any moment, sees either the old file or the new one, never half of
+one. Checkpoints hold only tensors and plain Python containers, so they load with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from core.models import build
+from core.utils.atomic import atomic_write
+
+MODEL_SPEC_KEYS = ("kind", "arch", "num_classes", "in_chans", "options", "tcnn")
+TCNN_SPEC_KEYS = ("alpha_init", "lambda_init", "stages", "stride_mode")
+CONVERTED_KINDS = ("tcnn", "psa", "hybrid_scratch")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, truncated, corrupt or lacks a key; the message is one line naming it."""
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Atomic writes
+# ---------------------------------------------------------------------------------------------------------
+
+
+def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
+    """`torch.save(obj, path)` atomically (temp file, fsync, os.replace)."""
+    return atomic_write(path, lambda f: torch.save(obj, f))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------------------
+
+
+def load(
+    path: str | os.PathLike, *, map_location: str | torch.device = "cpu", require: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Load a checkpoint dict written by :func:`atomic_save`.
+
+    Raises :class:`CheckpointError` (one line naming the file) when the file is missing, empty, truncated,
+    not a torch checkpoint, not a dict, or lacks one of the `require`d keys.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint")
+    if path.is_dir():
+        raise CheckpointError(f"{path}: is a directory, not a checkpoint file")
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"{path}: empty file (truncated checkpoint)")
+    try:
+        obj = torch.load(path, map_location=map_location, weights_only=True)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as err:  # zip errors, EOF, unpickling errors: all mean the same thing to the user
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"{path}: corrupt or truncated checkpoint ({type(err).__name__}: {reason})"
+        ) from None
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"{path}: not a checkpoint dict (found {type(obj).__name__})")
+    missing = [k for k in require if k not in obj]
+    if missing:
+        raise CheckpointError(f"{path}: checkpoint lacks key(s) {missing}")
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Model specs
+# ---------------------------------------------------------------------------------------------------------
+
+
+def make_model_spec(
+    kind: str,
+    arch: str,
+    num_classes: int,
+    in_chans: int,
+    options: dict[str, Any] | None = None,
+    tcnn: dict[str, Any] | None = None,
+    phase: str | None = None,
+) -> dict[str, Any]:
+    """The `model_spec` dict of the checkpoint contract (INTERFACES.md; module docstring)."""
+    if tcnn is not None:
+        missing = [k for k in TCNN_SPEC_KEYS if k not in tcnn]
+        if missing:
+            raise ValueError(f"model_spec.tcnn lacks {missing}")
+        attention = str(tcnn.get("attention", "psa" if kind == "psa" else "gpsa"))
+        if attention not in ("gpsa", "psa") or (attention == "psa") != (kind == "psa"):
+            raise ValueError(f"model_spec.tcnn.attention {attention!r} does not fit kind {kind!r}")
+        tcnn = {
+            "alpha_init": float(tcnn["alpha_init"]),
+            "lambda_init": float(tcnn["lambda_init"]),
+            "stages": [int(s) for s in tcnn["stages"]],
+            "stride_mode": str(tcnn["stride_mode"]),
+            "attention": attention,
+        }
+    if phase is not None and kind != "cmhsa":
+        raise ValueError(f"model_spec.phase applies to kind 'cmhsa' only, not {kind!r}")
+    spec = {
+        "kind": kind,
+        "arch": arch,
+        "num_classes": int(num_classes),
+        "in_chans": int(in_chans),
+        "options": dict(options or {}),
+        "tcnn": tcnn,
+    }
+    if kind == "cmhsa":
+        spec["phase"] = str(phase or "conv")
+    return spec
+
+
+def build_from_spec(spec: dict[str, Any]) -> nn.Module:
+    """Build the (untrained) module a `model_spec` describes, of any kind (`core.models.build`).
+
+    A spec with a ``tcnn`` section builds the CNN of its options and converts it (``to_tcnn`` with the
+    section's settings, GPSA or PSA) - kind "tcnn", "psa" or "hybrid_scratch" (an old spec of kind "cnn" with
+    a section reads as "tcnn"); a "cmhsa" spec builds its ``phase``.
+    """
+
+    missing = [k for k in MODEL_SPEC_KEYS if k not in spec]
+    if missing:
+        raise ValueError(f"model_spec lacks {missing}")
+    kind = spec["kind"]
+    options = dict(spec["options"] or {})
+    options.setdefault("in_chans", spec["in_chans"])
+    tcnn = spec.get("tcnn")
+    if tcnn is not None:
+        if kind not in CONVERTED_KINDS:
+            kind = "tcnn"
+        section = {
+            "alpha_init": tcnn["alpha_init"],
+            "lambda_init": tcnn["lambda_init"],
+            "stages": tuple(tcnn["stages"]),
+            "stride_mode": tcnn["stride_mode"],
+        }
+        if tcnn.get("attention", "gpsa") == "psa":
+            kind = "psa"
+            section.pop("lambda_init")
+        options.update(section)  # the section wins over option copies of the same keys
+    if kind == "cmhsa":
+        options["phase"] = spec.get("phase") or options.get("phase", "conv")
+    return build(kind, spec["arch"], spec["num_classes"], **options)
+
+
+def load_model(path: str | os.PathLike, *, map_location: str | torch.device = "cpu") -> nn.Module:
+    """Rebuild the model stored in any project checkpoint (every kind), weights loaded, in eval mode."""
+    ckpt = load(path, map_location=map_location, require=("model", "model_spec"))
+    try:
+        model = build_from_spec(ckpt["model_spec"])
+    except (ValueError, TypeError, KeyError) as err:
+        raise CheckpointError(f"{path}: cannot rebuild its model from model_spec ({err})") from None
+    try:
+        model.load_state_dict(ckpt["model"])
+    except RuntimeError as err:
+        first = str(err).strip().splitlines()
+        raise CheckpointError(
+            f"{path}: weights do not fit the model its model_spec describes ({first[0] if first else err})"
+        ) from None
+    return model.to(map_location).eval()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# RNG states (stored as tensors and plain containers so that weights_only loading accepts them)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every RNG state a training step may touch: torch (CPU and each CUDA device), numpy, python."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "kind": kind,
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
+        "python": {"version": version, "internal": list(internal), "gauss": gauss},
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state(
+        (n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["internal"]), p["gauss"]))
+    if state.get("cuda") and torch.cuda.is_available():
+        with contextlib.suppress(RuntimeError):  # a different number of devices: leave them seeded
+            torch.cuda.set_rng_state_all(state["cuda"])

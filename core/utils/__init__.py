@@ -1,0 +1,1 @@
+"""Utilities that know nothing of the project: atomic file writes, hashing, logging."""

@@ -1,0 +1,806 @@
+"""The one tracking adapter: stages and sweeps log through it, and it works without MLflow.
+
+Modes (``Tracker.mode``):
+
+- ``"mlflow"``: MLflow 3.x through an explicit :class:`mlflow.MlflowClient` (no global fluent state, so several
+  trackers can live in one process, e.g. Ray trials); ``tracking.uri`` is ``sqlite:///mlruns.db`` by default
+  (a relative sqlite path is resolved against ``base_dir``) or ``http://host:port`` for a server.
+- ``"disabled"``: ``tracking.enabled: false``: every call is a no-op and nothing is written.
+- ``"unavailable"``: MLflow cannot be imported: same no-op behaviour, with one warning line on stderr.
+
+Runs: one *parent* run per pipeline execution (or sweep) and one *child* run per stage (or trial), nested
+through the ``mlflow.parentRunId`` tag. The parent's id is exported in ``TCNN_PARENT_RUN_ID`` so that separate
+processes (the stages under ``dvc repro``, Ray trials) attach to the same parent; without the variable,
+``start_parent(key=...)`` re-attaches to the RUNNING parent with the same key (e.g. one per workspace).
+
+A killed process leaves its run RUNNING. Re-starting the same stage under the same parent finds that run
+(tag ``tcnn.stage``) and resumes it (``on_stale="resume"``, the default; ``tcnn.attempt`` counts attempts) or
+marks it FAILED and opens a new one (``on_stale="fail"``); either way no run stays RUNNING forever and no
+stage gets two live runs. Params are flattened with stable names (:func:`flatten_params`) so the compare view
+lines runs up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from core.utils.hashing import file_digest
+
+PARENT_ENV = "TCNN_PARENT_RUN_ID"
+PARENT_TAG = "mlflow.parentRunId"
+RUN_NAME_TAG = "mlflow.runName"
+GIT_COMMIT_TAG = "mlflow.source.git.commit"
+KIND_TAG = "tcnn.kind"  # "parent" | "stage"
+STAGE_TAG = "tcnn.stage"
+KEY_TAG = "tcnn.parent_key"
+ATTEMPT_TAG = "tcnn.attempt"
+HOST_TAG = "tcnn.host"
+PID_TAG = "tcnn.pid"
+RESUMES_TAG = "tcnn.resumes"  # parent: how often an interrupted (FAILED/KILLED) execution was continued
+DVC_LOCK_TAG = "tcnn.dvc_lock_sha256"  # parent: sha256 of dvc.lock (updated by every stage; final at report)
+DVC_EXP_TAG = "tcnn.dvc_exp_name"  # parent: the DVC experiment name under `dvc exp run`
+RUN_IDS_FILE = Path("runs") / "mlflow_runs.json"  # the run ids of the current execution, for the report
+
+#: Dotted params keys that get a short, stable MLflow name (identical in every run: DVC stages and sweep trials).
+PARAM_ALIASES: dict[str, str] = {
+    "reparam.alpha_init": "alpha_init",
+    "reparam.lambda_init": "lambda_init",
+    "reparam.epoch": "reparam_epoch",
+    "data.sample_fraction": "sample_fraction",
+}
+
+RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
+_TERMINAL = ("FINISHED", "FAILED", "KILLED")
+_MAX_PARAM_LEN = 6000  # MLflow's limit for a param value
+_BATCH = 100  # MLflow's limit of params/tags (and 1000 metrics) per log_batch
+
+
+class TrackingError(RuntimeError):
+    """Tracking is enabled but cannot work (server down, unknown run id): one line naming the thing."""
+
+
+# ----------------------------------------------------------------------------------------------- params
+
+
+def _param_value(value: Any) -> str:
+    if isinstance(value, (list, tuple, dict)):
+        text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    else:
+        text = str(value)
+    return text if len(text) <= _MAX_PARAM_LEN else text[: _MAX_PARAM_LEN - 3] + "..."
+
+
+def flatten_params(params: Any, prefix: str = "") -> dict[str, str]:
+    """Flatten a ``Params`` (or a nested mapping) to MLflow params with stable names.
+
+    Nested keys join with dots (``pretrain.augment.hflip``); the keys in :data:`PARAM_ALIASES` get their
+    short names (``reparam.alpha_init`` -> ``alpha_init``); lists become compact JSON; empty mappings are kept
+    as ``{}`` so every run carries the same set of names.
+    """
+    if hasattr(params, "model_dump"):
+        params = params.model_dump(mode="json")
+    if not isinstance(params, Mapping):
+        raise TypeError(f"flatten_params: expected Params or a mapping, got {type(params).__name__}")
+    flat: dict[str, str] = {}
+
+    def walk(key: str, node: Any) -> None:
+        if isinstance(node, Mapping) and node:
+            for sub, value in node.items():
+                walk(f"{key}.{sub}" if key else str(sub), value)
+        else:
+            flat[PARAM_ALIASES.get(key, key)] = _param_value(node)
+
+    walk(prefix, params)
+    return flat
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def resolve_uri(uri: str, base_dir: str | os.PathLike = ".") -> str:
+    """``sqlite:///rel.db`` -> ``sqlite:////abs/base/rel.db``; other URIs unchanged.
+
+    Resolve once in the process that reads params.yaml and hand the absolute URI to others (Ray trials run in
+    their own working directories).
+    """
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/") and ":memory:" not in uri:
+        return prefix + str((Path(base_dir) / uri[len(prefix) :]).resolve())
+    return uri
+
+
+def git_commit(root: str | os.PathLike = ".") -> str | None:
+    """The checked-out commit of the repository at ``root`` (None outside git)."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
+
+
+def digest_if_present(path: str | os.PathLike) -> str | None:
+    """sha256 of a file (e.g. dvc.lock for the parent run's tag); None when it does not exist."""
+    try:
+        return file_digest(path)
+    except FileNotFoundError:
+        return None
+
+
+def workspace_key(root: str | os.PathLike = ".") -> str:
+    """A key naming one workspace (host + absolute path): stages under one `dvc repro` share a parent by it."""
+    return f"{socket.gethostname()}:{Path(root).resolve()}"
+
+
+def _http_alive(uri: str, timeout_s: float = 5.0) -> bool:
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _quote(value: str) -> str:
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+# ---------------------------------------------------------------------------------------------- tracker
+
+
+class Tracker:
+    """Parent/child MLflow runs behind a small API that degrades to no-ops.
+
+    Typical stage use (one process per stage)::
+
+        tracker = Tracker.from_params(params)
+        tracker.start_parent("pipeline", key=workspace_key())      # or resumes $TCNN_PARENT_RUN_ID
+        with tracker.stage("finetune", params=params):             # resumes a killed attempt, ends FINISHED/FAILED
+            tracker.log_metrics({"val_acc": 0.9}, step=epoch)
+            tracker.log_artifact("runs/finetune/metrics.json")
+    """
+
+    def __init__(
+        self,
+        *,
+        enabled: bool = True,
+        uri: str = "sqlite:///mlruns.db",
+        experiment: str = "tcnn",
+        base_dir: str | os.PathLike = ".",
+        export_env: bool = True,
+        system_metrics_interval_s: float = 10.0,
+    ) -> None:
+        self.uri = resolve_uri(uri, base_dir)
+        self.system_metrics_interval_s = system_metrics_interval_s
+        self.experiment = experiment
+        self.export_env = export_env
+        self.parent_run_id: str | None = None
+        self.parent_created = False  # whether the last start_parent opened a new run
+        self.run_id: str | None = None  # the active child (stage) run
+        self._client: Any = None
+        self._experiment_id: str | None = None
+        self._monitor: Any = None
+        if not enabled:
+            self.mode = "disabled"
+            return
+        try:
+            import mlflow  # noqa: F401  (optional at runtime)
+            from mlflow import MlflowClient
+        except ImportError as err:  # pragma: no cover - mlflow is a declared dependency
+            print(f"tracking: MLflow unavailable ({err}); continuing without tracking", file=sys.stderr)
+            self.mode = "unavailable"
+            return
+        if self.uri.startswith(("http://", "https://")) and not _http_alive(self.uri):
+            raise TrackingError(
+                f"tracking.uri {self.uri}: no MLflow server answers "
+                "(start one with infra/mlflow/server.sh, or set tracking.enabled: false)"
+            )
+        if self.uri.startswith("sqlite:////"):
+            Path(self.uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
+        self.mode = "mlflow"
+        self._client = MlflowClient(tracking_uri=self.uri)
+        self._experiment_id = self._get_or_create_experiment(experiment)
+
+    @classmethod
+    def from_params(cls, params: Any, *, base_dir: str | os.PathLike = ".", **kwargs: Any) -> Tracker:
+        """A tracker configured by the ``tracking`` section of a validated ``Params``."""
+        cfg = params.tracking
+        return cls(enabled=cfg.enabled, uri=cfg.uri, experiment=cfg.experiment, base_dir=base_dir, **kwargs)
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def enabled(self) -> bool:
+        """True when calls reach MLflow."""
+        return self.mode == "mlflow"
+
+    @property
+    def experiment_id(self) -> str | None:
+        return self._experiment_id
+
+    @property
+    def client(self) -> Any:
+        """The underlying ``MlflowClient`` (None unless enabled) for what this adapter does not wrap."""
+        return self._client
+
+    def _get_or_create_experiment(self, name: str) -> str:
+        exp = self._client.get_experiment_by_name(name)
+        if exp is not None:
+            if exp.lifecycle_stage == "deleted":
+                self._client.restore_experiment(exp.experiment_id)
+            return exp.experiment_id
+        location = None
+        if self.uri.startswith("sqlite:///"):
+            # Artifacts next to the database, not in whatever the working directory happens to be.
+            db = Path(self.uri[len("sqlite:///") :])
+            location = (db.parent / "mlartifacts").as_uri()
+        try:
+            return self._client.create_experiment(name, artifact_location=location)
+        except Exception:  # another process created it first
+            exp = self._client.get_experiment_by_name(name)
+            if exp is None:
+                raise
+            return exp.experiment_id
+
+    def _process_tags(self) -> dict[str, str]:
+        return {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid())}
+
+    def _run(self, run_id: str | None) -> str | None:
+        target = run_id or self.run_id or self.parent_run_id
+        if self.enabled and target is None:
+            raise TrackingError("tracking: no active run (call start_parent or start_child first)")
+        return target
+
+    def _search(self, filter_string: str, *, max_results: int = 100) -> list[Any]:
+        return list(
+            self._client.search_runs(
+                [self._experiment_id],
+                filter_string=filter_string,
+                max_results=max_results,
+                order_by=["attributes.start_time DESC"],
+            )
+        )
+
+    def _reopen(self, run_id: str, tags: Mapping[str, Any] | None) -> None:
+        run = self._client.get_run(run_id)
+        attempt = int(run.data.tags.get(ATTEMPT_TAG, "1")) + 1
+        if run.info.status != "RUNNING":
+            self._client.update_run(run_id, status="RUNNING")
+        self._set_tags(run_id, {**(tags or {}), **self._process_tags(), ATTEMPT_TAG: str(attempt)})
+
+    # ------------------------------------------------------------------ runs
+
+    def start_parent(
+        self,
+        name: str = "pipeline",
+        tags: Mapping[str, Any] | None = None,
+        *,
+        run_id: str | None = None,
+        key: str | None = None,
+        reopen_failed: bool = False,
+        params: Any = None,
+    ) -> str | None:
+        """Open (or re-attach to) the parent run; returns its id (None when not enabled).
+
+        Order: an explicit ``run_id`` (must exist) -> ``$TCNN_PARENT_RUN_ID`` -> the newest RUNNING parent
+        tagged with ``key`` (with ``reopen_failed``: or the newest parent of ``key`` when it ended FAILED or
+        KILLED, i.e. a pipeline execution that a failed or preempted stage interrupted and that is now
+        continued) -> a new parent run. With ``params``, a parent found by ``key`` whose logged params differ
+        is not re-attached (params are write-once): a RUNNING one is marked FAILED as superseded, and a new
+        parent is opened; the params are logged on the parent. The id is exported in ``$TCNN_PARENT_RUN_ID``
+        so child processes attach to it. ``self.parent_created`` says whether a new run was opened.
+        """
+        if not self.enabled:
+            return None
+        from mlflow.exceptions import MlflowException
+
+        flat = flatten_params(params) if params is not None else {}
+        found: str | None = None
+        own = False
+        if run_id is not None:
+            try:
+                self._client.get_run(run_id)
+            except MlflowException:
+                raise TrackingError(f"tracking: parent run {run_id} does not exist in {self.uri}") from None
+            found = run_id
+        elif os.environ.get(PARENT_ENV):
+            env_id = os.environ[PARENT_ENV]
+            try:
+                run = self._client.get_run(env_id)
+                if run.info.experiment_id == self._experiment_id:
+                    found = env_id
+                else:
+                    print(
+                        f"tracking: ${PARENT_ENV}={env_id} is in another experiment; ignored", file=sys.stderr
+                    )
+            except MlflowException:
+                print(
+                    f"tracking: ${PARENT_ENV}={env_id} is not in {self.uri}; starting a new parent",
+                    file=sys.stderr,
+                )
+        elif key is not None:
+            found = self._find_parent_by_key(key, flat, reopen_failed)
+            own = True  # a parent of this workspace: it carries this execution's params
+        self.parent_created = found is None
+        if found is not None:
+            run = self._client.get_run(found)
+            extra: dict[str, Any] = {}
+            if run.info.status != "RUNNING":  # an interrupted execution, continued
+                self._client.update_run(found, status="RUNNING")
+                extra[RESUMES_TAG] = int(run.data.tags.get(RESUMES_TAG, "0")) + 1
+            self._set_tags(found, {**(tags or {}), **self._process_tags(), **extra})
+        else:
+            all_tags = {KIND_TAG: "parent", ATTEMPT_TAG: "1", **self._process_tags(), **(tags or {})}
+            if key is not None:
+                all_tags[KEY_TAG] = key
+            run = self._client.create_run(self._experiment_id, run_name=name, tags=_str_tags(all_tags))
+            found = run.info.run_id
+        self.parent_run_id = found
+        if self.export_env:
+            os.environ[PARENT_ENV] = found
+        if flat and (own or self.parent_created):  # never onto a shared parent (a sweep's, by id or env)
+            self.log_params(flat, run_id=found)
+        return found
+
+    def _find_parent_by_key(self, key: str, flat: Mapping[str, str], reopen_failed: bool) -> str | None:
+        """The parent run of ``key`` to re-attach to, or None (see :meth:`start_parent`)."""
+        base = f"tags.`{KIND_TAG}` = 'parent' and tags.`{KEY_TAG}` = {_quote(key)}"
+        hits = self._search(base + " and attributes.status = 'RUNNING'", max_results=10)
+        found: str | None = None
+        for run in hits:  # newest first
+            if found is None and _compatible(run.data.params, flat):
+                found = run.info.run_id
+            else:  # a leftover of a killed execution with other params, or an older duplicate
+                self._client.set_tag(run.info.run_id, "tcnn.stale", "interrupted execution, superseded")
+                self._client.set_terminated(run.info.run_id, status="FAILED")
+        if found is None and reopen_failed:
+            newest = self._search(base, max_results=1)
+            if (
+                newest
+                and newest[0].info.status in ("FAILED", "KILLED")
+                and newest[0].data.tags.get("tcnn.stale") is None
+                and _compatible(newest[0].data.params, flat)
+            ):
+                found = newest[0].info.run_id
+        return found
+
+    def start_child(
+        self,
+        stage: str,
+        *,
+        params: Any = None,
+        tags: Mapping[str, Any] | None = None,
+        on_stale: Literal["resume", "fail"] = "resume",
+        system_metrics: bool = False,
+        run_name: str | None = None,
+        run_id: str | None = None,
+    ) -> str | None:
+        """Open the run of one stage (or trial) under the parent, resuming a killed attempt of it.
+
+        A RUNNING run with the same ``stage`` under the same parent is a leftover of a killed process: it is
+        resumed (``on_stale="resume"``; unless its logged params differ from ``params``, which MLflow cannot
+        overwrite) or marked FAILED (``on_stale="fail"``). ``params`` are logged with :func:`flatten_params`.
+        ``run_id``: reopen exactly this run (e.g. the id a Ray trial kept in its checkpoint), whatever its state.
+        """
+        if not self.enabled:
+            return None
+        if self.parent_run_id is None:
+            self.start_parent()
+        assert self.parent_run_id is not None
+        flat = flatten_params(params) if params is not None else {}
+        if run_id is not None:
+            from mlflow.exceptions import MlflowException
+
+            try:
+                self._client.get_run(run_id)
+            except MlflowException:
+                raise TrackingError(f"tracking: run {run_id} does not exist in {self.uri}") from None
+            self._reopen(run_id, tags)
+            self.run_id = run_id
+            if flat:
+                self.log_params(flat)
+            if system_metrics:
+                self._start_system_metrics(run_id)
+            return run_id
+        stale = self._search(
+            f"tags.`{PARENT_TAG}` = {_quote(self.parent_run_id)} and tags.`{STAGE_TAG}` = {_quote(stage)} "
+            "and attributes.status = 'RUNNING'"
+        )
+        resume_id: str | None = None
+        for run in stale:  # newest first
+            compatible = _compatible(run.data.params, flat)
+            if on_stale == "resume" and resume_id is None and compatible:
+                resume_id = run.info.run_id
+            else:
+                self._client.set_tag(run.info.run_id, "tcnn.stale", "killed attempt, superseded")
+                self._client.set_terminated(run.info.run_id, status="FAILED")
+        if resume_id is not None:
+            self._reopen(resume_id, tags)
+        else:
+            all_tags = {
+                PARENT_TAG: self.parent_run_id,
+                KIND_TAG: "stage",
+                STAGE_TAG: stage,
+                ATTEMPT_TAG: "1",
+                **self._process_tags(),
+                **(tags or {}),
+            }
+            run = self._client.create_run(
+                self._experiment_id, run_name=run_name or stage, tags=_str_tags(all_tags)
+            )
+            resume_id = run.info.run_id
+        self.run_id = resume_id
+        if flat:
+            self.log_params(flat)
+        if system_metrics:
+            self._start_system_metrics(resume_id)
+        return resume_id
+
+    def find_child(self, stage: str, *, status: str | None = None) -> list[Any]:
+        """The child runs of the parent for ``stage`` (newest first), optionally only those in ``status``."""
+        if not self.enabled or self.parent_run_id is None:
+            return []
+        flt = f"tags.`{PARENT_TAG}` = {_quote(self.parent_run_id)} and tags.`{STAGE_TAG}` = {_quote(stage)}"
+        if status is not None:
+            flt += f" and attributes.status = {_quote(status)}"
+        return self._search(flt)
+
+    def end(self, status: RunStatus = "FINISHED") -> None:
+        """End the active child run, or the parent when no child is open."""
+        if not self.enabled:
+            return
+        if status not in _TERMINAL:
+            raise ValueError(f"end: status must be one of {_TERMINAL}, got {status!r}")
+        if self.run_id is not None:
+            self._stop_system_metrics()
+            self._client.set_terminated(self.run_id, status=status)
+            self.run_id = None
+        elif self.parent_run_id is not None:
+            self.end_parent(status)
+
+    def end_parent(self, status: RunStatus = "FINISHED") -> None:
+        """End the parent run (the last stage of a pipeline, or the sweep driver, calls this)."""
+        if not self.enabled or self.parent_run_id is None:
+            return
+        if self.run_id is not None:
+            self.end(status)
+        self._client.set_terminated(self.parent_run_id, status=status)
+        if self.export_env and os.environ.get(PARENT_ENV) == self.parent_run_id:
+            del os.environ[PARENT_ENV]
+        self.parent_run_id = None
+
+    @contextlib.contextmanager
+    def stage(self, stage: str, **kwargs: Any) -> Iterator[Tracker]:
+        """``start_child`` + ``end``: FINISHED on success, FAILED on an exception, KILLED on Ctrl-C."""
+        self.start_child(stage, **kwargs)
+        try:
+            yield self
+        except KeyboardInterrupt:
+            self.end("KILLED")
+            raise
+        except BaseException:
+            self.end("FAILED")
+            raise
+        self.end("FINISHED")
+
+    # ------------------------------------------------------------------ logging
+
+    def log_params(self, params: Any, *, run_id: str | None = None) -> None:
+        """Log a ``Params`` or a (nested) mapping under stable flattened names (write-once in MLflow)."""
+        if not self.enabled:
+            return
+        from mlflow.entities import Param
+
+        target = self._run(run_id)
+        flat = params if _is_flat_str(params) else flatten_params(params)
+        existing = self._client.get_run(target).data.params
+        items = [Param(k, v) for k, v in flat.items() if existing.get(k) != v]
+        for i in range(0, len(items), _BATCH):
+            self._client.log_batch(target, params=items[i : i + _BATCH])
+
+    def log_metrics(
+        self, metrics: Mapping[str, float], step: int | None = None, *, run_id: str | None = None
+    ) -> None:
+        """Log scalar metrics at ``step`` (epoch or global step; 0 when omitted)."""
+        if not self.enabled:
+            return
+        from mlflow.entities import Metric
+
+        target = self._run(run_id)
+        now = int(time.time() * 1000)
+        items = []
+        for key, value in metrics.items():
+            try:
+                number = float(value)
+            except (TypeError, ValueError):
+                raise TypeError(f"log_metrics: metric {key!r} is not a number ({value!r})") from None
+            items.append(Metric(key, number, now, int(step or 0)))
+        for i in range(0, len(items), 1000):
+            self._client.log_batch(target, metrics=items[i : i + 1000])
+
+    def set_tags(self, tags: Mapping[str, Any], *, run_id: str | None = None) -> None:
+        if not self.enabled:
+            return
+        self._set_tags(self._run(run_id), tags)
+
+    def _set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
+        from mlflow.entities import RunTag
+
+        items = [RunTag(k, v) for k, v in _str_tags(tags).items()]
+        for i in range(0, len(items), _BATCH):
+            self._client.log_batch(run_id, tags=items[i : i + _BATCH])
+
+    def log_artifact(
+        self, path: str | os.PathLike, artifact_path: str | None = None, *, run_id: str | None = None
+    ) -> None:
+        """Upload a file, or a directory's contents, under ``artifact_path``."""
+        if not self.enabled:
+            return
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"log_artifact: {path} does not exist")
+        target = self._run(run_id)
+        if path.is_dir():
+            self._client.log_artifacts(target, str(path), artifact_path)
+        else:
+            self._client.log_artifact(target, str(path), artifact_path)
+
+    def log_dict(
+        self, obj: Mapping[str, Any] | list, artifact_file: str, *, run_id: str | None = None
+    ) -> None:
+        """Store a JSON (or YAML, by extension) artifact built from ``obj``."""
+        if not self.enabled:
+            return
+        self._client.log_dict(self._run(run_id), obj, artifact_file)
+
+    def log_dataset(
+        self,
+        name: str,
+        digest: str,
+        source: str,
+        *,
+        context: str = "train",
+        profile: Mapping[str, Any] | None = None,
+        run_id: str | None = None,
+    ) -> None:
+        """Record a dataset input (``mlflow.log_input`` equivalent) by name, digest (e.g. manifest sha256)
+        and source (a path or URI)."""
+        if not self.enabled:
+            return
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        dataset = Dataset(
+            name=name,
+            digest=digest[:36],
+            source_type="local",
+            source=json.dumps({"uri": str(source)}),
+            profile=json.dumps(dict(profile)) if profile else None,
+        )
+        tags = [InputTag("mlflow.data.context", context)]
+        self._client.log_inputs(self._run(run_id), datasets=[DatasetInput(dataset, tags)])
+
+    @contextlib.contextmanager
+    def activate(self, run_id: str | None = None) -> Iterator[Any]:
+        """Make the active run MLflow's fluent active run for calls this adapter does not wrap
+        (``mlflow.pytorch.log_model``...). Yields the ``mlflow`` module, or None when not enabled."""
+        if not self.enabled:
+            yield None
+            return
+        import mlflow
+
+        target = self._run(run_id)
+        previous = mlflow.get_tracking_uri()
+        mlflow.set_tracking_uri(self.uri)
+        try:
+            with mlflow.start_run(run_id=target):
+                yield mlflow
+                # Leaving start_run() would mark the run FINISHED: put it back to RUNNING below.
+        finally:
+            with contextlib.suppress(Exception):
+                self._client.update_run(target, status="RUNNING")
+            mlflow.set_tracking_uri(previous)
+
+    def log_torch_model(self, model: Any, name: str = "model", **kwargs: Any) -> None:
+        """``mlflow.pytorch.log_model`` on the active run; pins torch instead of inferring requirements
+        (slow). MLflow 3's default format ('pt2', a traced graph) needs ``input_example=``; without one the
+        model is pickled (its classes must be importable where it is loaded)."""
+        if not self.enabled:
+            return
+        import torch
+
+        kwargs.setdefault("pip_requirements", [f"torch=={torch.__version__.split('+')[0]}"])
+        if kwargs.get("input_example") is None:
+            kwargs.setdefault("serialization_format", "pickle")
+        with self.activate() as mlflow:
+            import mlflow.pytorch  # noqa: F401
+
+            mlflow.pytorch.log_model(model, name=name, **kwargs)
+
+    # ------------------------------------------------------------------ system metrics
+
+    def _start_system_metrics(self, run_id: str) -> None:
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            self._monitor = SystemMetricsMonitor(
+                run_id,
+                sampling_interval=self.system_metrics_interval_s,
+                resume_logging=True,
+                tracking_uri=self.uri,
+            )
+            self._monitor.start()
+        except Exception as err:  # psutil missing and the like: not worth failing a stage for
+            print(f"tracking: system metrics disabled ({err})", file=sys.stderr)
+            self._monitor = None
+
+    def _stop_system_metrics(self) -> None:
+        if self._monitor is not None:
+            with contextlib.suppress(Exception):
+                self._monitor.finish()
+            self._monitor = None
+
+
+def _compatible(logged: Mapping[str, str], flat: Mapping[str, str]) -> bool:
+    """True when no param already logged on a run differs from ``flat`` (MLflow params are write-once)."""
+    return all(logged.get(k, v) == v for k, v in flat.items())
+
+
+def _str_tags(tags: Mapping[str, Any]) -> dict[str, str]:
+    return {str(k): str(v) for k, v in tags.items() if v is not None}
+
+
+def _is_flat_str(params: Any) -> bool:
+    return isinstance(params, Mapping) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in params.items()
+    )
+
+
+def git_dirty(root: str | os.PathLike = ".") -> bool | None:
+    """Whether tracked files differ from the checked-out commit (None outside git)."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return None if out.returncode != 0 else bool(out.stdout.strip())
+
+
+def resolved_environment() -> str:
+    """The resolved Python environment as ``pip freeze``-style lines (from the installed distributions'
+    metadata: the same set pip reports, without starting pip), headed by the interpreter and platform."""
+    import importlib.metadata as md
+    import platform
+
+    seen: dict[str, str] = {}
+    for dist in md.distributions():
+        name = dist.metadata["Name"]
+        if name and name.lower() not in seen:
+            seen[name.lower()] = f"{name}=={dist.version}"
+    head = f"# python {platform.python_version()} ({sys.executable}) on {platform.platform()}\n"
+    return head + "\n".join(sorted(seen.values(), key=str.lower)) + "\n"
+
+
+def record_run_ids(
+    path: str | os.PathLike, parent: str, stage: str, run_id: str, meta: Mapping[str, Any] | None = None
+) -> None:
+    """Add ``stage``'s run id to the run-ids file of the current execution (atomically).
+
+    Format: ``{"parent": id, "stages": {stage: id}, "meta": {...}}``; a file of another parent is replaced,
+    so the file always describes one pipeline execution (read by the report stage)."""
+    from core.utils.atomic import atomic_write_json
+
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = None
+    if not isinstance(data, dict) or data.get("parent") != parent or not isinstance(data.get("stages"), dict):
+        data = {"parent": parent, "stages": {}}
+    data["stages"][stage] = run_id
+    data["meta"] = {k: v for k, v in dict(meta or {}).items() if v is not None}
+    atomic_write_json(path, data)
+
+
+def _end_status(err: BaseException) -> RunStatus:
+    """KILLED for an interruption the stage can resume from (Ctrl-C, a stop signal), else FAILED."""
+    if isinstance(err, KeyboardInterrupt) or type(err).__name__ == "Preempted":
+        return "KILLED"
+    return "FAILED"
+
+
+@contextlib.contextmanager
+def stage_run(
+    params: Any,
+    stage: str,
+    *,
+    root: str | os.PathLike = ".",
+    parent_name: str = "pipeline",
+    parent_tags: Mapping[str, Any] | None = None,
+    end_parent: bool = False,
+    base_dir: str | os.PathLike | None = None,
+    run_ids_file: str | os.PathLike | None = RUN_IDS_FILE,
+    **child_kwargs: Any,
+) -> Iterator[Tracker]:
+    """The whole stage protocol in one call, for ``stages/<name>.py``::
+
+        with stage_run(params, "finetune", root=root) as tracker:
+            ...  # tracker.log_metrics(...), tracker.log_artifact(...)
+
+    Parent: ``$TCNN_PARENT_RUN_ID``, else the parent of this workspace that is RUNNING (the chain is under
+    way, or was killed) or was interrupted by a failed/preempted stage, when its params match; else a new
+    one. The parent carries all params, the git commit (+ ``tcnn.git_dirty``), the sha256 of ``dvc.lock``
+    (:data:`DVC_LOCK_TAG`, updated at every stage; at the end of the chain it is the lock of every stage but
+    the last, which DVC records after the process exits), and under ``dvc exp run`` the experiment's name
+    (as run name and :data:`DVC_EXP_TAG`). The stage's child run logs all params, resumes a killed attempt,
+    and ends FINISHED; on an exception the child and the parent end FAILED (KILLED when preempted) so nothing
+    stays RUNNING, and the next run of the chain continues that parent. ``end_parent=True`` (the last stage)
+    logs ``dvc.lock`` and ``params.yaml`` on the parent and ends it FINISHED. The ids go to ``run_ids_file``
+    (relative to ``root``; None: not written). The sqlite store resolves against ``base_dir``, default
+    ``$DVC_ROOT`` (the main repository, also for ``dvc exp run --temp``) or ``root``.
+    """
+    root = Path(root)
+    interval = float(os.environ.get("TCNN_SYSTEM_METRICS_INTERVAL_S", "10"))
+    base = base_dir if base_dir is not None else (os.environ.get("DVC_ROOT") or root)
+    tracker = Tracker.from_params(params, base_dir=base, system_metrics_interval_s=interval)
+    if not tracker.enabled:
+        yield tracker
+        return
+    exp_name = os.environ.get("DVC_EXP_NAME") or None
+    tags = {
+        GIT_COMMIT_TAG: git_commit(root),
+        "tcnn.git_dirty": git_dirty(root),
+        DVC_LOCK_TAG: digest_if_present(root / "dvc.lock"),
+        DVC_EXP_TAG: exp_name,
+        **(parent_tags or {}),
+    }
+    name = exp_name if exp_name and parent_name == "pipeline" else parent_name
+    if exp_name:
+        tags[RUN_NAME_TAG] = name
+    tracker.start_parent(name, tags, key=workspace_key(root), reopen_failed=True, params=params)
+    parent = tracker.parent_run_id
+    assert parent is not None
+    if tracker.parent_created:
+        with contextlib.suppress(Exception):  # nice to have: never fail a stage for it
+            tracker.client.log_text(parent, resolved_environment(), "environment/requirements.txt")
+    child_kwargs.setdefault("params", params)
+    child = tracker.start_child(stage, **child_kwargs)
+    if run_ids_file is not None and child is not None:
+        meta = {"experiment": tracker.experiment, "experiment_id": tracker.experiment_id,
+                "tracking_uri": tracker.uri, "dvc_exp_name": exp_name}  # fmt: skip
+        record_run_ids(root / run_ids_file, parent, stage, child, meta)
+    try:
+        yield tracker
+    except BaseException as err:
+        status = _end_status(err)
+        with contextlib.suppress(Exception):
+            tracker.set_tags({"tcnn.failed_stage": stage, "tcnn.error": str(err)[:500]}, run_id=parent)
+        tracker.end(status)
+        tracker.end_parent(status)
+        raise
+    tracker.end("FINISHED")
+    if end_parent:
+        tracker.set_tags({DVC_LOCK_TAG: digest_if_present(root / "dvc.lock")}, run_id=parent)
+        for tag in ("tcnn.failed_stage", "tcnn.error"):  # an earlier interruption, since continued
+            with contextlib.suppress(Exception):
+                tracker.client.delete_tag(parent, tag)
+        for name in ("dvc.lock", "params.yaml"):
+            if (root / name).is_file():
+                tracker.log_artifact(root / name, run_id=parent)
+        tracker.end_parent("FINISHED")

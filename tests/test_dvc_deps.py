@@ -1,0 +1,97 @@
+"""DVC deps that cannot drift: every file of science or stage code a stage imports is among its deps in
+dvc.yaml (checked on the static import graph, function-level imports included), and editing any such file
+makes `dvc status` report the stage changed (checked on a real DVC project)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+from functools import cache
+from pathlib import Path
+
+import grimp
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("core", "stages")  # science and stage code; pipelines/ (sweeps, SLURM) is not a stage input
+#: Stage code that reports a run to MLflow and never changes what a stage writes: not a DVC input (editing the
+#: tracking adapter must not invalidate every cached stage).
+REPORTING_ONLY = {"stages/tracking.py", "stages/catalogue.py"}
+
+
+def _stages() -> dict[str, dict]:
+    return yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+
+
+@cache
+def _graph() -> grimp.ImportGraph:
+    return grimp.build_graph(*PACKAGES, include_external_packages=False, cache_dir=None)
+
+
+def _file(module: str) -> str:
+    path = REPO / module.replace(".", "/")
+    return f"{path.relative_to(REPO)}/__init__.py" if path.is_dir() else f"{path.relative_to(REPO)}.py"
+
+
+def _docstring_only(rel: str) -> bool:
+    body = ast.parse((REPO / rel).read_text()).body
+    return all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in body)
+
+
+def imported_files(stage: str) -> set[str]:
+    """The source files `python -m stages.<stage>` may import from core/ and stages/ (the whole static
+    closure, imports inside functions included), package __init__ files that hold only a docstring left out."""
+    g = _graph()
+    modules = g.find_upstream_modules(f"stages.{stage}") | {f"stages.{stage}"}
+    files = {_file(m) for m in modules if m.split(".")[0] in PACKAGES}
+    files |= {f"{p}/__init__.py" for p in PACKAGES}
+    files -= REPORTING_ONLY
+    return {f for f in files if not (f.endswith("__init__.py") and _docstring_only(f))}
+
+
+def _covered(rel: str, deps: list[str]) -> bool:
+    return any(rel == d or rel.startswith(d.rstrip("/") + "/") for d in deps)
+
+
+@pytest.mark.parametrize("stage", list(_stages()))
+def test_stage_deps_cover_every_imported_file(stage: str) -> None:
+    spec = _stages()[stage]
+    assert spec["cmd"] == f"python -m stages.{stage}"
+    deps = [d for d in spec["deps"] if isinstance(d, str)]
+    files = imported_files(stage)
+    assert f"stages/{stage}.py" in files and "core/config.py" in files
+    missing = sorted(f for f in files if not _covered(f, deps))
+    assert not missing, f"dvc.yaml stage {stage!r} lacks deps for {missing}"
+
+
+def test_package_roots_hold_no_code() -> None:
+    """core/__init__.py and stages/__init__.py are left out of the deps: they must stay docstring-only."""
+    assert all(_docstring_only(f"{p}/__init__.py") for p in PACKAGES)
+
+
+@pytest.mark.slow
+def test_editing_any_imported_file_makes_dvc_status_report_the_stage(tmp_path_factory, tmp_path) -> None:
+    """On a finished tiny `dvc repro`: append a comment to each file any stage imports, one at a time; `dvc
+    status` must list (at least) every stage whose imports include the file as changed."""
+    from _pipeline_repo import built_repo, dvc
+
+    repo = tmp_path / "repo"
+    shutil.copytree(built_repo(tmp_path_factory.getbasetemp() / "pipeline"), repo, symlinks=True)
+    assert json.loads(dvc(repo, "status", "--json").stdout or "{}") == {}
+    by_file: dict[str, set[str]] = {}
+    for stage in _stages():
+        for f in imported_files(stage):
+            by_file.setdefault(f, set()).add(stage)
+    for rel, stages in sorted(by_file.items()):
+        path = repo / rel
+        original = path.read_bytes()
+        path.write_bytes(original + b"\n# edited by test_dvc_deps\n")
+        try:
+            status = json.loads(dvc(repo, "status", "--json").stdout or "{}")
+        finally:
+            path.write_bytes(original)
+        assert stages <= set(status), (
+            f"editing {rel}: dvc status reports {sorted(status)}, expected {sorted(stages)}"
+        )
