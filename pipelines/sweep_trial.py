@@ -403,10 +403,5 @@ def tune_trainable(config: dict[str, Any], spec: dict[str, Any]) -> None:
     TrialRunner(spec, config["tid"]).run()
 
 
-def run_trial_locally(spec: dict[str, Any], tid: str) -> dict[str, Any]:
-    """The same trial without Ray (debugging, tests of the trial logic)."""
-    return TrialRunner(spec, tid, report=False).run()
-
-
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)

@@ -21,7 +21,6 @@ from core.utils.atomic import atomic_write_json, atomic_write_text, remove_stale
 from stages._cli import StageError
 
 EVAL_BATCH = 500
-DEFAULT_CHECKPOINT_EVERY_STEPS = 200
 # Keys that change how a run is carried out, not what it computes: left out of the resume identity.
 OPERATIONAL_KEYS = ("checkpoint_every_steps", "num_workers")
 
@@ -77,16 +76,15 @@ def loaders(
 
 def checkpoint_every_steps(params: Params, stage: str) -> int:
     """Mid-epoch checkpoint cadence: env TCNN_CHECKPOINT_EVERY_STEPS, else `<stage>.checkpoint_every_steps`
-    (pretrain / finetune section), else 200. 0 = only at epoch ends."""
+    (the finetune section for fine-tuning and its control, the pretrain section otherwise). 0 = only at epoch
+    ends."""
     env = os.environ.get("TCNN_CHECKPOINT_EVERY_STEPS")
     if env:
         try:
             return max(0, int(env))
         except ValueError:
             raise StageError(f"TCNN_CHECKPOINT_EVERY_STEPS: expected an integer, got {env!r}") from None
-    section = getattr(params, "finetune" if stage == "finetune" else "pretrain")
-    value = getattr(section, "checkpoint_every_steps", None)
-    return DEFAULT_CHECKPOINT_EVERY_STEPS if value is None else int(value)
+    return (params.finetune if stage == "finetune" else params.pretrain).checkpoint_every_steps
 
 
 def use_channels_last(device: torch.device) -> bool:

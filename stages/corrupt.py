@@ -92,7 +92,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     t0 = time.perf_counter()
     if not C.set_is_valid(C.set_path(out_dir, "clean", 0), expected("clean", 0)):
         C.write_set(C.set_path(out_dir, "clean", 0), images, labels, idx, expected("clean", 0))
-    workers = int(getattr(rb, "workers", 0) or 0) or C.default_workers()
+    workers = rb.workers or C.default_workers()
     chunk = max(50, min(1000, -(-len(images) // (4 * workers))))
     print(
         f"corrupt: {len(pairs)} sets of {len(images)} images ({band} band, {SELECTION} selection) -> {out_dir}: "

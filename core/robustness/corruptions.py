@@ -116,12 +116,6 @@ def band_for_size(height: int, width: int) -> str:
     return "imagenet"
 
 
-def category(corruption: str) -> str:
-    """'noise' | 'blur' | 'weather' | 'digital' | 'extra'."""
-    _check_name(corruption)
-    return CATEGORY_OF[corruption]
-
-
 def is_meaningful(corruption: str, channels: int) -> bool:
     """False for corruptions that only act on colour (saturate) applied to grayscale (1-channel) data."""
     _check_name(corruption)
@@ -1117,15 +1111,6 @@ def iter_sets(
     finally:
         if bar is not None:
             bar.close()
-
-
-def generate_sets(
-    images: np.ndarray, corruptions: Iterable[str], severities: Iterable[int], **kwargs: Any
-) -> dict[tuple[str, int], np.ndarray]:
-    """Every corruption x severity in memory: ``{(corruption, severity): uint8 [N, H, W, C]}``; keyword
-    arguments as :func:`iter_sets`."""
-    pairs = [(c, s) for c in corruptions for s in severities]
-    return {(c, s): x for c, s, x in iter_sets(images, pairs, **kwargs)}
 
 
 # ----------------------------------------------------------------------------------------------------------

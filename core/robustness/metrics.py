@@ -390,11 +390,6 @@ def relative_corruption_error(
     return float(sum(e - clean_error for e in errors) / den)
 
 
-def _mean(values: Iterable[float | None]) -> float | None:
-    vals = [v for v in values if v is not None]
-    return float(np.mean(vals)) if vals else None
-
-
 def summarize(
     table: pa.Table | Iterable[Mapping[str, Any]],
     baseline: Baseline | str | Mapping[str, Any] | pa.Table | None = None,
