@@ -5,7 +5,7 @@ fails with one line and nothing written, and every trial (on any node) finds its
 
 Shared pretraining (issue 7): trials whose pretraining inputs are equal -- seed, data content (manifest
 fingerprint), data.sample_fraction / val_size / image_size, the network pretraining trains (model.arch,
-options, drop_path and ``stages.pretrain.pretrain_kind``), the pretrain section (minus which epochs are
+options, drop_path and ``core.models.spec.pretraining_kind``), the pretrain section (minus which epochs are
 kept), the device kind and the pretraining code (the files dvc.yaml lists as the pretrain stage's deps) --
 form one *group*. A group pretrains once, in the
 content-addressed directory ``<storage>/pretrain/<key>/`` (key = sha256 of those inputs), keeping a
@@ -164,13 +164,8 @@ def pretrain_identity(params: Params, manifest: dict[str, Any], device: str, cod
         pre.pop(k, None)
     pre["augment"] = params.augment_for("pretrain").model_dump(mode="json")
     model: dict[str, Any] = {"drop_path": params.model.drop_path}
-    if hasattr(pretrain, "model_spec"):
-        num_classes, in_chans = int(manifest["num_classes"]), int(manifest["image_shape"][-1])
-        model["spec"] = pretrain.model_spec(params, num_classes, in_chans)
-    else:
-        model.update(
-            kind=pretrain.pretrain_kind(params), arch=params.model.arch, options=params.model.options
-        )
+    num_classes, in_chans = int(manifest["num_classes"]), int(manifest["image_shape"][-1])
+    model["spec"] = pretrain.model_spec(params, num_classes, in_chans)
     ident = {
         "version": PLAN_VERSION,
         "seed": params.seed,
@@ -186,7 +181,7 @@ def pretrain_identity(params: Params, manifest: dict[str, Any], device: str, cod
         "device": device,
         "code": code,
     }
-    gate_lr = pretrain.gate_lr(params) if hasattr(pretrain, "gate_lr") else None
+    gate_lr = pretrain.gate_lr(params)
     if gate_lr is not None:
         ident["gate_lr"] = gate_lr
     return ident

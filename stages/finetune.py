@@ -48,7 +48,8 @@ from core.analysis.dissect import layer_stats, long_rows
 from core.config import Params
 from core.data import first_batch
 from core.models import set_stochastic_depth
-from core.training.checkpoint import build_from_spec, restore_rng
+from core.models.spec import build_from_spec
+from core.training.checkpoint import restore_rng
 from core.training.history import summarize_gpsa
 from core.training.loop import (
     EXIT_PREEMPTED,
@@ -60,7 +61,7 @@ from core.training.loop import (
     seed_everything,
     select_device,
 )
-from core.training.optim import WarmupCosine, build_adamw, build_sgd, load_named_state
+from core.training.optim import WarmupCosine, build_adamw, build_sgd, freeze_parameters, load_named_state
 from core.utils.hashing import derive_seed, file_digest, stable_hash
 from stages import _training as T
 from stages._cli import StageError, stage_main
@@ -110,18 +111,6 @@ def run_hash(
         ident["augment"] = params.augment_for("pretrain").model_dump(mode="json")
         ident["drop_path"] = params.model.drop_path
     return stable_hash(ident)
-
-
-def freeze_parameters(model: torch.nn.Module, names: Sequence[str]) -> list[str]:
-    """requires_grad=False on every parameter whose last name component is in `names` (e.g. the GPSA's
-    attention-only parameters "qkv_weight", "gating_param", "pos_alpha", "pos_center"); returns them."""
-    wanted = set(names)
-    frozen = []
-    for name, p in model.named_parameters():
-        if name.rsplit(".", 1)[-1] in wanted:
-            p.requires_grad_(False)
-            frozen.append(name)
-    return frozen
 
 
 def run(params: Params, *, root: Path = Path("."), freeze: Sequence[str] = ()) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import torch
 
 from core.config import Params
 from core.models import set_stochastic_depth
-from core.training.checkpoint import build_from_spec, make_model_spec
+from core.models.spec import build_from_spec, pretraining_spec
 from core.training.loop import (
     EXIT_PREEMPTED,
     Preempted,
@@ -49,47 +49,10 @@ def checkpoint_epochs(params: Params) -> list[int]:
     return sorted(e for e in wanted if 0 <= e <= params.pretrain.epochs)
 
 
-# Kinds whose pretraining trains a plain CNN that the reparam stage converts afterwards.
-CONVERTED_LATER = ("cnn", "tcnn", "psa")
-
-
-def pretrain_kind(params: Params) -> str:
-    """The network pretraining trains: the CNN for kinds cnn/tcnn/psa (converted by the reparam stage), the
-    model itself otherwise: convit, aa_resnet and hybrid_scratch (the T-CNN architecture from scratch, t1 = 0
-    of 000 Table 3) from scratch, cmhsa in its convolution phase (002)."""
-    return "cnn" if params.model.kind in CONVERTED_LATER else params.model.kind
-
-
 def model_spec(params: Params, num_classes: int, in_chans: int) -> dict[str, Any]:
-    """The spec of the network pretraining trains (see `pretrain_kind`).
-
-    - cnn / tcnn / psa: the CNN, with the backbone options only (the ablation switches act after conversion);
-    - hybrid_scratch: the converted random CNN: ``model.options`` alpha_init, lambda_init, stages,
-      stride_mode (defaults 1, 1, [-1], exact: the paper's init) form the spec's conversion section;
-    - convit: ``img_size`` defaults to data.image_size;
-    - cmhsa: phase "conv".
-    """
-    from core.models import CONVERSION_OPTIONS, backbone_options
-
-    kind = params.model.kind
-    options = dict(params.model.options)
-    if kind in CONVERTED_LATER:
-        return make_model_spec(
-            "cnn", params.model.arch, num_classes, in_chans, backbone_options(kind, options)
-        )
-    if kind == "hybrid_scratch":
-        conv = {
-            "alpha_init": 1.0,
-            "lambda_init": 1.0,
-            "stages": [-1],
-            "stride_mode": "exact",
-            **{k: options.pop(k) for k in CONVERSION_OPTIONS[kind] if k in options},
-        }
-        return make_model_spec(kind, params.model.arch, num_classes, in_chans, options, tcnn=conv)
-    if kind == "convit":
-        options.setdefault("img_size", params.data.image_size)
-    phase = "conv" if kind == "cmhsa" else None
-    return make_model_spec(kind, params.model.arch, num_classes, in_chans, options, phase=phase)
+    """The spec of the network this config pretrains (`core.models.spec.pretraining_spec`)."""
+    m = params.model
+    return pretraining_spec(m.kind, m.arch, m.options, num_classes, in_chans, params.data.image_size)
 
 
 def gate_lr(params: Params) -> float | None:

@@ -31,10 +31,13 @@ from typing import Any
 
 import torch
 
+from core.analysis.equivalence import LARGE_INIT, PAPER_INIT, agreement
 from core.config import Params
 from core.data import first_batch
+from core.models.reparam import attention_modules, gpsa_modules
+from core.models.spec import build_from_spec, make_model_spec, pretraining_kind
 from core.nn.cmhsa import to_mhsa
-from core.training.checkpoint import atomic_save, build_from_spec, make_model_spec
+from core.training.checkpoint import atomic_save
 from core.training.loop import evaluate, predict, seed_everything, select_device
 from core.training.optim import map_state_to_tcnn, named_state
 from core.utils.atomic import atomic_write_json
@@ -109,14 +112,14 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     except (ValueError, TypeError, KeyError, RuntimeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise StageError(f"{src}: cannot rebuild the CNN from this checkpoint ({first})") from None
-    from stages.pretrain import pretrain_kind
-
     kind = params.model.kind
     spec_cnn = ckpt["model_spec"]
-    if spec_cnn["kind"] != pretrain_kind(params) or (kind in CONVERTING and spec_cnn.get("tcnn") is not None):
+    if spec_cnn["kind"] != pretraining_kind(params.model.kind) or (
+        kind in CONVERTING and spec_cnn.get("tcnn") is not None
+    ):
         held = "a T-CNN" if spec_cnn.get("tcnn") is not None else f"a {spec_cnn['kind']!r} model"
         raise StageError(
-            f"{src}: holds {held} already; model.kind={kind!r} expects a {pretrain_kind(params)!r} "
+            f"{src}: holds {held} already; model.kind={kind!r} expects a {pretraining_kind(params.model.kind)!r} "
             "pretraining checkpoint (rerun pretrain)"
         )
     ds = T.datasets(params, root)
@@ -166,8 +169,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     probe = first_batch(probe_loader, PROBE)
     cnn.to(device)
     tcnn.to(device)
-    logits_cnn, logits_tcnn = predict(cnn, probe), predict(tcnn, probe)
-    diff = (logits_tcnn - logits_cnn).abs()
+    logits_cnn = predict(cnn, probe)
     report: dict[str, Any] = {
         "reparam_epoch": params.reparam.epoch,
         "alpha_init": params.reparam.alpha_init,
@@ -177,12 +179,9 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         "kind": kind,
         "converted": kind in CONVERTING or kind == "cmhsa",
         "probe_images": int(probe.shape[0]),
-        "max_abs_logit_diff": float(diff.max()) if diff.numel() else None,
-        "mean_abs_logit_diff": float(diff.mean()) if diff.numel() else None,
-        "max_abs_logit_cnn": float(logits_cnn.abs().max()) if diff.numel() else None,
-        "prediction_agreement": float((logits_cnn.argmax(-1) == logits_tcnn.argmax(-1)).float().mean()),
-        "gpsa_layers": [name for name, _ in _gpsa(tcnn)],
-        "attention_layers": [name for name, _ in _attention(tcnn)],
+        **agreement(logits_cnn, predict(tcnn, probe)),
+        "gpsa_layers": [name for name, _ in gpsa_modules(tcnn)],
+        "attention_layers": [name for name, _ in attention_modules(tcnn)],
         "params_cnn": sum(p.numel() for p in cnn.parameters()),
         "params_tcnn": sum(p.numel() for p in tcnn.parameters()),
         "optimizer_state_renamed": {k: v for k, v in moved.items() if k != v},
@@ -191,8 +190,9 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         other = "s1" if params.reparam.stride_mode == "exact" else "exact"
         try:
             alt = convert(cnn, params, other).to(device)
-            d_alt = (predict(alt, probe) - logits_cnn).abs()
-            report[f"max_abs_logit_diff_{other}"] = float(d_alt.max())
+            report[f"max_abs_logit_diff_{other}"] = agreement(logits_cnn, predict(alt, probe))[
+                "max_abs_logit_diff"
+            ]
         except (ValueError, NotImplementedError) as err:
             report[f"max_abs_logit_diff_{other}"] = None
             report[f"{other}_error"] = str(err)
@@ -231,10 +231,6 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     return report
 
 
-PAPER_INIT = (1.0, 1.0)  # 000 Sec. 2: alpha = lambda = 1 puts the T-CNN "on the verge of locality"
-LARGE_INIT = (50.0, 50.0)  # large alpha and lambda: the conv's function to float precision (DESIGN section 4)
-
-
 def _other_inits(
     cnn: torch.nn.Module,
     params: Params,
@@ -253,32 +249,13 @@ def _other_inits(
             continue
         other = convert(cnn, params.with_overrides({"reparam.alpha_init": a, "reparam.lambda_init": lam}))
         other = other.to(device).eval()
-        logits = predict(other, probe)
-        row = {
-            "init": label,
-            "alpha_init": a,
-            "lambda_init": lam,
-            "max_abs_logit_diff": float((logits - logits_cnn).abs().max()),
-            "prediction_agreement": float((logits.argmax(-1) == logits_cnn.argmax(-1)).float().mean()),
-        }
+        near = agreement(logits_cnn, predict(other, probe))
+        row = {"init": label, "alpha_init": a, "lambda_init": lam}
+        row |= {k: near[k] for k in ("max_abs_logit_diff", "prediction_agreement")}
         if label == "paper" and test is not None:
             row["test_acc"] = evaluate(other, test.batches(0), device=device)["acc"]
         rows.append(row)
     return rows
-
-
-def _attention(model: torch.nn.Module) -> list:
-    from core.models.reparam import attention_modules
-
-    return list(attention_modules(model))
-
-
-def _gpsa(model: torch.nn.Module) -> list:
-    try:
-        from core.models.reparam import gpsa_modules
-    except ImportError:
-        return []
-    return list(gpsa_modules(model))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from core.reparam import gpsa_modules
 
 from core.models import build
+from core.models.spec import build_from_spec, make_model_spec
 from core.nn.gpsa import GPSA
-from core.training.checkpoint import build_from_spec, make_model_spec
+from core.reparam import gpsa_modules
 from core.training.optim import build_adamw
 
 

@@ -13,6 +13,7 @@ from _train_helpers import tiny_params, write_dataset
 from core.config import ConfigError, validate_params
 from core.data import load_datasets, make_loader
 from core.models import KINDS, build
+from core.models.spec import pretraining_kind
 from core.reparam import gpsa_modules
 from core.training.checkpoint import load, load_model
 from core.training.loop import evaluate
@@ -95,7 +96,7 @@ def test_every_kind_runs_the_same_stages(kind: str, shared: dict[str, Path], tmp
 
     spec_pre = load(tmp_path / "runs/pretrain/cnn-final.pt")["model_spec"]
     spec = load(tmp_path / "runs/finetune/tcnn-final.pt")["model_spec"]
-    assert spec["kind"] == kind and spec_pre["kind"] == pretrain.pretrain_kind(params)
+    assert spec["kind"] == kind and spec_pre["kind"] == pretraining_kind(params.model.kind)
     assert spec_pre["kind"] == ("cnn" if kind in ("cnn", "tcnn", "psa") else kind)
     if kind in ("tcnn", "psa"):
         assert rep["converted"] and spec["tcnn"]["attention"] == ("psa" if kind == "psa" else "gpsa")
@@ -133,7 +134,8 @@ def test_every_kind_runs_the_same_stages(kind: str, shared: dict[str, Path], tmp
 
 def test_stage_refuses_a_checkpoint_of_another_kind(shared: dict[str, Path], tmp_path: Path) -> None:
     """reparam with model.kind=psa on a pretraining checkpoint of kind convit: one clear line."""
-    from core.training.checkpoint import atomic_save, make_model_spec
+    from core.models.spec import make_model_spec
+    from core.training.checkpoint import atomic_save
     from core.training.optim import optimizer_param_names
     from stages._cli import StageError
 

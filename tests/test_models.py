@@ -77,8 +77,8 @@ SPECS = [  # kind, arch, options, conversion section, phase
 def test_every_kind_rebuilds_from_its_spec(kind, arch, options, conv, phase) -> None:
     """make_model_spec -> build_from_spec (another random init) + load_state_dict: identical logits and the
     same frozen parameters; the conversion section and the phase decide what is built."""
+    from core.models.spec import build_from_spec, make_model_spec
     from core.nn.psa import PSA
-    from core.training.checkpoint import build_from_spec, make_model_spec
 
     spec = make_model_spec(kind, arch, 10, 1, options, conv, phase=phase)
     torch.manual_seed(0)
@@ -105,7 +105,7 @@ def test_every_kind_rebuilds_from_its_spec(kind, arch, options, conv, phase) -> 
 
 
 def test_spec_errors() -> None:
-    from core.training.checkpoint import build_from_spec, make_model_spec
+    from core.models.spec import build_from_spec, make_model_spec
 
     conv = {"alpha_init": 1.0, "lambda_init": 1.0, "stages": [-1], "stride_mode": "exact", "attention": "psa"}
     with pytest.raises(ValueError, match="does not fit kind 'tcnn'"):

@@ -8,10 +8,10 @@ import pytest
 import timm
 import torch
 import torch.nn as nn
-from core.reparam import gpsa_modules, model_stages, to_tcnn
 
 import core.models  # noqa: F401  (registers the project's small nets in timm)
 from core.nn.gpsa import GPSA
+from core.reparam import gpsa_modules, model_stages, to_tcnn
 
 
 def _nontrivial_bn(model: nn.Module, in_chans: int, hw: tuple[int, int], seed: int = 0) -> nn.Module:
@@ -162,9 +162,8 @@ def test_state_dict_round_trip_through_build() -> None:
 
 def test_attention_switch_keeps_the_gpsa_default() -> None:
     """to_tcnn(attention="psa") == to_psa: PSA layers at the same paths; the default stays GPSA."""
-    from core.reparam import to_psa
-
     from core.nn.psa import PSA
+    from core.reparam import to_psa
 
     cnn = timm.create_model("resnet10_cifar", num_classes=10, in_chans=1)
     a, b = to_tcnn(cnn, attention="psa", alpha_init=2.0), to_psa(cnn, alpha_init=2.0)
@@ -178,3 +177,18 @@ def test_attention_switch_keeps_the_gpsa_default() -> None:
     assert set(a.state_dict()) == set(b.state_dict())
     with pytest.raises(ValueError, match="attention must be one of"):
         to_tcnn(cnn, attention="sa")
+
+
+def test_agreement_of_logits() -> None:
+    """core.analysis.equivalence.agreement against hand-computed values."""
+    from core.analysis.equivalence import agreement
+
+    ref = torch.tensor([[1.0, 2.0, 0.0], [3.0, -1.0, 0.5]])
+    other = torch.tensor([[1.5, 2.5, 0.0], [3.0, -1.0, 4.0]])  # row 0 still predicts class 1, row 1 flips
+    got = agreement(ref, other)
+    assert got["max_abs_logit_diff"] == pytest.approx(3.5)
+    assert got["mean_abs_logit_diff"] == pytest.approx(4.5 / 6)  # (0.5 + 0.5 + 3.5) / 6
+    assert got["max_abs_logit_cnn"] == pytest.approx(3.0) and got["prediction_agreement"] == pytest.approx(0.5)
+    assert agreement(torch.zeros(0, 3), torch.zeros(0, 3))["prediction_agreement"] is None
+    with pytest.raises(ValueError):
+        agreement(ref, other[:1])

@@ -22,10 +22,11 @@ from core.analysis.dissect import long_rows as gpsa_long_rows
 from core.config import validate_params
 from core.data.importers import write_array_dataset
 from core.models import build
+from core.models.spec import make_model_spec
 from core.reparam import gpsa_modules, to_tcnn
 from core.robustness.corruptions import CORRUPTIONS, write_set
 from core.robustness.metrics import Baseline, comparisons, flat_metrics, summarize, table_from_errors
-from core.training.checkpoint import atomic_save, make_model_spec
+from core.training.checkpoint import atomic_save
 from core.utils.atomic import atomic_write_json
 from core.viz.plots import plot_gains
 from stages import _training as T

@@ -84,7 +84,7 @@ def test_finetune_rejects_a_missing_or_corrupt_input(
 
 def test_finetune_continue_needs_the_carried_state(tmp_path, data_dir, monkeypatch, capsys) -> None:
     from core.models import build
-    from core.training.checkpoint import make_model_spec
+    from core.models.spec import make_model_spec
 
     spec = make_model_spec("cnn", "resnet10_cifar", 10, 1)
     atomic_save({"model": build("cnn", "resnet10_cifar", 10, in_chans=1).state_dict(), "model_spec": spec},

@@ -9,20 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from core.reparam import to_tcnn
 
 from core.models import build
-from core.training.checkpoint import (
-    CheckpointError,
-    atomic_save,
-    atomic_write,
-    build_from_spec,
-    capture_rng,
-    load,
-    load_model,
-    make_model_spec,
-    restore_rng,
-)
+from core.models.spec import build_from_spec, make_model_spec
+from core.reparam import to_tcnn
+from core.training.checkpoint import CheckpointError, atomic_save, capture_rng, load, load_model, restore_rng
+from core.utils.atomic import atomic_write
 
 
 def _spec(tcnn: dict | None = None) -> dict:

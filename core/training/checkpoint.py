@@ -1,17 +1,7 @@
 """Checkpoint files: atomic writes, loads that fail with one clear line, and models rebuilt from their spec.
 
-A *model checkpoint* is a dict holding at least::
-    {"model": state_dict,
-     "model_spec": {"kind", "arch", "num_classes", "in_chans", "options",
-                    "tcnn": {"alpha_init", "lambda_init", "stages", "stride_mode", "attention"} | None,
-                    "phase": "conv" | "mhsa" | None},
-     ...}
-
-``tcnn`` is the conversion section of the kinds built by converting a CNN (`core.models.convert`): "tcnn" and
-"hybrid_scratch" (attention "gpsa") and "psa" (attention "psa"; lambda_init unused); ``phase`` the phase of a
-"cmhsa" model (002). Older specs without "attention" / "phase" read as "gpsa" / None. ``options`` holds the
-backbone options and the ablation switches (`core.models`), which the rebuild applies again (frozen
-parameters stay frozen).
+A *model checkpoint* is a dict holding at least ``{"model": state_dict, "model_spec": ...}`` (the spec:
+`core.models.spec`).
 
 Training checkpoints (core.training.loop) add optimizer, scheduler, grad-scaler and RNG states to the same dict, so
 every checkpoint the project writes can be opened with :func:`load_model`.
@@ -33,12 +23,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from core.models import build
+from core.models.spec import build_from_spec
 from core.utils.atomic import atomic_write
-
-MODEL_SPEC_KEYS = ("kind", "arch", "num_classes", "in_chans", "options", "tcnn")
-TCNN_SPEC_KEYS = ("alpha_init", "lambda_init", "stages", "stride_mode")
-CONVERTED_KINDS = ("tcnn", "psa", "hybrid_scratch")
 
 
 class CheckpointError(ValueError):
@@ -90,83 +76,6 @@ def load(
     if missing:
         raise CheckpointError(f"{path}: checkpoint lacks key(s) {missing}")
     return obj
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Model specs
-# ---------------------------------------------------------------------------------------------------------
-
-
-def make_model_spec(
-    kind: str,
-    arch: str,
-    num_classes: int,
-    in_chans: int,
-    options: dict[str, Any] | None = None,
-    tcnn: dict[str, Any] | None = None,
-    phase: str | None = None,
-) -> dict[str, Any]:
-    """The `model_spec` dict of the checkpoint contract (INTERFACES.md; module docstring)."""
-    if tcnn is not None:
-        missing = [k for k in TCNN_SPEC_KEYS if k not in tcnn]
-        if missing:
-            raise ValueError(f"model_spec.tcnn lacks {missing}")
-        attention = str(tcnn.get("attention", "psa" if kind == "psa" else "gpsa"))
-        if attention not in ("gpsa", "psa") or (attention == "psa") != (kind == "psa"):
-            raise ValueError(f"model_spec.tcnn.attention {attention!r} does not fit kind {kind!r}")
-        tcnn = {
-            "alpha_init": float(tcnn["alpha_init"]),
-            "lambda_init": float(tcnn["lambda_init"]),
-            "stages": [int(s) for s in tcnn["stages"]],
-            "stride_mode": str(tcnn["stride_mode"]),
-            "attention": attention,
-        }
-    if phase is not None and kind != "cmhsa":
-        raise ValueError(f"model_spec.phase applies to kind 'cmhsa' only, not {kind!r}")
-    spec = {
-        "kind": kind,
-        "arch": arch,
-        "num_classes": int(num_classes),
-        "in_chans": int(in_chans),
-        "options": dict(options or {}),
-        "tcnn": tcnn,
-    }
-    if kind == "cmhsa":
-        spec["phase"] = str(phase or "conv")
-    return spec
-
-
-def build_from_spec(spec: dict[str, Any]) -> nn.Module:
-    """Build the (untrained) module a `model_spec` describes, of any kind (`core.models.build`).
-
-    A spec with a ``tcnn`` section builds the CNN of its options and converts it (``to_tcnn`` with the
-    section's settings, GPSA or PSA) - kind "tcnn", "psa" or "hybrid_scratch" (an old spec of kind "cnn" with
-    a section reads as "tcnn"); a "cmhsa" spec builds its ``phase``.
-    """
-
-    missing = [k for k in MODEL_SPEC_KEYS if k not in spec]
-    if missing:
-        raise ValueError(f"model_spec lacks {missing}")
-    kind = spec["kind"]
-    options = dict(spec["options"] or {})
-    options.setdefault("in_chans", spec["in_chans"])
-    tcnn = spec.get("tcnn")
-    if tcnn is not None:
-        if kind not in CONVERTED_KINDS:
-            kind = "tcnn"
-        section = {
-            "alpha_init": tcnn["alpha_init"],
-            "lambda_init": tcnn["lambda_init"],
-            "stages": tuple(tcnn["stages"]),
-            "stride_mode": tcnn["stride_mode"],
-        }
-        if tcnn.get("attention", "gpsa") == "psa":
-            kind = "psa"
-            section.pop("lambda_init")
-        options.update(section)  # the section wins over option copies of the same keys
-    if kind == "cmhsa":
-        options["phase"] = spec.get("phase") or options.get("phase", "conv")
-    return build(kind, spec["arch"], spec["num_classes"], **options)
 
 
 def load_model(path: str | os.PathLike, *, map_location: str | torch.device = "cpu") -> nn.Module:

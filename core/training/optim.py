@@ -14,6 +14,7 @@ Recipes:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -149,6 +150,18 @@ def param_groups(
     if gate_lr is not None and groups["gate"]:
         out.append({"name": "gate", "params": groups["gate"], "lr": gate_lr, "weight_decay": 0.0})
     return [g for g in out if g["params"]]
+
+
+def freeze_parameters(model: torch.nn.Module, names: Sequence[str]) -> list[str]:
+    """requires_grad=False on every parameter whose last name component is in `names` (e.g. the GPSA's
+    attention-only parameters "qkv_weight", "gating_param", "pos_alpha", "pos_center"); returns them."""
+    wanted = set(names)
+    frozen = []
+    for name, p in model.named_parameters():
+        if name.rsplit(".", 1)[-1] in wanted:
+            p.requires_grad_(False)
+            frozen.append(name)
+    return frozen
 
 
 def build_sgd(model: nn.Module, *, lr: float, momentum: float, weight_decay: float) -> torch.optim.SGD:

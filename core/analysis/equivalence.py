@@ -1,0 +1,26 @@
+"""How close a converted network is to the CNN it came from (000 Sec. 2: the reparameterization preserves the
+function exactly only for large alpha and lambda; at the paper's alpha = lambda = 1 it starts near it)."""
+
+from __future__ import annotations
+
+import torch
+
+PAPER_INIT = (1.0, 1.0)  # 000 Sec. 2: alpha = lambda = 1 puts the T-CNN "on the verge of locality"
+LARGE_INIT = (50.0, 50.0)  # large alpha and lambda: the conv's function to float precision (DESIGN section 4)
+
+
+def agreement(reference: torch.Tensor, logits: torch.Tensor) -> dict[str, float | None]:
+    """Max and mean |logit difference| against the reference logits, the reference's max |logit| (for scale)
+    and the fraction of inputs whose top-1 prediction agrees (None values for an empty batch)."""
+    if reference.shape != logits.shape:
+        raise ValueError(f"agreement: logits {tuple(logits.shape)} vs reference {tuple(reference.shape)}")
+    if reference.numel() == 0:
+        keys = ("max_abs_logit_diff", "mean_abs_logit_diff", "max_abs_logit_cnn", "prediction_agreement")
+        return dict.fromkeys(keys)
+    diff = (logits - reference).abs()
+    return {
+        "max_abs_logit_diff": float(diff.max()),
+        "mean_abs_logit_diff": float(diff.mean()),
+        "max_abs_logit_cnn": float(reference.abs().max()),
+        "prediction_agreement": float((reference.argmax(-1) == logits.argmax(-1)).float().mean()),
+    }
