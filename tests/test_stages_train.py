@@ -260,3 +260,14 @@ def test_cnn_kind_passes_through_reparam(tmp_path, data_dir) -> None:
     m = finetune.run(params, root=tmp_path)
     assert "gpsa/layer4.0.conv2/gate" not in m
     assert os.path.exists(tmp_path / "runs" / "finetune" / "tcnn-final.pt")
+
+
+def test_dvc_path_plans_epochs_by_fraction(tmp_path, data_dir, monkeypatch) -> None:
+    """`python -m stages.pretrain -S data.sample_fraction=0.5` trains round(E / f) epochs, as the sweeps do
+    (core.config.plan_epochs), on half the images."""
+    raw = tiny_params(data_dir, pretrain={"epochs": 1, "checkpoint_every_steps": 0}, reparam={"epoch": 1})
+    assert _cli(pretrain, tmp_path, raw, monkeypatch, "-S", "data.sample_fraction=0.5") == 0
+    metrics = json.loads((tmp_path / "runs" / "pretrain" / "metrics.json").read_text())
+    half = load_datasets(data_dir, val_size=100, sample_fraction=0.5, seed=0)
+    assert metrics["epochs"] == 2 and metrics["train_images"] == len(half.train_y) < 500
+    assert metrics["checkpoint_epochs"] == [2]  # t1 = 1 of 1 keeps its place: 2 of 2
