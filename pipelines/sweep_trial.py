@@ -2,9 +2,9 @@
 directory.
 
 Runs inside a Ray Tune function trainable. Its directory ``<sweep>/trials/<tid>/`` is the ``root`` of every
-stage call (runs/..., results/...), with ``runs/pretrain`` a link to the shared pretraining of its group, ``runs/control`` a link to the shared
-matched control (pipelines/sweep_shared.py) and robustness.dir the sweep's shared corrupted sets. No stage
-logic lives here.
+stage call (runs/..., results/...), with ``runs/pretrain`` a link to the shared pretraining of its group,
+``runs/control`` a link to the shared matched control (pipelines/sweep_shared.py) and robustness.dir the
+sweep's shared corrupted sets. No stage logic lives here.
 
 Resume and exactly-once:
 - ``trial.json`` (and every Tune checkpoint) holds the trial's MLflow run id; a restarted trial (Tune retry,

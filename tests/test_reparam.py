@@ -188,7 +188,9 @@ def test_agreement_of_logits() -> None:
     got = agreement(ref, other)
     assert got["max_abs_logit_diff"] == pytest.approx(3.5)
     assert got["mean_abs_logit_diff"] == pytest.approx(4.5 / 6)  # (0.5 + 0.5 + 3.5) / 6
-    assert got["max_abs_logit_cnn"] == pytest.approx(3.0) and got["prediction_agreement"] == pytest.approx(0.5)
+    assert got["max_abs_logit_cnn"] == pytest.approx(3.0) and got["prediction_agreement"] == pytest.approx(
+        0.5
+    )
     assert agreement(torch.zeros(0, 3), torch.zeros(0, 3))["prediction_agreement"] is None
     with pytest.raises(ValueError):
         agreement(ref, other[:1])

@@ -140,7 +140,7 @@ def _head_values(m: nn.Module, name: str) -> list[float] | None:
 def layer_stats(model: nn.Module, probe: torch.Tensor) -> dict[str, dict[str, list[float]]]:
     """Per attention layer, per head: ``inv_alpha`` (1/alpha_h, 000 Eq. 3-4), ``gate`` (sigma(lambda_h),
     Eq. 7; only for gated layers) and ``nonlocality`` (001 Eq. 8, on the layer's real input for ``probe``).
-    The same shape as `core.training.loop.gpsa_stats`, for every attention model; {} without attention layers."""
+    The same shape for every attention model; {} without attention layers."""
 
     layers = attention_modules(model)
     if not layers or probe.numel() == 0:

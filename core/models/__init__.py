@@ -161,7 +161,7 @@ def set_drop_path(model: nn.Module, rate: float) -> int:
 
 
 def set_stochastic_depth(model: nn.Module, rate: float) -> int:
-    """`core.training.loop.set_drop_path` (timm's linear rule over the blocks) for every kind: blocks whose forward
+    """`set_drop_path` (timm's linear rule over the blocks) for every kind: blocks whose forward
     calls ``self.drop_path(...)`` unconditionally (ConViT, cmhsa) get ``nn.Identity`` where the rule gives 0
     (timm's ResNet blocks take None). Returns the number of blocks touched."""
     from timm.models.resnet import BasicBlock as TimmBasic
