@@ -44,7 +44,7 @@ from pipelines.sweep_shared import (
     link_pretraining,
     locked,
 )
-from stages.catalogue import SUMMARY_METRICS, numeric_metrics, summary_metrics
+from stages.catalogue import SUMMARY_METRICS, epoch_metrics, numeric_metrics, summary_metrics
 
 STATE = "trial.json"
 DONE = "done.json"
@@ -200,11 +200,6 @@ class EpochWatcher(threading.Thread):
         self.join()
 
 
-def _epoch_metrics(row: dict[str, Any]) -> dict[str, float]:
-    keys = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
-    return {k: float(row[k]) for k in keys if isinstance(row.get(k), (int, float))}
-
-
 # ---------------------------------------------------------------------------------------------- trial
 
 
@@ -338,10 +333,15 @@ class TrialRunner:
         report({"stage": "reparam", "max_abs_logit_diff": rep.get("max_abs_logit_diff") or 0.0})
 
         def emit(row: dict[str, Any]) -> None:
-            m = _epoch_metrics(row)
+            m = epoch_metrics(row)  # the DVC path's per-epoch names (stages.catalogue)
             epoch = int(row.get("finetune_epoch", 0))
             tracker.log_metrics(m, step=epoch)
-            report({"stage": "finetune", "finetune_epoch": epoch, **m})
+            progress = {
+                k: m[f"epoch/{k}"]
+                for k in ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
+                if f"epoch/{k}" in m
+            }
+            report({"stage": "finetune", "finetune_epoch": epoch, **progress})
 
         def tune_() -> dict[str, Any]:
             watcher = EpochWatcher(root / "runs" / ".partial" / "finetune" / "resume.pt", emit)

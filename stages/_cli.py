@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -14,7 +13,14 @@ from typing import Any
 from core.config import ConfigError, Params, load_params, plan_epochs
 from core.data.importers import DataError
 from core.utils.hashing import file_digest
-from stages.catalogue import STAGE_ARTIFACTS, STAGE_MODELS, numeric_metrics, read_json, summary_metrics
+from stages.catalogue import (
+    STAGE_ARTIFACTS,
+    STAGE_MODELS,
+    epoch_metrics,
+    numeric_metrics,
+    read_json,
+    summary_metrics,
+)
 
 
 class StageError(RuntimeError):
@@ -38,19 +44,6 @@ def _tracked(params: Params, name: str) -> Iterator[Any]:
         yield tracker
 
 
-def _epoch_metrics(row: dict[str, Any]) -> dict[str, float]:
-    """The numbers of one history row; per-head GPSA lists become a per-layer mean plus one value per head."""
-    out = {k: float(v) for k, v in numeric_metrics({k: v for k, v in row.items() if k != "gpsa"}).items()}
-    gpsa = row.get("gpsa")
-    if isinstance(gpsa, dict):
-        for layer, stats in gpsa.items():
-            for key, values in (stats or {}).items():
-                if isinstance(values, list) and values and all(isinstance(v, (int, float)) for v in values):
-                    out[f"gpsa/{layer}/{key}"] = sum(values) / len(values)
-                    out.update({f"gpsa/{layer}/{key}/h{h}": float(v) for h, v in enumerate(values)})
-    return {k: v for k, v in out.items() if math.isfinite(v)}
-
-
 def log_history(tracker: Any, path: Path, step_key: str = "epoch") -> int:
     """Per-epoch metrics of a training history (``history.json``: a list of rows) with step = the epoch."""
     rows = read_json(path)
@@ -60,7 +53,7 @@ def log_history(tracker: Any, path: Path, step_key: str = "epoch") -> int:
     for row in rows:
         if isinstance(row, dict) and isinstance(row.get(step_key, row.get("epoch")), int):
             step = int(row.get(step_key, row.get("epoch")))
-            tracker.log_metrics({f"epoch/{k}": v for k, v in _epoch_metrics(row).items()}, step=step)
+            tracker.log_metrics(epoch_metrics(row), step=step)
             n += 1
     return n
 

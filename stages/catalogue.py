@@ -100,3 +100,17 @@ def summary_metrics(root: Path) -> dict[str, float]:
         if isinstance(node, (int, float)) and not isinstance(node, bool) and math.isfinite(node):
             out[name] = float(node)
     return out
+
+
+def epoch_metrics(row: dict[str, Any]) -> dict[str, float]:
+    """The numbers of one training-history row as ``epoch/<name>`` metrics (log them with step = the epoch);
+    per-head GPSA lists become a per-layer mean plus one value per head (``epoch/gpsa/<layer>/<q>[/h<i>]``)."""
+    out = {k: float(v) for k, v in numeric_metrics({k: v for k, v in row.items() if k != "gpsa"}).items()}
+    gpsa = row.get("gpsa")
+    if isinstance(gpsa, dict):
+        for layer, stats in gpsa.items():
+            for key, values in (stats or {}).items():
+                if isinstance(values, list) and values and all(isinstance(v, (int, float)) for v in values):
+                    out[f"gpsa/{layer}/{key}"] = sum(values) / len(values)
+                    out.update({f"gpsa/{layer}/{key}/h{h}": float(v) for h, v in enumerate(values)})
+    return {f"epoch/{k}": v for k, v in out.items() if math.isfinite(v)}

@@ -109,7 +109,7 @@ def test_sweep_2x2_one_pretraining_mlflow_parent_children_and_reuse(tmp_path: Pa
     for c in children:
         assert set(c.data.params) == dvc_names
         assert 0.0 <= c.data.metrics["tcnn_clean_accuracy"] <= 1.0
-        assert "val_acc" in c.data.metrics  # per-epoch fine-tuning metrics
+        assert "epoch/val_acc" in c.data.metrics  # per-epoch fine-tuning metrics, the DVC path's names
     artifacts = {a.path for a in _artifacts(tmp_path, parent.info.run_id)}
     assert {"summary.parquet", "plots"} <= artifacts
 
