@@ -14,11 +14,15 @@ from core.config import ConfigError, Params, load_params, plan_epochs
 from core.data.importers import DataError
 from core.utils.hashing import file_digest
 from stages.catalogue import (
+    LAST_STAGE,
+    PARENT_ARTIFACTS,
     STAGE_ARTIFACTS,
+    STAGE_DATASETS,
+    STAGE_HISTORIES,
     STAGE_MODELS,
     epoch_metrics,
-    numeric_metrics,
     read_json,
+    stage_metrics,
     summary_metrics,
 )
 
@@ -40,7 +44,7 @@ def _tracked(params: Params, name: str) -> Iterator[Any]:
         return
     from stages.tracking import stage_run  # the one tracking adapter; stages work without it
 
-    with stage_run(params, name, root=".", end_parent=name == "report", system_metrics=True) as tracker:
+    with stage_run(params, name, root=".", end_parent=name == LAST_STAGE, system_metrics=True) as tracker:
         yield tracker
 
 
@@ -97,27 +101,15 @@ def _log_outputs(tracker: Any, params: Params, name: str, metrics: Any, root: Pa
     the last stage also logs the summary metrics on the parent run."""
     if tracker is None:
         return
-    # config values echoed in a stage's metrics (equivalence.json's alpha_init...) stay params only, so the
-    # compare view does not show a metric and a param of the same name
-    echoed = {"alpha_init", "lambda_init", "reparam_epoch", "sample_fraction", "stride_mode"}
-    final = {k: v for k, v in numeric_metrics(metrics).items() if k not in echoed}
-    if name == "reparam" and "max_abs_logit_diff" in final:
-        final["equivalence_error"] = final["max_abs_logit_diff"]
-    tracker.log_metrics(final)
-    if name in ("pretrain", "finetune", "control"):
-        log_history(
-            tracker,
-            root / "runs" / name / "history.json",
-            "epoch" if name == "pretrain" else "finetune_epoch",
-        )
-    data_dir = root / params.data.dir
-    if name == "prepare":
-        log_dataset_dir(tracker, params.data.name, data_dir, "prepared")
-    elif name in ("pretrain", "finetune", "control"):
-        log_dataset_dir(tracker, params.data.name, data_dir, "train")
-    elif name == "evaluate":
-        log_dataset_dir(tracker, params.data.name, data_dir, "test")
-        log_corrupted_sets(tracker, params, root)
+    tracker.log_metrics(stage_metrics(name, metrics))
+    if name in STAGE_HISTORIES:
+        rel, step_key = STAGE_HISTORIES[name]
+        log_history(tracker, root / rel, step_key)
+    for context in STAGE_DATASETS.get(name, ()):
+        if context == "test-corrupted":
+            log_corrupted_sets(tracker, params, root)
+        else:
+            log_dataset_dir(tracker, params.data.name, root / params.data.dir, context)
     fmt = {"data_dir": str(params.data.dir), "robustness_dir": str(params.robustness.dir)}
     for entry in STAGE_ARTIFACTS.get(name, ()):
         pattern, where = (entry, None) if isinstance(entry, str) else entry
@@ -127,10 +119,10 @@ def _log_outputs(tracker: Any, params: Params, name: str, metrics: Any, root: Pa
     if name in STAGE_MODELS:
         ckpt, model_name = STAGE_MODELS[name]
         log_model(tracker, root / ckpt, model_name)
-    if name == "report":
+    if name == LAST_STAGE:
         parent = tracker.parent_run_id
         tracker.log_metrics(summary_metrics(root), run_id=parent)
-        for rel in ("results/report.html", "results/metrics.json"):
+        for rel in PARENT_ARTIFACTS:
             if (root / rel).is_file():
                 tracker.log_artifact(root / rel, run_id=parent)
 

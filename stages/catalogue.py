@@ -61,6 +61,33 @@ SUMMARY_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     },
 }
 
+#: Training histories each stage logs as per-epoch metrics: stage -> (history.json, the row's step key).
+STAGE_HISTORIES: dict[str, tuple[str, str]] = {
+    "pretrain": ("runs/pretrain/history.json", "epoch"),
+    "finetune": ("runs/finetune/history.json", "finetune_epoch"),
+    "control": ("runs/control/history.json", "finetune_epoch"),
+}
+
+#: Datasets each stage logs as MLflow inputs, by context ("test-corrupted": the corrupted sets).
+STAGE_DATASETS: dict[str, tuple[str, ...]] = {
+    "prepare": ("prepared",),
+    "pretrain": ("train",),
+    "finetune": ("train",),
+    "control": ("train",),
+    "evaluate": ("test", "test-corrupted"),
+}
+
+#: Names a stage's metrics echo from the config (equivalence.json's alpha_init...): they stay params only, so
+#: the compare view does not show a metric and a param of the same name.
+ECHOED_PARAMS = ("alpha_init", "lambda_init", "reparam_epoch", "sample_fraction", "stride_mode")
+
+#: A stage metric also logged under the summary name (the same number in every view).
+STAGE_METRIC_ALIASES: dict[str, dict[str, str]] = {"reparam": {"max_abs_logit_diff": "equivalence_error"}}
+
+#: What the last stage puts on the parent run besides :data:`SUMMARY_METRICS`.
+PARENT_ARTIFACTS = ("results/report.html", "results/metrics.json")
+LAST_STAGE = "report"
+
 #: Models logged with ``mlflow.pytorch.log_model`` (stage -> (checkpoint, MLflow model name)).
 STAGE_MODELS: dict[str, tuple[str, str]] = {
     "pretrain": ("runs/pretrain/cnn-final.pt", "cnn"),
@@ -80,6 +107,15 @@ def numeric_metrics(obj: Any, prefix: str = "") -> dict[str, float]:
     elif isinstance(obj, (int, float)) and not isinstance(obj, bool) and math.isfinite(obj):
         out[prefix.rstrip("_")] = float(obj)
     return out
+
+
+def stage_metrics(stage: str, metrics: Any) -> dict[str, float]:
+    """A stage's returned metrics as MLflow numbers: config echoes left out, summary aliases added."""
+    final = {k: v for k, v in numeric_metrics(metrics).items() if k not in ECHOED_PARAMS}
+    for name, alias in STAGE_METRIC_ALIASES.get(stage, {}).items():
+        if name in final:
+            final[alias] = final[name]
+    return final
 
 
 def read_json(path: Path) -> Any:
