@@ -14,8 +14,8 @@ run: setup
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/dvc repro
 
 test: setup-test
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
+	$(BIN)/ruff check --no-cache .
+	$(BIN)/ruff format --no-cache --check .
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
@@ -23,7 +23,7 @@ test-quick: setup-test
 	$(BIN)/python -m pytest -m "not slow and not slurm"
 
 lint:
-	$(BIN)/ruff check . && $(BIN)/ruff format --check . && $(BIN)/lint-imports
+	$(BIN)/ruff check --no-cache . && $(BIN)/ruff format --no-cache --check . && $(BIN)/lint-imports
 
 format:
 	$(BIN)/ruff check --fix . && $(BIN)/ruff format .

@@ -9,11 +9,11 @@ import timm
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from core.reparam import gpsa_modules, to_psa, to_tcnn
 from test_reparam import _max_logit_diff, _nontrivial_bn
 
 import core.models  # noqa: F401  (registers the project's small nets in timm)
 from core.nn.psa import PSA
+from core.reparam import gpsa_modules, to_psa, to_tcnn
 
 CASES = [
     pytest.param("resnet10_cifar", 1, [(28, 28), (27, 21)], id="resnet10_cifar"),

@@ -8,11 +8,11 @@ import math
 import numpy as np
 import pytest
 import torch
-from core.reparam import gpsa_modules, to_tcnn
 from PIL import Image
 
 from core.analysis.dissect import centre_query_maps as centre_query_attention
 from core.models import build
+from core.reparam import gpsa_modules, to_tcnn
 from core.viz.report_plots import (
     gpsa_dynamics,
     plot_attention_maps,

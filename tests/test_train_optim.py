@@ -7,10 +7,10 @@ import math
 import pytest
 import timm
 import torch
-from core.reparam import to_tcnn
 from timm.layers import DropPath
 
 from core.models import build, set_drop_path
+from core.reparam import to_tcnn
 from core.training.optim import (
     WarmupCosine,
     build_adamw,
