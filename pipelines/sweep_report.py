@@ -19,7 +19,7 @@ from typing import Any
 from core.utils.atomic import atomic_write
 from core.viz.html import fmt_pct_plain, fmt_plain
 from core.viz.html import render as render_page
-from pipelines.sweep_summary import METRIC_COLUMNS, SEED_METRICS
+from pipelines.sweep_summary import METRIC_COLUMNS, SEED_METRICS, SEED_SUFFIXES
 
 REPORT = "report.html"
 PERCENT = ("clean_accuracy", "mca", "mce", "relative_mce")
@@ -71,7 +71,7 @@ def seeds_table(srows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for s in srows:
         rec: dict[str, Any] = {"config": s["config"], "seeds": s["n_seeds"]}
         for m in SEED_METRICS:
-            mean, lo, hi = s.get(f"{m}_mean"), s.get(f"{m}_ci_low"), s.get(f"{m}_ci_high")
+            mean, lo, hi = (s.get(m + end) for end in SEED_SUFFIXES)
             rec[f"{m} (%)"] = (
                 "-"
                 if mean is None

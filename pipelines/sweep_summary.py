@@ -43,6 +43,10 @@ METRIC_COLUMNS = HEADLINE  # the numbers every trial reports last
 SEED = "seed"
 #: The metrics aggregated over seeds (mean and t-interval per configuration): each model's headline numbers
 #: and what attention buys (T-CNN - control) and the T-CNN vs the pretrained CNN.
+#: Column suffixes of a seed aggregate: mean over seeds and Student's 95% t-interval. Not "_ci_low" alone:
+#: summary.parquet holds each trial's own bootstrap interval under ``<metric>_ci_low`` / ``_ci_high``.
+SEED_SUFFIXES = ("_seeds_mean", "_seeds_ci_low", "_seeds_ci_high")
+
 SEED_METRICS = tuple(
     [f"{m}_{k}" for m in ("cnn", "control", "tcnn") for k in ("clean_accuracy", "mca", "mce", "relative_mce")]
     + [
@@ -122,7 +126,7 @@ def config_label(row: dict[str, Any], keys: list[str]) -> str:
 def seed_rows(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """When the grid varies ``seed``: one row per configuration (the other grid keys) with, for every
     :data:`SEED_METRICS` name, the mean over its finished seeds and Student's 95% t-interval
-    (``<metric>_mean`` / ``_ci_low`` / ``_ci_high``; core.robustness.intervals.t_interval) and ``n_seeds``. [] otherwise."""
+    (``<metric>`` + :data:`SEED_SUFFIXES`; core.robustness.intervals.t_interval) and ``n_seeds``. [] otherwise."""
     from core.robustness.intervals import t_interval
 
     if SEED not in spec["grid"]:
@@ -138,11 +142,7 @@ def seed_rows(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str
         row["seeds"] = json.dumps(sorted(m.get(SEED) for m in members))
         for metric in SEED_METRICS:
             ci = t_interval([m.get(metric) for m in members])
-            row[f"{metric}_mean"], row[f"{metric}_ci_low"], row[f"{metric}_ci_high"] = (
-                ci["mean"],
-                ci["low"],
-                ci["high"],
-            )
+            row |= {metric + end: ci[k] for end, k in zip(SEED_SUFFIXES, ("mean", "low", "high"))}
         out.append(row)
     return out
 
@@ -151,7 +151,8 @@ def with_seed_columns(
     rows: list[dict[str, Any]], srows: list[dict[str, Any]], spec: dict[str, Any]
 ) -> list[dict[str, Any]]:
     """The per-trial rows with their configuration's seed aggregate appended (``config`` and the
-    ``<metric>_mean`` / ``_ci_low`` / ``_ci_high`` columns of :func:`seed_rows`), for summary.parquet."""
+    ``<metric>_seeds_mean`` / ``_seeds_ci_low`` / ``_seeds_ci_high`` columns of :func:`seed_rows`), for
+    summary.parquet."""
     if not srows:
         return rows
     keys = [k for k in spec["grid"] if k != SEED]
@@ -159,11 +160,7 @@ def with_seed_columns(
     out = []
     for r in rows:
         agg = by.get(config_label(r, keys), {})
-        extra = {
-            k: v
-            for k, v in agg.items()
-            if k == "config" or k == "n_seeds" or k.endswith(("_mean", "_ci_low", "_ci_high"))
-        }
+        extra = {k: v for k, v in agg.items() if k == "config" or k == "n_seeds" or k.endswith(SEED_SUFFIXES)}
         out.append({**r, "config": config_label(r, keys), **extra})
     return out
 
@@ -178,14 +175,14 @@ def write_seeds(srows: list[dict[str, Any]], sweep_dir: Path) -> list[Path]:
 
 
 def seed_metrics(srows: list[dict[str, Any]]) -> dict[str, float]:
-    """The seed aggregates as parent-run metrics: ``seeds/<config>/<metric>_{mean,ci_low,ci_high}``."""
+    """The seed aggregates as parent-run metrics: ``seeds/<config>/<metric>_seeds_{mean,ci_low,ci_high}``."""
     import re
 
     out: dict[str, float] = {}
     for s in srows:
         label = re.sub(r"[^A-Za-z0-9_.\-/ ]+", "_", s["config"]).replace(" ", "/")
         for k, v in s.items():
-            if k.endswith(("_mean", "_ci_low", "_ci_high")) and isinstance(v, int | float):
+            if k.endswith(SEED_SUFFIXES) and isinstance(v, int | float):
                 out[f"seeds/{label}/{k}"] = float(v)
     return out
 
@@ -194,7 +191,7 @@ def seeds_markdown(srows: list[dict[str, Any]]) -> str:
     """The seed aggregate as a Markdown table: mean [95% t-interval] in % (differences in pp)."""
 
     def cell(s: dict[str, Any], m: str) -> str:
-        mean, lo, hi = s.get(f"{m}_mean"), s.get(f"{m}_ci_low"), s.get(f"{m}_ci_high")
+        mean, lo, hi = (s.get(m + end) for end in SEED_SUFFIXES)
         if mean is None:
             return "-"
         sign = "+" if "_minus_" in m else ""

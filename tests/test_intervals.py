@@ -127,19 +127,27 @@ def test_seed_rows_aggregate_each_configuration_over_seeds() -> None:
     for mode, offset in (("exact", 0.0), ("s1", 0.01)):
         for seed, v in zip((0, 1, 2), (0.90, 0.93, 0.91)):
             rows.append({"trial": f"{mode}{seed}", "reparam.stride_mode": mode, "seed": seed, "status": "finished",
-                         "tcnn_clean_accuracy": v + offset, "tcnn_minus_control_mca": v - 0.9})  # fmt: skip
+                         "tcnn_clean_accuracy": v + offset, "tcnn_minus_control_mca": v - 0.9,
+                         "tcnn_minus_control_mca_ci_low": v - 0.95})  # its own bootstrap interval  # fmt: skip
     out = seed_rows(spec, rows)
     assert [r["config"] for r in out] == ["stride_mode=exact", "stride_mode=s1"]
     for r, offset in zip(out, (0.0, 0.01)):
         vals = np.array([0.90, 0.93, 0.91]) + offset
         lo, hi = stats.t.interval(0.95, 2, loc=vals.mean(), scale=stats.sem(vals))
-        assert r["n_seeds"] == 3 and r["tcnn_clean_accuracy_mean"] == pytest.approx(vals.mean())
-        assert (r["tcnn_clean_accuracy_ci_low"], r["tcnn_clean_accuracy_ci_high"]) == pytest.approx((lo, hi))
-        assert r["control_mca_mean"] is None  # not in the rows: no number made up
+        assert r["n_seeds"] == 3 and r["tcnn_clean_accuracy_seeds_mean"] == pytest.approx(vals.mean())
+        assert (
+            r["tcnn_clean_accuracy_seeds_ci_low"],
+            r["tcnn_clean_accuracy_seeds_ci_high"],
+        ) == pytest.approx((lo, hi))
+        assert r["control_mca_seeds_mean"] is None  # not in the rows: no number made up
     wide = with_seed_columns(rows, out, spec)
-    assert len(wide) == 6 and wide[4]["tcnn_clean_accuracy_mean"] == pytest.approx(
-        out[1]["tcnn_clean_accuracy_mean"]
+    assert len(wide) == 6 and wide[4]["tcnn_clean_accuracy_seeds_mean"] == pytest.approx(
+        out[1]["tcnn_clean_accuracy_seeds_mean"]
     )
+    # Each trial keeps its own bootstrap interval next to the seed aggregate (they once shared a name).
+    assert [w["tcnn_minus_control_mca_ci_low"] for w in wide] == [
+        r["tcnn_minus_control_mca_ci_low"] for r in rows
+    ]
     assert seed_rows({"grid": {"reparam.stride_mode": ["exact"]}}, rows) == []
 
 

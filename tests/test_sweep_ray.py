@@ -237,11 +237,13 @@ def test_seed_grid_aggregates_each_configuration_over_seeds(tmp_path: Path) -> N
         lo, hi = (
             stats.t.interval(0.95, 1, loc=vals.mean(), scale=sem) if sem > 0 else (vals.mean(), vals.mean())
         )
-        assert agg[f"{metric}_mean"] == pytest.approx(vals.mean())
-        assert (agg[f"{metric}_ci_low"], agg[f"{metric}_ci_high"]) == pytest.approx((lo, hi))
-        assert all(r[f"{metric}_mean"] == pytest.approx(vals.mean()) for r in rows)  # in summary.parquet too
+        assert agg[f"{metric}_seeds_mean"] == pytest.approx(vals.mean())
+        assert (agg[f"{metric}_seeds_ci_low"], agg[f"{metric}_seeds_ci_high"]) == pytest.approx((lo, hi))
+        assert all(
+            r[f"{metric}_seeds_mean"] == pytest.approx(vals.mean()) for r in rows
+        )  # in summary.parquet too
     parent, _ = sweep_runs(tmp_path, "s")
-    key = "seeds/alpha_0.5/tcnn_minus_control_clean_accuracy_mean"  # MLflow names take no "="
-    assert parent.data.metrics[key] == pytest.approx(agg["tcnn_minus_control_clean_accuracy_mean"])
+    key = "seeds/alpha_0.5/tcnn_minus_control_clean_accuracy_seeds_mean"  # MLflow names take no "="
+    assert parent.data.metrics[key] == pytest.approx(agg["tcnn_minus_control_clean_accuracy_seeds_mean"])
     assert "Over seeds" in (sweep_dir / "report.html").read_text()
     assert "alpha=0.5" in (sweep_dir / "seeds.md").read_text()

@@ -70,8 +70,7 @@ def to_tcnn(
         raise ValueError(f"to_tcnn: attention must be one of {ATTENTIONS}, got {attention!r}")
     if stride_mode not in STRIDE_MODES:
         raise ValueError(f"to_tcnn: stride_mode must be 'exact' or 's1', got {stride_mode!r}")
-    if not alpha_init > 0:
-        raise ValueError(f"to_tcnn: alpha_init must be > 0, got {alpha_init}")
+    # alpha_init is checked where it becomes a parameter (GPSA / PSA construction), not on the way there.
     all_stages = model_stages(model)
     if not all_stages:
         raise ValueError(f"to_tcnn: {type(model).__name__} has no ResNet stages (layer1, layer2, ...)")
