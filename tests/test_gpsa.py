@@ -10,7 +10,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core.nn.gemm import BACKWARD_ENV
 from core.nn.gpsa import ALPHA_MIN, GPSA, relative_encodings, softplus_inverse
 
 
@@ -404,12 +403,10 @@ def test_gradcheck(mode: str, impl: str, stride: int) -> None:
     )
 
 
-@pytest.mark.parametrize("route", ["onednn", "blas"])
 @pytest.mark.parametrize("mode", ["convit", "tcnn", "tcnn-s2"])
-def test_float32_gradients_on_both_gemm_routes(mode: str, route: str, monkeypatch) -> None:
-    """float32 gradients (the GEMMs on core.nn.gemm's oneDNN or BLAS backward) equal float64 autograd's (where
-    core.nn.gemm falls back to F.linear / F.conv2d) for the input and every parameter."""
-    monkeypatch.setenv(BACKWARD_ENV, route)
+def test_float32_gradients_match_float64(mode: str) -> None:
+    """float32 gradients (CPU kernels: oneDNN convolutions, BLAS GEMMs) equal float64 autograd's for the input
+    and every parameter."""
     torch.manual_seed(9)
     if mode == "convit":
         g, x, extra = GPSA(24, num_heads=4, qkv_bias=True), torch.randn(3, 20, 24), ((4, 5),)

@@ -50,8 +50,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core.nn.gemm import linear, linear_split, project
-
 __all__ = [
     "STRIDE_MODES",
     "ALPHA_BETA",
@@ -546,15 +544,15 @@ class GPSA(nn.Module):
         nh, dq, dv = self.num_heads, self.qk_head_dim, self.v_dim
         qk = nh * dq
         wqkv, bqkv = self.qkv_weight, self.qkv_bias
-        # one GEMM, split (not sliced: a slice's backward zero-fills + adds per slice); see core.nn.gemm.linear_split
+        # one GEMM, split (not sliced: a slice's backward zero-fills + adds per slice)
         if s == 1:
-            q, k, v = linear_split(tokens, wqkv, bqkv, [qk, qk, dv])  # [B, L, *] column views of one GEMM
+            q, k, v = F.linear(tokens, wqkv, bqkv).split([qk, qk, dv], dim=-1)  # [B, L, *] column views
         else:  # exact stride: queries only at the conv's output positions
             xq = tokens.view(b, h, w, -1)[:, ::s, ::s].reshape(b, lq, -1)
             wq_, wkv = wqkv.split([qk, qk + dv])
             bq, bkv = (None, None) if bqkv is None else bqkv.split([qk, qk + dv])
-            q = linear(xq, wq_, bq)
-            k, v = linear_split(tokens, wkv, bkv, [qk, dv])
+            q = F.linear(xq, wq_, bq)
+            k, v = F.linear(tokens, wkv, bkv).split([qk, dv], dim=-1)
         q, k = q.unflatten(-1, (nh, dq)), k.unflatten(-1, (nh, dq))
         if self.mode == "convit":
             v = v.unflatten(-1, (nh, dv // nh))
@@ -565,7 +563,7 @@ class GPSA(nn.Module):
             if self.stride > 1 and self.stride_mode == "s1":
                 out = F.avg_pool2d(out, self.stride, self.stride, ceil_mode=True, count_include_pad=False)
             return self.proj_drop(out)
-        return self.proj_drop(linear(y, self.weight, self.bias))
+        return self.proj_drop(F.linear(y, self.weight, self.bias))
 
     def _forward_tcnn_dense(self, x: torch.Tensor) -> torch.Tensor:
         """T-CNN mode, dense path: out_i = sum_h sum_j A^h_ij V_j W_out^h + b (000 Eq. 5), conv-shaped GEMMs.
@@ -584,8 +582,7 @@ class GPSA(nn.Module):
         B * L >= heads * D_out (the fold costs heads * D_out * D_in^2 multiply-adds, the projection B * L * D_in^2).
         Same function up to float rounding (at the init W_val = I and the fold is exact).
 
-        Projections and the output GEMM run as 1x1 convolutions (`_project`, `core.nn.gemm.linear`; oneDNN forward,
-        backward by CPU, see `core.nn.gemm`).
+        Projections run as 1x1 convolutions (`_project`), the output GEMM as one ``F.linear``.
         """
         if x.ndim != 4:
             raise ValueError(f"GPSA(tcnn) expects [B, C, H, W], got shape {tuple(x.shape)}")
@@ -622,7 +619,7 @@ class GPSA(nn.Module):
             vt = self._project(x, wqkv[2 * qk :], None if bqkv is None else bqkv[2 * qk :], 1)
         y = torch.bmm(attn.transpose(1, 2).reshape(b, lq * nh, lk), vt.transpose(1, 2))  # [B, Lq * heads, C]
         w2 = self._cached(("w2", fold), lambda: self._tcnn_out_weight(fold))
-        out = linear(y.view(b * lq, nh * c), w2, self.bias).view(b, hq, wq, cout).permute(0, 3, 1, 2)
+        out = F.linear(y.view(b * lq, nh * c), w2, self.bias).view(b, hq, wq, cout).permute(0, 3, 1, 2)
         if self.stride > 1 and self.stride_mode == "s1":
             out = F.avg_pool2d(out, self.stride, self.stride, ceil_mode=True, count_include_pad=False)
         return self.proj_drop(out)
@@ -636,11 +633,11 @@ class GPSA(nn.Module):
     @staticmethod
     def _project(x: torch.Tensor, wgt: torch.Tensor, bias: torch.Tensor | None, stride: int) -> torch.Tensor:
         """``wgt @ x + bias`` at every ``stride``-th pixel of the NCHW map x: [B, rows, L'], as a 1x1
-        convolution (`core.nn.gemm.project`: oneDNN forward; the weight gradient is one GEMM).
+        convolution (oneDNN on CPU; the weight gradient is one GEMM).
         Measured faster than a batched matmul against the weight expanded over the batch, in eval too, on an
         AMD EPYC (64 x 504 x 7 x 7 -> 1008 rows: 21 vs 25 ms; 128 x 128 x 4 x 4 -> 270: 0.56 vs 1.04 ms).
         """
-        return project(x, wgt, bias, stride).flatten(2)
+        return F.conv2d(x, wgt[:, :, None, None], bias, stride=stride).flatten(2)
 
     def _tcnn_out_weight(self, fold: bool) -> torch.Tensor:
         """[D_out, heads * D_in] with columns (head, channel): W_out^h = weight[:, :, tap(h)], times W_val if
@@ -738,7 +735,7 @@ class GPSA(nn.Module):
         y = _gated_mix(con.permute(0, 2, 1, 3).reshape(b, hq, wq, nh, c), pos, g_con[:, None])
         # y: (head, channel) order per query; W_out^h = weight[:, :, tap(h)]
         w2 = self._cached(("w2", False), lambda: self._tcnn_out_weight(False))
-        return linear(y.reshape(b, lq, nh * c), w2, self.bias)
+        return F.linear(y.reshape(b, lq, nh * c), w2, self.bias)
 
     def _gated_positional(self, h: int, w: int, dtype: torch.dtype) -> torch.Tensor:
         """sigma(lambda_h) P^h, dense [heads, Lq, L], computed in float32 (or 64) and flushed, then cast."""

@@ -46,7 +46,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core.nn.gemm import linear
 from core.nn.gpsa import ALPHA_BETA, ALPHA_MIN, STRIDE_MODES, from_conv_module, softplus_inverse
 from core.nn.locality import grid_distances
 
@@ -250,9 +249,9 @@ class PSA(nn.Module):
             bq, bk, bv = self.qkv_bias.split([qk, qk, self.v_dim])
         xq = x[:, :, ::s, ::s].permute(0, 2, 3, 1).reshape(b, hq * wq, -1)
         xk = F.pad(x, (p, p, p, p)).permute(0, 2, 3, 1).reshape(b, (h + 2 * p) * (w + 2 * p), -1)
-        q = linear(xq, wq_, bq).unflatten(-1, (nh, dq)).transpose(1, 2)
-        k = linear(xk, wk_, bk).unflatten(-1, (nh, dq)).transpose(1, 2)
-        v = linear(xk, wv_, bv)
+        q = F.linear(xq, wq_, bq).unflatten(-1, (nh, dq)).transpose(1, 2)
+        k = F.linear(xk, wk_, bk).unflatten(-1, (nh, dq)).transpose(1, 2)
+        v = F.linear(xk, wv_, bv)
         return q, k, v, h, w
 
     # -------------------------------------------------------------------------------- forward
@@ -266,7 +265,7 @@ class PSA(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v[:, None].expand(b, nh, lk, c), attn_mask=mask)
         # y: [B, heads, Lq, C]; out_i = sum_h y^h_i W_out^h + b with W_out^h = weight[:, :, tap(h)]
         w2 = self.weight.permute(0, 2, 3, 1).reshape(self.out_dim, nh * self.in_dim)
-        out = linear(y.permute(0, 2, 1, 3).reshape(b, lq, nh * c), w2, self.bias)
+        out = F.linear(y.permute(0, 2, 1, 3).reshape(b, lq, nh * c), w2, self.bias)
         out = out.view(b, hq, wq, self.out_dim).permute(0, 3, 1, 2)
         if self.stride > 1 and self.stride_mode == "s1":
             out = F.avg_pool2d(out, self.stride, self.stride, ceil_mode=True, count_include_pad=False)
