@@ -44,7 +44,7 @@ conv's own im2col-shaped GEMM (heads * D_in -> D_out). Probabilities below 1e-19
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn as nn
@@ -184,17 +184,24 @@ def conv_geometry(conv: nn.Conv2d, who: str) -> tuple[int, int, int]:
     return kh, sh, dh
 
 
-def from_conv_module(cls: type, conv: nn.Conv2d, who: str, **kwargs: Any) -> Any:
-    """``cls(in, out, kernel_size=, stride=, dilation=, bias=, **kwargs)`` holding ``conv``'s filter and bias
-    (the T-CNN layout: ``weight`` IS the filter) on its device, dtype and train/eval mode (GPSA and PSA)."""
+M = TypeVar("M", bound=nn.Module)
+
+
+def conv_kwargs(conv: nn.Conv2d, who: str) -> dict[str, Any]:
+    """The constructor arguments that give a GPSA / PSA ``conv``'s geometry, bias, device and dtype."""
     kh, sh, dh = conv_geometry(conv, who)
     w = conv.weight
-    m = cls(
-        conv.in_channels, conv.out_channels, kernel_size=kh, stride=sh, dilation=dh,
-        bias=conv.bias is not None, device=w.device, dtype=w.dtype, **kwargs,
-    )  # fmt: skip
+    return {
+        "in_dim": conv.in_channels, "out_dim": conv.out_channels, "kernel_size": kh, "stride": sh,
+        "dilation": dh, "bias": conv.bias is not None, "device": w.device, "dtype": w.dtype,
+    }  # fmt: skip
+
+
+def load_conv(m: M, conv: nn.Conv2d) -> M:
+    """Copy ``conv``'s filter and bias into ``m`` (the T-CNN layout: ``weight`` IS the filter) and its
+    train/eval mode; returns ``m``."""
     with torch.no_grad():
-        m.weight.copy_(w)
+        m.weight.copy_(conv.weight)
         if conv.bias is not None:
             m.bias.copy_(conv.bias)
     m.train(conv.training)
@@ -367,10 +374,11 @@ class GPSA(nn.Module):
         **kwargs: Any,
     ) -> GPSA:
         """T-CNN GPSA computing ``conv`` (000 Sec. 2): weight = filter, bias = conv bias, W_val = I."""
-        return from_conv_module(
-            cls, conv, "GPSA.from_conv", mode="tcnn", stride_mode=stride_mode, alpha_init=alpha_init,
+        m = cls(
+            **conv_kwargs(conv, "GPSA.from_conv"), mode="tcnn", stride_mode=stride_mode, alpha_init=alpha_init,
             lambda_init=lambda_init, **kwargs,
         )  # fmt: skip
+        return load_conv(m, conv)
 
     def _load_timm_keys(self, state_dict: dict, prefix: str, *args: Any) -> None:
         """Accept timm ConViT GPSA keys (qk, v, proj, pos_proj, gating_param) in ``load_state_dict``.

@@ -46,7 +46,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core.nn.gpsa import ALPHA_BETA, ALPHA_MIN, STRIDE_MODES, from_conv_module, softplus_inverse
+from core.nn.gpsa import ALPHA_BETA, ALPHA_MIN, STRIDE_MODES, conv_kwargs, load_conv, softplus_inverse
 from core.nn.locality import grid_distances
 
 __all__ = ["PSA", "QK_INITS"]
@@ -159,9 +159,10 @@ class PSA(nn.Module):
         cls, conv: nn.Conv2d, *, alpha_init: float = 1.0, stride_mode: str = "exact", **kwargs: Any
     ) -> PSA:
         """PSA computing ``conv`` at large alpha: weight = filter, bias = conv bias, W_val = I (003 Lemma 1)."""
-        return from_conv_module(
-            cls, conv, "PSA.from_conv", stride_mode=stride_mode, alpha_init=alpha_init, **kwargs
+        m = cls(
+            **conv_kwargs(conv, "PSA.from_conv"), stride_mode=stride_mode, alpha_init=alpha_init, **kwargs
         )
+        return load_conv(m, conv)
 
     def _apply(self, fn: Any, recurse: bool = True) -> PSA:
         self._cache = {}
