@@ -251,22 +251,14 @@ def driver_lock(sweep_dir: Path) -> Any:
 
 
 def _open_parent(spec: dict) -> Any:
-    from stages.tracking import PARENT_ENV, Tracker
+    from stages.tracking import Tracker
 
     t = spec["tracking"]
-    tracker = Tracker(enabled=t["enabled"], uri=t["uri"], experiment=t["experiment"], export_env=False)
+    tracker = Tracker(enabled=t["enabled"], uri=t["uri"], experiment=t["experiment"])
     if not tracker.enabled:
         return tracker
     tags = {"tcnn.kind": "parent", "tcnn.sweep": spec["name"], "tcnn.sweep_dir": spec["sweep_dir"]}
-    if t.get("parent_run_id"):
-        tracker.start_parent(f"sweep:{spec['name']}", tags, run_id=t["parent_run_id"])
-    else:
-        saved_env = os.environ.pop(PARENT_ENV, None)  # a pipeline's parent must not adopt the sweep
-        try:
-            tracker.start_parent(f"sweep:{spec['name']}", tags)
-        finally:
-            if saved_env is not None:
-                os.environ[PARENT_ENV] = saved_env
+    tracker.start_parent(f"sweep:{spec['name']}", tags, run_id=t.get("parent_run_id") or None)
     params = {f"grid.{k}": json.dumps(v) for k, v in spec["grid"].items()}
     params.update({"sweep.name": spec["name"], "sweep.share_pretraining": str(spec["share_pretraining"])})
     tracker.log_params(params)

@@ -84,7 +84,7 @@ def open_run(spec: dict[str, Any], tid: str, params: Params, root: Path, known_i
     from stages.tracking import Tracker, TrackingError
 
     cfg = spec["tracking"]
-    tracker = Tracker(enabled=cfg["enabled"], uri=cfg["uri"], experiment=cfg["experiment"], export_env=False)
+    tracker = Tracker(enabled=cfg["enabled"], uri=cfg["uri"], experiment=cfg["experiment"])
     if not tracker.enabled:
         return tracker
     tracker.parent_run_id = cfg["parent_run_id"]
@@ -113,7 +113,7 @@ def close_run(spec: dict[str, Any], run_id: str | None) -> None:
         return
     from stages.tracking import Tracker
 
-    tracker = Tracker(enabled=True, uri=cfg["uri"], experiment=cfg["experiment"], export_env=False)
+    tracker = Tracker(enabled=True, uri=cfg["uri"], experiment=cfg["experiment"])
     if tracker.client.get_run(run_id).info.status != "FINISHED":
         tracker.client.set_terminated(run_id, status="FINISHED")
 

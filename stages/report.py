@@ -18,8 +18,8 @@ The PNGs always exist after a successful run (a figure without data is a placeho
 
 MLflow run ids: ``run(..., run_ids={"parent": ..., "<stage>": ...})`` when the caller knows them; otherwise
 :func:`read_run_ids` takes ``runs/mlflow_runs.json`` (``{"parent": id, "stages": {stage: id}}`` or a flat
-``{name: id}`` mapping) and ``$TCNN_PARENT_RUN_ID`` (which wins for the parent; stage ids recorded under a
-different parent are dropped as stale). This module never imports MLflow: the report renders without it.
+``{name: id}`` mapping; the tracking adapter starts the file over for every new parent, so it describes one
+execution). This module never imports MLflow: the report renders without it.
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from core.viz.html import finite, fmt_delta_pp, fmt_diff, fmt_num, fmt_pct, fmt_
 from stages._cli import StageError, stage_main
 
 NAME = "report"
-PARENT_ENV = "TCNN_PARENT_RUN_ID"  # the tracking adapter's variable (stages/tracking.py PARENT_ENV)
 RUN_IDS_FILE = Path("runs") / "mlflow_runs.json"
 STAGE_ORDER = ("prepare", "pretrain", "reparam", "finetune", "control", "corrupt", "evaluate", "report")
 FIGURES = {
@@ -89,13 +88,9 @@ def output_paths(root: Path) -> dict[str, Path]:
 
 
 # ------------------------------------------------------------------------------------------------ run ids
-def read_run_ids(
-    root: Path, environ: Mapping[str, str] | None = None
-) -> tuple[dict[str, str] | None, str | None]:
-    """MLflow run ids of this pipeline execution: ({"parent": id, "<stage>": id, ...} or None, note or None).
-
-    Sources: ``root/runs/mlflow_runs.json`` and ``$TCNN_PARENT_RUN_ID`` (see the module docstring)."""
-    environ = os.environ if environ is None else environ
+def read_run_ids(root: Path) -> tuple[dict[str, str] | None, str | None]:
+    """MLflow run ids of this pipeline execution: ({"parent": id, "<stage>": id, ...} or None, note or None),
+    from ``root/runs/mlflow_runs.json`` (see the module docstring)."""
     ids: dict[str, str] = {}
     note = None
     path = root / RUN_IDS_FILE
@@ -103,7 +98,7 @@ def read_run_ids(
         try:
             raw = json.loads(path.read_text())
         except (OSError, ValueError) as err:
-            raw, note = None, f"{path}: unreadable ({err}); run ids taken from the environment only"
+            raw, note = None, f"{path}: unreadable ({err}); no run ids"
         if isinstance(raw, dict):
             stages = raw.get("stages") if isinstance(raw.get("stages"), dict) else {}
             flat = {k: v for k, v in raw.items() if k != "stages"}
@@ -112,15 +107,6 @@ def read_run_ids(
                     ids[str(k).removesuffix("_run_id")] = v
         elif raw is not None:
             note = f"{path}: expected a JSON object; ignored"
-    env_parent = environ.get(PARENT_ENV, "").strip()
-    if env_parent:
-        if ids.get("parent") not in (None, env_parent):
-            note = (
-                f"{path} belongs to parent run {ids['parent']}, not ${PARENT_ENV}={env_parent}; "
-                "its stage run ids were dropped as stale"
-            )
-            ids = {}
-        ids["parent"] = env_parent
     return (ids or None), note
 
 

@@ -9,9 +9,14 @@ Modes (``Tracker.mode``):
 - ``"unavailable"``: MLflow cannot be imported: same no-op behaviour, with one warning line on stderr.
 
 Runs: one *parent* run per pipeline execution (or sweep) and one *child* run per stage (or trial), nested
-through the ``mlflow.parentRunId`` tag. The parent's id is exported in ``TCNN_PARENT_RUN_ID`` so that separate
-processes (the stages under ``dvc repro``, Ray trials) attach to the same parent; without the variable,
-``start_parent(key=...)`` re-attaches to the RUNNING parent with the same key (e.g. one per workspace).
+through MLflow's ``mlflow.parentRunId`` tag (what ``mlflow.start_run(parent_run_id=...)`` sets). A sweep hands
+its parent's id to its trials explicitly. The stages under ``dvc repro`` are separate processes that DVC
+starts one after another, with nothing of ours around them to hand an id down (MLflow's own ``MLFLOW_RUN_ID``
+resumes a run, it does not nest under one), so ``start_parent(key=...)`` re-attaches to the RUNNING parent of
+the same key (one per workspace). Parent runs get MLflow's own context tags (git commit, branch, repository,
+source, user: ``mlflow.tracking.context.registry.resolve_tags``); a stage's system metrics come from
+``mlflow.start_run(log_system_metrics=True)``, sampled every ``$MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL`` s
+(10 by default).
 
 A killed process leaves its run RUNNING. Re-starting the same stage under the same parent finds that run
 (tag ``tcnn.stage``) and resumes it (``on_stale="resume"``, the default; ``tcnn.attempt`` counts attempts) or
@@ -26,7 +31,6 @@ import contextlib
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
 import urllib.error
@@ -37,10 +41,8 @@ from typing import Any, Literal
 
 from core.utils.hashing import file_digest
 
-PARENT_ENV = "TCNN_PARENT_RUN_ID"
 PARENT_TAG = "mlflow.parentRunId"
 RUN_NAME_TAG = "mlflow.runName"
-GIT_COMMIT_TAG = "mlflow.source.git.commit"
 KIND_TAG = "tcnn.kind"  # "parent" | "stage"
 STAGE_TAG = "tcnn.stage"
 KEY_TAG = "tcnn.parent_key"
@@ -63,7 +65,7 @@ PARAM_ALIASES: dict[str, str] = {
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
 _TERMINAL = ("FINISHED", "FAILED", "KILLED")
 _MAX_PARAM_LEN = 6000  # MLflow's limit for a param value
-_BATCH = 100  # MLflow's limit of params/tags (and 1000 metrics) per log_batch
+_SYSTEM_METRICS_INTERVAL_S = 10.0  # unless $MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL says otherwise
 
 
 class TrackingError(RuntimeError):
@@ -120,19 +122,6 @@ def resolve_uri(uri: str, base_dir: str | os.PathLike = ".") -> str:
     return uri
 
 
-def git_commit(root: str | os.PathLike = ".") -> str | None:
-    """The checked-out commit of the repository at ``root`` (None outside git)."""
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.strip() or None
-
-
 def digest_if_present(path: str | os.PathLike) -> str | None:
     """sha256 of a file (e.g. dvc.lock for the parent run's tag); None when it does not exist."""
     try:
@@ -167,7 +156,7 @@ class Tracker:
     Typical stage use (one process per stage)::
 
         tracker = Tracker.from_params(params)
-        tracker.start_parent("pipeline", key=workspace_key())      # or resumes $TCNN_PARENT_RUN_ID
+        tracker.start_parent("pipeline", key=workspace_key())      # or re-attaches to the chain's parent
         with tracker.stage("finetune", params=params):             # resumes a killed attempt, ends FINISHED/FAILED
             tracker.log_metrics({"val_acc": 0.9}, step=epoch)
             tracker.log_artifact("runs/finetune/metrics.json")
@@ -180,19 +169,15 @@ class Tracker:
         uri: str = "sqlite:///mlruns.db",
         experiment: str = "tcnn",
         base_dir: str | os.PathLike = ".",
-        export_env: bool = True,
-        system_metrics_interval_s: float = 10.0,
     ) -> None:
         self.uri = resolve_uri(uri, base_dir)
-        self.system_metrics_interval_s = system_metrics_interval_s
         self.experiment = experiment
-        self.export_env = export_env
         self.parent_run_id: str | None = None
         self.parent_created = False  # whether the last start_parent opened a new run
         self.run_id: str | None = None  # the active child (stage) run
         self._client: Any = None
         self._experiment_id: str | None = None
-        self._monitor: Any = None
+        self._fluent = False  # whether the child is MLflow's fluent active run (for its system metrics)
         if not enabled:
             self.mode = "disabled"
             return
@@ -295,13 +280,13 @@ class Tracker:
     ) -> str | None:
         """Open (or re-attach to) the parent run; returns its id (None when not enabled).
 
-        Order: an explicit ``run_id`` (must exist) -> ``$TCNN_PARENT_RUN_ID`` -> the newest RUNNING parent
+        Order: an explicit ``run_id`` (must exist) -> the newest RUNNING parent
         tagged with ``key`` (with ``reopen_failed``: or the newest parent of ``key`` when it ended FAILED or
         KILLED, i.e. a pipeline execution that a failed or preempted stage interrupted and that is now
         continued) -> a new parent run. With ``params``, a parent found by ``key`` whose logged params differ
         is not re-attached (params are write-once): a RUNNING one is marked FAILED as superseded, and a new
-        parent is opened; the params are logged on the parent. The id is exported in ``$TCNN_PARENT_RUN_ID``
-        so child processes attach to it. ``self.parent_created`` says whether a new run was opened.
+        parent is opened with MLflow's context tags; the params are logged on the parent.
+        ``self.parent_created`` says whether a new run was opened.
         """
         if not self.enabled:
             return None
@@ -316,21 +301,6 @@ class Tracker:
             except MlflowException:
                 raise TrackingError(f"tracking: parent run {run_id} does not exist in {self.uri}") from None
             found = run_id
-        elif os.environ.get(PARENT_ENV):
-            env_id = os.environ[PARENT_ENV]
-            try:
-                run = self._client.get_run(env_id)
-                if run.info.experiment_id == self._experiment_id:
-                    found = env_id
-                else:
-                    print(
-                        f"tracking: ${PARENT_ENV}={env_id} is in another experiment; ignored", file=sys.stderr
-                    )
-            except MlflowException:
-                print(
-                    f"tracking: ${PARENT_ENV}={env_id} is not in {self.uri}; starting a new parent",
-                    file=sys.stderr,
-                )
         elif key is not None:
             found = self._find_parent_by_key(key, flat, reopen_failed)
             own = True  # a parent of this workspace: it carries this execution's params
@@ -343,14 +313,15 @@ class Tracker:
                 extra[RESUMES_TAG] = int(run.data.tags.get(RESUMES_TAG, "0")) + 1
             self._set_tags(found, {**(tags or {}), **self._process_tags(), **extra})
         else:
+            from mlflow.tracking.context.registry import resolve_tags
+
             all_tags = {KIND_TAG: "parent", ATTEMPT_TAG: "1", **self._process_tags(), **(tags or {})}
             if key is not None:
                 all_tags[KEY_TAG] = key
-            run = self._client.create_run(self._experiment_id, run_name=name, tags=_str_tags(all_tags))
+            all_tags = resolve_tags(_str_tags(all_tags))  # MLflow's git, source and user tags
+            run = self._client.create_run(self._experiment_id, run_name=name, tags=all_tags)
             found = run.info.run_id
         self.parent_run_id = found
-        if self.export_env:
-            os.environ[PARENT_ENV] = found
         if flat and (own or self.parent_created):  # never onto a shared parent (a sweep's, by id or env)
             self.log_params(flat, run_id=found)
         return found
@@ -465,8 +436,13 @@ class Tracker:
         if status not in _TERMINAL:
             raise ValueError(f"end: status must be one of {_TERMINAL}, got {status!r}")
         if self.run_id is not None:
-            self._stop_system_metrics()
-            self._client.set_terminated(self.run_id, status=status)
+            if self._fluent:  # MLflow stops its system metrics monitor and ends the run
+                import mlflow
+
+                mlflow.end_run(status)
+                self._fluent = False
+            else:
+                self._client.set_terminated(self.run_id, status=status)
             self.run_id = None
         elif self.parent_run_id is not None:
             self.end_parent(status)
@@ -478,8 +454,6 @@ class Tracker:
         if self.run_id is not None:
             self.end(status)
         self._client.set_terminated(self.parent_run_id, status=status)
-        if self.export_env and os.environ.get(PARENT_ENV) == self.parent_run_id:
-            del os.environ[PARENT_ENV]
         self.parent_run_id = None
 
     @contextlib.contextmanager
@@ -508,8 +482,7 @@ class Tracker:
         flat = params if _is_flat_str(params) else flatten_params(params)
         existing = self._client.get_run(target).data.params
         items = [Param(k, v) for k, v in flat.items() if existing.get(k) != v]
-        for i in range(0, len(items), _BATCH):
-            self._client.log_batch(target, params=items[i : i + _BATCH])
+        self._client.log_batch(target, params=items)  # MLflow splits it into batches of its limits
 
     def log_metrics(
         self, metrics: Mapping[str, float], step: int | None = None, *, run_id: str | None = None
@@ -528,8 +501,7 @@ class Tracker:
             except (TypeError, ValueError):
                 raise TypeError(f"log_metrics: metric {key!r} is not a number ({value!r})") from None
             items.append(Metric(key, number, now, int(step or 0)))
-        for i in range(0, len(items), 1000):
-            self._client.log_batch(target, metrics=items[i : i + 1000])
+        self._client.log_batch(target, metrics=items)
 
     def set_tags(self, tags: Mapping[str, Any], *, run_id: str | None = None) -> None:
         if not self.enabled:
@@ -539,9 +511,7 @@ class Tracker:
     def _set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
         from mlflow.entities import RunTag
 
-        items = [RunTag(k, v) for k, v in _str_tags(tags).items()]
-        for i in range(0, len(items), _BATCH):
-            self._client.log_batch(run_id, tags=items[i : i + _BATCH])
+        self._client.log_batch(run_id, tags=[RunTag(k, v) for k, v in _str_tags(tags).items()])
 
     def log_artifact(
         self, path: str | os.PathLike, artifact_path: str | None = None, *, run_id: str | None = None
@@ -602,6 +572,9 @@ class Tracker:
         import mlflow
 
         target = self._run(run_id)
+        if self._fluent and target == self.run_id:  # already MLflow's active run (it logs system metrics)
+            yield mlflow
+            return
         previous = mlflow.get_tracking_uri()
         mlflow.set_tracking_uri(self.uri)
         try:
@@ -632,25 +605,18 @@ class Tracker:
     # ------------------------------------------------------------------ system metrics
 
     def _start_system_metrics(self, run_id: str) -> None:
-        try:
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+        """Make ``run_id`` MLflow's fluent active run with ``log_system_metrics=True``, so MLflow samples CPU,
+        memory, disk, network (and GPU) into ``system/*`` until :meth:`end`. One per process (a stage); a
+        process that already has a fluent run (several trackers) gets none for this run."""
+        import mlflow
 
-            self._monitor = SystemMetricsMonitor(
-                run_id,
-                sampling_interval=self.system_metrics_interval_s,
-                resume_logging=True,
-                tracking_uri=self.uri,
-            )
-            self._monitor.start()
-        except Exception as err:  # psutil missing and the like: not worth failing a stage for
-            print(f"tracking: system metrics disabled ({err})", file=sys.stderr)
-            self._monitor = None
-
-    def _stop_system_metrics(self) -> None:
-        if self._monitor is not None:
-            with contextlib.suppress(Exception):
-                self._monitor.finish()
-            self._monitor = None
+        if mlflow.active_run() is not None:
+            return
+        mlflow.set_tracking_uri(self.uri)
+        if not os.environ.get("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"):
+            mlflow.set_system_metrics_sampling_interval(_SYSTEM_METRICS_INTERVAL_S)
+        mlflow.start_run(run_id=run_id, log_system_metrics=True)
+        self._fluent = True
 
 
 def _compatible(logged: Mapping[str, str], flat: Mapping[str, str]) -> bool:
@@ -669,17 +635,14 @@ def _is_flat_str(params: Any) -> bool:
 
 
 def git_dirty(root: str | os.PathLike = ".") -> bool | None:
-    """Whether tracked files differ from the checked-out commit (None outside git)."""
+    """Whether tracked files differ from the checked-out commit (GitPython, MLflow's own git dependency;
+    None outside git). MLflow's context tags name the commit, not whether the tree matched it."""
     try:
-        out = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
+        import git
+
+        return git.Repo(root, search_parent_directories=True).is_dirty(untracked_files=False)
+    except Exception:  # no git executable, not a repository
         return None
-    return None if out.returncode != 0 else bool(out.stdout.strip())
 
 
 def resolved_environment() -> str:
@@ -743,9 +706,9 @@ def stage_run(
         with stage_run(params, "finetune", root=root) as tracker:
             ...  # tracker.log_metrics(...), tracker.log_artifact(...)
 
-    Parent: ``$TCNN_PARENT_RUN_ID``, else the parent of this workspace that is RUNNING (the chain is under
-    way, or was killed) or was interrupted by a failed/preempted stage, when its params match; else a new
-    one. The parent carries all params, the git commit (+ ``tcnn.git_dirty``), the sha256 of ``dvc.lock``
+    Parent: the parent of this workspace that is RUNNING (the chain is under way, or was killed) or was
+    interrupted by a failed/preempted stage, when its params match; else a new one. The parent carries all
+    params, MLflow's context tags (git commit, branch, source) and ``tcnn.git_dirty``, the sha256 of ``dvc.lock``
     (:data:`DVC_LOCK_TAG`, updated at every stage; at the end of the chain it is the lock of every stage but
     the last, which DVC records after the process exits), and under ``dvc exp run`` the experiment's name
     (as run name and :data:`DVC_EXP_TAG`). The stage's child run logs all params, resumes a killed attempt,
@@ -756,15 +719,13 @@ def stage_run(
     ``$DVC_ROOT`` (the main repository, also for ``dvc exp run --temp``) or ``root``.
     """
     root = Path(root)
-    interval = float(os.environ.get("TCNN_SYSTEM_METRICS_INTERVAL_S", "10"))
     base = base_dir if base_dir is not None else (os.environ.get("DVC_ROOT") or root)
-    tracker = Tracker.from_params(params, base_dir=base, system_metrics_interval_s=interval)
+    tracker = Tracker.from_params(params, base_dir=base)
     if not tracker.enabled:
         yield tracker
         return
     exp_name = os.environ.get("DVC_EXP_NAME") or None
     tags = {
-        GIT_COMMIT_TAG: git_commit(root),
         "tcnn.git_dirty": git_dirty(root),
         DVC_LOCK_TAG: digest_if_present(root / "dvc.lock"),
         DVC_EXP_TAG: exp_name,

@@ -47,7 +47,10 @@ def env(**extra: str) -> dict[str, str]:
     e = {k: v for k, v in os.environ.items() if not k.startswith(("TCNN_", "DVC_", "MLFLOW_"))}
     e["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{e.get('PATH', '')}"
     e.update(
-        TCNN_TRACKING="1", TCNN_SYSTEM_METRICS_INTERVAL_S="1", DVC_NO_ANALYTICS="1", PYTHONUNBUFFERED="1"
+        TCNN_TRACKING="1",
+        MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1",
+        DVC_NO_ANALYTICS="1",
+        PYTHONUNBUFFERED="1",
     )
     e.update(extra)
     return e

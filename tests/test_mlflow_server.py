@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stages.tracking import PARENT_ENV, PARENT_TAG, Tracker
+from stages.tracking import PARENT_TAG, Tracker
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "infra" / "mlflow" / "server.sh"
@@ -71,7 +71,6 @@ def server(tmp_path: Path) -> Iterator[str]:
 def test_server_roundtrip_through_adapter(
     server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv(PARENT_ENV, raising=False)
     port = int(server.rsplit(":", 1)[1])
     outside = _outside_ip()
     if outside is not None:  # bound to loopback only

@@ -164,15 +164,13 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
 
 @pytest.fixture(scope="module")
 def rendered(chain, tmp_path_factory) -> tuple[Path, dict, dict, str]:
-    """The stage run once on a copy of the full chain (with a run-ids file and $TCNN_PARENT_RUN_ID)."""
+    """The stage run once on a copy of the full chain (with a run-ids file)."""
     src, info = chain
     root = tmp_path_factory.mktemp("full") / "r"
     shutil.copytree(src, root)
     atomic_write_json(root / "runs" / "mlflow_runs.json", {"parent": PARENT, "stages": {"pretrain": "run-pre-1",
                       "finetune": "run-ft-2", "evaluate": "run-ev-3"}})  # fmt: skip
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TCNN_PARENT_RUN_ID", PARENT)
-        out = report.run(info["params"], root=root)
+    out = report.run(info["params"], root=root)
     return root, info, out, (root / "results" / "report.html").read_text()
 
 
@@ -376,17 +374,17 @@ def test_corrupt_required_input(chain, tmp_path, damage) -> None:
 
 # ------------------------------------------------------------------------------------------------ run ids
 def test_read_run_ids(tmp_path) -> None:
-    assert report.read_run_ids(tmp_path, {}) == (None, None)
-    assert report.read_run_ids(tmp_path, {"TCNN_PARENT_RUN_ID": "p1"}) == ({"parent": "p1"}, None)
+    assert report.read_run_ids(tmp_path) == (None, None)
     f = tmp_path / "runs" / "mlflow_runs.json"
     f.parent.mkdir()
     f.write_text(json.dumps({"parent_run_id": "p1", "pretrain": "a", "finetune_run_id": "b", "n": 3}))
-    assert report.read_run_ids(tmp_path, {}) == ({"parent": "p1", "pretrain": "a", "finetune": "b"}, None)
-    ids, note = report.read_run_ids(tmp_path, {"TCNN_PARENT_RUN_ID": "p2"})  # another execution's file
-    assert ids == {"parent": "p2"} and "stale" in note
+    assert report.read_run_ids(tmp_path) == ({"parent": "p1", "pretrain": "a", "finetune": "b"}, None)
     f.write_text("[1, 2")
-    ids, note = report.read_run_ids(tmp_path, {"TCNN_PARENT_RUN_ID": "p3"})
-    assert ids == {"parent": "p3"} and "unreadable" in note
+    ids, note = report.read_run_ids(tmp_path)
+    assert ids is None and "unreadable" in note
+    f.write_text("[1, 2]")
+    ids, note = report.read_run_ids(tmp_path)
+    assert ids is None and "expected a JSON object" in note
 
 
 def test_run_ids_file_written_by_the_tracking_layer(tmp_path) -> None:
@@ -402,10 +400,10 @@ def test_run_ids_file_written_by_the_tracking_layer(tmp_path) -> None:
     }
     record_run_ids(f, "P1", "prepare", "r1", meta)
     record_run_ids(f, "P1", "report", "r2", meta)
-    assert report.read_run_ids(tmp_path, {}) == ({"parent": "P1", "prepare": "r1", "report": "r2"}, None)
+    assert report.read_run_ids(tmp_path) == ({"parent": "P1", "prepare": "r1", "report": "r2"}, None)
     assert report.read_run_meta(tmp_path)["dvc_exp_name"] == "fun-cat"
     record_run_ids(f, "P2", "reparam", "r3", meta)  # another execution: the file starts over
-    assert report.read_run_ids(tmp_path, {}) == ({"parent": "P2", "reparam": "r3"}, None)
+    assert report.read_run_ids(tmp_path) == ({"parent": "P2", "reparam": "r3"}, None)
     html = report._section_runs({"parent": "P2"}, {"tracking": {}}, None, report.read_run_meta(tmp_path))
     assert "#/experiments/7/runs/P2" in html and "fun-cat" in html
 
@@ -420,7 +418,6 @@ def test_report_on_the_real_chain(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setenv("TCNN_QUIET", "1")
     monkeypatch.setenv("TCNN_DEVICE", "cpu")
-    monkeypatch.delenv("TCNN_PARENT_RUN_ID", raising=False)
     monkeypatch.chdir(tmp_path)  # the training stages read data.dir relative to the working directory
     write_dataset(tmp_path / "data" / "fm", n_train=300, n_test=100)
     raw = tiny_params(Path("data/fm"), pretrain={"epochs": 1}, reparam={"epoch": 1}, finetune={"epochs": 1},

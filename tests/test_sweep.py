@@ -70,7 +70,6 @@ def sweep_env(**extra: str) -> dict[str, str]:
             "PYTHONHASHSEED": "0",
         }
     )
-    env.pop("TCNN_PARENT_RUN_ID", None)
     env.update(extra)
     return env
 

@@ -18,7 +18,6 @@ from core.config import Params
 from stages.tracking import (
     ATTEMPT_TAG,
     KIND_TAG,
-    PARENT_ENV,
     PARENT_TAG,
     STAGE_TAG,
     Tracker,
@@ -29,11 +28,6 @@ from stages.tracking import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(autouse=True)
-def _no_parent_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(PARENT_ENV, raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +112,6 @@ def test_disabled_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     with stage_run(params, "train", root=tmp_path) as t2:
         t2.log_metrics({"x": 1.0}, step=0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art.txt"]
-    assert PARENT_ENV not in os.environ
 
 
 def test_http_uri_without_server_is_one_clear_error() -> None:
@@ -133,7 +126,6 @@ def test_parent_child_params_metrics_artifacts(store: str, tmp_path: Path) -> No
     tracker = Tracker(uri=store, experiment="nesting")
     params = Params().with_overrides({"reparam.alpha_init": 2.0})
     parent = tracker.start_parent("pipeline", {"dvc_lock": "abc"})
-    assert os.environ[PARENT_ENV] == parent
     children = {}
     for stage in ("pretrain", "finetune"):
         with tracker.stage(stage, params=params) as t:
@@ -147,7 +139,6 @@ def test_parent_child_params_metrics_artifacts(store: str, tmp_path: Path) -> No
             t.log_dataset("fashion_mnist", "0123456789abcdef", "data/fashion_mnist")
     tracker.log_metrics({"clean_acc": 0.9})  # on the parent once no child is open
     tracker.end_parent()
-    assert PARENT_ENV not in os.environ
 
     client = tracker.client
     runs = _all_runs(tracker)
@@ -187,13 +178,13 @@ def test_stage_failure_marks_failed(store: str) -> None:
 
 def test_leftover_running_child_is_resumed_or_failed(store: str) -> None:
     """A RUNNING child left by a dead process: resumed by default, FAILED with on_stale='fail' or new params."""
-    first = Tracker(uri=store, experiment="stale", export_env=False)
+    first = Tracker(uri=store, experiment="stale")
     parent = first.start_parent("pipeline", key="ws")
     params = Params()
     stale = first.start_child("reparam", params=params)
     first.log_metrics({"loss": 2.0}, step=0)  # ... and the process "dies" here
 
-    second = Tracker(uri=store, experiment="stale", export_env=False)
+    second = Tracker(uri=store, experiment="stale")
     assert second.start_parent("pipeline", key="ws") == parent  # the same RUNNING parent of this workspace
     assert second.start_child("reparam", params=params) == stale
     assert second.client.get_run(stale).data.tags[ATTEMPT_TAG] == "2"
@@ -203,10 +194,10 @@ def test_leftover_running_child_is_resumed_or_failed(store: str) -> None:
     assert [m.step for m in history] == [0, 1]
 
     # A leftover with different params cannot be resumed (params are write-once): FAILED + a new run.
-    third = Tracker(uri=store, experiment="stale", export_env=False)
+    third = Tracker(uri=store, experiment="stale")
     third.start_parent(key="ws")
     leftover = third.start_child("finetune", params=params)
-    fourth = Tracker(uri=store, experiment="stale", export_env=False)
+    fourth = Tracker(uri=store, experiment="stale")
     fourth.start_parent(key="ws")
     new = fourth.start_child("finetune", params=params.with_overrides({"reparam.lambda_init": 3.0}))
     assert new != leftover
@@ -214,10 +205,10 @@ def test_leftover_running_child_is_resumed_or_failed(store: str) -> None:
     fourth.end()
 
     # on_stale="fail": the leftover is closed FAILED, the rerun gets a fresh run.
-    fifth = Tracker(uri=store, experiment="stale", export_env=False)
+    fifth = Tracker(uri=store, experiment="stale")
     fifth.start_parent(key="ws")
     leftover2 = fifth.start_child("evaluate")
-    sixth = Tracker(uri=store, experiment="stale", export_env=False)
+    sixth = Tracker(uri=store, experiment="stale")
     sixth.start_parent(key="ws")
     new2 = sixth.start_child("evaluate", on_stale="fail")
     assert new2 != leftover2
@@ -229,12 +220,13 @@ def test_leftover_running_child_is_resumed_or_failed(store: str) -> None:
     assert len([r for r in runs if r.data.tags.get(KIND_TAG) == "parent"]) == 1
 
 
-def test_resume_parent_by_id_and_env(store: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resume_parent_by_id_and_key(store: str) -> None:
     a = Tracker(uri=store, experiment="env")
-    parent = a.start_parent("sweep")
-    b = Tracker(uri=store, experiment="env")  # a second process would inherit the variable
-    assert b.start_parent("ignored-name") == parent
-    monkeypatch.delenv(PARENT_ENV)
+    parent = a.start_parent("pipeline", key="host:/work/repo")
+    assert a.client.get_run(parent).data.tags["mlflow.source.type"] == "LOCAL"  # MLflow's context tags
+    b = Tracker(uri=store, experiment="env")  # the next stage's process under `dvc repro`
+    assert b.start_parent("ignored-name", key="host:/work/repo") == parent
+    assert Tracker(uri=store, experiment="env").start_parent("sweep") != parent  # nothing adopts a sweep
     c = Tracker(uri=store, experiment="env")
     assert c.start_parent(run_id=parent) == parent
     with pytest.raises(TrackingError, match="does not exist"):
@@ -243,12 +235,12 @@ def test_resume_parent_by_id_and_env(store: str, monkeypatch: pytest.MonkeyPatch
 
 def test_reopen_child_by_id(store: str) -> None:
     """A Ray trial keeps its run id in its checkpoint and reattaches to exactly that run after a restore."""
-    first = Tracker(uri=store, experiment="by-id", export_env=False)
+    first = Tracker(uri=store, experiment="by-id")
     parent = first.start_parent("sweep")
     trial = first.start_child("trial_0001", params={"seed": 3})
     first.log_metrics({"acc": 0.5}, step=0)
     first.end("KILLED")
-    second = Tracker(uri=store, experiment="by-id", export_env=False)
+    second = Tracker(uri=store, experiment="by-id")
     second.start_parent(run_id=parent)
     assert second.start_child("trial_0001", params={"seed": 3}, run_id=trial) == trial
     second.log_metrics({"acc": 0.7}, step=1)
@@ -310,7 +302,7 @@ def _run_stage(uri: str, mode: str, on_stale: str, env: dict[str, str]) -> subpr
 @pytest.mark.slow
 @pytest.mark.parametrize("on_stale", ["resume", "fail"])
 def test_sigkilled_stage_rerun_leaves_no_duplicate_or_running_runs(store: str, on_stale: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k != PARENT_ENV}
+    env = dict(os.environ)
     proc = _run_stage(store, "hang", on_stale, env)
     try:
         line = proc.stdout.readline().split()
@@ -319,7 +311,7 @@ def test_sigkilled_stage_rerun_leaves_no_duplicate_or_running_runs(store: str, o
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
-    check = Tracker(uri=store, experiment="killed", export_env=False)
+    check = Tracker(uri=store, experiment="killed")
     assert check.client.get_run(child1).info.status == "RUNNING"  # what a SIGKILL leaves behind
 
     proc = _run_stage(store, "finish", on_stale, env)
@@ -343,15 +335,23 @@ def test_sigkilled_stage_rerun_leaves_no_duplicate_or_running_runs(store: str, o
         assert status == {child1: "FAILED", child2: "FINISHED"}
 
 
-def test_system_metrics_on_stage_run(store: str) -> None:
-    tracker = Tracker(uri=store, experiment="sysmetrics", system_metrics_interval_s=0.5)
+def test_system_metrics_on_stage_run(store: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLflow's own system metrics (``start_run(log_system_metrics=True)``), at MLflow's sampling variable."""
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.5")
+    tracker = Tracker(uri=store, experiment="sysmetrics")
     tracker.start_parent()
     run_id = tracker.start_child("pretrain", system_metrics=True)
     deadline = time.monotonic() + 20
     while not any(k.startswith("system/") for k in tracker.client.get_run(run_id).data.metrics):
         assert time.monotonic() < deadline, "no system metrics logged"
         time.sleep(0.25)
-    tracker.end()
+    with tracker.activate() as fluent:  # the stage's run is already MLflow's active run: used as it is
+        assert fluent.active_run().info.run_id == run_id
+    tracker.end("KILLED")
+    assert mlflow.active_run() is None
+    assert tracker.client.get_run(run_id).info.status == "KILLED"
     metrics = tracker.client.get_run(run_id).data.metrics
     assert 0.0 <= metrics["system/cpu_utilization_percentage"] <= 100.0 * (os.cpu_count() or 1)
     assert metrics["system/system_memory_usage_megabytes"] > 0
@@ -388,7 +388,7 @@ def _chain_params(store: str, **overrides: object) -> Params:
 
 @pytest.fixture
 def chain_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for var in ("DVC_ROOT", "DVC_EXP_NAME", "TCNN_SYSTEM_METRICS_INTERVAL_S"):
+    for var in ("DVC_ROOT", "DVC_EXP_NAME", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -405,7 +405,6 @@ def test_stage_run_failure_fails_child_and_parent_and_the_rerun_continues(
     client = t.client
     assert client.get_run(parent).info.status == "FAILED"  # nothing left RUNNING after a failure
     assert client.get_run(parent).data.tags["tcnn.failed_stage"] == "pretrain"
-    assert PARENT_ENV not in os.environ
     with stage_run(params, "pretrain", root=tmp_path) as t2:  # the next `dvc repro` continues the execution
         assert t2.parent_run_id == parent
         resumed = t2.run_id
@@ -419,7 +418,7 @@ def test_stage_run_failure_fails_child_and_parent_and_the_rerun_continues(
     assert sorted((r.data.tags[STAGE_TAG], r.info.status) for r in kids) == [
         ("prepare", "FINISHED"), ("pretrain", "FAILED"), ("pretrain", "FINISHED"), ("report", "FINISHED"),
     ]  # fmt: skip
-    ids, note = read_run_ids(tmp_path, environ={})
+    ids, note = read_run_ids(tmp_path)
     assert note is None
     latest = {r.data.tags[STAGE_TAG]: r.info.run_id for r in kids if r.info.status == "FINISHED"}
     assert latest["pretrain"] == resumed
@@ -445,7 +444,6 @@ def test_stage_run_new_params_supersede_an_interrupted_parent(
 ) -> None:
     with stage_run(_chain_params(store), "prepare", root=tmp_path) as t:
         first = t.parent_run_id
-    os.environ.pop(PARENT_ENV, None)  # a new process (the next stage under DVC) has no inherited id
     with stage_run(_chain_params(store, **{"reparam.alpha_init": 2.0}), "prepare", root=tmp_path) as t2:
         second = t2.parent_run_id
     assert second != first

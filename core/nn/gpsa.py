@@ -311,7 +311,11 @@ class GPSA(nn.Module):
         self.proj_drop = nn.Dropout(proj_drop)
         self._enc_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._register_load_state_dict_pre_hook(self._load_timm_keys)
-        self.reset_parameters(alpha_init=alpha_init)
+        self.reset_parameters()
+        # Convolutional init of the positional part: alpha = alpha_init, centres on the kernel taps.
+        self.set_positional(
+            alpha=torch.full((self.num_heads,), float(alpha_init)), centers=self.tap_offsets()
+        )
 
     # ----------------------------------------------------------------------------------------- init
     def tap_offsets(self) -> torch.Tensor:
@@ -329,8 +333,8 @@ class GPSA(nn.Module):
         return torch.stack([(idx // k - c) * d, (idx % k - c) * d], dim=1).to(torch.float64)
 
     @torch.no_grad()
-    def reset_parameters(self, *, alpha_init: float = 1.0) -> None:
-        """Convolutional init (000 Eq. 4, 6): W_val = I, centers on the kernel taps, alpha = alpha_init.
+    def reset_parameters(self) -> None:
+        """Convolutional init (000 Eq. 4, 6) of all but the positional part (`set_positional`): W_val = I.
 
         q/k (and the ConViT output projection) get timm's ViT init (truncated normal, std 0.02); the T-CNN
         ``weight`` is left for `from_conv` to fill with the filter.
@@ -346,9 +350,6 @@ class GPSA(nn.Module):
             nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         if self.bias is not None:
             self.bias.zero_()
-        self.set_positional(
-            alpha=torch.full((self.num_heads,), float(alpha_init)), centers=self.tap_offsets()
-        )
 
     @torch.no_grad()
     def set_positional(self, *, alpha: torch.Tensor, centers: torch.Tensor) -> None:

@@ -114,7 +114,11 @@ class PSA(nn.Module):
         self.pos_alpha = nn.Parameter(torch.empty(self.num_heads, **dd))
         self.pos_center = nn.Parameter(torch.empty(self.num_heads, 2, **dd))
         self._cache: dict[tuple, tuple[tuple, torch.Tensor]] = {}
-        self.reset_parameters(alpha_init=alpha_init)
+        self.reset_parameters()
+        # Convolutional init of the positional part: alpha = alpha_init, centres on the kernel taps.
+        self.set_positional(
+            alpha=torch.full((self.num_heads,), float(alpha_init)), centers=self.tap_offsets()
+        )
 
     # ----------------------------------------------------------------------------------------- init
     def tap_offsets(self) -> torch.Tensor:
@@ -124,9 +128,9 @@ class PSA(nn.Module):
         return torch.stack([(idx // k - c) * d, (idx % k - c) * d], dim=1).to(torch.float64)
 
     @torch.no_grad()
-    def reset_parameters(self, *, alpha_init: float = 1.0) -> None:
-        """Convolutional init (003 Eq. 5): W_val = I, centres on the taps, alpha = alpha_init, content logits
-        zero (``qk_init``); ``weight`` gets kaiming init until `from_conv` copies the filter in."""
+    def reset_parameters(self) -> None:
+        """Convolutional init (003 Eq. 5) of all but the positional part (`set_positional`): W_val = I, content
+        logits zero (``qk_init``); ``weight`` gets kaiming init until `from_conv` copies the filter in."""
         qk = self.num_heads * self.qk_head_dim
         wq, wk, wv = self.qkv_weight.split([qk, qk, self.v_dim])
         nn.init.trunc_normal_(wq, std=0.02)
@@ -141,9 +145,6 @@ class PSA(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         if self.bias is not None:
             self.bias.zero_()
-        self.set_positional(
-            alpha=torch.full((self.num_heads,), float(alpha_init)), centers=self.tap_offsets()
-        )
 
     @torch.no_grad()
     def set_positional(self, *, alpha: torch.Tensor, centers: torch.Tensor) -> None:
