@@ -52,6 +52,12 @@ PID_TAG = "tcnn.pid"
 RESUMES_TAG = "tcnn.resumes"  # parent: how often an interrupted (FAILED/KILLED) execution was continued
 DVC_LOCK_TAG = "tcnn.dvc_lock_sha256"  # parent: sha256 of dvc.lock (updated by every stage; final at report)
 DVC_EXP_TAG = "tcnn.dvc_exp_name"  # parent: the DVC experiment name under `dvc exp run`
+PARAMS_HASH_TAG = "tcnn.params_hash"  # parent: sha256 of its params (tracking section excluded)
+CHAIN_TAG = (
+    "tcnn.chain"  # parent of a DVC chain: "open" until its last stage, then "complete" (or "superseded")
+)
+# MLflow 3's UI opens an experiment of this kind on its training runs (not on the GenAI traces overview).
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 RUN_IDS_FILE = Path("runs") / "mlflow_runs.json"  # the run ids of the current execution, for the report
 
 #: Dotted params keys that get a short, stable MLflow name (identical in every run: DVC stages and sweep trials).
@@ -133,6 +139,33 @@ def digest_if_present(path: str | os.PathLike) -> str | None:
 def workspace_key(root: str | os.PathLike = ".") -> str:
     """A key naming one workspace (host + absolute path): stages under one `dvc repro` share a parent by it."""
     return f"{socket.gethostname()}:{Path(root).resolve()}"
+
+
+def params_hash(params: Any) -> str:
+    """sha256 of a run's params as MLflow logs them, without the ``tracking`` section (where runs are logged
+    does not change what they compute)."""
+    import hashlib
+
+    flat = {k: v for k, v in flatten_params(params).items() if not k.startswith("tracking.")}
+    return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()
+
+
+def run_label(params: Any) -> str:
+    """A parent run's name from what distinguishes pipeline executions at a glance: model kind and arch, t1
+    and the alpha / lambda init (for the kinds that use them), the training-sample fraction and the seed."""
+    from core.models import CONVERSION_OPTIONS, REPARAMETERIZED_KINDS
+
+    kind, r = params.model.kind, params.reparam
+    parts = [kind, params.model.arch]
+    if kind in REPARAMETERIZED_KINDS:
+        parts.append(f"t1={r.epoch}")
+    conversion = CONVERSION_OPTIONS.get(kind, ())
+    if "alpha_init" in conversion:
+        parts.append(f"alpha={r.alpha_init:g}")
+    if "lambda_init" in conversion:
+        parts.append(f"lambda={r.lambda_init:g}")
+    parts += [f"f={params.data.sample_fraction:g}", f"seed={params.seed}"]
+    return " ".join(parts)
 
 
 def _http_alive(uri: str, timeout_s: float = 5.0) -> bool:
@@ -226,6 +259,8 @@ class Tracker:
         if exp is not None:
             if exp.lifecycle_stage == "deleted":
                 self._client.restore_experiment(exp.experiment_id)
+            if exp.tags.get(EXPERIMENT_KIND_TAG) is None:
+                self._client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
             return exp.experiment_id
         location = None
         if self.uri.startswith("sqlite:///"):
@@ -233,7 +268,9 @@ class Tracker:
             db = Path(self.uri[len("sqlite:///") :])
             location = (db.parent / "mlartifacts").as_uri()
         try:
-            return self._client.create_experiment(name, artifact_location=location)
+            return self._client.create_experiment(
+                name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
+            )
         except Exception:  # another process created it first
             exp = self._client.get_experiment_by_name(name)
             if exp is None:
@@ -275,18 +312,17 @@ class Tracker:
         *,
         run_id: str | None = None,
         key: str | None = None,
-        reopen_failed: bool = False,
         params: Any = None,
     ) -> str | None:
         """Open (or re-attach to) the parent run; returns its id (None when not enabled).
 
-        Order: an explicit ``run_id`` (must exist) -> the newest RUNNING parent
-        tagged with ``key`` (with ``reopen_failed``: or the newest parent of ``key`` when it ended FAILED or
-        KILLED, i.e. a pipeline execution that a failed or preempted stage interrupted and that is now
-        continued) -> a new parent run. With ``params``, a parent found by ``key`` whose logged params differ
-        is not re-attached (params are write-once): a RUNNING one is marked FAILED as superseded, and a new
-        parent is opened with MLflow's context tags; the params are logged on the parent.
-        ``self.parent_created`` says whether a new run was opened.
+        Order: an explicit ``run_id`` (must exist) -> the newest *open* parent tagged with ``key`` (a chain
+        whose last stage has not run yet: its earlier stages closed it FINISHED, or a failure FAILED, or a
+        SIGKILL left it RUNNING), reopened -> a new parent run, open, with MLflow's context tags. With
+        ``params``, an open parent of ``key`` whose logged params differ is not re-attached (params are
+        write-once): it is marked superseded (FAILED if a killed process left it RUNNING) and a new parent is
+        opened; the params are logged on the parent. ``self.parent_created`` says whether a new run was
+        opened; ``tcnn.resumes`` counts how often a FAILED or KILLED execution was continued.
         """
         if not self.enabled:
             return None
@@ -302,14 +338,15 @@ class Tracker:
                 raise TrackingError(f"tracking: parent run {run_id} does not exist in {self.uri}") from None
             found = run_id
         elif key is not None:
-            found = self._find_parent_by_key(key, flat, reopen_failed)
+            found = self._find_parent_by_key(key, flat)
             own = True  # a parent of this workspace: it carries this execution's params
         self.parent_created = found is None
         if found is not None:
             run = self._client.get_run(found)
             extra: dict[str, Any] = {}
-            if run.info.status != "RUNNING":  # an interrupted execution, continued
+            if run.info.status != "RUNNING":  # the chain's next stage, or an interrupted execution continued
                 self._client.update_run(found, status="RUNNING")
+            if run.info.status in ("FAILED", "KILLED"):
                 extra[RESUMES_TAG] = int(run.data.tags.get(RESUMES_TAG, "0")) + 1
             self._set_tags(found, {**(tags or {}), **self._process_tags(), **extra})
         else:
@@ -317,7 +354,7 @@ class Tracker:
 
             all_tags = {KIND_TAG: "parent", ATTEMPT_TAG: "1", **self._process_tags(), **(tags or {})}
             if key is not None:
-                all_tags[KEY_TAG] = key
+                all_tags.update({KEY_TAG: key, CHAIN_TAG: "open"})
             all_tags = resolve_tags(_str_tags(all_tags))  # MLflow's git, source and user tags
             run = self._client.create_run(self._experiment_id, run_name=name, tags=all_tags)
             found = run.info.run_id
@@ -326,26 +363,18 @@ class Tracker:
             self.log_params(flat, run_id=found)
         return found
 
-    def _find_parent_by_key(self, key: str, flat: Mapping[str, str], reopen_failed: bool) -> str | None:
-        """The parent run of ``key`` to re-attach to, or None (see :meth:`start_parent`)."""
-        base = f"tags.`{KIND_TAG}` = 'parent' and tags.`{KEY_TAG}` = {_quote(key)}"
-        hits = self._search(base + " and attributes.status = 'RUNNING'", max_results=10)
+    def _find_parent_by_key(self, key: str, flat: Mapping[str, str]) -> str | None:
+        """The open parent run of ``key`` to re-attach to, or None (see :meth:`start_parent`)."""
+        base = f"tags.`{KIND_TAG}` = 'parent' and tags.`{KEY_TAG}` = {_quote(key)} and tags.`{CHAIN_TAG}` = 'open'"
         found: str | None = None
-        for run in hits:  # newest first
+        for run in self._search(base, max_results=20):  # newest first
             if found is None and _compatible(run.data.params, flat):
                 found = run.info.run_id
-            else:  # a leftover of a killed execution with other params, or an older duplicate
-                self._client.set_tag(run.info.run_id, "tcnn.stale", "interrupted execution, superseded")
+                continue
+            # An execution with other params (or an older duplicate): it will not be continued.
+            self._client.set_tag(run.info.run_id, CHAIN_TAG, "superseded")
+            if run.info.status == "RUNNING":  # left by a killed process
                 self._client.set_terminated(run.info.run_id, status="FAILED")
-        if found is None and reopen_failed:
-            newest = self._search(base, max_results=1)
-            if (
-                newest
-                and newest[0].info.status in ("FAILED", "KILLED")
-                and newest[0].data.tags.get("tcnn.stale") is None
-                and _compatible(newest[0].data.params, flat)
-            ):
-                found = newest[0].info.run_id
         return found
 
     def start_child(
@@ -694,7 +723,7 @@ def stage_run(
     stage: str,
     *,
     root: str | os.PathLike = ".",
-    parent_name: str = "pipeline",
+    parent_name: str | None = None,
     parent_tags: Mapping[str, Any] | None = None,
     end_parent: bool = False,
     base_dir: str | os.PathLike | None = None,
@@ -706,15 +735,18 @@ def stage_run(
         with stage_run(params, "finetune", root=root) as tracker:
             ...  # tracker.log_metrics(...), tracker.log_artifact(...)
 
-    Parent: the parent of this workspace that is RUNNING (the chain is under way, or was killed) or was
-    interrupted by a failed/preempted stage, when its params match; else a new one. The parent carries all
-    params, MLflow's context tags (git commit, branch, source) and ``tcnn.git_dirty``, the sha256 of ``dvc.lock``
+    Parent: the *open* parent of this workspace (a chain whose last stage has not run: the earlier stages
+    closed it, a failed or preempted stage interrupted it, or a SIGKILL left it RUNNING) when its params
+    match; else a new one, named ``parent_name`` or the DVC experiment's name or :func:`run_label`. It
+    carries all params, :data:`PARAMS_HASH_TAG`, MLflow's context tags (git commit, branch, source) and ``tcnn.git_dirty``, the sha256 of ``dvc.lock``
     (:data:`DVC_LOCK_TAG`, updated at every stage; at the end of the chain it is the lock of every stage but
     the last, which DVC records after the process exits), and under ``dvc exp run`` the experiment's name
-    (as run name and :data:`DVC_EXP_TAG`). The stage's child run logs all params, resumes a killed attempt,
-    and ends FINISHED; on an exception the child and the parent end FAILED (KILLED when preempted) so nothing
-    stays RUNNING, and the next run of the chain continues that parent. ``end_parent=True`` (the last stage)
-    logs ``dvc.lock`` and ``params.yaml`` on the parent and ends it FINISHED. The ids go to ``run_ids_file``
+    (:data:`DVC_EXP_TAG`). The stage's child run logs all params, resumes a killed attempt, and ends
+    FINISHED, and so does the parent: a process closes what it opened, whichever stage it ran (also one run
+    by hand); on an exception the child and the parent end FAILED (KILLED when preempted), and the next run of
+    the chain continues that parent. ``end_parent=True`` (the last stage) logs ``dvc.lock`` and
+    ``params.yaml`` on the parent and marks the chain complete (:data:`CHAIN_TAG`), so the next execution
+    opens a new parent. The ids go to ``run_ids_file``
     (relative to ``root``; None: not written). The sqlite store resolves against ``base_dir``, default
     ``$DVC_ROOT`` (the main repository, also for ``dvc exp run --temp``) or ``root``.
     """
@@ -725,16 +757,16 @@ def stage_run(
         yield tracker
         return
     exp_name = os.environ.get("DVC_EXP_NAME") or None
+    name = parent_name or exp_name or run_label(params)
     tags = {
+        RUN_NAME_TAG: name,
         "tcnn.git_dirty": git_dirty(root),
         DVC_LOCK_TAG: digest_if_present(root / "dvc.lock"),
         DVC_EXP_TAG: exp_name,
+        PARAMS_HASH_TAG: params_hash(params),
         **(parent_tags or {}),
     }
-    name = exp_name if exp_name and parent_name == "pipeline" else parent_name
-    if exp_name:
-        tags[RUN_NAME_TAG] = name
-    tracker.start_parent(name, tags, key=workspace_key(root), reopen_failed=True, params=params)
+    tracker.start_parent(name, tags, key=workspace_key(root), params=params)
     parent = tracker.parent_run_id
     assert parent is not None
     if tracker.parent_created:
@@ -757,11 +789,13 @@ def stage_run(
         raise
     tracker.end("FINISHED")
     if end_parent:
-        tracker.set_tags({DVC_LOCK_TAG: digest_if_present(root / "dvc.lock")}, run_id=parent)
+        tracker.set_tags(
+            {DVC_LOCK_TAG: digest_if_present(root / "dvc.lock"), CHAIN_TAG: "complete"}, run_id=parent
+        )
         for tag in ("tcnn.failed_stage", "tcnn.error"):  # an earlier interruption, since continued
             with contextlib.suppress(Exception):
                 tracker.client.delete_tag(parent, tag)
         for name in ("dvc.lock", "params.yaml"):
             if (root / name).is_file():
                 tracker.log_artifact(root / name, run_id=parent)
-        tracker.end_parent("FINISHED")
+    tracker.end_parent("FINISHED")  # every stage closes what it opened; the chain's next stage reopens it

@@ -17,13 +17,19 @@ import pytest
 from core.config import Params
 from stages.tracking import (
     ATTEMPT_TAG,
+    CHAIN_TAG,
+    EXPERIMENT_KIND,
+    EXPERIMENT_KIND_TAG,
     KIND_TAG,
+    PARAMS_HASH_TAG,
     PARENT_TAG,
     STAGE_TAG,
     Tracker,
     TrackingError,
     flatten_params,
+    params_hash,
     resolve_uri,
+    run_label,
     stage_run,
 )
 
@@ -448,7 +454,7 @@ def test_stage_run_new_params_supersede_an_interrupted_parent(
         second = t2.parent_run_id
     assert second != first
     old = t2.client.get_run(first)
-    assert old.info.status == "FAILED" and "tcnn.stale" in old.data.tags
+    assert old.info.status == "FINISHED" and old.data.tags[CHAIN_TAG] == "superseded"
     assert t2.client.get_run(second).data.params["alpha_init"] == "2.0"
     ids = json.loads((tmp_path / "runs" / "mlflow_runs.json").read_text())
     assert ids["parent"] == second and list(ids["stages"]) == ["prepare"]
@@ -467,3 +473,54 @@ def test_stage_run_under_dvc_exp_run(store: str, tmp_path: Path, monkeypatch: py
     assert t.uri == f"sqlite:///{main / 'mlruns.db'}"
     assert parent.info.run_name == "brave-owl" and parent.data.tags["tcnn.dvc_exp_name"] == "brave-owl"
     assert (tmp_path / "temp-copy" / "runs" / "mlflow_runs.json").is_file()
+
+
+def test_every_stage_closes_its_parent_and_the_chain_reopens_it(
+    store: str, tmp_path: Path, chain_env: None
+) -> None:
+    """A stage (under DVC or run by hand) leaves no run RUNNING; the chain's next stage reopens the same
+    parent, and after the last stage the next execution gets a new one."""
+    params = _chain_params(store, seed=3)
+    with stage_run(params, "prepare", root=tmp_path) as t:
+        parent = t.parent_run_id
+        assert t.client.get_run(parent).info.status == "RUNNING"
+    client = t.client
+    run = client.get_run(parent)
+    assert (run.info.status, run.data.tags[CHAIN_TAG]) == ("FINISHED", "open")
+    assert (
+        run.info.run_name == run_label(params) == "tcnn resnet10_cifar_os16 t1=2 alpha=1 lambda=1 f=1 seed=3"
+    )
+    assert run.data.tags[PARAMS_HASH_TAG] == params_hash(params)
+    with stage_run(params, "corrupt", root=tmp_path) as t2:  # `python -m stages.corrupt` by hand
+        assert t2.parent_run_id == parent
+    with stage_run(params, "report", root=tmp_path, end_parent=True) as t3:
+        assert t3.parent_run_id == parent
+    run = client.get_run(parent)
+    assert (run.info.status, run.data.tags[CHAIN_TAG]) == ("FINISHED", "complete")
+    assert "tcnn.resumes" not in run.data.tags  # reopened by the chain's stages, never after a failure
+    with stage_run(params, "prepare", root=tmp_path) as t4:  # the next execution
+        assert t4.parent_run_id != parent
+    assert [r.info.run_id for r in _all_runs(t4) if r.info.status == "RUNNING"] == []
+
+
+def test_parent_names_and_params_hash() -> None:
+    base = Params()
+    assert run_label(base) == "tcnn resnet10_cifar_os16 t1=2 alpha=1 lambda=1 f=1 seed=0"
+    other = base.with_overrides({"reparam.alpha_init": 0.5, "data.sample_fraction": 0.25, "seed": 2})
+    assert run_label(other) == "tcnn resnet10_cifar_os16 t1=2 alpha=0.5 lambda=1 f=0.25 seed=2"
+    assert run_label(base.with_overrides({"model.kind": "psa"})).startswith(
+        "psa resnet10_cifar_os16 t1=2 alpha=1 f=1"
+    )
+    assert run_label(base.with_overrides({"model.kind": "cnn"})) == "cnn resnet10_cifar_os16 f=1 seed=0"
+    assert params_hash(base) != params_hash(other)
+    # where runs are logged is not part of what they compute
+    assert params_hash(base.with_overrides({"tracking.experiment": "elsewhere"})) == params_hash(base)
+
+
+def test_experiment_opens_on_training_runs(store: str) -> None:
+    """MLflow 3's UI opens a model-training experiment on its runs, not on the GenAI overview."""
+    tracker = Tracker(uri=store, experiment="kind-new")
+    assert tracker.client.get_experiment(tracker.experiment_id).tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND
+    legacy = tracker.client.create_experiment("kind-old")  # made before tcnn tagged its experiments
+    Tracker(uri=store, experiment="kind-old")
+    assert tracker.client.get_experiment(legacy).tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND
