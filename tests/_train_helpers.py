@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 import yaml
+
+from core.training.checkpoint import load
+from core.training.loop import TIMING_KEYS
 
 REPO = Path(__file__).resolve().parents[1]
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -92,3 +97,66 @@ def run_stage(stage: str, params: Path, cwd: Path, **env: str) -> subprocess.Com
     return subprocess.run(
         stage_cmd(stage, params), cwd=cwd, env=stage_env(**env), capture_output=True, text=True, timeout=600
     )
+
+
+#: What may differ between an interrupted and an unbroken run.
+VOLATILE = {*TIMING_KEYS, "resumed"}
+
+
+def _strip(obj):
+    if isinstance(obj, dict):
+        return {k: _strip(v) for k, v in obj.items() if k not in VOLATILE}
+    if isinstance(obj, list):
+        return [_strip(v) for v in obj]
+    return obj
+
+
+def _assert_equal_tree(a, b, where: str) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where}: tensors differ"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {a.keys() ^ b.keys()}"
+        for k in a:
+            _assert_equal_tree(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_equal_tree(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and a != a:
+        assert b != b, where
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def assert_same_outputs(got: Path, ref: Path) -> None:
+    """A training stage's outputs under ``got`` equal those under ``ref`` (an unbroken run): checkpoints
+    tensor for tensor, histories and JSON files up to timing fields."""
+
+    def files(root: Path) -> list[str]:
+        return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+    names = files(ref)
+    assert files(got) == names and any(n.endswith(".pt") for n in names)
+    for name in names:
+        if name.endswith(".pt"):
+            a, b = load(got / name), load(ref / name)
+            a_hist, b_hist = _strip(a.pop("history", [])), _strip(b.pop("history", []))
+            assert a_hist == b_hist, f"{name}: history differs"
+            _assert_equal_tree(a, b, name)
+        elif name.endswith(".json"):
+            assert _strip(json.loads((got / name).read_text())) == _strip(
+                json.loads((ref / name).read_text())
+            ), name
+        elif name.endswith("gpsa.csv"):
+            assert (got / name).read_text() == (ref / name).read_text()
+        elif name.endswith("history.csv"):
+            hdr, *rows = (got / name).read_text().splitlines()
+            rhdr, *rrows = (ref / name).read_text().splitlines()
+            keep = [i for i, c in enumerate(hdr.split(",")) if c not in VOLATILE]
+            assert hdr == rhdr
+            assert [[r.split(",")[i] for i in keep] for r in rows] == [
+                [r.split(",")[i] for i in keep] for r in rrows
+            ]
+        else:
+            raise AssertionError(f"{name}: output not compared by this test")

@@ -1,5 +1,6 @@
-"""SIGKILL `dvc repro` in the middle of a stage, run it again: the chain completes and MLflow holds one
-parent and exactly one run per stage (the killed one resumed), none left RUNNING."""
+"""SIGKILL `dvc repro` in the middle of pretraining, after a resume point exists, and run it again: the stage
+resumes (and says so), its outputs equal those of an unbroken run bitwise, the chain completes and MLflow
+holds one parent and exactly one run per stage (the killed one resumed), none left RUNNING."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from pathlib import Path
 
 import pytest
 from _pipeline_repo import FMNIST_DIR, STAGES, children, dvc, env, make_repo, runs, wait_for
+from _train_helpers import assert_same_outputs
+
+from core.training.loop import RESUME_FILE
 
 pytestmark = [
     pytest.mark.slow,
@@ -29,9 +33,14 @@ def _stage_run_id(repo: Path, stage: str) -> str | None:
         return None
 
 
+#: Three pretraining epochs of 11 steps with a resume point every 4 steps: the first comes early, and the stage
+#: trains on for more than two epochs after it, so the kill lands inside the stage.
+KILL = {"pretrain": {"epochs": 3, "checkpoint_every_steps": 4}, "reparam": {"epoch": 2}}
+
+
 def test_sigkill_mid_stage_then_rerun(tmp_path: Path) -> None:
-    # two pretraining epochs: the stage runs long enough after its run opens to be killed inside it
-    repo = make_repo(tmp_path / "kill", {"pretrain": {"epochs": 2}, "reparam": {"epoch": 2}})
+    repo = make_repo(tmp_path / "kill", KILL)
+    resume = repo / "runs" / ".partial" / "pretrain" / RESUME_FILE
     log = (tmp_path / "first.log").open("w")
     site = tmp_path / "kill-dvc-site"
     proc = subprocess.Popen(
@@ -40,8 +49,8 @@ def test_sigkill_mid_stage_then_rerun(tmp_path: Path) -> None:
     )  # fmt: skip
     try:
         killed_id = wait_for(lambda: _stage_run_id(repo, "pretrain"), 600, "the pretrain stage's MLflow run")
-        # inside the stage: its run is open and training has started (resume state or epoch output)
-        wait_for(lambda: (repo / "runs" / ".partial").exists() or proc.poll() is not None, 120, "training")
+        # inside the stage, after its first resume point (a step-level checkpoint of the running epoch)
+        wait_for(lambda: resume.exists() or proc.poll() is not None, 300, "a resume point")
         os.killpg(proc.pid, signal.SIGKILL)
     finally:
         if proc.poll() is None:
@@ -52,10 +61,18 @@ def test_sigkill_mid_stage_then_rerun(tmp_path: Path) -> None:
     killed = next(r for r in before if r.info.run_id == killed_id)
     assert killed.info.status == "RUNNING", "the kill did not land inside the stage (the test proves nothing)"
     assert not (repo / "runs" / "pretrain" / "cnn-final.pt").exists()
+    assert resume.exists(), "no resume point when the kill landed (the rerun would train from scratch)"
 
     out = dvc(repo, "repro")
     assert "Running stage 'pretrain'" in out.stdout
     assert "Stage 'prepare' didn't change, skipping" in out.stdout  # recorded before the kill
+    said = out.stdout + out.stderr
+    assert f"pretrain: resuming from {resume.relative_to(repo)}" in said  # not trained from scratch
+
+    # bitwise the run that was never interrupted: the same params and code in a fresh copy
+    unbroken = make_repo(tmp_path / "unbroken", KILL)
+    dvc(unbroken, "repro", "pretrain")
+    assert_same_outputs(repo / "runs" / "pretrain", unbroken / "runs" / "pretrain")
 
     after = runs(repo)
     assert [r.info.run_name for r in after if r.info.status == "RUNNING"] == []

@@ -7,7 +7,6 @@ states) and every metric except timings.
 
 from __future__ import annotations
 
-import json
 import random
 import shutil
 import signal
@@ -16,17 +15,23 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
-from _train_helpers import run_stage, stage_cmd, stage_env, tiny_params, write_dataset, write_params
+from _train_helpers import (
+    assert_same_outputs,
+    run_stage,
+    stage_cmd,
+    stage_env,
+    tiny_params,
+    write_dataset,
+    write_params,
+)
 
 from core.training.checkpoint import load
-from core.training.loop import EXIT_PREEMPTED, RESUME_FILE, TIMING_KEYS
+from core.training.loop import EXIT_PREEMPTED, RESUME_FILE
 
 pytestmark = pytest.mark.slow
 
 ENV = {"TCNN_CHECKPOINT_EVERY_STEPS": "2"}
-VOLATILE = {*TIMING_KEYS, "resumed"}  # what may differ between an interrupted and an unbroken run
 
 
 def _params(tmp: Path, data: Path, mode: str) -> Path:
@@ -90,62 +95,6 @@ def _kill_at_random_moments(stage: str, params: Path, root: Path, rng: random.Ra
     return landed
 
 
-def _strip(obj):
-    if isinstance(obj, dict):
-        return {k: _strip(v) for k, v in obj.items() if k not in VOLATILE}
-    if isinstance(obj, list):
-        return [_strip(v) for v in obj]
-    return obj
-
-
-def _assert_equal_tree(a, b, where: str) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert torch.equal(a, b), f"{where}: tensors differ"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys {a.keys() ^ b.keys()}"
-        for k in a:
-            _assert_equal_tree(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_equal_tree(x, y, f"{where}[{i}]")
-    elif isinstance(a, float) and a != a:
-        assert b != b, where
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
-def _assert_same_outputs(got: Path, ref: Path) -> None:
-    def files(root: Path) -> list[str]:
-        return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
-
-    names = files(ref)
-    assert files(got) == names and any(n.endswith(".pt") for n in names)
-    for name in names:
-        if name.endswith(".pt"):
-            a, b = load(got / name), load(ref / name)
-            a_hist, b_hist = _strip(a.pop("history", [])), _strip(b.pop("history", []))
-            assert a_hist == b_hist, f"{name}: history differs"
-            _assert_equal_tree(a, b, name)
-        elif name.endswith(".json"):
-            assert _strip(json.loads((got / name).read_text())) == _strip(
-                json.loads((ref / name).read_text())
-            ), name
-        elif name.endswith("gpsa.csv"):
-            assert (got / name).read_text() == (ref / name).read_text()
-        elif name.endswith("history.csv"):
-            hdr, *rows = (got / name).read_text().splitlines()
-            rhdr, *rrows = (ref / name).read_text().splitlines()
-            keep = [i for i, c in enumerate(hdr.split(",")) if c not in VOLATILE]
-            assert hdr == rhdr
-            assert [[r.split(",")[i] for i in keep] for r in rows] == [
-                [r.split(",")[i] for i in keep] for r in rrows
-            ]
-        else:
-            raise AssertionError(f"{name}: output not compared by this test")
-
-
 def test_pretrain_killed_at_random_moments_resumes_bitwise(base, tmp_path) -> None:
     landed = _kill_at_random_moments("pretrain", base["fresh"], tmp_path, random.Random(1), kills=3)
     assert landed >= 1, "no kill landed before the run ended; the test would prove nothing"
@@ -153,7 +102,7 @@ def test_pretrain_killed_at_random_moments_resumes_bitwise(base, tmp_path) -> No
     assert done.returncode == 0, done.stderr
     assert "resuming from" in done.stderr
     assert not (tmp_path / "runs" / ".partial").exists()
-    _assert_same_outputs(tmp_path / "runs" / "pretrain", base["ref"] / "runs" / "pretrain")
+    assert_same_outputs(tmp_path / "runs" / "pretrain", base["ref"] / "runs" / "pretrain")
 
 
 @pytest.mark.parametrize("mode", ["fresh", "continue"])
@@ -169,7 +118,7 @@ def test_finetune_killed_at_random_moments_resumes_bitwise(base, tmp_path, mode)
     done = run_stage("finetune", base[mode], run, **ENV)
     assert done.returncode == 0, done.stderr
     assert "resuming from" in done.stderr
-    _assert_same_outputs(run / "runs" / "finetune", ref / "runs" / "finetune")
+    assert_same_outputs(run / "runs" / "finetune", ref / "runs" / "finetune")
 
 
 def test_sigterm_writes_a_checkpoint_and_exits_cleanly(base, tmp_path) -> None:
@@ -188,7 +137,7 @@ def test_sigterm_writes_a_checkpoint_and_exits_cleanly(base, tmp_path) -> None:
     assert not (tmp_path / "runs" / "pretrain").exists()  # nothing published from an unfinished run
     done = run_stage("pretrain", base["fresh"], tmp_path, **ENV)
     assert done.returncode == 0 and "resuming from" in done.stderr, done.stderr
-    _assert_same_outputs(tmp_path / "runs" / "pretrain", base["ref"] / "runs" / "pretrain")
+    assert_same_outputs(tmp_path / "runs" / "pretrain", base["ref"] / "runs" / "pretrain")
 
 
 def test_changed_params_start_fresh_and_say_so(base, tmp_path) -> None:
