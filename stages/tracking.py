@@ -12,8 +12,8 @@ Runs: one *parent* run per pipeline execution (or sweep) and one *child* run per
 through MLflow's ``mlflow.parentRunId`` tag (what ``mlflow.start_run(parent_run_id=...)`` sets). A sweep hands
 its parent's id to its trials explicitly. The stages under ``dvc repro`` are separate processes that DVC
 starts one after another, with nothing of ours around them to hand an id down (MLflow's own ``MLFLOW_RUN_ID``
-resumes a run, it does not nest under one), so ``start_parent(key=...)`` re-attaches to the RUNNING parent of
-the same key (one per workspace). Parent runs get MLflow's own context tags (git commit, branch, repository,
+resumes a run, it does not nest under one), so ``start_parent(key=...)`` re-attaches to the *open* parent of
+the same key (one per workspace; see ``CHAIN_TAG``). Parent runs get MLflow's own context tags (git commit, branch, repository,
 source, user: ``mlflow.tracking.context.registry.resolve_tags``); a stage's system metrics come from
 ``mlflow.start_run(log_system_metrics=True)``, sampled every ``$MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL`` s
 (10 by default).
@@ -53,9 +53,8 @@ RESUMES_TAG = "tcnn.resumes"  # parent: how often an interrupted (FAILED/KILLED)
 DVC_LOCK_TAG = "tcnn.dvc_lock_sha256"  # parent: sha256 of dvc.lock (updated by every stage; final at report)
 DVC_EXP_TAG = "tcnn.dvc_exp_name"  # parent: the DVC experiment name under `dvc exp run`
 PARAMS_HASH_TAG = "tcnn.params_hash"  # parent: sha256 of its params (tracking section excluded)
-CHAIN_TAG = (
-    "tcnn.chain"  # parent of a DVC chain: "open" until its last stage, then "complete" (or "superseded")
-)
+# Parent of a DVC chain: "open" until its last stage ran, then "complete" (or "superseded").
+CHAIN_TAG = "tcnn.chain"
 # MLflow 3's UI opens an experiment of this kind on its training runs (not on the GenAI traces overview).
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 RUN_IDS_FILE = Path("runs") / "mlflow_runs.json"  # the run ids of the current execution, for the report
