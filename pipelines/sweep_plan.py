@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from core.config import ConfigError, Params, plan_epochs, validate_params
+from core.utils.hashing import stable_hash
 
 PLAN_VERSION = 1
 REPO = Path(__file__).resolve().parents[1]
@@ -93,8 +93,7 @@ def expand_grid(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
 
 
 def trial_id(index: int, overrides: dict[str, Any]) -> str:
-    digest = hashlib.sha256(json.dumps(overrides, sort_keys=True, default=str).encode()).hexdigest()
-    return f"t{index:03d}-{digest[:8]}"
+    return f"t{index:03d}-{stable_hash(overrides)[:8]}"
 
 
 def trial_label(overrides: dict[str, Any]) -> str:
@@ -218,12 +217,6 @@ def corrupt_identity(params: Params, manifest: dict[str, Any]) -> dict[str, Any]
         "corruptions": list(r.corruptions),
         "severities": list(r.severities),
     }
-
-
-def stable_hash(obj: Any) -> str:
-    from core.utils.hashing import stable_hash as _hash
-
-    return _hash(obj)
 
 
 def short_key(identity: dict[str, Any]) -> str:

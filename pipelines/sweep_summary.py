@@ -41,12 +41,11 @@ T1, ALPHA, LAMBDA, FRACTION = (
 )
 METRIC_COLUMNS = HEADLINE  # the numbers every trial reports last
 SEED = "seed"
-#: The metrics aggregated over seeds (mean and t-interval per configuration): each model's headline numbers
-#: and what attention buys (T-CNN - control) and the T-CNN vs the pretrained CNN.
 #: Column suffixes of a seed aggregate: mean over seeds and Student's 95% t-interval. Not "_ci_low" alone:
 #: summary.parquet holds each trial's own bootstrap interval under ``<metric>_ci_low`` / ``_ci_high``.
 SEED_SUFFIXES = ("_seeds_mean", "_seeds_ci_low", "_seeds_ci_high")
-
+#: The metrics aggregated over seeds (mean and t-interval per configuration): each model's headline numbers
+#: and what attention buys (T-CNN - control) and the T-CNN vs the pretrained CNN.
 SEED_METRICS = tuple(
     [f"{m}_{k}" for m in ("cnn", "control", "tcnn") for k in ("clean_accuracy", "mca", "mce", "relative_mce")]
     + [

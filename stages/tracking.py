@@ -39,7 +39,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from core.utils.hashing import file_digest
+from core.utils.hashing import file_digest, stable_hash
 
 PARENT_TAG = "mlflow.parentRunId"
 RUN_NAME_TAG = "mlflow.runName"
@@ -70,7 +70,6 @@ PARAM_ALIASES: dict[str, str] = {
 RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
 _TERMINAL = ("FINISHED", "FAILED", "KILLED")
 _MAX_PARAM_LEN = 6000  # MLflow's limit for a param value
-_SYSTEM_METRICS_INTERVAL_S = 10.0  # unless $MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL says otherwise
 
 
 class TrackingError(RuntimeError):
@@ -143,10 +142,7 @@ def workspace_key(root: str | os.PathLike = ".") -> str:
 def params_hash(params: Any) -> str:
     """sha256 of a run's params as MLflow logs them, without the ``tracking`` section (where runs are logged
     does not change what they compute)."""
-    import hashlib
-
-    flat = {k: v for k, v in flatten_params(params).items() if not k.startswith("tracking.")}
-    return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()
+    return stable_hash({k: v for k, v in flatten_params(params).items() if not k.startswith("tracking.")})
 
 
 def run_label(params: Any) -> str:
@@ -640,9 +636,9 @@ class Tracker:
 
         if mlflow.active_run() is not None:
             return
-        mlflow.set_tracking_uri(self.uri)
-        if not os.environ.get("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL"):
-            mlflow.set_system_metrics_sampling_interval(_SYSTEM_METRICS_INTERVAL_S)
+        mlflow.set_tracking_uri(
+            self.uri
+        )  # MLflow samples every $MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL s (10)
         mlflow.start_run(run_id=run_id, log_system_metrics=True)
         self._fluent = True
 
