@@ -251,14 +251,17 @@ def driver_lock(sweep_dir: Path) -> Any:
 
 
 def _open_parent(spec: dict) -> Any:
-    from stages.tracking import Tracker
+    from stages.tracking import UV_LOCK_FILE, UV_LOCK_TAG, Tracker, digest_if_present
 
     t = spec["tracking"]
     tracker = Tracker(enabled=t["enabled"], uri=t["uri"], experiment=t["experiment"])
     if not tracker.enabled:
         return tracker
-    tags = {"tcnn.kind": "parent", "tcnn.sweep": spec["name"], "tcnn.sweep_dir": spec["sweep_dir"]}
+    tags = {"tcnn.kind": "parent", "tcnn.sweep": spec["name"], "tcnn.sweep_dir": spec["sweep_dir"],
+            UV_LOCK_TAG: digest_if_present(UV_LOCK_FILE)}  # fmt: skip
     tracker.start_parent(f"sweep:{spec['name']}", tags, run_id=t.get("parent_run_id") or None)
+    if tracker.parent_created:
+        tracker.log_environment()
     params = {f"grid.{k}": json.dumps(v) for k, v in spec["grid"].items()}
     params.update({"sweep.name": spec["name"], "sweep.share_pretraining": str(spec["share_pretraining"])})
     tracker.log_params(params)

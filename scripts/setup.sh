@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Idempotent set-up for a fresh machine: system pieces, .venv, the project.
+# Idempotent set-up for a fresh machine: system pieces, then .venv exactly as uv.lock pins it (the project
+# installed editable).
 # Usage: scripts/setup.sh [--test]     (--test adds what the test suite needs: SLURM + munge, chromium)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,16 +25,19 @@ if [ "${#apt_missing[@]}" -gt 0 ]; then
 fi
 
 PY=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-  echo "setup: creating .venv"
-  "$PY" -m venv .venv
+# uv installs the locked environment (uv.lock). Its release is pinned once, in pyproject.toml's
+# [tool.uv] required-version; a matching uv on PATH is used, else that release goes into .tools/.
+uv_pin=$("$PY" -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["tool"]["uv"]["required-version"].lstrip("="))')
+UV=$(command -v uv || true)
+if [ -z "$UV" ] || [ "$("$UV" --version | cut -d' ' -f2)" != "$uv_pin" ]; then
+  UV=.tools/bin/uv
+  if [ ! -x "$UV" ] || [ "$("$UV" --version | cut -d' ' -f2)" != "$uv_pin" ]; then
+    echo "setup: installing uv $uv_pin into .tools"
+    "$PY" -m venv .tools
+    .tools/bin/python -m pip install -q "uv==$uv_pin"
+  fi
 fi
-# Re-install only when the dependency list changed (the stamp holds pyproject's hash).
-stamp=.venv/.tcnn-installed
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
-if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "setup: installing the project into .venv (first time: torch + CUDA wheels, a few minutes)"
-  .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[dev]"
-  echo "$want" > "$stamp"
-fi
+# Exactly the lock: --locked refuses a uv.lock that no longer matches pyproject.toml (README "Updating the
+# lock"); packages the lock does not name are removed. A no-op when .venv already matches.
+echo "setup: .venv <- uv.lock (uv sync --locked)"
+UV_PYTHON_DOWNLOADS=never "$UV" sync --locked --extra dev --python "$PY" --quiet

@@ -52,6 +52,8 @@ PID_TAG = "tcnn.pid"
 RESUMES_TAG = "tcnn.resumes"  # parent: how often an interrupted (FAILED/KILLED) execution was continued
 DVC_LOCK_TAG = "tcnn.dvc_lock_sha256"  # parent: sha256 of dvc.lock (updated by every stage; final at report)
 DVC_EXP_TAG = "tcnn.dvc_exp_name"  # parent: the DVC experiment name under `dvc exp run`
+UV_LOCK_TAG = "tcnn.uv_lock_sha256"  # parent: sha256 of uv.lock, the locked environment (logged as an artifact)
+UV_LOCK_FILE = "uv.lock"
 PARAMS_HASH_TAG = "tcnn.params_hash"  # parent: sha256 of its params (tracking section excluded)
 # Parent of a DVC chain: "open" until its last stage ran, then "complete" (or "superseded").
 CHAIN_TAG = "tcnn.chain"
@@ -586,6 +588,19 @@ class Tracker:
         tags = [InputTag("mlflow.data.context", context)]
         self._client.log_inputs(self._run(run_id), datasets=[DatasetInput(dataset, tags)])
 
+    def log_environment(self, root: str | os.PathLike = ".", *, run_id: str | None = None) -> None:
+        """Log the environment on ``run_id`` (default: the parent): ``uv.lock`` as it is in ``root`` (what
+        the README commands installed, hashes included) and the resolved distributions as installed
+        (``environment/requirements.txt``), so a run names the exact environment it ran in."""
+        run_id = run_id or self.parent_run_id
+        if not self.enabled or run_id is None:
+            return
+        with contextlib.suppress(Exception):  # nice to have: never fail a stage for it
+            self._client.log_text(run_id, resolved_environment(), "environment/requirements.txt")
+            lock = Path(root) / UV_LOCK_FILE
+            if lock.is_file():
+                self._client.log_artifact(run_id, str(lock), "environment")
+
     @contextlib.contextmanager
     def activate(self, run_id: str | None = None) -> Iterator[Any]:
         """Make the active run MLflow's fluent active run for calls this adapter does not wrap
@@ -757,6 +772,7 @@ def stage_run(
         RUN_NAME_TAG: name,
         "tcnn.git_dirty": git_dirty(root),
         DVC_LOCK_TAG: digest_if_present(root / "dvc.lock"),
+        UV_LOCK_TAG: digest_if_present(root / UV_LOCK_FILE),
         DVC_EXP_TAG: exp_name,
         PARAMS_HASH_TAG: params_hash(params),
         **(parent_tags or {}),
@@ -765,8 +781,7 @@ def stage_run(
     parent = tracker.parent_run_id
     assert parent is not None
     if tracker.parent_created:
-        with contextlib.suppress(Exception):  # nice to have: never fail a stage for it
-            tracker.client.log_text(parent, resolved_environment(), "environment/requirements.txt")
+        tracker.log_environment(root, run_id=parent)
     child_kwargs.setdefault("params", params)
     child = tracker.start_child(stage, **child_kwargs)
     if run_ids_file is not None and child is not None:
