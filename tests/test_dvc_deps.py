@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import shutil
 from functools import cache
 from pathlib import Path
@@ -95,3 +96,34 @@ def test_editing_any_imported_file_makes_dvc_status_report_the_stage(tmp_path_fa
         assert stages <= set(status), (
             f"editing {rel}: dvc status reports {sorted(status)}, expected {sorted(stages)}"
         )
+
+
+def _outs(stage: dict) -> list[tuple[str, bool]]:
+    """(path, git-tracked?) of a stage's outs and metrics: `cache: false` ones belong in git."""
+    found = []
+    for section in ("outs", "metrics", "plots"):
+        for item in stage.get(section, []):
+            path, opts = next(iter(item.items())) if isinstance(item, dict) else (item, {})
+            found.append((path, (opts or {}).get("cache", True) is False))
+    return found
+
+
+def test_git_tracks_exactly_the_uncached_outs() -> None:
+    """Metrics and plot tables are `cache: false` and git-tracked (experiment commits carry them, so `dvc exp
+    show` and `dvc plots diff` have something to compare); every cached out stays git-ignored."""
+    import subprocess
+
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    outs = [(p, tracked) for s in _stages().values() for p, tracked in _outs(s)]
+    def resolve(path: str) -> str:  # DVC's ${section.key} templating, from params.yaml
+        return re.sub(r"\$\{(\w+)\.(\w+)\}", lambda m: params[m[1]][m[2]], path)
+
+    paths = [resolve(p) for p, _ in outs]
+    probe = [p if Path(p).suffix else f"{p}/probe" for p in paths]  # a folder out: a file inside it
+    ignored = subprocess.run(
+        ["git", "-C", str(REPO), "check-ignore", "--no-index", "--stdin"],
+        input="\n".join(probe), capture_output=True, text=True,
+    ).stdout.split()  # fmt: skip
+    assert any(tracked for _, tracked in outs) and not all(tracked for _, tracked in outs)
+    for (path, tracked), p in zip(outs, probe):
+        assert (p in ignored) != tracked, f"{path}: {'ignored by git' if tracked else 'not ignored by git'}"

@@ -1,0 +1,131 @@
+"""DVC experiments as DVC users run them: queued with `dvc exp run --queue -S ...`, run two at a time with
+`dvc queue start -j 2`, then compared with `dvc exp show`, `dvc exp diff`, `dvc plots diff` and brought back
+with `dvc exp apply`; MLflow holds one parent per experiment, named after it, with its stages as children.
+
+Truths the checks compare against: the params each experiment was queued with, the metrics files that DVC
+committed into each experiment (read back with `git show`), and DVC's own `dvc.lock` hashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from _pipeline_repo import FMNIST_DIR, children, dvc, make_repo, run, runs
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (FMNIST_DIR / "train-images-idx3-ubyte.gz").exists(),
+        reason=f"Fashion-MNIST not installed at {FMNIST_DIR} (Debian package dataset-fashion-mnist)",
+    ),
+]
+
+#: Two experiments that differ in the gate init only: each re-runs reparam, finetune, evaluate and report;
+#: prepare, pretrain, control and corrupt come from DVC's run cache (the committed baseline ran them).
+EXPERIMENTS = {"lam-half": 0.5, "lam-two": 2.0}
+GIT = ["git", "-c", "user.name=tcnn-test", "-c", "user.email=test@tcnn.invalid", "-c", "commit.gpgsign=false"]
+
+
+def _wait_for_queue(repo: Path, timeout: float) -> str:
+    """Poll `dvc queue status` until nothing is queued or running; returns its last output."""
+    t0 = time.monotonic()
+    while True:
+        status = dvc(repo, "queue", "status").stdout
+        if not any(word in status for word in ("Queued", "Running")):
+            return status
+        assert time.monotonic() - t0 < timeout, f"queue still busy after {timeout:.0f}s:\n{status}"
+        time.sleep(3)
+
+
+def _exp_rows(repo: Path) -> dict[str, dict]:
+    """`dvc exp show --json`, flattened to {experiment name: {"params": ..., "metrics": ...}}."""
+    shown = json.loads(dvc(repo, "exp", "show", "--json").stdout)
+    rows = {}
+    for baseline in shown:
+        for exp in baseline.get("experiments") or []:
+            for rev in exp.get("revs") or []:
+                data = rev.get("data") or {}
+                rows[exp.get("name") or rev.get("name")] = {
+                    "params": data["params"]["params.yaml"]["data"],
+                    "metrics": {f: m.get("data") for f, m in (data.get("metrics") or {}).items()},
+                    "rev": rev["rev"],
+                }
+    return rows
+
+
+@pytest.fixture(scope="module")
+def queued(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny repository whose baseline ran and was committed (dvc.lock, metrics), with both experiments queued
+    and run by `dvc queue start -j 2`."""
+    repo = make_repo(tmp_path_factory.mktemp("queue") / "repo")
+    dvc(repo, "repro")
+    run(["git", "add", "-A"], repo)
+    run([*GIT, "commit", "-q", "-m", "baseline: dvc.lock and metrics"], repo)
+    for name, lam in EXPERIMENTS.items():
+        dvc(repo, "exp", "run", "--queue", "-n", name, "-S", f"reparam.lambda_init={lam}")
+    dvc(repo, "queue", "start", "-j", "2")
+    status = _wait_for_queue(repo, timeout=900)
+    if "Failed" in status:
+        logs = [dvc(repo, "queue", "logs", name, check=False).stdout[-3000:] for name in EXPERIMENTS]
+        raise AssertionError("\n".join([status, *logs]))
+    return repo
+
+
+def test_exp_show_lists_every_experiment_with_params_and_metrics(queued: Path) -> None:
+    rows = _exp_rows(queued)
+    assert set(EXPERIMENTS) <= set(rows), sorted(rows)
+    for name, lam in EXPERIMENTS.items():
+        row = rows[name]
+        assert row["params"]["reparam"]["lambda_init"] == lam
+        committed = json.loads(run(["git", "show", f"{row['rev']}:results/metrics.json"], queued).stdout)
+        assert row["metrics"]["results/metrics.json"] == committed
+        assert 0.0 < committed["tcnn"]["clean_acc"] <= 1.0
+    # the experiments differ where they should: the fine-tuned T-CNN, not the shared pretrained CNN
+    a, b = (rows[n]["metrics"] for n in EXPERIMENTS)
+    assert a["runs/pretrain/metrics.json"] == b["runs/pretrain/metrics.json"]
+    assert a["runs/finetune/metrics.json"] != b["runs/finetune/metrics.json"]
+
+
+def test_exp_diff_and_plots_diff_compare_two(queued: Path) -> None:
+    first, second = EXPERIMENTS
+    diff = json.loads(dvc(queued, "exp", "diff", first, second, "--json").stdout)
+    assert diff["params"]["params.yaml"]["reparam.lambda_init"] == {"old": 0.5, "new": 2.0}
+    assert "results/metrics.json" in diff["metrics"]
+    plots = json.loads(dvc(queued, "plots", "diff", first, second, "--json").stdout)
+    assert not plots.get("errors"), plots.get("errors")
+    revs = {d["rev"] for v in plots["data"].values() for d in v}
+    assert revs == {first, second}, revs
+
+
+def test_exp_apply_brings_one_back_whole(queued: Path) -> None:
+    name = "lam-half"
+    rev = _exp_rows(queued)[name]["rev"]
+    dvc(queued, "exp", "apply", name)
+    params = yaml.safe_load((queued / "params.yaml").read_text())
+    assert params["reparam"]["lambda_init"] == EXPERIMENTS[name]
+    committed = run(["git", "show", f"{rev}:results/metrics.json"], queued).stdout
+    assert json.loads((queued / "results" / "metrics.json").read_text()) == json.loads(committed)
+    lock = yaml.safe_load((queued / "dvc.lock").read_text())
+    out = next(o for o in lock["stages"]["finetune"]["outs"] if o["path"] == "runs/finetune/tcnn-final.pt")
+    data = (queued / "runs" / "finetune" / "tcnn-final.pt").read_bytes()
+    assert hashlib.md5(data).hexdigest() == out["md5"]  # the checkpoint itself came back from the cache
+    assert "changed" not in dvc(queued, "status").stdout
+
+
+def test_mlflow_holds_one_parent_per_experiment(queued: Path) -> None:
+    all_runs = runs(queued)
+    parents = {r.info.run_name: r for r in all_runs if r.data.tags.get("tcnn.kind") == "parent"}
+    for name, lam in EXPERIMENTS.items():
+        parent = parents[name]
+        assert parent.data.tags["tcnn.dvc_exp_name"] == name
+        assert parent.data.params["lambda_init"] == str(lam)
+        assert parent.info.status == "FINISHED"
+        kids = children(all_runs, parent.info.run_id)
+        assert {r.data.tags["tcnn.stage"] for r in kids} >= {"reparam", "finetune", "evaluate", "report"}
+        assert {r.info.status for r in kids} == {"FINISHED"}
+        assert {r.data.params["lambda_init"] for r in kids} == {str(lam)}  # no crossed runs
