@@ -52,7 +52,7 @@ PID_TAG = "tcnn.pid"
 RESUMES_TAG = "tcnn.resumes"  # parent: how often an interrupted (FAILED/KILLED) execution was continued
 DVC_LOCK_TAG = "tcnn.dvc_lock_sha256"  # parent: sha256 of dvc.lock (updated by every stage; final at report)
 DVC_EXP_TAG = "tcnn.dvc_exp_name"  # parent: the DVC experiment name under `dvc exp run`
-UV_LOCK_TAG = "tcnn.uv_lock_sha256"  # parent: sha256 of uv.lock, the locked environment (logged as an artifact)
+UV_LOCK_TAG = "tcnn.uv_lock_sha256"  # parent: sha256 of uv.lock (the lock itself: an artifact)
 UV_LOCK_FILE = "uv.lock"
 PARAMS_HASH_TAG = "tcnn.params_hash"  # parent: sha256 of its params (tracking section excluded)
 # Parent of a DVC chain: "open" until its last stage ran, then "complete" (or "superseded").

@@ -115,6 +115,7 @@ def test_git_tracks_exactly_the_uncached_outs() -> None:
 
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     outs = [(p, tracked) for s in _stages().values() for p, tracked in _outs(s)]
+
     def resolve(path: str) -> str:  # DVC's ${section.key} templating, from params.yaml
         return re.sub(r"\$\{(\w+)\.(\w+)\}", lambda m: params[m[1]][m[2]], path)
 
