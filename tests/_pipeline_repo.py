@@ -35,6 +35,11 @@ TINY: dict[str, Any] = {
 }  # fmt: skip
 
 
+#: Not copied: the suites, and a previous run's outputs in this checkout (its lock and the git-tracked metrics):
+#: the copy starts from code and params only.
+NOT_COPIED = ("tests/", "benchmarks/", "runs/", "results/", "dvc.lock")
+
+
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in extra.items():
@@ -76,7 +81,7 @@ def make_repo(dest: Path, overrides: dict[str, Any] | None = None) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     for rel in filter(None, files):
         src = REPO / rel
-        if src.is_file() and not rel.startswith(("tests/", "benchmarks/")):
+        if src.is_file() and not rel.startswith(NOT_COPIED):
             (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / rel)
     raw = yaml.safe_load((REPO / "params.yaml").read_text())
