@@ -98,6 +98,10 @@ def test_parent_tags_git_commit_and_dvc_lock(repo: Path, tmp_path: Path) -> None
 
     for dist in ("mlflow", "torch", "dvc"):  # as `pip freeze` names them
         assert f"{dist}=={version(dist)}" in env.splitlines()
+    # the locked environment: the repository's uv.lock itself, and its hash as a tag
+    lock = _download(repo, parent.info.run_id, "environment/uv.lock", tmp_path)
+    assert lock.read_bytes() == (repo / "uv.lock").read_bytes()
+    assert parent.data.tags["tcnn.uv_lock_sha256"] == _sha256(repo / "uv.lock")
 
 
 def test_params_have_stable_names(repo: Path) -> None:
