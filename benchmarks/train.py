@@ -19,8 +19,9 @@ import torch.nn.functional as F
 
 from core.models import build
 from core.models.reparam import to_tcnn
-from core.training.loop import autocast, select_device
+from core.training.loop import select_device
 from core.training.optim import build_sgd
+from core.training.precision import autocast
 
 
 def _step_rate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> float:

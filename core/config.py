@@ -28,6 +28,7 @@ from core.nn.cmhsa import CMHSA_ARCHS
 from core.nn.gpsa import STRIDE_MODES
 from core.nn.psa import QK_INITS
 from core.robustness.suite import CORRUPTIONS
+from core.training.precision import PRECISIONS
 
 FINETUNE_MODES = ("fresh", "continue")  # 000 Sec. 3 ("fresh") and Table 3 ("continue")
 
@@ -264,6 +265,7 @@ class TrackingConfig(_Strict):
 
 class Params(_Strict):
     seed: int = Field(0, ge=0)
+    precision: Literal[PRECISIONS] = "auto"  # core.training.precision: auto | fp32 | bf16 | fp16
     data: DataConfig = Field(default_factory=DataConfig)
     augment: AugmentConfig = Field(default_factory=AugmentConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)

@@ -101,6 +101,7 @@ def run_hash(
         "mode": params.finetune.mode,
         "input": input_sha,
         "device": device,
+        **({"precision": params.precision} if params.precision != "auto" else {}),
         "freeze": sorted(freeze),
     }
     if params.finetune.mode == "fresh":
@@ -221,7 +222,13 @@ def train(
     with deterministic(device):
         start = {"epoch": epochs.start, "step": scheduler.last_step}
         if loaders.val is not None:
-            v = evaluate(model, loaders.val.batches(0), device=device, channels_last=channels_last)
+            v = evaluate(
+                model,
+                loaders.val.batches(0),
+                device=device,
+                channels_last=channels_last,
+                precision=params.precision,
+            )
             start.update(val_loss=v["loss"], val_acc=v["acc"])
         start.update(stats(model, epochs.start))
         if mode == "fresh":
@@ -240,13 +247,20 @@ def train(
             val_loader=loaders.val,
             device=device,
             channels_last=channels_last,
+            precision=params.precision,
             checkpoint_every_steps=T.checkpoint_every_steps(params, NAME),
             extra_state=extra,
             epoch_stats=stats,
             history_start=[start],
             desc=f"{variant.name}[{mode}]",
         )
-        test = evaluate(model, loaders.test.batches(0), device=device, channels_last=channels_last)
+        test = evaluate(
+            model,
+            loaders.test.batches(0),
+            device=device,
+            channels_last=channels_last,
+            precision=params.precision,
+        )
 
     last = result.history[-1]
     trained = result.history[1:]

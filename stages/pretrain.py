@@ -72,6 +72,7 @@ def run_hash(params: Params, data_fingerprint: str, device: str) -> str:
         "keep": checkpoint_epochs(params),
         "input": data_fingerprint,
         "device": device,
+        **({"precision": params.precision} if params.precision != "auto" else {}),
     }
     if gate_lr(params) is not None:
         ident["gate_lr"] = gate_lr(params)
@@ -127,12 +128,19 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
             val_loader=loaders.val,
             device=device,
             channels_last=channels_last,
+            precision=params.precision,
             checkpoint_every_steps=T.checkpoint_every_steps(params, NAME),
             epoch_checkpoints=keep,
             extra_state=extra,
             desc=NAME,
         )
-        test = evaluate(model, loaders.test.batches(0), device=device, channels_last=channels_last)
+        test = evaluate(
+            model,
+            loaders.test.batches(0),
+            device=device,
+            channels_last=channels_last,
+            precision=params.precision,
+        )
 
     last = result.history[-1]
     metrics = {

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from core.training.checkpoint import CheckpointError, atomic_save, capture_rng, load, restore_rng
 from core.training.optim import WarmupCosine, optimizer_param_names
+from core.training.precision import autocast, grad_scaler
 
 RESUME_FILE = "resume.pt"
 STATE_FORMAT = "tcnn-train-state/1"
@@ -100,13 +101,6 @@ def deterministic(device: torch.device) -> Iterator[None]:
             torch.backends.cudnn.benchmark = before
 
 
-def autocast(device: torch.device) -> contextlib.AbstractContextManager:
-    """bf16 autocast on CUDA (no loss scaling needed); full fp32 on CPU."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def seed_everything(seed: int) -> None:
     """Seed python's, numpy's and torch's global RNGs (model init, stochastic depth, dropout)."""
     import random
@@ -155,8 +149,10 @@ def evaluate(
     *,
     device: torch.device | None = None,
     channels_last: bool = False,
+    precision: str = "auto",
 ) -> dict[str, float]:
-    """Mean cross-entropy and top-1 accuracy of `model` (put in eval mode, restored after) over `batches`."""
+    """Mean cross-entropy and top-1 accuracy of `model` (put in eval mode, restored after) over `batches`,
+    computed under `precision` (core.training.precision)."""
     device = device or next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -165,7 +161,7 @@ def evaluate(
         for x, y in batches:
             x = _to_device(x, device, channels_last)
             y = _hard(y.to(device))
-            with autocast(device):
+            with autocast(device, precision):
                 logits = model(x)
             loss_sum += float(F.cross_entropy(logits.float(), y, reduction="sum"))
             correct += int((logits.argmax(-1) == y).sum())
@@ -273,6 +269,7 @@ def fit(
     val_loader: Any | None = None,
     device: torch.device | None = None,
     channels_last: bool = False,
+    precision: str = "auto",
     scaler: torch.amp.GradScaler | None = None,
     checkpoint_every_steps: int = 0,
     epoch_checkpoints: Iterable[int] = (),
@@ -298,7 +295,7 @@ def fit(
     work_dir = Path(work_dir)
     device = device or next(model.parameters()).device
     loss_fn = loss_fn or TrainLoss()
-    scaler = scaler or torch.amp.GradScaler(device.type, enabled=False)
+    scaler = scaler or grad_scaler(device, precision)
     spe = len(train_loader)
     if spe <= 0:
         raise TrainingError(f"{desc}: the training set yields no full batch (steps per epoch = 0)")
@@ -378,7 +375,7 @@ def fit(
             for x, y in train_loader.batches(epoch, step):
                 x = _to_device(x, device, channels_last)
                 y = y.to(device, non_blocking=True)
-                with autocast(device):
+                with autocast(device, precision):
                     logits = model(x)
                 loss = loss_fn(logits, y)
                 optimizer.zero_grad(set_to_none=True)
@@ -419,7 +416,13 @@ def fit(
             if not math.isfinite(row["train_loss"]):
                 raise TrainingError(f"{desc}: training loss became {row['train_loss']} in epoch {label}")
             if val_loader is not None:
-                val = evaluate(model, val_loader.batches(0), device=device, channels_last=channels_last)
+                val = evaluate(
+                    model,
+                    val_loader.batches(0),
+                    device=device,
+                    channels_last=channels_last,
+                    precision=precision,
+                )
                 row["val_loss"], row["val_acc"] = val["loss"], val["acc"]
             if epoch_stats is not None:
                 row.update(epoch_stats(model, label))
