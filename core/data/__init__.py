@@ -28,9 +28,11 @@ from core.data.splits import (
     train_val_indices,
     verify_split,
 )
+from core.data.stream import StreamLoader
 
 __all__ = [
     "DATASETS", "MANIFEST", "BatchLoader", "DataError", "Datasets", "ImportResult", "ShardDataset", "Splits",
+    "StreamLoader",
     "atomic_output_dir", "first_batch", "fraction_indices", "import_cifar", "import_dataset",
     "import_fashion_mnist", "import_imagefolder", "load_datasets", "load_split", "load_splits", "make_loader",
     "parse_idx", "read_manifest", "split_train_val", "train_val_indices", "verify_split",
