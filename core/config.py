@@ -266,6 +266,9 @@ class TrackingConfig(_Strict):
 class Params(_Strict):
     seed: int = Field(0, ge=0)
     precision: Literal[PRECISIONS] = "auto"  # core.training.precision: auto | fp32 | bf16 | fp16
+    # Data-parallel (DDP) processes per training run: torchrun under `dvc repro`, Ray Train workers in a sweep
+    # trial (core.training.distributed). batch sizes stay global and must divide by it.
+    workers_per_trial: int = Field(1, ge=1)
     data: DataConfig = Field(default_factory=DataConfig)
     augment: AugmentConfig = Field(default_factory=AugmentConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -287,6 +290,12 @@ class Params(_Strict):
             raise ValueError(
                 f"pretrain.checkpoint_epochs: {bad} outside 0..pretrain.epochs={self.pretrain.epochs}"
             )
+        for key, size in (("pretrain", self.pretrain.batch_size), ("finetune", self.finetune.batch_size)):
+            if size % self.workers_per_trial:
+                raise ValueError(
+                    f"{key}.batch_size: {size} is not divisible by workers_per_trial={self.workers_per_trial}"
+                    " (batch sizes are global, split evenly among the data-parallel workers)"
+                )
         if self.data.name == "imagefolder" and self.data.source is None:
             raise ValueError("data.source: an imagefolder dataset needs the path of its tree")
         return self

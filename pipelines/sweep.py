@@ -90,13 +90,26 @@ def build_spec(params: Params, *, name: str | None, params_file: Path, cwd: Path
                 "experiment": params.tracking.experiment,
                 "parent_run_id": None,
             },
-            "resources": {"cpu": sw.cpus_per_trial, "gpu": sw.gpus_per_trial},
-            "threads": max(1, int(sw.cpus_per_trial)),
+            **trial_resources(params),
             "max_failures": sw.max_failures,
             "uid": None,
         }
     )
     return spec
+
+
+def trial_resources(params: Params) -> dict[str, Any]:
+    """Ray resources of a trial. With ``workers_per_trial`` W > 1 the trial's training stages run as W Ray
+    Train workers, each holding 1/W of ``sweep.cpus_per_trial`` / ``gpus_per_trial``; the trial process itself
+    (reparam, evaluate, and the TorchTrainer driver) holds one more such share, (W + 1) / W in all."""
+    sw, w = params.sweep, params.workers_per_trial
+    share = {"cpu": sw.cpus_per_trial / w, "gpu": sw.gpus_per_trial / w}
+    return {
+        "resources": share,
+        "workers": w,
+        "worker_resources": share,
+        "threads": max(1, int(share["cpu"])),
+    }
 
 
 def load_saved(spec: dict) -> dict | None:
@@ -406,7 +419,8 @@ def submit_slurm(spec: dict, args: argparse.Namespace) -> int:
     if args.nodes < 1:
         raise SweepError(f"--nodes {args.nodes}: must be at least 1")
     check_multinode_tracking(spec, args.nodes)
-    cpus = args.cpus_per_node or max(1, math.ceil(spec["resources"]["cpu"]))
+    w = spec.get("workers", 1)
+    cpus = args.cpus_per_node or max(1, math.ceil(spec["resources"]["cpu"] * (w + 1 if w > 1 else 1)))
     sweep_dir = Path(spec["sweep_dir"])
     folder = sweep_dir / "slurm"
     if args.ray_port:

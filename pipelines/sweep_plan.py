@@ -155,6 +155,7 @@ def pretrain_identity(params: Params, manifest: dict[str, Any], device: str, cod
     The network is identified by the spec the pretrain stage itself builds (``stages.pretrain.model_spec``:
     e.g. kinds cnn, tcnn and psa all pretrain the same CNN), plus its drop_path and any extra optimizer
     setting the stage derives (``stages.pretrain.gate_lr``)."""
+    from stages import _training as T
     from stages import pretrain
 
     d = params.data
@@ -179,6 +180,7 @@ def pretrain_identity(params: Params, manifest: dict[str, Any], device: str, cod
         "pretrain": pre,
         "device": device,
         "code": code,
+        **T.execution_identity(params, params.workers_per_trial),
     }
     gate_lr = pretrain.gate_lr(params)
     if gate_lr is not None:
@@ -202,6 +204,7 @@ def control_identity(params: Params, pretrain_key: str, device: str, code: str) 
         "augment": params.augment_for("finetune" if mode == "fresh" else "pretrain").model_dump(mode="json"),
         "device": device,
         "code": code,
+        **T.execution_identity(params, params.workers_per_trial),
     }
 
 

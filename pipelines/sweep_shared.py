@@ -27,6 +27,7 @@ from typing import Any
 
 from core.config import Params, validate_params
 from core.utils.atomic import atomic_write_json
+from pipelines.ddp import run_stage
 
 LOCK = ".lock"
 COMPLETE = "complete.json"
@@ -123,8 +124,6 @@ def ensure_pretraining(
 
     Returns (group directory, whether this call executed pretraining, the pretrain stage's metrics).
     """
-    from stages import pretrain
-
     group = spec["groups"][key]
     directory = Path(spec["storage"]) / "pretrain" / key
     need = {int(e) for e in group["epochs"]}
@@ -144,7 +143,7 @@ def ensure_pretraining(
         on_cpu = not (spec.get("resources") or {}).get("gpu")
         threads = pretrain_threads(spec) if on_cpu else None
         with torch_threads(threads) if threads else contextlib.nullcontext():
-            metrics = pretrain.run(params, root=directory)
+            metrics = run_stage("pretrain", params, directory, spec)
         atomic_write_json(
             directory / COMPLETE,
             {"checkpoint_epochs": metrics["checkpoint_epochs"], "finished": time.time(), "metrics": metrics},
@@ -203,7 +202,7 @@ def ensure_control(
         atomic_write_json(directory / "inputs.json", entry["identity"])
         _say(log, f"control {key}: fine-tuning the CNN without attention for trials {entry['trials']}")
         t0 = time.time()
-        metrics = control.run(validate_params(entry["params"]), root=directory)
+        metrics = run_stage("control", validate_params(entry["params"]), directory, spec)
         atomic_write_json(done, {"finished": time.time(), "metrics": metrics})
         record = {"sweep": spec["name"], "trial": trial, "key": key, "host": socket.gethostname(),
                   "started": t0, "finished": time.time()}  # fmt: skip

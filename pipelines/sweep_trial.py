@@ -35,6 +35,7 @@ from typing import Any
 
 from core.config import Params
 from core.utils.atomic import atomic_write_json
+from pipelines.ddp import run_stage
 from pipelines.sweep_plan import trial_label, trial_params
 from pipelines.sweep_shared import (
     SWEEP_PRETRAIN_RUNS,
@@ -309,7 +310,7 @@ class TrialRunner:
         else:
 
             def own() -> dict[str, Any]:
-                m = pretrain.run(p, root=root)
+                m = run_stage("pretrain", p, root, self.spec)
                 append_line(
                     Path(self.spec["sweep_dir"]) / SWEEP_PRETRAIN_RUNS,
                     {
@@ -347,7 +348,7 @@ class TrialRunner:
             watcher = EpochWatcher(root / "runs" / ".partial" / "finetune" / "resume.pt", emit)
             watcher.start()
             try:
-                metrics = finetune.run(p, root=root)
+                metrics = run_stage("finetune", p, root, self.spec)
             finally:
                 watcher.stop()
             history = read_json(root / "runs" / "finetune" / "history.json")
@@ -364,7 +365,7 @@ class TrialRunner:
                     {"stage": "control", "shared": t["control_key"], "finished": time.time()},
                 )
         else:
-            ctl, _ = self.stage("control", lambda: control.run(p, root=root))
+            ctl, _ = self.stage("control", lambda: run_stage("control", p, root, self.spec))
         report({"stage": "control", "control_test_acc": ctl.get("test_acc", 0.0)})
         ev, _ = self.stage("evaluate", lambda: evaluate.run(p, root=root))
 

@@ -39,7 +39,7 @@ def tracking_on(params: Params) -> bool:
 @contextlib.contextmanager
 def _tracked(params: Params, name: str) -> Iterator[Any]:
     """The stage's MLflow run (child of the pipeline's parent run), or nothing when tracking is off."""
-    if not tracking_on(params):
+    if not tracking_on(params) or int(os.environ.get("RANK", "0") or 0) != 0:  # one run: DDP rank 0's
         yield None
         return
     from stages.tracking import stage_run  # the one tracking adapter; stages work without it
@@ -127,7 +127,15 @@ def _log_outputs(tracker: Any, params: Params, name: str, metrics: Any, root: Pa
                 tracker.log_artifact(root / rel, run_id=parent)
 
 
-def stage_main(name: str, run: Callable[[Params], object], argv: list[str] | None = None) -> int:
+def stage_main(
+    name: str,
+    run: Callable[[Params], object],
+    argv: list[str] | None = None,
+    *,
+    data_parallel: Callable[[Params, str, list[str]], contextlib.AbstractContextManager] | None = None,
+) -> int:
+    """Parse, validate, run and track a stage. `data_parallel` (the training stages pass
+    stages._training.data_parallel) wraps the run: it may relaunch the stage as several DDP processes."""
     parser = argparse.ArgumentParser(prog=f"python -m stages.{name}")
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     parser.add_argument(
@@ -136,7 +144,9 @@ def stage_main(name: str, run: Callable[[Params], object], argv: list[str] | Non
     args = parser.parse_args(argv)
     try:
         params = plan_epochs(load_params(args.params, args.set))  # epochs x 1/f, as the sweeps plan them
-        with _tracked(params, name) as tracker:
+        args_list = sys.argv[1:] if argv is None else list(argv)
+        launch = data_parallel(params, name, args_list) if data_parallel else contextlib.nullcontext()
+        with launch, _tracked(params, name) as tracker:
             metrics = run(params)
             _log_outputs(tracker, params, name, metrics)
     except (ConfigError, StageError, DataError) as err:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,16 @@ from core.utils.atomic import atomic_write_json, atomic_write_text, remove_stale
 from stages._cli import StageError
 
 EVAL_BATCH = 500
+
+
+def _dist() -> Any:
+    """core.training.distributed, imported when used: the prepare stage imports this module for `datasets`
+    and its DVC deps should not include the training code."""
+    from core.training import distributed
+
+    return distributed
+
+
 # Keys that change how a run is carried out, not what it computes: left out of the resume identity.
 OPERATIONAL_KEYS = ("checkpoint_every_steps", "num_workers")
 
@@ -57,7 +69,12 @@ class Loaders:
 def loaders(
     params: Params, ds: Datasets, *, batch_size: int, seed: int, augment: Any, size: int | None
 ) -> Loaders:
+    """Train/val/test loaders; under data parallelism each yields this rank's shard of every global batch."""
     nw = params.data.num_workers
+    w = _dist().world()
+    if batch_size % w.size:
+        raise StageError(f"batch size {batch_size} is not divisible by the {w.size} data-parallel workers")
+    shard = {"rank": w.rank, "world_size": w.size}
     train = make_loader(
         ds,
         "train",
@@ -67,11 +84,61 @@ def loaders(
         augment=augment,
         image_size=size,
         num_workers=nw,
+        **shard,
     )
-    ev = {"batch_size": EVAL_BATCH, "train": False, "seed": seed, "image_size": size, "num_workers": nw}
+    ev = {"batch_size": EVAL_BATCH, "train": False, "seed": seed, "image_size": size, "num_workers": nw,
+          **shard}  # fmt: skip
     val = make_loader(ds, "val", **ev) if len(ds.val_y) else None
     test = make_loader(ds, "test", **ev)
     return Loaders(train, val, test)
+
+
+def _torchrun(name: str, workers: int, argv: list[str]) -> None:
+    """Replace this process by torchrun starting `workers` copies of the stage (DDP on one node; torchrun
+    makes the process group and forwards SIGTERM to every rank, which checkpoints and stops)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}"]
+    print(f"{name}: {workers} data-parallel workers (torchrun)", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os.execv(sys.executable, [*cmd, "-m", f"stages.{name}", *argv])
+
+
+@contextlib.contextmanager
+def data_parallel(params: Params, name: str, argv: list[str]) -> Iterator[None]:
+    """A training stage's command line with `workers_per_trial` > 1 relaunches itself under torchrun; each
+    torchrun (or Ray Train) worker joins the process group the launcher described (WORLD_SIZE set)."""
+    if params.workers_per_trial > 1 and "WORLD_SIZE" not in os.environ:
+        _torchrun(name, params.workers_per_trial, argv)
+    from core.training.loop import select_device
+
+    with _dist().process_group_from_env(select_device()):
+        yield
+
+
+def training_device() -> torch.device:
+    """The device a training stage runs on (core.training.loop.select_device; cuda:LOCAL_RANK per DDP rank)."""
+    from core.training.loop import select_device
+
+    return _dist().device_for_rank(select_device())
+
+
+def execution_identity(params: Params, workers: int | None = None) -> dict[str, Any]:
+    """How a training run executes, where it changes the result: the precision (when not "auto") and the
+    data-parallel world size (when > 1: BatchNorm statistics, per shard on CPU, and the ranks' random streams
+    depend on it; default: this process's world). Empty for the default run, so its identity is unchanged."""
+    size = _dist().world().size if workers is None else workers
+    return {
+        **({"precision": params.precision} if params.precision != "auto" else {}),
+        **({"workers": size} if size > 1 else {}),
+    }
+
+
+def evaluate_split(model: nn.Module, loader: Any, device: torch.device, channels_last: bool, params: Params
+                   ) -> dict[str, float]:  # fmt: skip
+    """Loss and accuracy over a whole evaluation split (summed over data-parallel ranks)."""
+    from core.training.loop import evaluate
+
+    return evaluate(model, loader.batches(0), device=device, channels_last=channels_last,
+                    precision=params.precision)  # fmt: skip
 
 
 def checkpoint_every_steps(params: Params, stage: str) -> int:
@@ -161,7 +228,10 @@ def publish(
     metrics: dict[str, Any] | None = None,
 ) -> None:
     """Write a stage's outputs into `out_dir` (each file atomically, metrics.json last), then drop the work
-    dir. Files are hard-linked out of the work dir, so a kill while publishing leaves the resume state whole."""
+    dir. Files are hard-linked out of the work dir, so a kill while publishing leaves the resume state whole.
+    Under data parallelism only rank 0 publishes (the other ranks hold the same model)."""
+    if not _dist().world().main:
+        return
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out_dir, (".*.tmp", ".*.publish"))  # left by a publish that was killed mid-write
     checkpoints = checkpoints or {}

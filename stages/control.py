@@ -91,7 +91,7 @@ def _disabled(root: Path, reason: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        return stage_main(NAME, run, argv)
+        return stage_main(NAME, run, argv, data_parallel=T.data_parallel)
     except Preempted as stop:
         print(f"{NAME}: {stop}", file=sys.stderr)
         return EXIT_PREEMPTED

@@ -49,6 +49,7 @@ from core.config import Params
 from core.data import first_batch
 from core.models import set_stochastic_depth
 from core.models.spec import build_from_spec
+from core.training import distributed as D
 from core.training.checkpoint import restore_rng
 from core.training.history import summarize_gpsa
 from core.training.loop import (
@@ -56,10 +57,8 @@ from core.training.loop import (
     Preempted,
     TrainLoss,
     deterministic,
-    evaluate,
     fit,
     seed_everything,
-    select_device,
 )
 from core.training.optim import WarmupCosine, build_adamw, build_sgd, freeze_parameters, load_named_state
 from core.utils.hashing import derive_seed, file_digest, stable_hash
@@ -101,7 +100,7 @@ def run_hash(
         "mode": params.finetune.mode,
         "input": input_sha,
         "device": device,
-        **({"precision": params.precision} if params.precision != "auto" else {}),
+        **T.execution_identity(params),
         "freeze": sorted(freeze),
     }
     if params.finetune.mode == "fresh":
@@ -154,7 +153,7 @@ def train(
     model = _build(ckpt, src)
     spec = ckpt["model_spec"]
     ds = T.datasets(params, root)
-    device = select_device()
+    device = T.training_device()
     f, p = params.finetune, params.pretrain
     freeze = sorted({*freeze, *f.freeze})
     frozen = freeze_parameters(model, freeze) if freeze else []
@@ -222,13 +221,7 @@ def train(
     with deterministic(device):
         start = {"epoch": epochs.start, "step": scheduler.last_step}
         if loaders.val is not None:
-            v = evaluate(
-                model,
-                loaders.val.batches(0),
-                device=device,
-                channels_last=channels_last,
-                precision=params.precision,
-            )
+            v = T.evaluate_split(model, loaders.val, device, channels_last, params)
             start.update(val_loss=v["loss"], val_acc=v["acc"])
         start.update(stats(model, epochs.start))
         if mode == "fresh":
@@ -254,13 +247,7 @@ def train(
             history_start=[start],
             desc=f"{variant.name}[{mode}]",
         )
-        test = evaluate(
-            model,
-            loaders.test.batches(0),
-            device=device,
-            channels_last=channels_last,
-            precision=params.precision,
-        )
+        test = T.evaluate_split(model, loaders.test, device, channels_last, params)
 
     last = result.history[-1]
     trained = result.history[1:]
@@ -279,6 +266,7 @@ def train(
         "image_size": size,
         "params_count": sum(t.numel() for t in model.parameters()),
         "device": device.type,
+        "workers": D.world().size,
         "resumed": result.resumed_from is not None,
         "frozen_parameters": len(frozen),
         **summarize_gpsa(last.get("gpsa") or {}),
@@ -307,7 +295,7 @@ def _steps(loaders: T.Loaders, batch: int, ds: Any, key: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        return stage_main(NAME, run, argv)
+        return stage_main(NAME, run, argv, data_parallel=T.data_parallel)
     except Preempted as stop:
         print(f"{NAME}: {stop}", file=sys.stderr)
         return EXIT_PREEMPTED

@@ -23,15 +23,14 @@ import torch
 from core.config import Params
 from core.models import set_stochastic_depth
 from core.models.spec import build_from_spec, pretraining_spec
+from core.training import distributed as D
 from core.training.loop import (
     EXIT_PREEMPTED,
     Preempted,
     TrainLoss,
     deterministic,
-    evaluate,
     fit,
     seed_everything,
-    select_device,
 )
 from core.training.optim import WarmupCosine, build_sgd, param_groups
 from core.utils.hashing import stable_hash
@@ -72,7 +71,7 @@ def run_hash(params: Params, data_fingerprint: str, device: str) -> str:
         "keep": checkpoint_epochs(params),
         "input": data_fingerprint,
         "device": device,
-        **({"precision": params.precision} if params.precision != "auto" else {}),
+        **T.execution_identity(params),
     }
     if gate_lr(params) is not None:
         ident["gate_lr"] = gate_lr(params)
@@ -84,7 +83,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     root = Path(root)
     out_dir, work_dir = root / "runs" / NAME, root / "runs" / ".partial" / NAME
     p = params.pretrain
-    device = select_device()
+    device = T.training_device()
     ds = T.datasets(params, root)
     keep = checkpoint_epochs(params)
 
@@ -134,13 +133,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
             extra_state=extra,
             desc=NAME,
         )
-        test = evaluate(
-            model,
-            loaders.test.batches(0),
-            device=device,
-            channels_last=channels_last,
-            precision=params.precision,
-        )
+        test = T.evaluate_split(model, loaders.test, device, channels_last, params)
 
     last = result.history[-1]
     metrics = {
@@ -156,6 +149,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         "checkpoint_epochs": keep,
         "params_count": sum(t.numel() for t in model.parameters()),
         "device": device.type,
+        "workers": D.world().size,
         "resumed": result.resumed_from is not None,
         "images_per_s": T.mean_rate(result.history),
         "train_time_s": sum(r["train_time_s"] for r in result.history),
@@ -176,7 +170,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        return stage_main(NAME, run, argv)
+        return stage_main(NAME, run, argv, data_parallel=T.data_parallel)
     except Preempted as stop:
         print(f"{NAME}: {stop}", file=sys.stderr)
         return EXIT_PREEMPTED

@@ -66,8 +66,11 @@ def make_loader(
     augment: Any = None,
     image_size: int | None = None,
     num_workers: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> Any:
-    """A core.data.BatchLoader over `split` ("train", "val", "test"); `image_size` None = native."""
+    """A core.data.BatchLoader over `split` ("train", "val", "test"); `image_size` None = native; `rank` of
+    `world_size` data-parallel workers gets its shard of every (global) batch."""
     x, y = getattr(ds, f"{split}_x"), getattr(ds, f"{split}_y")
     return BatchLoader(
         x,
@@ -81,6 +84,8 @@ def make_loader(
         image_size=None if image_size in (None, ds.image_size) else image_size,
         num_workers=num_workers,
         num_classes=ds.num_classes,
+        rank=rank,
+        world_size=world_size,
     )
 
 
@@ -93,5 +98,3 @@ def first_batch(loader: Any, n: int) -> torch.Tensor:
         if have >= n:
             break
     return torch.cat(xs)[:n] if xs else torch.empty(0)
-
-

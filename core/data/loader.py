@@ -143,13 +143,18 @@ class BatchLoader:
         drop_last: drop the last incomplete batch (default: ``train``).
         num_workers: 0 (default) builds batches in this process; >0 uses a torch DataLoader over steps.
         num_classes: for soft targets (default: ``labels.max() + 1``).
+        rank, world_size: data-parallel sharding. ``batch_size`` stays the *global* batch and the steps per
+            epoch do not change; rank r yields the slice ``[r B/W, (r+1) B/W)`` of each global batch, with
+            the crops and flips that sample gets at world size 1, so the ranks' shards together are exactly
+            the single-process batch (the data order depends on the seed only). Mixup/CutMix pair samples
+            within a shard (as timm does per rank), so with mixing the shards are not the 1-rank batch.
     """
 
     def __init__(
         self, images: np.ndarray | torch.Tensor, labels: np.ndarray | torch.Tensor, *, batch_size: int,
         train: bool, seed: int, mean: Sequence[float], std: Sequence[float],
         augment: AugmentConfig | None = None, image_size: int | None = None, drop_last: bool | None = None,
-        num_workers: int = 0, num_classes: int | None = None,
+        num_workers: int = 0, num_classes: int | None = None, rank: int = 0, world_size: int = 1,
     ) -> None:  # fmt: skip
         images = images.numpy() if isinstance(images, torch.Tensor) else np.asarray(images)
         labels = labels.numpy() if isinstance(labels, torch.Tensor) else np.asarray(labels)
@@ -159,6 +164,12 @@ class BatchLoader:
             raise ValueError(f"labels must be [N={len(images)}], got {labels.shape}")
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside 0..{world_size - 1}")
+        if train and batch_size % world_size:
+            raise ValueError(
+                f"batch_size {batch_size} is not divisible by the {world_size} data-parallel workers"
+            )
         c = images.shape[3]
         if len(mean) != c or len(std) != c:
             raise ValueError(f"mean/std need {c} channel values, got {len(mean)}/{len(std)}")
@@ -167,6 +178,7 @@ class BatchLoader:
         self.augment = augment if train else None
         self.drop_last = self.train if drop_last is None else bool(drop_last)
         self.num_workers = int(num_workers)
+        self.rank, self.world_size = int(rank), int(world_size)
         self.num_classes = (
             int(num_classes) if num_classes is not None else int(self.labels.max(initial=-1)) + 1
         )
@@ -208,17 +220,20 @@ class BatchLoader:
             raise IndexError(f"step {step} outside 0..{len(self) - 1}")
         order = self.order(epoch) if order is None else order
         idx = order[step * self.batch_size : (step + 1) * self.batch_size]
-        x = self.images[idx]
-        y = torch.from_numpy(self.labels[idx])
+        b = len(idx)  # the global batch: random draws are made for all of it, then this rank's slice kept
+        mine = slice(self.rank * b // self.world_size, (self.rank + 1) * b // self.world_size)
+        x = self.images[idx[mine]]
+        y = torch.from_numpy(self.labels[idx[mine]])
         aug = self.augment
         if aug is not None and (aug.crop_padding > 0 or aug.hflip):
             rng = _rng(self.seed, _CROP, epoch, step)
-            b, p = len(idx), aug.crop_padding
+            p = aug.crop_padding
             dy, dx = rng.integers(0, 2 * p + 1, size=(2, b))
             flip = rng.random(b) < 0.5 if aug.hflip else np.zeros(b, bool)
-            x = crop_flip(x, p, dy, dx, flip)
+            x = crop_flip(x, p, dy[mine], dx[mine], flip[mine])
         if self._randaug is not None:
-            x = self._apply_randaugment(x, epoch, step)
+            seeds = _rng(self.seed, _RANDAUG, epoch, step).integers(0, 1 << 63, size=b)
+            x = self._apply_randaugment(x, seeds[mine])
         # uint8 -> normalized float32 in NumPy: single-threaded and predictable, it leaves torch's threads
         # to the training step (torch's 2-thread elementwise ops were ~10x slower here under contention).
         xf = x.transpose(0, 3, 1, 2).astype(np.float32)
@@ -238,10 +253,9 @@ class BatchLoader:
             )  # fmt: skip
         return t, y
 
-    def _apply_randaugment(self, x: np.ndarray, epoch: int, step: int) -> np.ndarray:
+    def _apply_randaugment(self, x: np.ndarray, seeds: np.ndarray) -> np.ndarray:
         from PIL import Image
 
-        seeds = _rng(self.seed, _RANDAUG, epoch, step).integers(0, 1 << 63, size=len(x))
         out = np.empty_like(x)
         gray = x.shape[3] == 1
         for i in range(len(x)):

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from core.training import distributed as D
 from core.training.checkpoint import CheckpointError, atomic_save, capture_rng, load, restore_rng
 from core.training.optim import WarmupCosine, optimizer_param_names
 from core.training.precision import autocast, grad_scaler
@@ -152,7 +153,8 @@ def evaluate(
     precision: str = "auto",
 ) -> dict[str, float]:
     """Mean cross-entropy and top-1 accuracy of `model` (put in eval mode, restored after) over `batches`,
-    computed under `precision` (core.training.precision)."""
+    computed under `precision` (core.training.precision). Under data parallelism `batches` is this rank's
+    shard and the sums are added over ranks, so every rank returns the whole set's figures."""
     device = device or next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -168,6 +170,9 @@ def evaluate(
             n += int(y.numel())
     finally:
         model.train(was_training)
+    if D.world().parallel:
+        sums = D.all_sum(torch.tensor([loss_sum, correct, n], dtype=torch.float64))
+        loss_sum, correct, n = float(sums[0]), int(sums[1]), int(sums[2])
     if n == 0:
         return {"loss": float("nan"), "acc": float("nan"), "n": 0}
     return {"loss": loss_sum / n, "acc": correct / n, "n": n}
@@ -296,6 +301,9 @@ def fit(
     device = device or next(model.parameters()).device
     loss_fn = loss_fn or TrainLoss()
     scaler = scaler or grad_scaler(device, precision)
+    world = D.world()
+    if not world.main:  # one voice: rank 0 logs and draws the progress bar
+        log = _silent
     spe = len(train_loader)
     if spe <= 0:
         raise TrainingError(f"{desc}: the training set yields no full batch (steps per epoch = 0)")
@@ -313,14 +321,17 @@ def fit(
 
     model.to(device)  # before loading optimizer state, which follows its parameters' device
     state = _try_resume(resume_path, run_hash, log, notes)
+    if len({s is None for s in D.gather(state)}) > 1:  # (state is None) per rank: they must agree
+        raise TrainingError(f"{desc}: the ranks disagree on whether {resume_path} can be resumed")
     if state is not None:
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
-        restore_rng(state["rng"])
+        _restore_rank_rng(state, world)
         epoch, step, global_step = state["epoch"], state["step"], state["global_step"]
-        accum = _accum_from_state(state["accum"], device)
+        # the checkpoint holds the ranks' summed epoch accumulators: rank 0 carries them, the others add to 0
+        accum = _accum_from_state(state["accum"] if world.main else _zero_accum(state["accum"]), device)
         history = list(state["history"])
         saved = {int(k): work_dir / v for k, v in state["epoch_checkpoints"].items()}
         resumed_from = (epoch, step)
@@ -328,13 +339,19 @@ def fit(
             f"{desc}: resuming from {resume_path} at epoch {epoch + 1} step {step} (global step {global_step})"
         )
     else:
-        if work_dir.exists():
-            shutil.rmtree(work_dir)
-        work_dir.mkdir(parents=True, exist_ok=True)
+        D.barrier()  # every rank has read the old state before rank 0 clears it
+        if world.main:
+            if work_dir.exists():
+                shutil.rmtree(work_dir)
+            work_dir.mkdir(parents=True, exist_ok=True)
+        if world.parallel and not world.main:  # own dropout / drop-path draws per rank, fixed by (seed, rank)
+            seed_everything(torch.initial_seed() + 1_000_003 * world.rank)
         accum = _new_accum(device)
         history = [dict(r) for r in history_start or []]
 
     def snapshot(ep: int, st: int) -> dict[str, Any]:
+        """The full training state; a collective under DDP (every rank calls it, rank 0 writes it)."""
+        rng_ranks = D.gather(capture_rng())
         return {
             "format": STATE_FORMAT,
             "run_hash": run_hash,
@@ -347,36 +364,43 @@ def fit(
             "step": st,
             "global_step": global_step,
             "steps_per_epoch": spe,
-            "rng": capture_rng(),
-            "accum": _accum_to_state(accum),
+            "rng": rng_ranks[0],
+            **({"rng_ranks": rng_ranks} if world.parallel else {}),
+            "accum": _accum_to_state(_reduced(accum)),
             "history": history,
             "epoch_checkpoints": {k: p.name for k, p in saved.items()},
             **extra_state,
         }
 
+    def save(snap: dict[str, Any], path: Path) -> None:
+        if world.main:
+            atomic_save(snap, path)
+        D.barrier()  # no rank runs ahead of a checkpoint (a kill then loses at most the current step)
+
     def save_epoch_checkpoint(label: int) -> None:
         path = work_dir / f"ckpt-epoch-{label:03d}.pt"
         snap = snapshot(label, 0)
         snap["kind"] = "epoch"
-        atomic_save(snap, path)
+        save(snap, path)
         saved[label] = path
 
     if channels_last:
         model.to(memory_format=torch.channels_last)
     model.train()
+    net = D.wrap(model, device)  # DDP when several ranks: averages gradients in backward
 
     with StopSignals() as stop:
         if state is None and epochs.start in keep:
             save_epoch_checkpoint(epochs.start)
         while epoch < epochs.stop:
-            bar = _progress(desc, epoch, epochs.stop, spe, step)
+            bar = _progress(desc, epoch, epochs.stop, spe, step) if world.main else None
             t_start = time.perf_counter()
             n_timed = 0
             for x, y in train_loader.batches(epoch, step):
                 x = _to_device(x, device, channels_last)
                 y = y.to(device, non_blocking=True)
                 with autocast(device, precision):
-                    logits = model(x)
+                    logits = net(x)
                 loss = loss_fn(logits, y)
                 optimizer.zero_grad(set_to_none=True)
                 scaler.scale(loss).backward()
@@ -395,24 +419,24 @@ def fit(
                     on_step(StepInfo(epoch, step, global_step, loss.detach(), stop))
                 if bar is not None:
                     _bar_update(bar, step, loss, n_timed, t_start, accum)
+                stopping = D.any_rank(stop.received is not None, device)
                 if step < spe and (
-                    stop.received is not None
-                    or (checkpoint_every_steps > 0 and global_step % checkpoint_every_steps == 0)
+                    stopping or (checkpoint_every_steps > 0 and global_step % checkpoint_every_steps == 0)
                 ):
                     accum["time_s"] += time.perf_counter() - t_start
                     t_start, n_timed = time.perf_counter(), 0
-                    atomic_save(snapshot(epoch, step), resume_path)
-                    if stop.received is not None:
+                    save(snapshot(epoch, step), resume_path)
+                    if stopping:
                         if bar is not None:
                             bar.close()
                         stop.chain()
-                        raise Preempted(stop.received, resume_path, epoch, step)
+                        raise Preempted(_signum(stop), resume_path, epoch, step)
             accum["time_s"] += time.perf_counter() - t_start
             if bar is not None:
                 bar.close()
 
             label = epoch + 1
-            row = _epoch_row(label, global_step, accum, scheduler)
+            row = _epoch_row(label, global_step, _reduced(accum), scheduler)
             if not math.isfinite(row["train_loss"]):
                 raise TrainingError(f"{desc}: training loss became {row['train_loss']} in epoch {label}")
             if val_loader is not None:
@@ -432,10 +456,10 @@ def fit(
             accum = _new_accum(device)
             if label in keep:
                 save_epoch_checkpoint(label)
-            atomic_save(snapshot(epoch, 0), resume_path)
-            if stop.received is not None and epoch < epochs.stop:
+            save(snapshot(epoch, 0), resume_path)
+            if D.any_rank(stop.received is not None, device) and epoch < epochs.stop:
                 stop.chain()
-                raise Preempted(stop.received, resume_path, epoch, 0)
+                raise Preempted(_signum(stop), resume_path, epoch, 0)
 
     return FitResult(history, dict(sorted(saved.items())), resumed_from, global_step, work_dir, notes)
 
@@ -456,6 +480,45 @@ def _try_resume(path: Path, run_hash: str, log: Callable[[str], None], notes: li
         notes.append(msg)
         return None
     return state
+
+
+def _silent(msg: str) -> None:
+    pass
+
+
+def _signum(stop: StopSignals) -> int:
+    """The signal that stopped this rank, or SIGTERM for a rank stopped because another one was signalled."""
+    return stop.received if stop.received is not None else int(signal.SIGTERM)
+
+
+def _restore_rank_rng(state: dict[str, Any], world: D.World) -> None:
+    """Each rank's own RNG states when the checkpoint comes from the same world size; otherwise rank 0
+    takes the saved (rank 0) states and the others re-seed from them and their rank (deterministic)."""
+    ranks = state.get("rng_ranks")
+    if ranks is not None and len(ranks) == world.size:
+        restore_rng(ranks[world.rank])
+        return
+    restore_rng(state["rng"])
+    if not world.main:
+        seed_everything(torch.initial_seed() + 1_000_003 * world.rank + int(state["global_step"]))
+
+
+def _reduced(a: dict[str, Any]) -> dict[str, Any]:
+    """The epoch accumulators summed over ranks (loss, correct, images); this rank's time and lr."""
+    if not D.world().parallel:
+        return a
+    counts = D.all_sum(torch.tensor([float(a["images"])], dtype=torch.float64, device=a["loss_sum"].device))
+    return {
+        **a,
+        "loss_sum": D.all_sum(a["loss_sum"]),
+        "correct": D.all_sum(a["correct"]),
+        "images": int(counts.item()),
+    }
+
+
+def _zero_accum(a: dict[str, Any]) -> dict[str, Any]:
+    return {**a, "loss_sum": torch.zeros_like(a["loss_sum"]), "correct": torch.zeros_like(a["correct"]),
+            "images": 0}  # fmt: skip
 
 
 def _new_accum(device: torch.device | None = None) -> dict[str, Any]:

@@ -1,0 +1,67 @@
+"""Data-parallel training stages in a sweep trial: Ray Train's ``TorchTrainer`` inside the Tune trial.
+
+With ``workers_per_trial`` W > 1 a training stage (pretrain, finetune, control) runs as W Ray Train workers,
+which may sit on other nodes or GPUs than the trial itself; Ray Train makes the process group (gloo on CPU,
+NCCL on GPU) and every worker calls the same stage function the DVC path calls (``stages.<name>.run``),
+which trains under DDP (core.training.distributed) and publishes from rank 0. The stage's own resume state
+(``runs/.partial/``) makes a retried trial resume exactly, as with one worker. W = 1 calls the stage in the
+trial's process, as before.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+from core.config import Params
+from core.utils.atomic import atomic_write_json
+
+RESULT = "result-{}.json"  # rank 0's return value, handed to the trial through the trial directory
+
+
+def run_stage(stage: str, params: Params, root: Path, spec: dict[str, Any]) -> dict[str, Any]:
+    """``stages.<stage>.run(params, root=root)`` on ``params.workers_per_trial`` data-parallel workers."""
+    workers = params.workers_per_trial
+    if workers <= 1:
+        return importlib.import_module(f"stages.{stage}").run(params, root=root)
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    share = spec.get("worker_resources") or {"cpu": 1.0, "gpu": 0.0}
+    use_gpu = share["gpu"] > 0
+    resources = {"CPU": share["cpu"], **({"GPU": share["gpu"]} if use_gpu else {})}
+    out = Path(root) / "runs" / ".partial" / RESULT.format(stage)
+    out.unlink(missing_ok=True)
+    trainer = TorchTrainer(
+        _worker,
+        train_loop_config={
+            "stage": stage,
+            "params": params,
+            "root": str(root),
+            "out": str(out),
+            "threads": max(1, int(share["cpu"])),
+        },  # fmt: skip
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources),
+        run_config=RunConfig(
+            name=f"{Path(root).name}-{stage}",
+            storage_path=str(Path(spec["sweep_dir"]) / "ray-train"),
+            failure_config=FailureConfig(max_failures=0),  # the Tune trial retries (sweep.max_failures)
+        ),
+    )
+    trainer.fit()
+    return json.loads(out.read_text())
+
+
+def _worker(config: dict[str, Any]) -> None:
+    """One Ray Train worker: the stage function, with its rank's threads; rank 0 hands back the metrics."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(config["threads"])
+    result = importlib.import_module(f"stages.{config['stage']}").run(
+        config["params"], root=Path(config["root"])
+    )
+    if dist.get_rank() == 0:
+        atomic_write_json(Path(config["out"]), result)
