@@ -321,7 +321,7 @@ def fit(
 
     model.to(device)  # before loading optimizer state, which follows its parameters' device
     state = _try_resume(resume_path, run_hash, log, notes)
-    if len({s is None for s in D.gather(state)}) > 1:  # (state is None) per rank: they must agree
+    if len(set(D.gather(state is None))) > 1:  # every rank read the same file: they must agree
         raise TrainingError(f"{desc}: the ranks disagree on whether {resume_path} can be resumed")
     if state is not None:
         model.load_state_dict(state["model"])
