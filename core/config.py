@@ -69,6 +69,10 @@ class DataConfig(_Strict):
     image_size: int = Field(28, ge=8, le=1024)
     num_workers: int = Field(0, ge=0, le=64)
     shard_rows: int = Field(10000, ge=16)
+    # ImageFolder (encoded) datasets: decode and augment each batch from the shards in `num_workers` DataLoader
+    # workers (core.data.stream: RandomResizedCrop(image_size) + flip; eval resize + centre crop) instead of
+    # decoding the whole dataset into memory -- what ImageNet needs.
+    stream: bool = False
     # 001 Table 2: at fraction f < 1 every phase trains max(1, round(E / f)) epochs, so it sees as many images
     # as the full-data run (`plan_epochs`; the DVC path and the sweeps apply the same function).
     fraction_scales_epochs: bool = True
@@ -296,6 +300,10 @@ class Params(_Strict):
                     f"{key}.batch_size: {size} is not divisible by workers_per_trial={self.workers_per_trial}"
                     " (batch sizes are global, split evenly among the data-parallel workers)"
                 )
+        if self.data.stream and self.data.name != "imagefolder":
+            raise ValueError("data.stream: only ImageFolder (encoded) datasets are streamed")
+        if self.data.stream and any(self.augment_for(p).randaugment for p in ("pretrain", "finetune")):
+            raise ValueError("augment.randaugment: not available with data.stream (RandomResizedCrop + flip)")
         if self.data.name == "imagefolder" and self.data.source is None:
             raise ValueError("data.source: an imagefolder dataset needs the path of its tree")
         return self

@@ -1,7 +1,9 @@
 """Data-parallel training stages in a sweep trial: Ray Train's ``TorchTrainer`` inside the Tune trial.
 
 With ``workers_per_trial`` W > 1 a training stage (pretrain, finetune, control) runs as W Ray Train workers,
-which may sit on other nodes or GPUs than the trial itself; Ray Train makes the process group (gloo on CPU,
+and a single-process stage (reparam, evaluate) as one, each holding 1/W of the trial's CPUs and GPUs; the
+trial process keeps a CPU share and no GPU, so a trial of W GPUs fits a node of W GPUs. Workers may sit on
+other nodes than the trial itself; Ray Train makes the process group (gloo on CPU,
 NCCL on GPU) and every worker calls the same stage function the DVC path calls (``stages.<name>.run``),
 which trains under DDP (core.training.distributed) and publishes from rank 0. The stage's own resume state
 (``runs/.partial/``) makes a retried trial resume exactly, as with one worker. W = 1 calls the stage in the
@@ -21,11 +23,14 @@ from core.utils.atomic import atomic_write_json
 RESULT = "result-{}.json"  # rank 0's return value, handed to the trial through the trial directory
 
 
-def run_stage(stage: str, params: Params, root: Path, spec: dict[str, Any]) -> dict[str, Any]:
-    """``stages.<stage>.run(params, root=root)`` on ``params.workers_per_trial`` data-parallel workers."""
-    workers = params.workers_per_trial
-    if workers <= 1:
+def run_stage(
+    stage: str, params: Params, root: Path, spec: dict[str, Any], *, workers: int | None = None
+) -> dict[str, Any]:
+    """``stages.<stage>.run(params, root=root)`` on `workers` (default ``params.workers_per_trial``) Ray Train
+    workers; in the trial's own process when ``workers_per_trial`` is 1."""
+    if params.workers_per_trial <= 1:
         return importlib.import_module(f"stages.{stage}").run(params, root=root)
+    workers = params.workers_per_trial if workers is None else workers
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 

@@ -99,13 +99,14 @@ def build_spec(params: Params, *, name: str | None, params_file: Path, cwd: Path
 
 
 def trial_resources(params: Params) -> dict[str, Any]:
-    """Ray resources of a trial. With ``workers_per_trial`` W > 1 the trial's training stages run as W Ray
-    Train workers, each holding 1/W of ``sweep.cpus_per_trial`` / ``gpus_per_trial``; the trial process itself
-    (reparam, evaluate, and the TorchTrainer driver) holds one more such share, (W + 1) / W in all."""
+    """Ray resources of a trial. With ``workers_per_trial`` W > 1 its stages run as Ray Train workers (W for
+    training, one for reparam and evaluate: pipelines/ddp.py), each holding 1/W of ``sweep.cpus_per_trial`` /
+    ``gpus_per_trial``; the trial process (the TorchTrainer driver, the corrupted sets) holds one more CPU
+    share and no GPU: (W + 1) / W of the CPUs and exactly the GPUs asked for."""
     sw, w = params.sweep, params.workers_per_trial
     share = {"cpu": sw.cpus_per_trial / w, "gpu": sw.gpus_per_trial / w}
     return {
-        "resources": share,
+        "resources": share if w == 1 else {"cpu": share["cpu"], "gpu": 0.0},
         "workers": w,
         "worker_resources": share,
         "threads": max(1, int(share["cpu"])),

@@ -254,8 +254,6 @@ class TrialRunner:
             return self._run()
 
     def _run(self) -> dict[str, Any]:
-        from stages import control, evaluate, finetune, pretrain, reparam
-
         state = read_json(self.root / STATE) or {}
         done = read_json(self.root / DONE)
         if done is not None:  # finished before (the driver died before Tune recorded it): not run again
@@ -280,7 +278,7 @@ class TrialRunner:
         report = Reporter(self.tid, run_id, self.report_enabled)
         report({"stage": "start", "attempt": attempts})
         try:
-            done = self._stages(tracker, report, pretrain, reparam, finetune, control, evaluate)
+            done = self._stages(tracker, report)
             tracker.end("FINISHED")
         except BaseException:
             tracker.end("FAILED")
@@ -288,16 +286,7 @@ class TrialRunner:
         report({"stage": "done", **done["headline"]})
         return done
 
-    def _stages(
-        self,
-        tracker: Any,
-        report: Reporter,
-        pretrain: Any,
-        reparam: Any,
-        finetune: Any,
-        control: Any,
-        evaluate: Any,
-    ) -> dict:
+    def _stages(self, tracker: Any, report: Reporter) -> dict:
         p, root, t = self.params, self.root, self.spec["trials"][self.tid]
         if self.spec["share_pretraining"]:
             group_dir, executed, pre = ensure_pretraining(self.spec, t["pretrain_key"], trial=self.tid)
@@ -330,7 +319,7 @@ class TrialRunner:
                 "pretrain_test_acc": pre.get("test_acc", 0.0),
             }
         )
-        rep, _ = self.stage("reparam", lambda: reparam.run(p, root=root))
+        rep, _ = self.stage("reparam", lambda: run_stage("reparam", p, root, self.spec, workers=1))
         report({"stage": "reparam", "max_abs_logit_diff": rep.get("max_abs_logit_diff") or 0.0})
 
         def emit(row: dict[str, Any]) -> None:
@@ -367,7 +356,7 @@ class TrialRunner:
         else:
             ctl, _ = self.stage("control", lambda: run_stage("control", p, root, self.spec))
         report({"stage": "control", "control_test_acc": ctl.get("test_acc", 0.0)})
-        ev, _ = self.stage("evaluate", lambda: evaluate.run(p, root=root))
+        ev, _ = self.stage("evaluate", lambda: run_stage("evaluate", p, root, self.spec, workers=1))
 
         tracker.log_metrics(numeric(pre, "pretrain_"))
         tracker.log_metrics(numeric(rep, "reparam_"))

@@ -53,6 +53,7 @@ def datasets(params: Params, root: Path = Path(".")) -> Datasets:
             val_size=params.data.val_size,
             sample_fraction=params.data.sample_fraction,
             seed=params.seed,
+            stream_size=params.data.image_size if params.data.stream else None,
         )
     except (OSError, ValueError, KeyError) as err:
         msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -74,7 +75,7 @@ def loaders(
     w = _dist().world()
     if batch_size % w.size:
         raise StageError(f"batch size {batch_size} is not divisible by the {w.size} data-parallel workers")
-    shard = {"rank": w.rank, "world_size": w.size}
+    shard = {"rank": w.rank, "world_size": w.size, "device": training_device()}  # device: pinned memory
     train = make_loader(
         ds,
         "train",

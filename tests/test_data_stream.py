@@ -153,10 +153,9 @@ def test_crop_params_follow_torchvision_bounds() -> None:
 def test_bad_inputs(tree, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not divisible by world_size"):
         make(tree, batch_size=9, world_size=2, rank=1)
-    with pytest.raises(ValueError, match="no batch of"):
+    with pytest.raises(ValueError, match="no images selected"):
         make(tree, indices=[])
-    with pytest.raises(ValueError, match="no batch of"):
-        make(tree, batch_size=100)
+    assert len(make(tree, batch_size=100)) == 0  # as BatchLoader: the stages report "no full batch"
     with pytest.raises(ValueError, match="indices outside"):
         make(tree, indices=[70])
     with pytest.raises(ValueError, match="start_step"):

@@ -16,11 +16,12 @@ from core.data.importers import (
     import_imagefolder,
     parse_idx,
 )
-from core.data.loader import BatchLoader
+from core.data.loader import BatchLoader, Mixing
 from core.data.splits import (
     ShardDataset,
     Splits,
     fraction_indices,
+    load_labels,
     load_split,
     load_splits,
     read_manifest,
@@ -32,7 +33,7 @@ from core.data.stream import StreamLoader
 
 __all__ = [
     "DATASETS", "MANIFEST", "BatchLoader", "DataError", "Datasets", "ImportResult", "ShardDataset", "Splits",
-    "StreamLoader",
+    "Mixing", "StreamLoader", "load_labels",
     "atomic_output_dir", "first_batch", "fraction_indices", "import_cifar", "import_dataset",
     "import_fashion_mnist", "import_imagefolder", "load_datasets", "load_split", "load_splits", "make_loader",
     "parse_idx", "read_manifest", "split_train_val", "train_val_indices", "verify_split",

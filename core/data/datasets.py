@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from core.data.loader import BatchLoader
-from core.data.splits import load_splits
+from core.data.loader import BatchLoader, Mixing
+from core.data.splits import load_labels, load_splits, read_manifest, train_val_indices, verify_split
 from core.utils.hashing import stable_hash
 
 
@@ -30,14 +32,23 @@ class Datasets:
     in_chans: int
     image_size: int
     fingerprint: str  # hash of manifest.json (which holds every shard's sha256)
+    # streamed (data.stream): no arrays (the *_x are None); the shards, and the train / val positions in them
+    stream_dir: Path | None = None
+    train_idx: np.ndarray | None = None
+    val_idx: np.ndarray | None = None
 
 
 def load_datasets(
-    data_dir: str | os.PathLike, *, val_size: int, sample_fraction: float, seed: int
-) -> Datasets:
+    data_dir: str | os.PathLike, *, val_size: int, sample_fraction: float, seed: int,
+    stream_size: int | None = None,
+) -> Datasets:  # fmt: skip
     """Load a prepared dataset (core.data.load_splits): a class-balanced validation set carved out of the
     training split, a class-balanced `sample_fraction` of the rest (001 Table 2), and the test split.
+    `stream_size` (an encoded dataset streamed at that resolution): only labels are read here, the same split
+    is kept as positions, and the loaders decode per batch (core.data.stream).
     Errors are core.data.DataError / ValueError with one line naming the file or key."""
+    if stream_size is not None:
+        return _streamed(Path(data_dir), val_size, sample_fraction, seed, stream_size)
     s = load_splits(data_dir, val_size=val_size, sample_fraction=sample_fraction, seed=seed)
     h, _, c = s.manifest["image_shape"]
     return Datasets(
@@ -56,6 +67,26 @@ def load_datasets(
     )
 
 
+def _streamed(data_dir: Path, val_size: int, fraction: float, seed: int, size: int) -> Datasets:
+    manifest = read_manifest(data_dir)
+    if manifest["image_encoding"] != "encoded":
+        raise ValueError(
+            f"data.stream: {data_dir} holds {manifest['image_encoding']!r} images, not encoded ones"
+        )
+    for split in ("train", "test"):
+        verify_split(data_dir, split, manifest)  # once here; the loaders skip it
+    labels = load_labels(data_dir, "train")
+    tr, va = train_val_indices(labels, val_size=val_size, fraction=fraction, seed=seed)
+    return Datasets(
+        train_x=None, train_y=labels[tr], val_x=None, val_y=labels[va], test_x=None,
+        test_y=load_labels(data_dir, "test"), mean=[float(v) for v in manifest["mean"]],
+        std=[float(v) for v in manifest["std"]], num_classes=int(manifest["num_classes"]),
+        in_chans=1 if manifest.get("image_mode") == "L" else 3, image_size=int(size),
+        fingerprint=stable_hash({k: v for k, v in manifest.items() if k != "source"}),
+        stream_dir=data_dir, train_idx=tr, val_idx=va,
+    )  # fmt: skip
+
+
 def make_loader(
     ds: Datasets,
     split: str,
@@ -68,9 +99,15 @@ def make_loader(
     num_workers: int = 0,
     rank: int = 0,
     world_size: int = 1,
+    device: Any = None,
 ) -> Any:
-    """A core.data.BatchLoader over `split` ("train", "val", "test"); `image_size` None = native; `rank` of
-    `world_size` data-parallel workers gets its shard of every (global) batch."""
+    """A core.data.BatchLoader over `split` ("train", "val", "test"), or a StreamLoader for a streamed
+    dataset; `image_size` None = native; `rank` of `world_size` data-parallel workers gets its shard of every
+    (global) batch."""
+    if ds.stream_dir is not None:
+        return _stream_loader(ds, split, batch_size=batch_size, train=train, seed=seed, augment=augment,
+                              image_size=image_size, num_workers=num_workers, rank=rank, world_size=world_size,
+                              device=device)  # fmt: skip
     x, y = getattr(ds, f"{split}_x"), getattr(ds, f"{split}_y")
     return BatchLoader(
         x,
@@ -98,3 +135,18 @@ def first_batch(loader: Any, n: int) -> torch.Tensor:
         if have >= n:
             break
     return torch.cat(xs)[:n] if xs else torch.empty(0)
+
+
+def _stream_loader(ds: Datasets, split: str, *, augment: Any, num_workers: int, **kw: Any) -> Any:
+    """StreamLoader over the streamed split (RandomResizedCrop + flip when training), with Mixup/CutMix on
+    top when `augment` asks for them."""
+    from core.data.stream import StreamLoader
+
+    stored = "test" if split == "test" else "train"
+    indices = {"train": ds.train_idx, "val": ds.val_idx, "test": None}[split]
+    kw["image_size"] = kw["image_size"] or ds.image_size
+    loader = StreamLoader(ds.stream_dir, stored, indices=indices, mean=ds.mean, std=ds.std, verify=False,
+                          num_workers=num_workers, persistent_workers=num_workers > 0, **kw)  # fmt: skip
+    if kw["train"] and augment is not None and (augment.mixup > 0 or augment.cutmix > 0):
+        return Mixing(loader, augment, ds.num_classes, kw["seed"])
+    return loader

@@ -40,8 +40,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from core.utils.hashing import file_digest
 from core.utils.atomic import atomic_write_json
+from core.utils.hashing import file_digest
 
 FORMAT_VERSION = 1
 IMPORTER_VERSION = 1  # bump when the bytes an importer writes change

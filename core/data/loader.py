@@ -277,8 +277,27 @@ class BatchLoader:
         loader = torch.utils.data.DataLoader(
             _EpochSteps(self, epoch), batch_size=None, sampler=range(start_step, len(self)),
             num_workers=self.num_workers, persistent_workers=False,
+            generator=torch.Generator().manual_seed(self.seed),  # not torch's global RNG (drop-path draws)
         )  # fmt: skip
         yield from loader
+
+
+class Mixing:
+    """Mixup/CutMix over the batches of another loader (e.g. core.data.stream.StreamLoader), drawn from the
+    (seed, epoch, step) generator exactly as BatchLoader mixes its own batches."""
+
+    def __init__(self, loader: Any, augment: AugmentConfig, num_classes: int, seed: int) -> None:
+        self.loader, self.augment, self.num_classes, self.seed = loader, augment, num_classes, seed
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def batches(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        a = self.augment
+        for step, (x, y) in enumerate(self.loader.batches(epoch, start_step), start_step):
+            x, y, _ = mix_batch(x, y, _rng(self.seed, _MIX, epoch, step), mixup=a.mixup, cutmix=a.cutmix,
+                                num_classes=self.num_classes, smoothing=a.label_smoothing)  # fmt: skip
+            yield x, y
 
 
 class _EpochSteps(torch.utils.data.Dataset):

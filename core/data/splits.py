@@ -31,9 +31,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from core.data.importers import DataError, FORMAT_VERSION, MANIFEST
+from core.data.importers import FORMAT_VERSION, MANIFEST, DataError
 from core.utils.hashing import file_digest
-
 
 # Stream tags: each random choice draws from its own seeded stream, so adding one never shifts another.
 _VAL_STREAM = 0x5641  # "VA"
@@ -93,6 +92,19 @@ def _read_shard(path: Path, columns: list[str]) -> pa.Table:
         return pq.read_table(path, columns=columns)
     except (pa.ArrowException, OSError) as err:
         raise DataError(f"{path}: unreadable shard ({type(err).__name__}: {err})") from None
+
+
+def load_labels(data_dir: str | Path, split: str) -> np.ndarray:
+    """A split's labels in ``index`` order, read from the label column only (no image is read or decoded)."""
+    data_dir = Path(data_dir)
+    entry = _split_entry(read_manifest(data_dir), split, data_dir)
+    labels = np.full(int(entry["num_rows"]), -1, np.int64)
+    for rec in entry["files"]:
+        table = _read_shard(data_dir / rec["name"], ["label", "index"])
+        labels[table.column("index").to_numpy()] = table.column("label").to_numpy()
+    if (labels < 0).any():
+        raise DataError(f"{data_dir}: split {split!r} is missing rows")
+    return labels
 
 
 def _decode(data: bytes, mode: str, image_size: int | None, name: str) -> np.ndarray:

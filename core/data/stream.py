@@ -127,10 +127,8 @@ class StreamLoader:
         self.image_size, self.shuffle_window = int(image_size), int(shuffle_window)
         self.drop_last = self.train if drop_last is None else bool(drop_last)
         self.rank, self.world_size = int(rank), int(world_size)
-        if len(self) == 0:
-            raise ValueError(
-                f"{self.data_dir}: split {split!r} has {len(rows)} images, no batch of {batch_size}"
-            )
+        if len(rows) == 0:  # fewer images than a batch is len() == 0, as for BatchLoader: the stage says so
+            raise ValueError(f"{self.data_dir}: split {split!r}: no images selected")
         self.gray = manifest.get("image_mode", "RGB") == "L"
         c = 1 if self.gray else 3
         mean_a = np.asarray(manifest["mean"] if mean is None else mean, np.float32).reshape(-1, 1, 1)
@@ -259,6 +257,7 @@ class StreamLoader:
             _Batches(self), batch_size=None, sampler=[], num_workers=self.num_workers,
             pin_memory=self.pin, prefetch_factor=self.prefetch_factor,
             persistent_workers=self.persistent_workers, worker_init_fn=_one_thread,
+            generator=torch.Generator().manual_seed(self.seed),  # not torch's global RNG (drop-path draws)
         )  # fmt: skip
 
 
