@@ -3,11 +3,11 @@
 With ``workers_per_trial`` W > 1 a training stage (pretrain, finetune, control) runs as W Ray Train workers,
 and a single-process stage (reparam, evaluate) as one, each holding 1/W of the trial's CPUs and GPUs; the
 trial process keeps a CPU share and no GPU, so a trial of W GPUs fits a node of W GPUs. Workers may sit on
-other nodes than the trial itself; Ray Train makes the process group (gloo on CPU,
-NCCL on GPU) and every worker calls the same stage function the DVC path calls (``stages.<name>.run``),
-which trains under DDP (core.training.distributed) and publishes from rank 0. The stage's own resume state
-(``runs/.partial/``) makes a retried trial resume exactly, as with one worker. W = 1 calls the stage in the
-trial's process, as before.
+other nodes than the trial itself. Ray Train makes the process group (gloo on CPU, NCCL on GPU) and every
+worker calls the same stage function the DVC path calls (``stages.<name>.run``), which trains under DDP
+(core.training.distributed) and publishes from rank 0. The stage's own resume state (``runs/.partial/``)
+makes a retried trial resume exactly, as with one worker. W = 1 calls the stage in the trial's process, as
+before.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def run_stage(
             "root": str(root),
             "out": str(out),
             "threads": max(1, int(share["cpu"])),
-        },  # fmt: skip
+        },
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources),
         run_config=RunConfig(
             name=f"{Path(root).name}-{stage}",

@@ -17,20 +17,14 @@ from pydantic import BaseModel
 
 from core.config import Params
 from core.data import Datasets, load_datasets, make_loader
+from core.training import distributed as D
 from core.training.checkpoint import CheckpointError, atomic_save, load
 from core.training.history import csv_text, history_rows_flat
+from core.training.loop import evaluate, select_device
 from core.utils.atomic import atomic_write_json, atomic_write_text, remove_stale_temps
 from stages._cli import StageError
 
 EVAL_BATCH = 500
-
-
-def _dist() -> Any:
-    """core.training.distributed, imported when used: the prepare stage imports this module for `datasets`
-    and its DVC deps should not include the training code."""
-    from core.training import distributed
-
-    return distributed
 
 
 # Keys that change how a run is carried out, not what it computes: left out of the resume identity.
@@ -72,7 +66,7 @@ def loaders(
 ) -> Loaders:
     """Train/val/test loaders; under data parallelism each yields this rank's shard of every global batch."""
     nw = params.data.num_workers
-    w = _dist().world()
+    w = D.world()
     if batch_size % w.size:
         raise StageError(f"batch size {batch_size} is not divisible by the {w.size} data-parallel workers")
     shard = {"rank": w.rank, "world_size": w.size, "device": training_device()}  # device: pinned memory
@@ -109,24 +103,20 @@ def data_parallel(params: Params, name: str, argv: list[str]) -> Iterator[None]:
     torchrun (or Ray Train) worker joins the process group the launcher described (WORLD_SIZE set)."""
     if params.workers_per_trial > 1 and "WORLD_SIZE" not in os.environ:
         _torchrun(name, params.workers_per_trial, argv)
-    from core.training.loop import select_device
-
-    with _dist().process_group_from_env(select_device()):
+    with D.process_group_from_env(select_device()):
         yield
 
 
 def training_device() -> torch.device:
     """The device a training stage runs on (core.training.loop.select_device; cuda:LOCAL_RANK per DDP rank)."""
-    from core.training.loop import select_device
-
-    return _dist().device_for_rank(select_device())
+    return D.device_for_rank(select_device())
 
 
 def execution_identity(params: Params, workers: int | None = None) -> dict[str, Any]:
     """How a training run executes, where it changes the result: the precision (when not "auto") and the
     data-parallel world size (when > 1: BatchNorm statistics, per shard on CPU, and the ranks' random streams
     depend on it; default: this process's world). Empty for the default run, so its identity is unchanged."""
-    size = _dist().world().size if workers is None else workers
+    size = D.world().size if workers is None else workers
     return {
         **({"precision": params.precision} if params.precision != "auto" else {}),
         **({"workers": size} if size > 1 else {}),
@@ -136,8 +126,6 @@ def execution_identity(params: Params, workers: int | None = None) -> dict[str, 
 def evaluate_split(model: nn.Module, loader: Any, device: torch.device, channels_last: bool, params: Params
                    ) -> dict[str, float]:  # fmt: skip
     """Loss and accuracy over a whole evaluation split (summed over data-parallel ranks)."""
-    from core.training.loop import evaluate
-
     return evaluate(model, loader.batches(0), device=device, channels_last=channels_last,
                     precision=params.precision)  # fmt: skip
 
@@ -231,7 +219,7 @@ def publish(
     """Write a stage's outputs into `out_dir` (each file atomically, metrics.json last), then drop the work
     dir. Files are hard-linked out of the work dir, so a kill while publishing leaves the resume state whole.
     Under data parallelism only rank 0 publishes (the other ranks hold the same model)."""
-    if not _dist().world().main:
+    if not D.world().main:
         return
     out_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out_dir, (".*.tmp", ".*.publish"))  # left by a publish that was killed mid-write
