@@ -11,12 +11,14 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from _pipeline_repo import FMNIST_DIR, built_repo, children, dvc, run, runs
+from _pipeline_repo import FMNIST_DIR, built_repo, children, dvc, env, run, runs
 
 pytestmark = [
     pytest.mark.slow,
@@ -41,6 +43,19 @@ def _wait_for_queue(repo: Path, timeout: float) -> str:
             return status
         assert time.monotonic() - t0 < timeout, f"queue still busy after {timeout:.0f}s:\n{status}"
         time.sleep(3)
+
+
+def _stop_workers(repo: Path) -> None:
+    """Shut the queue's workers down and kill any that stays. With two workers on DVC's filesystem broker a
+    worker's idle monitor can die on a half-written message (JSONDecodeError; treeverse/dvc-task#73,
+    treeverse/dvc#10428) and the worker then never exits after the experiments are done."""
+    import psutil
+
+    dvc(repo, "queue", "stop", "--kill", check=False, timeout=120)
+    for p in psutil.process_iter(["cmdline", "cwd"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if p.info["cwd"] == str(repo) and "dvc" in cmd and "queue" in cmd:
+            p.kill()
 
 
 def _exp_rows(repo: Path) -> dict[str, dict]:
@@ -70,11 +85,18 @@ def queued(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run([*GIT, "commit", "-q", "-m", "baseline: dvc.lock and metrics"], repo)
     for name, lam in EXPERIMENTS.items():
         dvc(repo, "exp", "run", "--queue", "-n", name, "-S", f"reparam.lambda_init={lam}")
-    dvc(repo, "queue", "start", "-j", "2")
-    status = _wait_for_queue(repo, timeout=900)
-    if "Failed" in status:
-        logs = [dvc(repo, "queue", "logs", name, check=False).stdout[-3000:] for name in EXPERIMENTS]
-        raise AssertionError("\n".join([status, *logs]))
+    # the workers it starts keep stdout open: not captured, or the call would wait for them to exit
+    subprocess.run([sys.executable, "-m", "dvc", "queue", "start", "-j", "2"], cwd=repo, check=True, timeout=300,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   env=env(DVC_SITE_CACHE_DIR=str(repo.parent / f"{repo.name}-dvc-site")))  # fmt: skip
+    try:
+        status = _wait_for_queue(repo, timeout=900)
+        if "Failed" in status:
+            logs = [dvc(repo, "queue", "logs", name, check=False).stdout[-3000:] for name in EXPERIMENTS]
+            raise AssertionError("\n".join([status, *logs]))
+        assert status.count("Success") == len(EXPERIMENTS), status
+    finally:
+        _stop_workers(repo)
     return repo
 
 

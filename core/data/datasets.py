@@ -146,7 +146,8 @@ def _stream_loader(ds: Datasets, split: str, *, augment: Any, num_workers: int, 
     indices = {"train": ds.train_idx, "val": ds.val_idx, "test": None}[split]
     kw["image_size"] = kw["image_size"] or ds.image_size
     loader = StreamLoader(ds.stream_dir, stored, indices=indices, mean=ds.mean, std=ds.std, verify=False,
-                          num_workers=num_workers, persistent_workers=num_workers > 0, **kw)  # fmt: skip
+                          num_workers=num_workers, persistent_workers=num_workers > 0 and kw["train"],
+                          **kw)  # fmt: skip  # eval loaders run once an epoch: their workers need not idle
     if kw["train"] and augment is not None and (augment.mixup > 0 or augment.cutmix > 0):
         return Mixing(loader, augment, ds.num_classes, kw["seed"])
     return loader
