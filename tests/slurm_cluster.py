@@ -60,13 +60,20 @@ class SlurmCluster:
         deadline = time.monotonic() + timeout
         seen: list[str] = []
         pending_seen = False
+        pending_since = 0.0
         while time.monotonic() < deadline:
             state = self.job_field(job_id, "JobState")
             restarts = int(self.job_field(job_id, "Restarts") or 0)
             if state is not None and (not seen or seen[-1] != f"{state}/{restarts}"):
                 seen.append(f"{state}/{restarts}")
             if state == "PENDING" and restarts > 0:  # a requeued job waiting for its begin time
-                pending_seen = True
+                if not pending_seen:
+                    pending_seen, pending_since = True, time.monotonic()
+                # slurmd rejects a restart in the same second as the kill revoked the old credential ("Job
+                # credential revoked": its times have 1 s resolution), which ends the job: wait 2 s first
+                if time.monotonic() - pending_since < 2.0:
+                    time.sleep(0.25)
+                    continue
                 res = self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
                 if res.returncode != 0 and f"update: {res.stderr.strip()}" not in seen:
                     seen.append(f"update: {res.stderr.strip()}")
