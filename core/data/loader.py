@@ -126,6 +126,15 @@ def mix_batch(
     return x, mixup_target(y, num_classes, lam, smoothing), lam
 
 
+def mix_step(
+    x: torch.Tensor, y: torch.Tensor, aug: AugmentConfig, num_classes: int, seed: int, epoch: int, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The configured Mixup/CutMix of batch `step` of `epoch`, drawn from the (seed, epoch, step) generator."""
+    x, y, _ = mix_batch(x, y, _rng(seed, _MIX, epoch, step), mixup=aug.mixup, cutmix=aug.cutmix,
+                        num_classes=num_classes, smoothing=aug.label_smoothing)  # fmt: skip
+    return x, y
+
+
 class BatchLoader:
     """Batches ``(x float32 [B,C,S,S] normalized, y int64 [B] | soft targets [B,K])`` from uint8 arrays.
 
@@ -247,10 +256,7 @@ class BatchLoader:
             )
         if self._mixing:
             assert aug is not None
-            t, y, _ = mix_batch(
-                t, y, _rng(self.seed, _MIX, epoch, step), mixup=aug.mixup, cutmix=aug.cutmix,
-                num_classes=self.num_classes, smoothing=aug.label_smoothing,
-            )  # fmt: skip
+            t, y = mix_step(t, y, aug, self.num_classes, self.seed, epoch, step)
         return t, y
 
     def _apply_randaugment(self, x: np.ndarray, seeds: np.ndarray) -> np.ndarray:
@@ -293,11 +299,8 @@ class Mixing:
         return len(self.loader)
 
     def batches(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        a = self.augment
         for step, (x, y) in enumerate(self.loader.batches(epoch, start_step), start_step):
-            x, y, _ = mix_batch(x, y, _rng(self.seed, _MIX, epoch, step), mixup=a.mixup, cutmix=a.cutmix,
-                                num_classes=self.num_classes, smoothing=a.label_smoothing)  # fmt: skip
-            yield x, y
+            yield mix_step(x, y, self.augment, self.num_classes, self.seed, epoch, step)
 
 
 class _EpochSteps(torch.utils.data.Dataset):

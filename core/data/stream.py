@@ -41,14 +41,11 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
+from core.data.loader import _rng
 from core.data.splits import _split_entry, read_manifest, verify_split
 
 _ORDER, _AUG = 10, 11  # generator streams (distinct from BatchLoader's)
 CROP_PCT = 0.875  # eval: resize the shorter side to size / 0.875, centre-crop size (timm's and DeiT's recipe)
-
-
-def _rng(*keys: int) -> np.random.Generator:
-    return np.random.default_rng([int(k) for k in keys])
 
 
 def crop_params(
