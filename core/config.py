@@ -250,8 +250,18 @@ class RobustnessConfig(_Strict):
         return sorted(set(v))
 
 
+class SelectConfig(_Strict):
+    """Hyperparameters chosen on validation data (pipelines/sweep_select.py): for every seed and every
+    configuration of the other grid keys, each arm (the T-CNN and its matched control) takes the values of
+    ``over`` whose trial has the best ``by`` on the validation split; the test split only reports."""
+
+    over: list[str] = Field(default_factory=list)  # grid keys to choose, e.g. [finetune.lr]
+    by: Literal["val_accuracy"] = "val_accuracy"  # <arm>_val_accuracy of the trial (final model)
+
+
 class SweepConfig(_Strict):
     grid: dict[str, list[Any]] = Field(default_factory=dict)
+    select: SelectConfig = Field(default_factory=SelectConfig)
     cpus_per_trial: float = Field(1.0, gt=0.0)
     gpus_per_trial: float = Field(0.0, ge=0.0)
     max_failures: int = Field(2, ge=0)
@@ -431,6 +441,12 @@ def validate_params(raw: Any) -> Params:
                 ) from None
             except ConfigError as err:
                 raise ConfigError(f"sweep.grid.{key}: {err}") from None
+    for key in params.sweep.select.over:
+        if key == "seed" or key not in params.sweep.grid:
+            raise ConfigError(
+                f"sweep.select.over: {key!r} is not a grid key other than seed "
+                f"(sweep.grid has {sorted(params.sweep.grid) or 'none'})"
+            )
     return params
 
 

@@ -91,6 +91,7 @@ def build_spec(params: Params, *, name: str | None, params_file: Path, cwd: Path
                 "parent_run_id": None,
             },
             **trial_resources(params),
+            "select": sw.select.model_dump(mode="json"),
             "max_failures": sw.max_failures,
             "uid": None,
         }
@@ -296,7 +297,7 @@ def run_sweep(
     """
     import ray
 
-    from pipelines import sweep_report, sweep_shared, sweep_summary
+    from pipelines import sweep_report, sweep_select, sweep_shared, sweep_summary
 
     spec = reconcile(spec, resume)
     owns = connect_ray(address, num_cpus, object_store_mb) if address is not None else False
@@ -343,7 +344,15 @@ def run_sweep(
             krows = sweep_summary.kind_rows(spec, rows)
             kind_files = sweep_summary.write_kinds(krows, sweep_dir) if krows else []
             kind_files += sweep_summary.write_seeds(srows, sweep_dir) if srows else []
-            kind_files.append(sweep_report.write_report(spec, rows, krows, plots, sweep_dir, srows))
+            chosen = sweep_select.selected_rows(spec, rows)
+            chosen_seeds = sweep_select.over_seeds(chosen)
+            if chosen:
+                over = spec["select"]["over"]
+                kind_files += sweep_select.write(chosen, chosen_seeds, over, sweep_dir)
+            picked = (
+                sweep_report.selected_table(chosen, chosen_seeds, spec["select"]["over"]) if chosen else None
+            )
+            kind_files.append(sweep_report.write_report(spec, rows, krows, plots, sweep_dir, srows, picked))
             finished = sum(r["status"] == "finished" for r in rows)
             runs = sweep_shared.pretrain_runs(sweep_dir)
             metrics = {
@@ -361,6 +370,7 @@ def run_sweep(
                 metrics["best_tcnn_clean_accuracy"] = max(accs)
             metrics.update(sweep_summary.kind_metrics(krows))
             metrics.update(sweep_summary.seed_metrics(srows))
+            metrics.update(sweep_select.selection_metrics(chosen, chosen_seeds))
             metrics["wall_s"] = time.monotonic() - t0
             tracker.log_metrics(metrics)
             if tracker.enabled:
@@ -377,6 +387,8 @@ def run_sweep(
                 print(sweep_summary.kinds_markdown(krows), flush=True)
             if srows:
                 print(sweep_summary.seeds_markdown(srows), flush=True)
+            if chosen:
+                print(sweep_select.markdown(chosen, chosen_seeds, spec["select"]["over"]), flush=True)
             say(
                 f"{finished}/{n} trials finished, {runs} pretraining run(s) executed; summary {summary}"
                 + (

@@ -253,7 +253,8 @@ def make_plan(
     storage = (cwd / base.sweep.storage).resolve()
     code = code_digest("pretrain")  # the same code DVC hashes for its pretrain and control stages
     control_code = code_digest("control")
-    fixed: dict[str, Any] = {"sweep.grid": {}, "sweep.storage": str(storage)}
+    # A trial is one point of the grid: no grid of its own, nothing to select.
+    fixed: dict[str, Any] = {"sweep.grid": {}, "sweep.select.over": [], "sweep.storage": str(storage)}
     if tracking_uri is not None:
         fixed["tracking.uri"] = tracking_uri
     manifests: dict[Path, dict[str, Any]] = {}

@@ -82,6 +82,43 @@ def seeds_table(srows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return recs
 
 
+def selected_table(
+    chosen: list[dict[str, Any]], agg: list[dict[str, Any]], over: list[str]
+) -> dict[str, Any]:
+    """The validation-chosen comparison (pipelines/sweep_select.py): one record per seed and one per
+    configuration over seeds, and the sentence that goes with each interval."""
+    from pipelines.sweep_select import DIFF, verdict
+
+    def cell(r: dict[str, Any], name: str, ends: tuple[str, str, str]) -> str:
+        mean, lo, hi = (r.get(name + e) for e in ends)
+        if mean is None:
+            return "-"
+        return f"{100 * mean:+.2f}" + ("" if lo is None else f" [{100 * lo:+.2f}, {100 * hi:+.2f}]")
+
+    recs = []
+    for r in chosen:
+        rec: dict[str, Any] = {"config": r["config"], "seed": r["seed"]}
+        rec |= {f"{arm} {k}": fmt_plain(r.get(f"{arm}_{k}")) for arm in ("tcnn", "control") for k in over}
+        rec |= {f"{arm} val / test (%)": f"{fmt_pct_plain(r.get(f'{arm}_val_accuracy'))} / "
+                f"{fmt_pct_plain(r.get(f'{arm}_clean_accuracy'))}" for arm in ("tcnn", "control")}  # fmt: skip
+        rec |= {f"T-CNN - control {m} (pp)": cell(r, f"{DIFF}_{m}", ("", "_ci_low", "_ci_high"))
+                for m in ("clean_accuracy", "mca", "mce")}  # fmt: skip
+        recs.append(rec)
+    verdicts = []
+    for a in agg:
+        rec = {"config": a["config"], "seed": f"mean of {a['n_seeds']}"}
+        rec |= {f"{arm} val / test (%)": f"{fmt_pct_plain(a.get(f'{arm}_val_accuracy_seeds_mean'))} / "
+                f"{fmt_pct_plain(a.get(f'{arm}_clean_accuracy_seeds_mean'))}" for arm in ("tcnn", "control")}  # fmt: skip
+        ends = ("_seeds_mean", "_seeds_ci_low", "_seeds_ci_high")
+        for m, lower in (("clean_accuracy", False), ("mca", False), ("mce", True)):
+            rec[f"T-CNN - control {m} (pp)"] = cell(a, f"{DIFF}_{m}", ends)
+            mean, lo, hi = (a.get(f"{DIFF}_{m}{e}") for e in ends)
+            verdicts.append(f"{a['config']}, {m}: {cell(a, f'{DIFF}_{m}', ends)} pp: "
+                            f"{verdict(mean, lo, hi, lower_is_better=lower)}")  # fmt: skip
+        recs.append(rec)
+    return {**_columns(recs), "over": ", ".join(over), "verdicts": verdicts}
+
+
 def _columns(records: list[dict[str, Any]]) -> dict[str, list[Any]]:
     """Records as the table macro's headers (every column, in first-seen order) and rows."""
     headers = list(dict.fromkeys(k for r in records for k in r))
@@ -94,8 +131,9 @@ def render(
     krows: list[dict[str, Any]],
     plots: list[Path],
     srows: list[dict[str, Any]] | None = None,
+    selected: dict[str, Any] | None = None,
 ) -> str:
-    """The HTML text of the report."""
+    """The HTML text of the report (``selected``: :func:`selected_table`)."""
     return render_page(
         "sweep_report.html",
         name=spec["name"],
@@ -105,6 +143,7 @@ def render(
         baseline=krows[0]["baseline"] if krows else None,
         kinds=_columns(kinds_table(krows)) if krows else None,
         seeds=_columns(seeds_table(srows)) if srows else None,
+        selected=selected,
         trials=_columns(trials_table(rows, list(spec["grid"]))),
         plots=[{"title": Path(p).stem, "alt": Path(p).name, "data": Path(p).read_bytes()} for p in plots],
     )
@@ -117,7 +156,8 @@ def write_report(
     plots: list[Path],
     sweep_dir: Path,
     srows: list[dict[str, Any]] | None = None,
+    selected: dict[str, Any] | None = None,
 ) -> Path:
     """``<sweep_dir>/report.html`` (atomic)."""
-    text = render(spec, rows, krows, plots, srows)
+    text = render(spec, rows, krows, plots, srows, selected)
     return atomic_write(sweep_dir / REPORT, lambda fh: fh.write(text.encode()), shared=True)

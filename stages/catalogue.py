@@ -45,6 +45,10 @@ SUMMARY_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "equivalence_mean_abs_logit_diff": ("runs/reparam/equivalence.json", ("mean_abs_logit_diff",)),
     "equivalence_prediction_agreement": ("runs/reparam/equivalence.json", ("prediction_agreement",)),
     "control_test_acc": ("runs/control/metrics.json", ("test_acc",)),
+    # Validation accuracy of each final model (the split hyperparameters are chosen on: sweep.select)
+    "cnn_val_accuracy": ("runs/pretrain/metrics.json", ("val_acc",)),
+    "tcnn_val_accuracy": ("runs/finetune/metrics.json", ("val_acc",)),
+    "control_val_accuracy": ("runs/control/metrics.json", ("val_acc",)),
     **{
         f"{model}_{name}": ("results/metrics.json", (model, name))
         for model in ("cnn", "control", "tcnn")

@@ -4,6 +4,7 @@ Layer: imports ``core.utils`` only. Public API (re-exported here): what the stag
 """
 
 from core.data.datasets import Datasets, first_batch, load_datasets, make_loader
+from core.data.imagefolder import import_imagefolder
 from core.data.importers import (
     DATASETS,
     MANIFEST,
@@ -13,7 +14,6 @@ from core.data.importers import (
     import_cifar,
     import_dataset,
     import_fashion_mnist,
-    import_imagefolder,
     parse_idx,
 )
 from core.data.loader import BatchLoader, Mixing

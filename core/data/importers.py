@@ -668,127 +668,6 @@ def import_cifar(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# ImageFolder (ImageNet train/val layout), streamed
-
-
-def _scan_split(split_dir: Path, classes: list[str] | None) -> tuple[list[str], list[tuple[Path, int]]]:
-    found = sorted(d.name for d in split_dir.iterdir() if d.is_dir() and not d.name.startswith("."))
-    if classes is None:
-        classes = found
-    else:
-        unknown = sorted(set(found) - set(classes))
-        if unknown:
-            raise DataError(f"{split_dir}: class folder(s) {unknown[:5]} do not exist in the train split")
-    if not classes:
-        raise DataError(f"{split_dir}: no class folders")
-    index = {c: i for i, c in enumerate(classes)}
-    items = []
-    for c in found:
-        for root, dirs, names in os.walk(split_dir / c, followlinks=True):
-            dirs.sort()
-            for n in sorted(names):
-                if n.lower().endswith(IMG_EXTENSIONS) and not n.startswith("."):
-                    items.append((Path(root) / n, index[c]))
-    if not items:
-        raise DataError(f"{split_dir}: no image files ({', '.join(IMG_EXTENSIONS)})")
-    return classes, items
-
-
-def _imagefolder_splits(source: Path) -> dict[str, Path]:
-    """``root/train`` + ``root/val`` (or ``root/test``) -> splits train/test; else ``root`` is the train split."""
-    if (source / "train").is_dir():
-        splits = {"train": source / "train"}
-        for name in ("val", "test"):
-            if (source / name).is_dir():
-                splits["test"] = source / name
-                break
-        return splits
-    return {"train": source}
-
-
-def import_imagefolder(
-    source: Path | None, out: Path, *, shard_rows: int = 10000, mode: str = "RGB",
-    progress: Progress | None = None, force: bool = False, stats_max_images: int = STATS_MAX_IMAGES,
-) -> ImportResult:  # fmt: skip
-    """Import an ImageFolder tree (``class/image.ext``), streaming file bytes into shards as found.
-
-    Memory stays at one shard's worth of encoded bytes. Every file's header is parsed (PIL) so that a file
-    that is not an image fails here, naming the file, rather than in the middle of training.
-    Per-channel mean/std come from an evenly spaced subset of at most ``stats_max_images`` decoded images.
-    """
-    from PIL import Image, UnidentifiedImageError
-
-    t0 = time.perf_counter()
-    if source is None:
-        raise DataError("data.source: an ImageFolder import needs the tree's path")
-    source = Path(source)
-    if not source.is_dir():
-        raise DataError(f"{source}: not a directory")
-    split_dirs = _imagefolder_splits(source)
-    classes, train_items = _scan_split(split_dirs["train"], None)
-    items = {"train": train_items}
-    if "test" in split_dirs:
-        items["test"] = _scan_split(split_dirs["test"], classes)[1]
-    listing = hashlib.sha256()
-    for split, its in items.items():
-        for path, label in its:
-            st = path.stat()
-            listing.update(
-                f"{split}\0{path.relative_to(source)}\0{label}\0{st.st_size}\0{st.st_mtime_ns}\n".encode()
-            )
-    identity = {"listing": listing.hexdigest(), "mode": mode, "stats_max_images": stats_max_images}
-    fingerprint = _fingerprint("imagefolder", shard_rows, identity)
-    if not force and (existing := _up_to_date(out, fingerprint)) is not None:
-        return ImportResult(existing, out, True, time.perf_counter() - t0)
-    _check_output_dir(out)
-
-    channels = len(Image.new(mode, (1, 1)).getbands())
-    stats = _ChannelStats(channels)
-    formats: dict[str, int] = {}
-    sizes: set[tuple[int, int]] = set()
-    content = hashlib.sha256()
-    splits = {}
-    stats_stride = max(1, -(-len(train_items) // stats_max_images))  # ceil: at most stats_max_images
-    with atomic_output_dir(out) as tmp:
-        for split, its in items.items():
-            writer = _ShardWriter(
-                tmp, split, shard_rows=shard_rows, image_type=pa.binary(),
-                meta={"image_encoding": "encoded", "image_mode": mode},
-            )  # fmt: skip
-            for i, (path, label) in enumerate(its):
-                data = path.read_bytes()
-                content.update(hashlib.md5(data).digest())
-                try:
-                    with Image.open(io.BytesIO(data)) as img:
-                        formats[img.format or "unknown"] = formats.get(img.format or "unknown", 0) + 1
-                        sizes.add((img.height, img.width))
-                        if split == "train" and i % stats_stride == 0:
-                            stats.add(np.asarray(img.convert(mode)).reshape(-1, channels))
-                except (UnidentifiedImageError, OSError, ValueError) as err:
-                    raise DataError(f"{path}: not a readable image ({err})") from None
-                writer.add_encoded(data, label)
-                if progress and (i % 256 == 0 or i + 1 == len(its)):
-                    progress(f"write {split}", i + 1, len(its))
-            splits[split] = _split_record(writer.close(), [lab for _, lab in its], len(classes))
-        mean, std = stats.result()
-        (h, w), uniform = (next(iter(sizes)), True) if len(sizes) == 1 else ((None, None), False)
-        source_info = {
-            "kind": "imagefolder", "path": str(source.resolve()),
-            "split_dirs": {k: str(v.relative_to(source)) or "." for k, v in split_dirs.items()},
-            "num_files": sum(len(v) for v in items.values()),
-            "content_sha256_of_md5s": content.hexdigest(),
-        }  # fmt: skip
-        manifest = _manifest(
-            "imagefolder", source_info, fingerprint, "encoded", [h, w, channels] if uniform else None, classes,
-            mean, std, shard_rows, splits, image_mode=mode, image_formats=formats,
-            image_size_range=[list(min(sizes)), list(max(sizes))],
-            stats_images=len(range(0, len(train_items), stats_stride)),
-        )  # fmt: skip
-        atomic_write_json(tmp / MANIFEST, manifest, indent=1, shared=True)
-    return ImportResult(manifest, out, False, time.perf_counter() - t0)
-
-
-# ----------------------------------------------------------------------------------------------------------
 
 
 def import_dataset(
@@ -807,6 +686,8 @@ def import_dataset(
             return import_fashion_mnist(source, out, allow_download=allow_download, **kw)
         if name in CIFAR_ARCHIVES:
             return import_cifar(name, source, out, allow_download=allow_download, **kw)
+        from core.data.imagefolder import import_imagefolder
+
         return import_imagefolder(source, out, **kw)
 
 

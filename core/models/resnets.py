@@ -23,6 +23,12 @@ PROJECT_ARCHS: dict[str, dict[str, Any]] = {
         block=BasicBlock, layers=(1, 1, 1, 1), channels=(16, 32, 64, 64), output_stride=16
     ),
     "resnet18_cifar": dict(block=BasicBlock, layers=(2, 2, 2, 2), channels=(64, 128, 256, 512)),
+    # The CIFAR-10 study's network (pipelines/studies/cifar10_lr.yaml): the dilated last stage keeps 8x8 maps
+    # at 32 px and holds two blocks, so the T-CNN converts four 3x3 convs, each attending over 64 positions
+    # (T-CNN, d'Ascoli et al. 2021, Sec. 2 converts every 3x3 conv of the last stage). 0.90 M parameters.
+    "resnet12_cifar_os16": dict(
+        block=BasicBlock, layers=(1, 1, 1, 2), channels=(32, 64, 128, 128), output_stride=16
+    ),
 }
 
 _TIMM_FACTORY_KWARGS = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
@@ -48,16 +54,16 @@ def _cifar_resnet(name: str, pretrained: bool = False, **kwargs: Any) -> ResNet:
     return model
 
 
-@register_model
-def resnet10_cifar(pretrained: bool = False, **kwargs: Any) -> ResNet:
-    return _cifar_resnet("resnet10_cifar", pretrained, **kwargs)
+def _register(name: str) -> None:
+    """Register ``name`` of :data:`PROJECT_ARCHS` in timm's registry (``timm.create_model(name)``)."""
+
+    def factory(pretrained: bool = False, **kwargs: Any) -> ResNet:
+        return _cifar_resnet(name, pretrained, **kwargs)
+
+    factory.__name__ = factory.__qualname__ = name
+    factory.__module__ = __name__
+    register_model(factory)
 
 
-@register_model
-def resnet10_cifar_os16(pretrained: bool = False, **kwargs: Any) -> ResNet:
-    return _cifar_resnet("resnet10_cifar_os16", pretrained, **kwargs)
-
-
-@register_model
-def resnet18_cifar(pretrained: bool = False, **kwargs: Any) -> ResNet:
-    return _cifar_resnet("resnet18_cifar", pretrained, **kwargs)
+for _name in PROJECT_ARCHS:
+    _register(_name)

@@ -767,10 +767,14 @@ class GPSA(nn.Module):
     def _cached(self, key: tuple, make: Any) -> Any:
         """Input-independent tensors derived from the parameters, reused while autograd is off (eval,
         inference) and the parameters are unchanged (same storage and version counter); recomputed with a
-        fresh graph whenever gradients are recorded."""
+        fresh graph whenever gradients are recorded. A value made under autocast (e.g. bf16 GEMM weights) is
+        cached apart from one made without it, so the two never mix."""
         if torch.is_grad_enabled():
             return make()
         stamp = tuple((p.data_ptr(), p._version) for p in self.parameters(recurse=False))
+        dev = self.weight.device.type
+        if torch.is_autocast_enabled(dev):
+            key = (*key, "autocast", torch.get_autocast_dtype(dev))
         hit = self._enc_cache.get(key)
         if hit is not None and hit[0] == stamp:
             return hit[1]

@@ -46,8 +46,9 @@ source version, then loaded in ~0.5 s) and loaded once per worker (:func:`warm_u
 Where the package and the reference scripts differ, this module follows the scripts that made the public
 sets: zoom_blur and snow zoom into the image centre (the package crops the top-left corner), pixelate
 resamples with BOX both ways (the package upsamples with NEAREST), elastic_transform is the scripts'
-affine + displacement-field version (the package's has another parameterisation). Frost picks among all
-six textures (the scripts' ``randint(5)`` never picks the sixth). Outputs are rounded to the nearest
+affine + displacement-field version (the package's has another parameterisation). Frost picks among the
+first five textures in the cifar band, as make_cifar_c.py does (``randint(5)``: the sixth, a dark and dense
+one, is never drawn there), and among all six in the tiny and imagenet bands (:data:`FROST_TEXTURES`). Outputs are rounded to the nearest
 integer (the scripts truncate with ``np.uint8``, which darkens every image by half a gray level and turns
 exact no-ops into off-by-one changes).
 
@@ -103,7 +104,7 @@ BAND_MAX_SIDE: dict[str, int] = {"cifar": 45, "tiny": 119}  # largest side of ea
 LUMA = np.array([0.299, 0.587, 0.114])  # ITU-R BT.601, as PIL's "L" conversion
 
 #: Version of the generating code. Stored with every corrupted set; bump it whenever an output byte changes.
-CORRUPTION_VERSION = "1"
+CORRUPTION_VERSION = "2"
 
 
 def band_for_size(height: int, width: int) -> str:
@@ -255,14 +256,17 @@ _CIFAR: dict[str, tuple[Any, ...]] = {
 #: CONSTANTS[band][corruption][severity - 1]
 CONSTANTS: dict[str, dict[str, tuple[Any, ...]]] = {"cifar": _CIFAR, "tiny": _TINY, "imagenet": _IMAGENET}
 _FROST_SCALE = {"cifar": 0.2, "tiny": 0.3, "imagenet": 1.0}  # texture resize factor at the nominal size
+#: How many of the package's frost textures (frost1.png ... frost6.jpg, in that order) each band draws from:
+#: the cifar band follows make_cifar_c.py (``np.random.randint(5)``), the published CIFAR-10-C.
+FROST_TEXTURES = {"cifar": 5, "tiny": 6, "imagenet": 6}
 _ELASTIC_SCALE = {"cifar": 1.0, "tiny": 1.0, "imagenet": 244 / 224}  # ImageNet-C multiplies by 244, not 224
 
 #: Where mean |corrupted - clean| need not grow strictly with severity, and why (the tests check every other
 #: corruption of each band for strict growth on fixed images). Elsewhere the constants make it grow.
 _FROST_WHY = (
     "the image weight falls while the frost weight rises (e.g. CIFAR severities 3-4: image 0.9 -> 0.85 at "
-    "frost 0.4), so on bright images frost replaces more than it adds; and each image draws one of six "
-    "textures of very different brightness, so means over a few images are not ordered"
+    "frost 0.4), so on bright images frost replaces more than it adds; and each image draws one of five or "
+    "six textures of very different brightness, so means over a few images are not ordered"
 )
 _ELASTIC_WHY = (
     "each severity mixes a random affine jitter that shrinks (0.08 -> 0.03 of the side) with a smoothed "
@@ -634,7 +638,7 @@ def _snow(img, p, rng, ctx):
 
 def _frost(img, p, rng, ctx):
     h, w = img.shape[:2]
-    idx = int(rng.integers(0, 6))  # all six textures (the reference scripts' randint(5) never picks the 6th)
+    idx = int(rng.integers(0, FROST_TEXTURES[ctx.band]))
     scale = _FROST_SCALE[ctx.band] * ctx.side / BANDS[ctx.band]
     tex = _frost_texture(idx, round(scale, 6), ctx.gray)
     top = int(rng.integers(0, tex.shape[0] - h))

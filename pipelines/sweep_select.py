@@ -1,0 +1,280 @@
+"""Hyperparameters chosen on validation data, the same way for both arms (``sweep.select``).
+
+A hyperparameter that can decide the answer, above all the fine-tuning lr (T-CNN, d'Ascoli et al. 2021,
+SM A, Fig. 6: the outcome depends on it), is chosen per arm: for every seed and every configuration of the
+grid keys other than ``seed`` and ``sweep.select.over``, the T-CNN takes the ``over`` values of the trial whose
+fine-tuned T-CNN has the best validation accuracy, and the control takes those of the trial whose control has
+the best validation accuracy. The test split never chooses; ties go to the first trial in grid order.
+
+What attention buys is then T-CNN (its chosen trial) minus control (its chosen trial), per seed with a paired
+bootstrap over test images (both models were evaluated on the same clean and corrupted images: the trials of
+one seed share the corrupted sets), and over seeds with Student's t-interval (core.robustness.intervals).
+
+Written by the sweep driver next to summary.parquet: ``selected.parquet`` (one row per configuration and
+seed: the chosen values, both arms' validation and test numbers with percentile intervals, the differences
+with paired intervals), ``selected_seeds.parquet`` and ``selected.md`` (the over-seed means and
+t-intervals), and parent-run metrics ``selected/<config>/<name>`` (:func:`selection_metrics`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+ARMS = ("tcnn", "control")
+SEED = "seed"
+#: The headline metrics of a selected pair (fractions; mCE normalised by the seed's pretrained CNN).
+METRICS = ("clean_accuracy", "mca", "mce", "relative_mce")
+DIFF = "tcnn_minus_control"
+
+
+def _config_label(row: dict[str, Any], keys: list[str]) -> str:
+    return " ".join(f"{k}={row.get(k)}" for k in keys) or "(base config)"
+
+
+def choose(
+    rows: list[dict[str, Any]], grid_keys: list[str], over: list[str], by: str = "val_accuracy"
+) -> list[dict[str, Any]]:
+    """The selection itself (pure; ``rows``: summary rows with the grid values and ``<arm>_<by>``).
+
+    Returns one record per (configuration, seed, arm): {"config", "seed", "arm", "trial", the ``over``
+    values, "value": the winning validation score, "candidates": [(trial, score) ...] in grid order}. Rows
+    without a score (unfinished trials) are not candidates."""
+    keys = [k for k in grid_keys if k != SEED and k not in over]
+    groups: dict[tuple[str, Any], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((_config_label(r, keys), r.get(SEED)), []).append(r)
+    out = []
+    for (config, seed), members in groups.items():
+        for arm in ARMS:
+            scored = [(m, m.get(f"{arm}_{by}")) for m in members]
+            scored = [(m, v) for m, v in scored if v is not None]
+            if not scored:
+                continue
+            best, value = scored[0]
+            for m, v in scored[1:]:
+                if v > value:
+                    best, value = m, v
+            out.append({
+                "config": config, SEED: seed, "arm": arm, "trial": best["trial"],
+                **{k: best.get(k) for k in over}, "value": value,
+                "candidates": json.dumps([[m["trial"], v] for m, v in scored]),
+            })  # fmt: skip
+    return out
+
+
+def _read(trial_dir: Path, name: str) -> pa.Table:
+    return pq.read_table(trial_dir / "results" / name)
+
+
+def _models(table: pa.Table, keep: dict[str, str]) -> pa.Table:
+    """Rows of the models in ``keep`` (old name -> name in the pair)."""
+    col = table.column("model").to_pylist()
+    idx = [i for i, m in enumerate(col) if m in keep]
+    sub = table.take(pa.array(idx, pa.int64()))
+    names = pa.array([keep[m] for m in sub.column("model").to_pylist()], pa.string())
+    return sub.set_column(
+        sub.schema.get_field_index("model"), "model", names.cast(sub.schema.field("model").type)
+    )
+
+
+def pair_metrics(tcnn_dir: Path, control_dir: Path, *, replicates: int, seed: int) -> dict[str, Any]:
+    """The T-CNN of one trial against the control of another (same seed: same pretrained CNN, same test and
+    corrupted images): each model's metrics with its percentile interval and T-CNN - control with its paired
+    bootstrap interval (core.robustness.metrics.bootstrap_metrics; CE normalised by the pretrained CNN)."""
+    from core.robustness.intervals import difference, percentile_interval
+    from core.robustness.metrics import Baseline, bootstrap_metrics, flat_metrics, summarize
+
+    keep_t = {"cnn": "cnn", "tcnn": "tcnn"}
+    table = pa.concat_tables([_models(_read(tcnn_dir, "robustness.parquet"), keep_t),
+                              _models(_read(control_dir, "robustness.parquet"), {"control": "control"})])  # fmt: skip
+    per_image = pa.concat_tables([_models(_read(tcnn_dir, "per_image.parquet"), keep_t),
+                                  _models(_read(control_dir, "per_image.parquet"), {"control": "control"})])  # fmt: skip
+    base = Baseline.from_table(table, model="cnn", name="cnn")
+    points = {m: flat_metrics(summarize(table, base, model=m)) for m in ("cnn", "tcnn", "control")}
+    samples = bootstrap_metrics(table, per_image, "cnn", replicates=replicates, seed=seed)
+    out: dict[str, Any] = {}
+    for m in ("cnn", "tcnn", "control"):
+        for k in METRICS:
+            if points[m].get(k) is None:
+                continue
+            lo, hi = percentile_interval(samples[m][k])
+            out |= {f"{m}_{k}": points[m][k], f"{m}_{k}_ci_low": lo, f"{m}_{k}_ci_high": hi}
+    for k in METRICS:
+        d = difference(points["control"].get(k), points["tcnn"].get(k), samples["control"].get(k),
+                       samples["tcnn"].get(k))  # fmt: skip
+        if d is not None:
+            out |= {
+                f"{DIFF}_{k}": d["diff"],
+                f"{DIFF}_{k}_ci_low": d["low"],
+                f"{DIFF}_{k}_ci_high": d["high"],
+            }
+    return out
+
+
+def selected_rows(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (configuration, seed) with both arms chosen (see the module docstring); [] when the sweep
+    selects nothing (``sweep.select.over`` empty)."""
+    from core.utils.hashing import derive_seed
+
+    sel = spec.get("select") or {}
+    over = list(sel.get("over") or [])
+    if not over:
+        return []
+    done = [r for r in rows if r["status"] == "finished"]
+    picks = choose(done, list(spec["grid"]), over, sel.get("by", "val_accuracy"))
+    by_row = {r["trial"]: r for r in done}
+    pairs: dict[tuple[str, Any], dict[str, dict[str, Any]]] = {}
+    for p in picks:
+        pairs.setdefault((p["config"], p[SEED]), {})[p["arm"]] = p
+    out = []
+    for (config, seed), arms in pairs.items():
+        if set(arms) != set(ARMS):
+            continue
+        t, c = by_row[arms["tcnn"]["trial"]], by_row[arms["control"]["trial"]]
+        params = spec["trials"][t["trial"]]["params"]
+        row: dict[str, Any] = {"config": config, SEED: seed}
+        for arm, r in (("tcnn", t), ("control", c)):
+            row[f"{arm}_trial"] = r["trial"]
+            row |= {f"{arm}_{k}": r.get(k) for k in over}
+            row[f"{arm}_val_accuracy"] = r.get(f"{arm}_val_accuracy")
+            row[f"{arm}_candidates"] = arms[arm]["candidates"]
+        row |= pair_metrics(
+            Path(t["trial_dir"]), Path(c["trial_dir"]), replicates=int(params["robustness"]["bootstrap"]),
+            seed=derive_seed(int(params["seed"]), "bootstrap"),
+        )  # fmt: skip
+        out.append(row)
+    return out
+
+
+SEED_COLUMNS = tuple(f"{m}_{k}" for m in ("tcnn", "control", DIFF) for k in METRICS) + (
+    "tcnn_val_accuracy",
+    "control_val_accuracy",
+)
+
+
+def over_seeds(srows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per configuration: the mean over seeds of every :data:`SEED_COLUMNS` value with Student's 95%
+    t-interval (``<name>_seeds_mean`` / ``_seeds_ci_low`` / ``_seeds_ci_high``) and ``n_seeds``."""
+    from core.robustness.intervals import t_interval
+
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in srows:
+        groups.setdefault(r["config"], []).append(r)
+    out = []
+    for config, members in groups.items():
+        row: dict[str, Any] = {"config": config, "n_seeds": len(members),
+                               "seeds": json.dumps(sorted(m[SEED] for m in members))}  # fmt: skip
+        for name in SEED_COLUMNS:
+            ci = t_interval([m.get(name) for m in members])
+            row |= {f"{name}_seeds_mean": ci["mean"], f"{name}_seeds_ci_low": ci["low"],
+                    f"{name}_seeds_ci_high": ci["high"]}  # fmt: skip
+        out.append(row)
+    return out
+
+
+def selection_metrics(srows: list[dict[str, Any]], agg: list[dict[str, Any]]) -> dict[str, float]:
+    """Parent-run metrics: ``selected/<config>/seed<k>/<name>`` per seed (interval ends included) and
+    ``selected/<config>/<name>_seeds_{mean,ci_low,ci_high}`` over seeds."""
+    out: dict[str, float] = {}
+
+    def label(config: str) -> str:
+        return re.sub(r"[^A-Za-z0-9_.\-/ ]+", "_", config).replace(" ", "/")
+
+    for r in srows:
+        for k, v in r.items():
+            if (
+                isinstance(v, int | float)
+                and not isinstance(v, bool)
+                and k != SEED
+                and k.startswith(("tcnn", "control", "cnn"))
+            ):
+                out[f"selected/{label(r['config'])}/seed{r[SEED]}/{k}"] = float(v)
+    for a in agg:
+        for k, v in a.items():
+            if k.endswith(("_seeds_mean", "_seeds_ci_low", "_seeds_ci_high")) and isinstance(v, int | float):
+                out[f"selected/{label(a['config'])}/{k}"] = float(v)
+    return out
+
+
+def _pp(v: float | None, sign: bool = False) -> str:
+    return "-" if v is None else f"{100 * v:{'+' if sign else ''}.2f}"
+
+
+def verdict(
+    mean: float | None, low: float | None, high: float | None, *, lower_is_better: bool = False
+) -> str:
+    """The sentence next to an interval: which arm is better, or that the interval includes 0."""
+    if mean is None or low is None or high is None:
+        return "too few seeds for an interval"
+    if low <= 0 <= high:
+        return "no difference resolved (the interval includes 0)"
+    tcnn_better = (high < 0) if lower_is_better else (low > 0)
+    return "the T-CNN is better" if tcnn_better else "the control is better"
+
+
+def markdown(srows: list[dict[str, Any]], agg: list[dict[str, Any]], over: list[str]) -> str:
+    """Per seed and over seeds: the chosen values and T-CNN - control at them, with intervals."""
+    keys = ", ".join(over)
+    lines = [
+        f"| config | seed | T-CNN {keys} | control {keys} | T-CNN val / test | control val / test "
+        "| T-CNN - control clean (pp) | mCA T-CNN / control | T-CNN - control mCA (pp) | T-CNN - control mCE (pp) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def d(r: dict[str, Any], m: str, suffix: str = "") -> str:
+        mean, lo, hi = (
+            r.get(f"{DIFF}_{m}{suffix}{e}")
+            for e in (("", "_ci_low", "_ci_high") if not suffix else ("_mean", "_ci_low", "_ci_high"))
+        )
+        return f"{_pp(mean, True)} [{_pp(lo, True)}, {_pp(hi, True)}]"
+
+    for r in srows:
+        lines.append(
+            f"| {r['config']} | {r[SEED]} | {', '.join(str(r.get(f'tcnn_{k}')) for k in over)} "
+            f"| {', '.join(str(r.get(f'control_{k}')) for k in over)} "
+            f"| {_pp(r.get('tcnn_val_accuracy'))} / {_pp(r.get('tcnn_clean_accuracy'))} "
+            f"| {_pp(r.get('control_val_accuracy'))} / {_pp(r.get('control_clean_accuracy'))} "
+            f"| {d(r, 'clean_accuracy')} | {_pp(r.get('tcnn_mca'))} / {_pp(r.get('control_mca'))} "
+            f"| {d(r, 'mca')} | {d(r, 'mce')} |"
+        )
+    for a in agg:
+        lines.append(
+            f"| {a['config']} | mean of {a['n_seeds']} | | "
+            f"| {_pp(a.get('tcnn_val_accuracy_seeds_mean'))} / {_pp(a.get('tcnn_clean_accuracy_seeds_mean'))} "
+            f"| {_pp(a.get('control_val_accuracy_seeds_mean'))} / {_pp(a.get('control_clean_accuracy_seeds_mean'))} "
+            f"| **{d(a, 'clean_accuracy', '_seeds')}** "
+            f"| {_pp(a.get('tcnn_mca_seeds_mean'))} / {_pp(a.get('control_mca_seeds_mean'))} "
+            f"| **{d(a, 'mca', '_seeds')}** | **{d(a, 'mce', '_seeds')}** |"
+        )
+    text = "\n".join(lines) + "\n\n"
+    text += (
+        f"Each arm at the {keys} with the best validation accuracy for its seed (the test split only reports). "
+        "Per seed: paired bootstrap 95% interval over test images; mean row: Student's 95% t-interval over "
+        "seeds. mCE is normalised by the seed's pretrained CNN (lower is better).\n"
+    )
+    for a in agg:
+        for m, low_better in (("clean_accuracy", False), ("mca", False), ("mce", True)):
+            mean, lo, hi = (a.get(f"{DIFF}_{m}_seeds{e}") for e in ("_mean", "_ci_low", "_ci_high"))
+            text += f"- {a['config']}, {m}: {verdict(mean, lo, hi, lower_is_better=low_better)}.\n"
+    return text
+
+
+def write(
+    srows: list[dict[str, Any]], agg: list[dict[str, Any]], over: list[str], sweep_dir: Path
+) -> list[Path]:
+    """``selected.parquet``, ``selected_seeds.parquet`` and ``selected.md`` (atomic)."""
+    from core.utils.atomic import atomic_write
+    from pipelines.sweep_summary import write_table
+
+    text = markdown(srows, agg, over)
+    return [
+        write_table(srows, sweep_dir / "selected.parquet"),
+        write_table(agg, sweep_dir / "selected_seeds.parquet"),
+        atomic_write(sweep_dir / "selected.md", lambda fh: fh.write(text.encode()), shared=True),
+    ]
