@@ -246,6 +246,8 @@ def make_plan(
     trial's robustness.dir is the shared corrupted-set directory of its corrupt key.
     """
     cwd = Path(cwd or Path.cwd()).resolve()
+    if base.data.source is not None:  # trials run in Ray workers whose working directory is not ours
+        base = _override(base, {"data.source": str((cwd / base.data.source).resolve())}, "data.source")
     grid = dict(base.sweep.grid)
     bad = [k for k in grid if k.split(".")[0] in ("sweep", "tracking")]
     if bad:

@@ -106,6 +106,18 @@ def test_plan_groups_trials_by_pretraining_inputs(tmp_path: Path) -> None:
     assert len({t.corrupt_key for t in plan.trials}) == 1
 
 
+def test_plan_makes_a_relative_data_source_absolute(tmp_path: Path, monkeypatch) -> None:
+    """Trials run in Ray workers with another working directory: a relative data.source (the CIFAR-10
+    archive at ../shared/...) must reach them resolved against the directory `tcnn sweep` runs in."""
+    path = make_project(tmp_path, {"seed": [0, 1]})
+    (tmp_path / "raw").mkdir()
+    monkeypatch.chdir(tmp_path)
+    base = load_params(path).with_overrides({"data.source": "raw"})
+    monkeypatch.chdir("/")
+    plan = make_plan(base, cwd=tmp_path)
+    assert {t.params.data.source for t in plan.trials} == {(tmp_path / "raw").resolve()}
+
+
 def test_plan_separates_what_changes_pretraining(tmp_path: Path) -> None:
     path = make_project(tmp_path, {"seed": [0, 1], "model.kind": ["cnn", "tcnn"]})
     plan = make_plan(load_params(path), cwd=tmp_path)
