@@ -220,6 +220,24 @@ class FinetuneConfig(_Strict):
         return self.lr * scale, self.gate_lr * scale
 
 
+class PublicSetsConfig(_Strict):
+    """A published corrupted benchmark to evaluate on (core.robustness.public_sets.PublicSets): next to the
+    generated sets (``use: add``: results/public/, metrics.json "public", ``public_*`` summary metrics) or
+    instead of them (``use: replace``: the main results are the published sets')."""
+
+    kind: Literal["cifar10_c", "cifar100_c", "imagenet_c", "tiny_imagenet_c"]
+    dir: Path  # CIFAR-10-C: <dir>/<corruption>.npy + labels.npy; ImageNet-C: <dir>/<corruption>/<severity>/<wnid>/
+    use: Literal["add", "replace"] = "add"
+    n_images: int | None = Field(None, gt=0)  # images per set (evenly spaced); None = robustness.n_images
+
+    @field_validator("dir")
+    @classmethod
+    def _exists(cls, v: Path) -> Path:
+        if not Path(v).is_dir():
+            raise ValueError(f"{v} is not a directory")
+        return v
+
+
 class RobustnessConfig(_Strict):
     n_images: int = Field(500, gt=0)
     corruptions: list[str] = Field(default_factory=lambda: list(CORRUPTIONS))
@@ -231,6 +249,7 @@ class RobustnessConfig(_Strict):
     workers: int = Field(0, ge=0, le=256)  # corrupt-stage processes; 0 = all cores
     # Paired bootstrap over test images for every difference evaluate reports (95% percentile intervals).
     bootstrap: int = Field(1000, ge=10, le=100_000)
+    public: PublicSetsConfig | None = None  # a published benchmark (CIFAR-10-C, ImageNet-C, ...)
 
     @field_validator("corruptions")
     @classmethod

@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pipelines.sweep import add_parser as add_sweep  # light: Ray, torch and MLflow load when it runs
 
     add_sweep(sub)
+    from pipelines.study_results import add_parser as add_study
+
+    add_study(sub)
     return parser
 
 

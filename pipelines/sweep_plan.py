@@ -246,8 +246,12 @@ def make_plan(
     trial's robustness.dir is the shared corrupted-set directory of its corrupt key.
     """
     cwd = Path(cwd or Path.cwd()).resolve()
-    if base.data.source is not None:  # trials run in Ray workers whose working directory is not ours
+    # Trials run in Ray workers whose working directory is not ours: input paths resolve against cwd here.
+    if base.data.source is not None:
         base = _override(base, {"data.source": str((cwd / base.data.source).resolve())}, "data.source")
+    if base.robustness.public is not None:
+        where = str((cwd / base.robustness.public.dir).resolve())
+        base = _override(base, {"robustness.public.dir": where}, "robustness.public.dir")
     grid = dict(base.sweep.grid)
     bad = [k for k in grid if k.split(".")[0] in ("sweep", "tracking")]
     if bad:

@@ -29,6 +29,7 @@ STAGE_ARTIFACTS: dict[str, tuple[str | tuple[str, str], ...]] = {
     "corrupt": ("{robustness_dir}/index.json", "{robustness_dir}/contact_sheet.png"),
     "evaluate": (
         "results/robustness.parquet", "results/per_image.parquet", "results/metrics.json",
+        ("results/public", "public"),
         "results/summary.json", "results/baseline.json",
         "results/robustness_by_category.csv", "results/robustness_by_severity.csv",
         ("results/plots/robustness_gain.png", "plots"),
@@ -61,6 +62,21 @@ SUMMARY_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
         f"{b}_minus_{a}_{name}{end}": ("results/metrics.json", ("comparisons", f"{b}-{a}", name, field))
         for a, b in (("control", "tcnn"), ("cnn", "tcnn"))
         for name in ("clean_accuracy", "mca", "mce", "relative_mce")
+        for end, field in (("", "diff"), ("_ci_low", "low"), ("_ci_high", "high"))
+    },
+    # The same on a published benchmark evaluated next to the generated sets (robustness.public, use: add).
+    **{
+        f"public_{model}_{name}": ("results/metrics.json", ("public", model, name))
+        for model in ("cnn", "control", "tcnn")
+        for name in ("mca", "mce", "relative_mce")
+    },
+    **{
+        f"public_tcnn_minus_{a}_{name}{end}": (
+            "results/metrics.json",
+            ("public", "comparisons", f"tcnn-{a}", name, field),
+        )
+        for a in ("control", "cnn")
+        for name in ("mca", "mce", "relative_mce")
         for end, field in (("", "diff"), ("_ci_low", "low"), ("_ci_high", "high"))
     },
 }

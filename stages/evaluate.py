@@ -33,6 +33,8 @@ import copy
 import sys
 import time
 import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -160,19 +162,56 @@ def inference_model(model: torch.nn.Module, example: torch.Tensor, *, tol: float
     return best[2], best[1]
 
 
-def evaluate_models(params: Params, root: Path, paths: dict[str, Path]) -> tuple[pa.Table, pa.Table]:
-    """(counts table, per-image table) of every model on the full clean test split and the corrupted sets,
-    all at `Params.test_image_size`."""
+@dataclass(frozen=True)
+class Suite:
+    """One family of corrupted sets every model is evaluated on: the corrupt stage's (``robustness.dir``) or a
+    published benchmark (``robustness.public``, core.robustness.public_sets.PublicSets)."""
+
+    name: str  # "generated" | the published kind
+    source: Any  # a directory of stored sets, or a callable (corruption, severity) -> StoredSet
+    corruptions: tuple[str, ...]
+    severities: tuple[int, ...]
+
+
+def suites(params: Params, root: Path, n_clean: int) -> tuple[Suite, Suite | None]:
+    """(the suite the main results come from, the published suite evaluated next to it or None)."""
+    from core.robustness.public_sets import PublicSets
+
     rob = params.robustness
-    cdir = root / rob.dir
+    generated = Suite("generated", root / rob.dir, tuple(rob.corruptions), tuple(rob.severities))
+    pub = rob.public
+    if pub is None:
+        return generated, None
+    try:
+        sets = PublicSets(pub.kind, root / pub.dir, pub.n_images or rob.n_images, n_clean)
+    except (FileNotFoundError, ValueError) as err:
+        raise StageError(f"robustness.public: {err}") from None
+    have = set(sets.available)
+    corrs = tuple(c for c in rob.corruptions if all((c, s) in have for s in rob.severities))
+    if not corrs:
+        raise StageError(
+            f"robustness.public: {pub.dir} holds none of robustness.corruptions at every severity"
+        )
+    published = Suite(pub.kind, sets.load, corrs, tuple(rob.severities))
+    return (published, None) if pub.use == "replace" else (generated, published)
+
+
+def evaluate_models(
+    params: Params, root: Path, paths: dict[str, Path], suites_: Sequence[Suite] | None = None
+) -> dict[str, tuple[pa.Table, pa.Table]]:
+    """{suite name: (counts table, per-image table)} of every model on the full clean test split and each
+    suite's corrupted sets (default: the main suite of :func:`suites`), all at `Params.test_image_size`."""
+    rob = params.robustness
     try:
         manifest = read_manifest(root / params.data.dir)
         images, labels = load_split(root / params.data.dir, "test")
     except (DataError, FileNotFoundError, ValueError) as err:
         raise StageError(str(err)) from None
+    if suites_ is None:
+        suites_ = [s for s in suites(params, root, len(images)) if s is not None]
     size = params.test_image_size()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    tables, per_image = [], []
+    out: dict[str, tuple[list[pa.Table], list[pa.Table]]] = {s.name: ([], []) for s in suites_}
     for name, path in paths.items():
         try:
             model = load_model(path, map_location=device)
@@ -183,25 +222,29 @@ def evaluate_models(params: Params, root: Path, paths: dict[str, Path]) -> tuple
             model, kind = inference_model(model, example)
         else:
             kind = "eager"
-        t0 = time.perf_counter()
-        print(
-            f"evaluate: {name} on {len(images)} clean + {len(rob.corruptions)} x {len(rob.severities)} corrupted "
-            f"sets at {size} px ({kind})"
-        )
-        try:
-            table, correct = evaluate_model(
-                model, (images, labels), cdir, rob.corruptions, rob.severities, mean=manifest["mean"],
-                std=manifest["std"], batch_size=rob.batch_size, device=device, model_name=name,
-                image_size=size, per_image=True,
-            )  # fmt: skip
-        except FileNotFoundError as err:
-            raise StageError(f"robustness.dir: {err} (run the corrupt stage)") from None
-        tables.append(table)
-        per_image.append(correct)
-        n = sum(table.column("n").to_pylist())
-        dt = time.perf_counter() - t0
-        print(f"evaluate: {name}: {n} images in {dt:.1f} s ({n / max(dt, 1e-9):.0f} img/s)")
-    return pa.concat_tables(tables), pa.concat_tables(per_image)
+        for suite in suites_:
+            t0 = time.perf_counter()
+            print(
+                f"evaluate: {name} on {len(images)} clean + {len(suite.corruptions)} x {len(suite.severities)} "
+                f"{suite.name} corrupted sets at {size} px ({kind})"
+            )
+            try:
+                table, correct = evaluate_model(
+                    model, (images, labels), suite.source, suite.corruptions, suite.severities,
+                    mean=manifest["mean"], std=manifest["std"], batch_size=rob.batch_size, device=device,
+                    model_name=name, image_size=size, per_image=True,
+                )  # fmt: skip
+            except FileNotFoundError as err:
+                where = "robustness.dir" if suite.name == "generated" else "robustness.public"
+                raise StageError(
+                    f"{where}: {err}" + (" (run the corrupt stage)" if suite.name == "generated" else "")
+                ) from None
+            out[suite.name][0].append(table)
+            out[suite.name][1].append(correct)
+            n = sum(table.column("n").to_pylist())
+            dt = time.perf_counter() - t0
+            print(f"evaluate: {name}: {n} images in {dt:.1f} s ({n / max(dt, 1e-9):.0f} img/s)")
+    return {k: (pa.concat_tables(t), pa.concat_tables(c)) for k, (t, c) in out.items()}
 
 
 def _example_batch(images: Any, manifest: dict[str, Any], size: int | None, n: int) -> torch.Tensor:
@@ -215,6 +258,23 @@ def _example_batch(images: Any, manifest: dict[str, Any], size: int | None, n: i
     return x.contiguous()
 
 
+def score(params: Params, table: pa.Table, per_image: pa.Table, models: Sequence[str]) -> dict[str, Any]:
+    """Each model's summary and flat metrics, and every :data:`PAIRS` difference with its paired bootstrap
+    interval (one draw over test images for every model and set; the CE baseline redrawn with it when it is
+    a model of the run)."""
+    rob = params.robustness
+    baseline = resolve_baseline(rob.baseline, table)
+    summaries = {m: summarize(table, baseline, model=m) for m in models}
+    points = {m: flat_metrics(s) for m, s in summaries.items()}
+    samples = bootstrap_metrics(
+        table, per_image, rob.baseline if rob.baseline in models else baseline,
+        replicates=rob.bootstrap, seed=derive_seed(params.seed, "bootstrap"),
+    )  # fmt: skip
+    pairs = [(a, b) for a, b in PAIRS if a in models and b in models]
+    return {"baseline": baseline, "summaries": summaries, "points": points, "pairs": pairs,
+            "comparisons": comparisons(points, samples, pairs)}  # fmt: skip
+
+
 def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     root = Path(root)
     rob = params.robustness
@@ -224,17 +284,14 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         raise StageError(
             f"missing model checkpoint(s): {', '.join(missing)} (run pretrain, finetune and control)"
         )
-    table, per_image = evaluate_models(params, root, paths)
-    baseline = resolve_baseline(rob.baseline, table)
-    summaries = {m: summarize(table, baseline, model=m) for m in paths}
-    points = {m: flat_metrics(s) for m, s in summaries.items()}
+    results = evaluate_models(params, root, paths)
+    main_name = next(iter(results))
+    table, per_image = results[main_name]
     t0 = time.perf_counter()
-    samples = bootstrap_metrics(
-        table, per_image, rob.baseline if rob.baseline in paths else baseline,
-        replicates=rob.bootstrap, seed=derive_seed(params.seed, "bootstrap"),
-    )  # fmt: skip
-    pairs = [(a, b) for a, b in PAIRS if a in paths and b in paths]
-    comps = comparisons(points, samples, pairs)
+    main = score(params, table, per_image, list(paths))
+    baseline, summaries, points, pairs, comps = (
+        main[k] for k in ("baseline", "summaries", "points", "pairs", "comparisons")
+    )
     print(
         f"evaluate: paired bootstrap, {rob.bootstrap} replicates over test images, in {time.perf_counter() - t0:.1f} s"
     )
@@ -250,6 +307,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     atomic_write_text(out / "robustness_by_severity.csv", _group_csv(summaries, "per_severity"))
     metrics: dict[str, Any] = dict(points)
     metrics["baseline"] = baseline.name
+    metrics["corrupted_sets"] = main_name
     metrics["test_image_size"] = params.test_image_size()
     metrics["comparisons"] = comps
     metrics["bootstrap"] = {
@@ -260,19 +318,31 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         "seed": derive_seed(params.seed, "bootstrap"),
         "images": _set_sizes(table),
     }
+    for name, (ptable, pimage) in list(results.items())[1:]:  # the published benchmark next to the main sets
+        pub = score(params, ptable, pimage, list(paths))
+        (out / "public").mkdir(exist_ok=True)
+        write_parquet(ptable, out / "public" / "robustness.parquet")
+        write_parquet(pimage, out / "public" / "per_image.parquet")
+        metrics["public"] = {"kind": name, "dir": str(rob.public.dir), "baseline": pub["baseline"].name,
+                             "images": _set_sizes(ptable), **pub["points"], "comparisons": pub["comparisons"]}  # fmt: skip
+        _say_all(f"{name}: ", pub["summaries"], pub["comparisons"])
     atomic_write_json(out / "metrics.json", metrics)
     atomic_write_json(out / "summary.json", summaries)
+    _say_all("", summaries, comps)
+    return metrics
+
+
+def _say_all(prefix: str, summaries: dict[str, Any], comps: dict[str, Any]) -> None:
     for m, s in summaries.items():
         mce = "n/a" if s["mce"] is None else f"{s['mce']:.3f}"
         print(
-            f"evaluate: {m}: clean {s['clean_accuracy']:.4f}  mean corruption acc {s['mca']:.4f}  mCE {mce}"
+            f"evaluate: {prefix}{m}: clean {s['clean_accuracy']:.4f}  mean corruption acc {s['mca']:.4f}  mCE {mce}"
         )
     for key, diffs in comps.items():
         print(
-            f"evaluate: {key}: "
+            f"evaluate: {prefix}{key}: "
             + "  ".join(_say(diffs, k) for k in ("clean_accuracy", "mca", "mce") if k in diffs)
         )
-    return metrics
 
 
 def _set_sizes(table: pa.Table) -> dict[str, int]:

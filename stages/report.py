@@ -55,7 +55,7 @@ FIGURES = {
     "nonlocality": "nonlocality.png",
 }
 MODEL_LABELS = {"cnn": "pretrained CNN", "control": "control", "tcnn": "T-CNN"}
-NOT_MODELS = ("comparisons", "bootstrap", "tcnn_gain")  # results/metrics.json entries that are not models
+NOT_MODELS = ("comparisons", "bootstrap", "tcnn_gain", "public")  # results/metrics.json entries that are not models
 
 
 def input_paths(params: Params, root: Path) -> dict[str, Path]:
@@ -669,6 +669,8 @@ def render_html(
         lead=_lead(m),
         runs=_section_runs(run_ids, p, run_ids_note, run_meta),
         robustness=_section_robustness(m),
+        public=_section_robustness(m["public"]) if isinstance(m.get("public"), dict) else None,
+        public_kind=(m.get("public") or {}).get("kind"),
         coverage=_coverage(inputs.summary),
         equivalence=_section_equivalence(eq),
         training=_training_rows(inputs),

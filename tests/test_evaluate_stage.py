@@ -143,3 +143,71 @@ def test_without_a_control_only_the_pretrained_comparison(chain, tmp_path) -> No
     metrics = evaluate.run(params, root=root)
     assert "control" not in metrics and list(metrics["comparisons"]) == ["tcnn-cnn"]
     assert json.loads((root / "results" / "metrics.json").read_text())["comparisons"].keys() == {"tcnn-cnn"}
+
+
+def _published_copy(chain: Path, where: Path, corruptions: list[str]) -> None:
+    """A CIFAR-10-C-layout copy (``<corruption>.npy``: severities 1..5 one after the other, ``labels.npy``)
+    whose every 'corrupted' image is the clean test image at the same position."""
+    images, labels = load_split(chain / "data" / "fmnist", "test")
+    where.mkdir(parents=True)
+    for c in corruptions:
+        np.save(where / f"{c}.npy", np.concatenate([images] * 5))
+    np.save(where / "labels.npy", np.concatenate([labels] * 5).astype(np.uint8))
+
+
+@pytest.mark.slow
+def test_published_sets_next_to_the_generated_ones(chain, tmp_path) -> None:
+    """robustness.public (use: add): every model is also evaluated on the published sets, with the same paired
+    intervals; a published set made of clean copies must score each model's clean accuracy on exactly the
+    positions it holds (an independent truth: the clean per-image rows)."""
+    pub = tmp_path / "CIFAR-10-C"
+    _published_copy(chain, pub, CORRUPTIONS)
+    params = validate_params(_raw(chain / "data" / "fmnist", chain, robustness={
+        "public": {"kind": "cifar10_c", "dir": str(pub), "use": "add", "n_images": 30}}))  # fmt: skip
+    metrics = evaluate.run(params, root=chain)
+    main = pq.read_table(chain / "results" / "robustness.parquet").to_pydict()
+    assert set(main["corruption"]) == {"clean", *CORRUPTIONS}  # the generated sets stay the main results
+    assert metrics["corrupted_sets"] == "generated"
+    public = metrics["public"]
+    assert public["kind"] == "cifar10_c" and public["images"]["per_corrupted_set"] == 30
+    per = pq.read_table(chain / "results" / "public" / "per_image.parquet").to_pandas()
+    for model in ("cnn", "control", "tcnn"):
+        clean = per[(per.model == model) & (per.corruption == "clean")].set_index("index")["correct"]
+        sets = per[(per.model == model) & (per.corruption != "clean")]
+        positions = sorted(set(sets["index"]))
+        assert len(positions) == 30
+        want = clean.loc[positions].mean()
+        for (c, s), grp in sets.groupby(["corruption", "severity"]):
+            assert grp["correct"].mean() == pytest.approx(want), (model, c, s)
+        assert public[model]["mca"] == pytest.approx(want)
+    d = public["comparisons"]["tcnn-control"]["mca"]
+    assert d["diff"] == pytest.approx(public["tcnn"]["mca"] - public["control"]["mca"])
+    assert d["low"] <= d["diff"] <= d["high"]
+    from stages.catalogue import summary_metrics
+
+    head = summary_metrics(chain)
+    assert head["public_tcnn_minus_control_mca"] == pytest.approx(d["diff"])
+    assert head["public_tcnn_minus_control_mca_ci_low"] == pytest.approx(d["low"])
+    assert head["public_tcnn_minus_control_mca_ci_high"] == pytest.approx(d["high"])
+
+
+@pytest.mark.slow
+def test_published_sets_instead_of_the_generated_ones(chain, tmp_path) -> None:
+    pub = tmp_path / "CIFAR-10-C"
+    _published_copy(chain, pub, ["contrast"])  # only one of the configured corruptions is published
+    params = validate_params(_raw(chain / "data" / "fmnist", chain, robustness={
+        "public": {"kind": "cifar10_c", "dir": str(pub), "use": "replace"}}))  # fmt: skip
+    metrics = evaluate.run(params, root=chain)
+    assert metrics["corrupted_sets"] == "cifar10_c" and "public" not in metrics
+    main = pq.read_table(chain / "results" / "robustness.parquet").to_pydict()
+    assert set(main["corruption"]) == {"clean", "contrast"}
+    assert metrics["bootstrap"]["images"]["per_corrupted_set"] == 40  # robustness.n_images
+
+
+def test_published_sets_dir_must_exist(tmp_path) -> None:
+    from core.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"robustness.public.dir"):
+        validate_params({"robustness": {"public": {"kind": "cifar10_c", "dir": str(tmp_path / "none")}}})
+    with pytest.raises(ConfigError, match=r"robustness.public.kind"):
+        validate_params({"robustness": {"public": {"kind": "cifar10-c", "dir": str(tmp_path)}}})

@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,7 @@ from core.robustness.corruptions import (
     CATEGORY_OF,
     CORRUPTIONS,
     EXTRA_CORRUPTIONS,
+    StoredSet,
     read_set,
     set_path,
 )
@@ -253,7 +254,7 @@ def _array_batches(images: np.ndarray, labels: np.ndarray, batch_size: int):
 def evaluate_model(
     model: torch.nn.Module,
     clean: tuple[np.ndarray, np.ndarray],
-    corrupted_dir: str | os.PathLike,
+    corrupted_dir: str | os.PathLike | Callable[[str, int], StoredSet],
     corruptions: Sequence[str],
     severities: Sequence[int],
     *,
@@ -268,7 +269,9 @@ def evaluate_model(
     """Top-1 accuracy of `model` on the clean images and on every stored corrupted set.
 
     `clean` is (uint8 images [N, H, W, C], labels [N]) -- image i has test index i; the sets are read from
-    ``<corrupted_dir>/<corruption>/<severity>.parquet`` (written by the corrupt stage). Returns a table with
+    ``<corrupted_dir>/<corruption>/<severity>.parquet`` (written by the corrupt stage), or, when
+    `corrupted_dir` is a callable, from ``corrupted_dir(corruption, severity)`` (e.g.
+    :meth:`core.robustness.public_sets.PublicSets.load`). Returns a table with
     :data:`TABLE_SCHEMA`: a clean row (corruption "clean", severity 0) then one row per corruption x
     severity, with ``meaningful`` copied from the set (False: saturate on grayscale). Concatenate the tables
     of several models (``pa.concat_tables``) to compare them. With ``per_image``, also the correctness of
@@ -287,7 +290,7 @@ def evaluate_model(
         if c not in CATEGORY_OF:
             raise ValueError(f"unknown corruption {c!r}")
         for s in severities:
-            stored = read_set(set_path(corrupted_dir, c, s))
+            stored = corrupted_dir(c, s) if callable(corrupted_dir) else read_set(set_path(corrupted_dir, c, s))
             correct = correct_per_image(
                 model, _array_batches(stored.images, stored.labels, batch_size), **opts
             )

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from core.robustness.corruptions import CATEGORIES, CATEGORY_OF, CORRUPTIONS, SEVERITIES
+from core.robustness.corruptions import CATEGORIES, CATEGORY_OF, CORRUPTIONS, SEVERITIES, StoredSet
 
 IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 _WNID = re.compile(r"^n\d{8}$")
@@ -286,3 +286,55 @@ def read_imagenet_subset(
 
 read_imagenet_a = read_imagenet_subset
 read_imagenet_r = read_imagenet_subset
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Published corrupted sets as an evaluation source (robustness.public)
+# ----------------------------------------------------------------------------------------------------------
+
+#: robustness.public.kind -> layout: "npy" (CIFAR-10-C / CIFAR-100-C) or "tree" (ImageNet-C / Tiny-ImageNet-C).
+PUBLIC_KINDS = {"cifar10_c": "npy", "cifar100_c": "npy", "imagenet_c": "tree", "tiny_imagenet_c": "tree"}
+
+
+class PublicSets:
+    """The (corruption, severity) sets of a published benchmark, read like the corrupt stage's own sets.
+
+    ``load(c, s)`` returns a :class:`core.robustness.corruptions.StoredSet` of the same ``n_images`` positions
+    of every set (evenly spaced over the set, or all of them): ``indices`` are those positions, so every
+    corrupted copy of one source image carries one index, and the paired bootstrap resamples source images
+    across all sets, as for the generated sets. The positions also index the clean test split the stage
+    evaluates: the same images when that split is the benchmark's source in its order (canonical CIFAR-10 /
+    CIFAR-100 test split: CIFAR-10-C row i of every severity is test image i; an ImageNet validation tree in
+    sorted wnid/file order for ImageNet-C), otherwise only positions are paired (point estimates unchanged).
+    """
+
+    def __init__(self, kind: str, root: str | os.PathLike, n_images: int | None, n_clean: int) -> None:
+        if kind not in PUBLIC_KINDS:
+            raise ValueError(f"robustness.public.kind: {kind!r}; choose from {list(PUBLIC_KINDS)}")
+        self.kind, self.root = kind, Path(root)
+        if PUBLIC_KINDS[kind] == "npy":
+            names = cifar_c_corruptions(self.root)
+            if not names:
+                raise FileNotFoundError(f"{self.root}: no <corruption>.npy files (CIFAR-10-C layout)")
+            self.available = [(c, s) for c in names for s in SEVERITIES]
+            size = len(np.load(self.root / f"{names[0]}.npy", mmap_mode="r")) // 5
+        else:
+            self.sets = imagenet_c_sets(self.root)
+            self.available = sorted(self.sets, key=lambda cs: (CORRUPTIONS.index(cs[0]), cs[1]))
+            size = len(read_imagenet_c(self.root, *self.available[0]))
+        n = min(size, n_clean, n_images or size)
+        self.positions = np.unique(np.linspace(0, min(size, n_clean) - 1, n).round().astype(np.int64))
+
+    def load(self, corruption: str, severity: int) -> StoredSet:
+        if (corruption, severity) not in self.available:
+            raise FileNotFoundError(f"{self.root}: the published set has no {corruption} severity {severity}")
+        if PUBLIC_KINDS[self.kind] == "npy":
+            images, labels = read_cifar_c(self.root, corruption, severity)
+            images, labels = np.ascontiguousarray(images[self.positions]), labels[self.positions]
+        else:
+            ds = read_imagenet_c(self.root, corruption, severity)
+            items = [ds[int(i)] for i in self.positions]
+            images = np.stack([x for x, _ in items])
+            labels = np.array([y for _, y in items], dtype=np.int64)
+        meta = {"meaningful": True, "source": self.kind, "root": str(self.root)}
+        return StoredSet(images, labels, self.positions.copy(), meta)

@@ -1,0 +1,433 @@
+"""A finished study's small results, committed next to its preset, and the README section made from them.
+
+    tcnn study export SWEEP_DIR OUT_DIR      # results.csv, history.csv, attention.csv, meta.json
+    tcnn study render OUT_DIR [--readme README.md] [--check]
+
+``export`` reads a finished sweep that chose a hyperparameter on validation data (``sweep.select``, one key,
+e.g. ``finetune.lr``) and writes kilobytes that hold everything its headline depends on:
+
+- ``results.csv``: one ``grid`` row per (seed, value): each model's validation accuracy, clean accuracy,
+  mCA, mCE and relative mCE with percentile intervals, and T-CNN - control at that value with its paired
+  interval (paired bootstrap over test images, re-run from the trial's per-image table); and one
+  ``selected`` row per seed: each arm at its validation-chosen value, T-CNN - control with its paired
+  interval (the sweep's selected.parquet). ``tcnn_selected`` / ``control_selected`` mark the chosen rows.
+- ``history.csv``: every fine-tuning epoch of both arms at every value (validation accuracy, losses, lr).
+- ``attention.csv``: every GPSA head of each seed's chosen T-CNN over fine-tuning: gate sigma(lambda),
+  span 1/alpha, nonlocality (gpsa.csv of the finetune stage).
+- ``meta.json``: sweep name, commit, wall time, CPU.
+
+``render`` re-derives the selection from the grid rows (validation argmax per seed and arm; it must agree
+with the selected rows), the over-seed t-intervals from the selected rows, draws the figures
+(core.viz.study_plots) and writes the Markdown section; with ``--readme`` it replaces the block between
+``<!-- study:<name>:begin -->`` and ``<!-- study:<name>:end -->`` (``--check``: exit 1 if it differs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from core.utils.atomic import atomic_write_text
+
+ARMS = ("tcnn", "control")
+MODELS = ("cnn", "tcnn", "control")
+METRICS = ("clean_accuracy", "mca", "mce", "relative_mce")
+DIFF = "tcnn_minus_control"
+ENDS = ("", "_ci_low", "_ci_high")
+FILES = ("results.csv", "history.csv", "attention.csv", "meta.json")
+FIGURES = ("lr_grid.png", "val_curves.png", "attention.png")
+
+
+class StudyError(ValueError):
+    pass
+
+
+# --------------------------------------------------------------------------------------------- export
+
+
+def _json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def _columns() -> list[str]:
+    cols = ["row", "seed", "tcnn_value", "control_value", "tcnn_trial", "control_trial", "tcnn_selected",
+            "control_selected", *(f"{m}_val_accuracy" for m in MODELS)]  # fmt: skip
+    cols += [f"{m}_{k}{e}" for m in (*MODELS, DIFF) for k in METRICS for e in ENDS]
+    return cols
+
+
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def export(sweep_dir: Path, out: Path) -> list[Path]:
+    """Write :data:`FILES` for the finished sweep in ``sweep_dir`` into ``out``."""
+    import pyarrow.parquet as pq
+
+    from pipelines.sweep_select import pair_metrics
+    from stages.catalogue import summary_metrics
+
+    spec = _json(sweep_dir / "sweep.json")
+    over = list((spec.get("select") or {}).get("over") or [])
+    if len(over) != 1:
+        raise StudyError(
+            f"{sweep_dir}: the study tools need a sweep that selects one key (sweep.select.over)"
+        )
+    key = over[0]
+    if not (sweep_dir / "selected.parquet").is_file():
+        raise StudyError(f"{sweep_dir}: no selected.parquet (has the sweep finished?)")
+    chosen = pq.read_table(sweep_dir / "selected.parquet").to_pylist()
+    picks = {(c["seed"], arm): c[f"{arm}_trial"] for c in chosen for arm in ARMS}
+    rows, history, attention = [], [], []
+    for tid, t in spec["trials"].items():
+        root = sweep_dir / "trials" / tid
+        if not (root / "done.json").is_file():
+            raise StudyError(f"{root}: trial not finished; resume the sweep first")
+        seed, value = t["params"]["seed"], t["overrides"][key]
+        p = t["params"]
+        head = summary_metrics(root)
+        row: dict[str, Any] = {"row": "grid", "seed": seed, "tcnn_value": value, "control_value": value,
+                               "tcnn_trial": tid, "control_trial": tid}  # fmt: skip
+        row |= {f"{arm}_selected": picks.get((seed, arm)) == tid for arm in ARMS}
+        row |= {f"{m}_val_accuracy": head.get(f"{m}_val_accuracy") for m in MODELS}
+        from core.utils.hashing import derive_seed
+
+        row |= pair_metrics(root, root, replicates=int(p["robustness"]["bootstrap"]),
+                            seed=derive_seed(int(seed), "bootstrap"))  # fmt: skip
+        rows.append(row)
+        for arm, rel in (("tcnn", "runs/finetune/history.json"), ("control", "runs/control/history.json")):
+            for h in _json(root / rel):
+                history.append({"seed": seed, "arm": arm, "value": value, "epoch": int(h.get("finetune_epoch", 0)),
+                                "val_accuracy": h.get("val_acc"),
+                                **{k: h.get(k) for k in ("val_loss", "train_loss", "train_acc", "lr")}})  # fmt: skip
+        if picks.get((seed, "tcnn")) == tid and (root / "runs/finetune/gpsa.csv").is_file():
+            with open(root / "runs/finetune/gpsa.csv") as fh:
+                attention += [{"seed": seed, **r} for r in csv.DictReader(fh)]
+    for c in chosen:
+        row = {"row": "selected", "seed": c["seed"], "tcnn_selected": True, "control_selected": True}
+        row |= {f"{arm}_value": c[f"{arm}_{key}"] for arm in ARMS} | {
+            f"{arm}_trial": c[f"{arm}_trial"] for arm in ARMS
+        }
+        row |= {k: c.get(k) for k in _columns() if k in c and k not in row}
+        rows.append(row)
+    out.mkdir(parents=True, exist_ok=True)
+    written = [_write_csv(out / "results.csv", rows, _columns()),
+               _write_csv(out / "history.csv", history, list(history[0]) if history else ["seed"]),
+               _write_csv(out / "attention.csv", attention, list(attention[0]) if attention else ["seed"])]  # fmt: skip
+    metrics = _json(sweep_dir / "metrics.json") if (sweep_dir / "metrics.json").is_file() else {}
+    meta = {"sweep": spec["name"], "selected_key": key, "commit": _commit(sweep_dir), "cpu": _cpu(),
+            "trials": len(spec["trials"]), "wall_s_last_driver": metrics.get("wall_s"),
+            "first_trial_start": _first_start(sweep_dir), "last_trial_end": _last_end(sweep_dir)}  # fmt: skip
+    atomic_write_text(out / "meta.json", json.dumps(meta, indent=1) + "\n")
+    return [*written, out / "meta.json"]
+
+
+def _commit(sweep_dir: Path) -> str | None:
+    try:
+        return subprocess.run(["git", "-C", str(sweep_dir.parent), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _stage_times(sweep_dir: Path) -> list[dict[str, Any]]:
+    out = []
+    for path in (sweep_dir / "trials").glob("*/stages.jsonl"):
+        out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return out
+
+
+def _first_start(sweep_dir: Path) -> str | None:
+    """The earliest trial attempt (first line of each trial.log: ``--- <date> <time> attempt on ...``)."""
+    starts = []
+    for log in (sweep_dir / "trials").glob("*/trial.log"):
+        with open(log) as fh:
+            first = fh.readline().split()
+        if len(first) >= 3 and first[0] == "---":
+            starts.append(f"{first[1]} {first[2]}")
+    return min(starts) if starts else None
+
+
+def _last_end(sweep_dir: Path) -> str | None:
+    import time
+
+    ends = [r["finished"] for r in _stage_times(sweep_dir) if "finished" in r]
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(max(ends))) if ends else None
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]], cols: list[str]) -> Path:
+    import io
+
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: _cell(r.get(k)) for k in cols})
+    atomic_write_text(path, buf.getvalue())
+    return path
+
+
+def _cell(v: Any) -> Any:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return "" if v is None else v
+
+
+# --------------------------------------------------------------------------------------------- render
+
+
+def _read_csv(path: Path) -> list[dict[str, Any]]:
+    def conv(v: str) -> Any:
+        if v == "":
+            return None
+        if v in ("True", "False"):
+            return v == "True"
+        try:
+            return int(v) if v.lstrip("-").isdigit() else float(v)
+        except ValueError:
+            return v
+
+    with open(path) as fh:
+        return [{k: conv(v) for k, v in r.items()} for r in csv.DictReader(fh)]
+
+
+def load(results: Path) -> dict[str, Any]:
+    missing = [f for f in FILES if not (results / f).is_file()]
+    if missing:
+        raise StudyError(f"{results}: missing {', '.join(missing)} (tcnn study export)")
+    return {"rows": _read_csv(results / "results.csv"), "history": _read_csv(results / "history.csv"),
+            "attention": _read_csv(results / "attention.csv"), "meta": _json(results / "meta.json")}  # fmt: skip
+
+
+def reselect(rows: list[dict[str, Any]]) -> dict[tuple[int, str], float]:
+    """The validation argmax per (seed, arm) over the grid rows (first in file order on ties)."""
+    best: dict[tuple[int, str], tuple[float, float]] = {}
+    for r in rows:
+        if r["row"] != "grid":
+            continue
+        for arm in ARMS:
+            v = r[f"{arm}_val_accuracy"]
+            k = (r["seed"], arm)
+            if k not in best or v > best[k][1]:
+                best[k] = (r[f"{arm}_value"], v)
+    return {k: v[0] for k, v in best.items()}
+
+
+def selected(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The selected rows, checked against :func:`reselect` (a study whose table disagrees is refused)."""
+    picks = reselect(rows)
+    out = [r for r in rows if r["row"] == "selected"]
+    for r in out:
+        for arm in ARMS:
+            if picks.get((r["seed"], arm)) != r[f"{arm}_value"]:
+                raise StudyError(
+                    f"seed {r['seed']}: the {arm} row chose {r[f'{arm}_value']}, the validation argmax is "
+                    f"{picks.get((r['seed'], arm))}"
+                )
+    return sorted(out, key=lambda r: r["seed"])
+
+
+def _pp(v: float | None, sign: bool = False) -> str:
+    return "-" if v is None else f"{100 * v:{'+' if sign else ''}.2f}"
+
+
+def _ci(mean: Any, lo: Any, hi: Any, sign: bool = True) -> str:
+    return f"{_pp(mean, sign)} [{_pp(lo, sign)}, {_pp(hi, sign)}]"
+
+
+def headline(rows: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """T-CNN - control at the chosen values, mean over seeds with Student's 95% t-interval, per metric."""
+    from core.robustness.intervals import t_interval
+
+    sel = selected(rows)
+    return {m: t_interval([r[f"{DIFF}_{m}"] for r in sel]) for m in METRICS}
+
+
+def markdown(data: dict[str, Any], name: str, fig_dir: str) -> str:
+    """The README section (between the markers): the per-seed and over-seed table, the sentences, the grid
+    table and the figures."""
+    from pipelines.sweep_select import verdict
+
+    rows, meta = data["rows"], data["meta"]
+    key = meta["selected_key"]
+    sel = selected(rows)
+    head = headline(rows)
+    lines = [
+        f"| seed | T-CNN {key} | control {key} | T-CNN val / test | control val / test | T-CNN - control clean (pp) "
+        "| mCA T-CNN / control | T-CNN - control mCA (pp) | T-CNN - control mCE (pp) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in sel:
+        lines.append(
+            f"| {r['seed']} | {r['tcnn_value']:g} | {r['control_value']:g} "
+            f"| {_pp(r['tcnn_val_accuracy'])} / {_pp(r['tcnn_clean_accuracy'])} "
+            f"| {_pp(r['control_val_accuracy'])} / {_pp(r['control_clean_accuracy'])} "
+            f"| {_ci(*(r[f'{DIFF}_clean_accuracy{e}'] for e in ENDS))} "
+            f"| {_pp(r['tcnn_mca'])} / {_pp(r['control_mca'])} "
+            f"| {_ci(*(r[f'{DIFF}_mca{e}'] for e in ENDS))} | {_ci(*(r[f'{DIFF}_mce{e}'] for e in ENDS))} |"
+        )
+    from core.robustness.intervals import t_interval
+
+    def mean(col: str) -> str:
+        return _pp(t_interval([r[col] for r in sel])["mean"])
+
+    h = {m: _ci(head[m]["mean"], head[m]["low"], head[m]["high"]) for m in METRICS}
+    lines.append(
+        f"| mean of {len(sel)} | | | {mean('tcnn_val_accuracy')} / {mean('tcnn_clean_accuracy')} "
+        f"| {mean('control_val_accuracy')} / {mean('control_clean_accuracy')} | **{h['clean_accuracy']}** "
+        f"| {mean('tcnn_mca')} / {mean('control_mca')} | **{h['mca']}** | **{h['mce']}** |"
+    )
+    says = {m: verdict(head[m]["mean"], head[m]["low"], head[m]["high"], lower_is_better=m.endswith("mce"))
+            for m in METRICS}  # fmt: skip
+    text = "\n".join(lines) + "\n\n"
+    text += (
+        f"Each arm at the {key} with the best validation accuracy of its seed; the test split only reports. "
+        "Per seed: paired bootstrap 95% interval over test images; last row: mean over seeds with Student's "
+        "95% t-interval. Accuracies in %, differences in percentage points; mCE is normalised by each seed's "
+        "pretrained CNN (lower is better).\n\n"
+        f"- Clean accuracy, T-CNN - control: {h['clean_accuracy']} pp: {says['clean_accuracy']}.\n"
+        f"- Mean corruption accuracy, T-CNN - control: {h['mca']} pp: {says['mca']}.\n"
+        f"- mCE, T-CNN - control: {h['mce']} pp: {says['mce']}.\n\n"
+    )
+    text += _grid_table(rows, key) + "\n" + _heads_sentence(data["attention"]) + "\n\n"
+    text += (
+        f"![test accuracy and mCA against the fine-tuning lr, both arms]({fig_dir}/lr_grid.png)\n\n"
+        f"![validation accuracy per fine-tuning epoch]({fig_dir}/val_curves.png)\n\n"
+        f"![GPSA heads over fine-tuning]({fig_dir}/attention.png)\n\n"
+        f"Generated by `tcnn study render {fig_dir}` from the committed tables; sweep `{meta['sweep']}` at commit "
+        f"`{(meta.get('commit') or '?')[:12]}`, {meta.get('trials')} trials on {meta.get('cpu')}.\n"
+    )
+    return text
+
+
+def _grid_table(rows: list[dict[str, Any]], key: str) -> str:
+    from core.robustness.intervals import t_interval
+
+    grid = [r for r in rows if r["row"] == "grid"]
+    values = sorted({r["tcnn_value"] for r in grid})
+    lines = [f"| {key} | T-CNN val | control val | T-CNN test | control test | T-CNN mCA | control mCA "
+             "| T-CNN - control clean (pp) | T-CNN - control mCA (pp) | chosen by (T-CNN / control) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for v in values:
+        at = [r for r in grid if r["tcnn_value"] == v]
+
+        def ci(col: str, sign: bool = False, at: list[dict[str, Any]] = at) -> str:
+            t = t_interval([r[col] for r in at])
+            return _ci(t["mean"], t["low"], t["high"], sign)
+
+        n_t, n_c = sum(bool(r["tcnn_selected"]) for r in at), sum(bool(r["control_selected"]) for r in at)
+        lines.append(
+            f"| {v:g} | {ci('tcnn_val_accuracy')} | {ci('control_val_accuracy')} | {ci('tcnn_clean_accuracy')} "
+            f"| {ci('control_clean_accuracy')} | {ci('tcnn_mca')} | {ci('control_mca')} "
+            f"| {ci(f'{DIFF}_clean_accuracy', True)} | {ci(f'{DIFF}_mca', True)} | {n_t} / {n_c} seeds |"
+        )
+    return "The whole grid (mean over seeds [95% t-interval], %):\n\n" + "\n".join(lines) + "\n"
+
+
+def _heads_sentence(attention: list[dict[str, Any]]) -> str:
+    from core.viz.study_plots import CONTENT_GATE
+
+    if not attention:
+        return "No GPSA statistics were recorded."
+    last = max(int(r["epoch"]) for r in attention)
+    parts = []
+    for seed in sorted({int(r["seed"]) for r in attention}):
+        end = [r for r in attention if int(r["seed"]) == seed and int(r["epoch"]) == last]
+        content = [r for r in end if float(r["gate"]) < CONTENT_GATE]
+        gmin = min(end, key=lambda r: float(r["gate"]))
+        parts.append(
+            f"seed {seed}: {len(content)} of {len(end)} heads (lowest sigma(lambda) {float(gmin['gate']):.3f}, "
+            f"{gmin['layer']} head {gmin['head']})"
+        )
+    return (
+        f"Content-based heads (sigma(lambda) < {CONTENT_GATE}) at the end of fine-tuning, in each seed's chosen "
+        "T-CNN: " + "; ".join(parts) + "."
+    )
+
+
+def render(results: Path, readme: Path | None = None, *, check: bool = False) -> tuple[str, bool]:
+    """Figures into ``results``, the Markdown section; with ``readme`` the block replaced (or compared).
+    Returns (section, whether the README matched)."""
+    from core.viz.study_plots import plot_head_gates, plot_lr_grid, plot_val_curves
+
+    data = load(results)
+    name = data["meta"]["sweep"]
+    fig_dir = results.as_posix()
+    section = markdown(data, name, fig_dir)
+    if not check:
+        grid = [{**r, "lr": r["tcnn_value"]} for r in data["rows"] if r["row"] == "grid"]
+        plot_lr_grid(grid, results / "lr_grid.png", title=name)
+        plot_val_curves(
+            [{**h, "lr": h["value"]} for h in data["history"]], results / "val_curves.png", title=name
+        )
+        if data["attention"]:
+            plot_head_gates(data["attention"], results / "attention.png", title=name)
+    if readme is None:
+        return section, True
+    begin, end = f"<!-- study:{name}:begin -->", f"<!-- study:{name}:end -->"
+    text = readme.read_text()
+    if begin not in text or end not in text:
+        raise StudyError(f"{readme}: no {begin} ... {end} block")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    new = f"{head}{begin}\n{section}{end}{tail}"
+    same = new == text
+    if not check and not same:
+        atomic_write_text(readme, new)
+    return section, same
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("study", help="a finished study's committed results and its README section")
+    verbs = p.add_subparsers(dest="study_verb", required=True)
+    e = verbs.add_parser("export", help="write the small results tables of a finished sweep")
+    e.add_argument("sweep_dir", type=Path)
+    e.add_argument("out", type=Path)
+    e.set_defaults(func=_main_export)
+    r = verbs.add_parser("render", help="figures and the README section from the committed tables")
+    r.add_argument("results", type=Path)
+    r.add_argument("--readme", type=Path, default=None)
+    r.add_argument("--check", action="store_true", help="exit 1 when the README block is not up to date")
+    r.set_defaults(func=_main_render)
+
+
+def _main_export(args: argparse.Namespace) -> int:
+    try:
+        for path in export(args.sweep_dir, args.out):
+            print(f"study: wrote {path}")
+    except (StudyError, OSError) as err:
+        print(f"tcnn study: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _main_render(args: argparse.Namespace) -> int:
+    try:
+        section, same = render(args.results, args.readme, check=args.check)
+    except (StudyError, OSError) as err:
+        print(f"tcnn study: error: {err}", file=sys.stderr)
+        return 2
+    if args.readme is None:
+        print(section)
+    elif args.check and not same:
+        print(
+            f"tcnn study: {args.readme} is not up to date with {args.results} (run without --check)",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
