@@ -55,7 +55,12 @@ FIGURES = {
     "nonlocality": "nonlocality.png",
 }
 MODEL_LABELS = {"cnn": "pretrained CNN", "control": "control", "tcnn": "T-CNN"}
-NOT_MODELS = ("comparisons", "bootstrap", "tcnn_gain", "public")  # results/metrics.json entries that are not models
+NOT_MODELS = (
+    "comparisons",
+    "bootstrap",
+    "tcnn_gain",
+    "public",
+)  # results/metrics.json entries that are not models
 
 
 def input_paths(params: Params, root: Path) -> dict[str, Path]:

@@ -290,7 +290,9 @@ def evaluate_model(
         if c not in CATEGORY_OF:
             raise ValueError(f"unknown corruption {c!r}")
         for s in severities:
-            stored = corrupted_dir(c, s) if callable(corrupted_dir) else read_set(set_path(corrupted_dir, c, s))
+            stored = (
+                corrupted_dir(c, s) if callable(corrupted_dir) else read_set(set_path(corrupted_dir, c, s))
+            )
             correct = correct_per_image(
                 model, _array_batches(stored.images, stored.labels, batch_size), **opts
             )
