@@ -477,16 +477,48 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), yaml.safe_load(value)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (``{epochs: 1, epochs: 7}``: plain YAML
+    keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice (lines {seen[key] + 1} and {key_node.start_mark.line + 1})",
+                    key_node.start_mark,
+                )  # fmt: skip
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_error(path: Path, text: str, err: yaml.YAMLError) -> ConfigError:
+    """One line: where (the line of the problem, or of the last line when the file ends early) and what."""
+    mark = getattr(err, "problem_mark", None)
+    where = ""
+    if mark is not None:
+        last = max(1, len(text.rstrip("\n").splitlines()))
+        where = f" at line {min(mark.line + 1, last)}"
+    what = getattr(err, "problem", None) or str(err).splitlines()[0]
+    return ConfigError(f"{path}: not valid YAML{where}: {what}")
+
+
 def load_params(path: str | os.PathLike = "params.yaml", overrides: list[str] | None = None) -> Params:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory, not a params file")
     try:
-        raw = yaml.safe_load(path.read_text())
+        text = path.read_text()
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such params file") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot read the params file ({type(err).__name__})") from None
+    try:
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
-        line = getattr(getattr(err, "problem_mark", None), "line", None)
-        where = f" (line {line + 1})" if line is not None else ""
-        raise ConfigError(f"{path}: not valid YAML{where}") from None
+        raise _yaml_error(path, text, err) from None
     if raw is None:
         raw = {}
     if overrides:

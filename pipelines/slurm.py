@@ -463,7 +463,7 @@ class RayClusterJob(submitit.helpers.Checkpointable):
                 "num_nodes": num_nodes,
                 "temp_dir": str(temp),
             }
-            atomic_write_json(rendezvous, info, shared=True)
+            atomic_write_json(rendezvous, info)
             import ray
 
             os.environ["RAY_ADDRESS"] = address

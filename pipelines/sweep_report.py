@@ -160,4 +160,4 @@ def write_report(
 ) -> Path:
     """``<sweep_dir>/report.html`` (atomic)."""
     text = render(spec, rows, krows, plots, srows, selected)
-    return atomic_write(sweep_dir / REPORT, lambda fh: fh.write(text.encode()), shared=True)
+    return atomic_write(sweep_dir / REPORT, lambda fh: fh.write(text.encode()))

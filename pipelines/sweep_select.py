@@ -276,5 +276,5 @@ def write(
     return [
         write_table(srows, sweep_dir / "selected.parquet"),
         write_table(agg, sweep_dir / "selected_seeds.parquet"),
-        atomic_write(sweep_dir / "selected.md", lambda fh: fh.write(text.encode()), shared=True),
+        atomic_write(sweep_dir / "selected.md", lambda fh: fh.write(text.encode())),
     ]

@@ -110,7 +110,7 @@ def write_table(rows: list[dict[str, Any]], path: Path) -> Path:
     """The rows as Parquet (atomic); a column whose values mix types is stored as JSON text."""
     names = list(rows[0]) if rows else ["trial"]
     table = pa.table({n: _column([r.get(n) for r in rows]) for n in names})
-    return atomic_write(path, lambda fh: pq.write_table(table, fh), shared=True)
+    return atomic_write(path, lambda fh: pq.write_table(table, fh))
 
 
 # ------------------------------------------------------------------------------------------ seeds
@@ -169,7 +169,7 @@ def write_seeds(srows: list[dict[str, Any]], sweep_dir: Path) -> list[Path]:
     text = seeds_markdown(srows)
     return [
         write_table(srows, sweep_dir / "seeds.parquet"),
-        atomic_write(sweep_dir / "seeds.md", lambda fh: fh.write(text.encode()), shared=True),
+        atomic_write(sweep_dir / "seeds.md", lambda fh: fh.write(text.encode())),
     ]
 
 
@@ -242,7 +242,7 @@ def _save(fig: Any, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     try:
-        return atomic_write(path, lambda fh: fig.savefig(fh, format="png", dpi=110), shared=True)
+        return atomic_write(path, lambda fh: fig.savefig(fh, format="png", dpi=110))
     finally:
         plt.close(fig)
 
@@ -424,7 +424,7 @@ def write_kinds(krows: list[dict[str, Any]], sweep_dir: Path) -> list[Path]:
     text = kinds_markdown(krows)
     return [
         write_table(krows, sweep_dir / "kinds.parquet"),
-        atomic_write(sweep_dir / "kinds.md", lambda fh: fh.write(text.encode()), shared=True),
+        atomic_write(sweep_dir / "kinds.md", lambda fh: fh.write(text.encode())),
     ]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 from core.config import ConfigError, Params, load_params, plan_epochs
 from core.data.importers import DataError
 from core.utils.hashing import file_digest
+from core.utils.workspace import WorkspaceBusy, workspace_lock
 from stages.catalogue import (
     LAST_STAGE,
     PARENT_ARTIFACTS,
@@ -31,6 +33,55 @@ class StageError(RuntimeError):
     """A stage cannot run on its inputs (missing or corrupt checkpoint, bad data): one line, exit 2."""
 
 
+EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: stopped, run the same command again (core.training.loop)
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: the shell's status for Ctrl-C
+#: Signals that stop a stage process wherever it is: SIGINT (Ctrl-C), SIGTERM (kill, SLURM's time limit),
+#: SIGHUP (the terminal went away), SIGUSR1/SIGUSR2 (SLURM --signal, submitit). Inside the training loop
+#: its own handler (core.training.loop.StopSignals) takes SIGTERM/SIGHUP/SIGUSR* first and checkpoints.
+STAGE_SIGNALS = tuple(
+    getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2") if hasattr(signal, n)
+)
+
+
+class Stopped(BaseException):
+    """A stop signal outside the training loop (a BaseException, like KeyboardInterrupt: no ``except
+    Exception`` swallows it). The runs end KILLED, workers are ended, the process exits 75 (130 for SIGINT)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+    @property
+    def exit_status(self) -> int:
+        return EXIT_INTERRUPTED if self.signum == signal.SIGINT else EXIT_PREEMPTED
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Turn :data:`STAGE_SIGNALS` into :class:`Stopped` in the main thread for the whole stage. The first
+    signal raises; later ones are ignored, so the cleanup it starts (closing MLflow runs, ending workers)
+    runs to its end."""
+    raised = False
+
+    def handler(signum: int, frame: Any) -> None:
+        nonlocal raised
+        if not raised:
+            raised = True
+            raise Stopped(signum)
+
+    handler.tcnn_stage_handler = True  # type: ignore[attr-defined]  # StopSignals.chain() skips it
+    previous = {}
+    for s in STAGE_SIGNALS:
+        with contextlib.suppress(ValueError, OSError):  # not the main thread: signals stay as they are
+            previous[s] = signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, prev in previous.items():
+            with contextlib.suppress(ValueError, OSError, TypeError):
+                signal.signal(s, prev)
+
+
 def tracking_on(params: Params) -> bool:
     """Tracking is on unless ``tracking.enabled: false`` or ``TCNN_TRACKING=0`` (the test-suite sets it)."""
     return params.tracking.enabled and os.environ.get("TCNN_TRACKING", "1") != "0"
@@ -46,6 +97,15 @@ def _tracked(params: Params, name: str) -> Iterator[Any]:
 
     with stage_run(params, name, root=".", end_parent=name == LAST_STAGE, system_metrics=True) as tracker:
         yield tracker
+
+
+def _one_writer(name: str) -> contextlib.AbstractContextManager:
+    """The workspace lock (core.utils.workspace) for a stage process: a second stage process on this
+    workspace is refused with one line naming the holder. Data-parallel ranks other than 0 (started by the
+    rank-0 launcher, which already checked) do not take it."""
+    if int(os.environ.get("RANK", "0") or 0) != 0:
+        return contextlib.nullcontext()
+    return workspace_lock(".", f"python -m stages.{name}")
 
 
 def log_history(tracker: Any, path: Path, step_key: str = "epoch") -> int:
@@ -133,29 +193,43 @@ def stage_main(
     argv: list[str] | None = None,
     *,
     data_parallel: Callable[[Params, str, list[str]], contextlib.AbstractContextManager] | None = None,
+    check: Callable[[Params], None] | None = None,
 ) -> int:
-    """Parse, validate, run and track a stage. `data_parallel` (the training stages pass
-    stages._training.data_parallel) wraps the run: it may relaunch the stage as several DDP processes."""
+    """Parse, validate, run and track a stage. `check` (raising StageError) runs before anything is opened or
+    written: what can be known to fail from the params and the inputs on disk fails there, not after the
+    MLflow runs were opened. `data_parallel` (the training stages pass stages._training.data_parallel) wraps
+    the run: it may relaunch the stage as several DDP processes."""
     parser = argparse.ArgumentParser(prog=f"python -m stages.{name}")
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     parser.add_argument(
         "-S", "--set", action="append", default=[], metavar="KEY=VALUE", help="override a param"
     )
     args = parser.parse_args(argv)
-    try:
-        params = plan_epochs(load_params(args.params, args.set))  # epochs x 1/f, as the sweeps plan them
-        args_list = sys.argv[1:] if argv is None else list(argv)
-        launch = data_parallel(params, name, args_list) if data_parallel else contextlib.nullcontext()
-        with launch, _tracked(params, name) as tracker:
-            metrics = run(params)
-            _log_outputs(tracker, params, name, metrics)
-    except (ConfigError, StageError, DataError) as err:
-        print(f"{name}: error: {err}", file=sys.stderr)
-        return 2
-    except RuntimeError as err:
-        # stages.tracking.TrackingError (server down and the like), without importing MLflow here
-        if type(err).__name__ != "TrackingError":
-            raise
-        print(f"{name}: error: {err}", file=sys.stderr)
-        return 2
+    with stop_on_signals():
+        try:
+            params = plan_epochs(load_params(args.params, args.set))  # epochs x 1/f, as the sweeps plan them
+            if check is not None:
+                check(params)
+            args_list = sys.argv[1:] if argv is None else list(argv)
+            launch = data_parallel(params, name, args_list) if data_parallel else contextlib.nullcontext()
+            with _one_writer(name), launch, _tracked(params, name) as tracker:
+                metrics = run(params)
+                _log_outputs(tracker, params, name, metrics)
+        except Stopped as stop:
+            print(f"{name}: stopped by {stop}; run the same command again to continue", file=sys.stderr)
+            return stop.exit_status
+        except (ConfigError, StageError, DataError, WorkspaceBusy) as err:
+            print(f"{name}: error: {err}", file=sys.stderr)
+            return 2
+        except RuntimeError as err:
+            # stages.tracking.TrackingError (server down and the like), without importing MLflow here
+            if type(err).__name__ != "TrackingError":
+                raise
+            print(f"{name}: error: {err}", file=sys.stderr)
+            return 2
+        except Exception as err:
+            if type(err).__name__ != "Preempted":  # core.training.loop.Preempted: checkpointed, resumable
+                raise
+            print(f"{name}: {err}", file=sys.stderr)
+            return EXIT_PREEMPTED
     return 0

@@ -27,7 +27,6 @@ from typing import Any
 
 from core.config import Params
 from core.models import REPARAMETERIZED_KINDS
-from core.training.loop import EXIT_PREEMPTED, Preempted
 from core.training.optim import named_state
 from core.utils.atomic import atomic_write_json, atomic_write_text
 from stages import _training as T
@@ -90,11 +89,7 @@ def _disabled(root: Path, reason: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return stage_main(NAME, run, argv, data_parallel=T.data_parallel)
-    except Preempted as stop:
-        print(f"{NAME}: {stop}", file=sys.stderr)
-        return EXIT_PREEMPTED
+    return stage_main(NAME, run, argv, data_parallel=T.data_parallel)
 
 
 if __name__ == "__main__":

@@ -51,6 +51,21 @@ def _load_test(params: Params, data_dir: Path) -> tuple[np.ndarray, np.ndarray]:
         raise StageError(f"data.dir: {err}") from None
 
 
+def check(params: Params, root: Path = Path(".")) -> None:
+    """Before any run is opened: the prepared test split exists and holds ``robustness.n_images`` images."""
+    from core.data import DataError, read_manifest
+
+    data_dir = root / params.data.dir
+    try:
+        n = int(read_manifest(data_dir)["splits"]["test"]["num_rows"])
+    except (DataError, FileNotFoundError, ValueError, KeyError) as err:
+        raise StageError(f"data.dir: {err} (run the prepare stage)") from None
+    if params.robustness.n_images > n:
+        raise StageError(
+            f"robustness.n_images: {params.robustness.n_images} exceeds the {n} test images of {data_dir}"
+        )
+
+
 def _sheet_picks(labels: np.ndarray, k: int = 3) -> list[int]:
     """The first image of each of the first `k` classes met in index order."""
     picks: list[int] = []
@@ -165,7 +180,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stage_main("corrupt", run, argv)
+    return stage_main("corrupt", run, argv, check=check)
 
 
 if __name__ == "__main__":

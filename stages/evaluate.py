@@ -234,7 +234,7 @@ def evaluate_models(
                     mean=manifest["mean"], std=manifest["std"], batch_size=rob.batch_size, device=device,
                     model_name=name, image_size=size, per_image=True,
                 )  # fmt: skip
-            except FileNotFoundError as err:
+            except (FileNotFoundError, ValueError) as err:  # a missing or damaged (checksum) set
                 where = "robustness.dir" if suite.name == "generated" else "robustness.public"
                 raise StageError(
                     f"{where}: {err}" + (" (run the corrupt stage)" if suite.name == "generated" else "")
@@ -359,8 +359,24 @@ def _say(diffs: dict[str, Any], key: str) -> str:
     return f"{key} {100 * d['diff']:+.2f} pp [{100 * d['low']:+.2f}, {100 * d['high']:+.2f}]"
 
 
+def check(params: Params, root: Path = Path(".")) -> None:
+    """Before any run is opened or any model evaluated: the CE baseline can be read (a baseline JSON path, not
+    a model of this run or "alexnet"), and the model checkpoints exist."""
+    spec = params.robustness.baseline
+    if spec != "alexnet" and spec not in ("cnn", "control", "tcnn"):
+        try:
+            Baseline.load(root / spec)
+        except (FileNotFoundError, ValueError) as err:
+            raise StageError(f"robustness.baseline: {err}") from None
+    missing = [str(p) for p in model_paths(params, root).values() if not p.is_file()]
+    if missing:
+        raise StageError(
+            f"missing model checkpoint(s): {', '.join(missing)} (run pretrain, finetune and control)"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
-    return stage_main(NAME, run, argv)
+    return stage_main(NAME, run, argv, check=check)
 
 
 if __name__ == "__main__":

@@ -53,8 +53,6 @@ from core.training import distributed as D
 from core.training.checkpoint import restore_rng
 from core.training.history import summarize_gpsa
 from core.training.loop import (
-    EXIT_PREEMPTED,
-    Preempted,
     TrainLoss,
     deterministic,
     fit,
@@ -294,11 +292,7 @@ def _steps(loaders: T.Loaders, batch: int, ds: Any, key: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return stage_main(NAME, run, argv, data_parallel=T.data_parallel)
-    except Preempted as stop:
-        print(f"{NAME}: {stop}", file=sys.stderr)
-        return EXIT_PREEMPTED
+    return stage_main(NAME, run, argv, data_parallel=T.data_parallel)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,6 @@ from core.models import set_stochastic_depth
 from core.models.spec import build_from_spec, pretraining_spec
 from core.training import distributed as D
 from core.training.loop import (
-    EXIT_PREEMPTED,
-    Preempted,
     TrainLoss,
     deterministic,
     fit,
@@ -169,11 +167,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    try:
-        return stage_main(NAME, run, argv, data_parallel=T.data_parallel)
-    except Preempted as stop:
-        print(f"{NAME}: {stop}", file=sys.stderr)
-        return EXIT_PREEMPTED
+    return stage_main(NAME, run, argv, data_parallel=T.data_parallel)
 
 
 if __name__ == "__main__":

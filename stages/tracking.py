@@ -223,11 +223,11 @@ class Tracker:
                 f"tracking.uri {self.uri}: no MLflow server answers "
                 "(start one with infra/mlflow/server.sh, or set tracking.enabled: false)"
             )
-        if self.uri.startswith("sqlite:////"):
-            Path(self.uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
         self.mode = "mlflow"
-        self._client = MlflowClient(tracking_uri=self.uri)
-        self._experiment_id = self._get_or_create_experiment(experiment)
+        with _store_creation_lock(self.uri):  # a new sqlite store: one process creates its schema
+            self._client = MlflowClient(tracking_uri=self.uri)
+            self._client.search_experiments(max_results=1)  # the store (and its schema) exists from here on
+            self._experiment_id = self._get_or_create_experiment(experiment)
 
     @classmethod
     def from_params(cls, params: Any, *, base_dir: str | os.PathLike = ".", **kwargs: Any) -> Tracker:
@@ -370,9 +370,22 @@ class Tracker:
                 continue
             # An execution with other params (or an older duplicate): it will not be continued.
             self._client.set_tag(run.info.run_id, CHAIN_TAG, "superseded")
+            self.close_children(run.info.run_id, "FAILED")
             if run.info.status == "RUNNING":  # left by a killed process
                 self._client.set_terminated(run.info.run_id, status="FAILED")
         return found
+
+    def close_children(self, parent_run_id: str, status: RunStatus = "FAILED") -> int:
+        """End every RUNNING child of ``parent_run_id`` (left by killed processes) with ``status``; returns
+        how many were closed."""
+        left = self._search(
+            f"tags.`{PARENT_TAG}` = {_quote(parent_run_id)} and attributes.status = 'RUNNING'",
+            max_results=1000,
+        )
+        for run in left:
+            self._client.set_tag(run.info.run_id, "tcnn.stale", "its parent was superseded")
+            self._client.set_terminated(run.info.run_id, status=status)
+        return len(left)
 
     def start_child(
         self,
@@ -658,6 +671,22 @@ class Tracker:
         self._fluent = True
 
 
+@contextlib.contextmanager
+def _store_creation_lock(uri: str) -> Iterator[None]:
+    """For a sqlite store: an exclusive lock next to the database (``<db>.lock``, filelock) while a client
+    opens it, so that processes starting at once on a new store (``dvc queue start -j 4``) do not run
+    MLflow's schema migrations concurrently (sqlite: 'duplicate column name'). Other stores: no lock."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    from filelock import FileLock
+
+    db = Path(uri[len("sqlite:///") :])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(db) + ".lock", timeout=600, mode=0o644):
+        yield
+
+
 def _compatible(logged: Mapping[str, str], flat: Mapping[str, str]) -> bool:
     """True when no param already logged on a run differs from ``flat`` (MLflow params are write-once)."""
     return all(logged.get(k, v) == v for k, v in flat.items())
@@ -722,7 +751,7 @@ def record_run_ids(
 
 def _end_status(err: BaseException) -> RunStatus:
     """KILLED for an interruption the stage can resume from (Ctrl-C, a stop signal), else FAILED."""
-    if isinstance(err, KeyboardInterrupt) or type(err).__name__ == "Preempted":
+    if isinstance(err, KeyboardInterrupt) or type(err).__name__ in ("Preempted", "Stopped"):
         return "KILLED"
     return "FAILED"
 

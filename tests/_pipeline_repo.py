@@ -51,6 +51,7 @@ def env(**extra: str) -> dict[str, str]:
     """The environment of `dvc` in the copy: this venv first on PATH, tracking on, no inherited parent run."""
     e = {k: v for k, v in os.environ.items() if not k.startswith(("TCNN_", "DVC_", "MLFLOW_"))}
     e["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{e.get('PATH', '')}"
+    e["VIRTUAL_ENV"] = sys.prefix  # as an activated venv: scripts/stage (dvc.yaml's commands) runs this one
     e.update(
         TCNN_TRACKING="1",
         MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL="1",

@@ -356,5 +356,5 @@ def _write(
             image_size_range=[list(min(sizes)), list(max(sizes))],
             stats_images=len(range(0, len(items["train"]), stride)),
         )  # fmt: skip
-        atomic_write_json(tmp / MANIFEST, manifest, indent=1, shared=True)
+        atomic_write_json(tmp / MANIFEST, manifest, indent=1)
     return manifest

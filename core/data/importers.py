@@ -40,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from core.utils.atomic import atomic_write_json
+from core.utils.atomic import atomic_write_json, fsync_dir, fsync_file, umask
 from core.utils.hashing import file_digest
 
 FORMAT_VERSION = 1
@@ -91,19 +91,6 @@ class ImportResult:
 # small file helpers
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):  # some filesystems refuse fsync on directories
-        _fsync_file(path)
-
-
 def _default_cache() -> Path:
     return Path(os.environ.get("TCNN_DATA_CACHE", Path.home() / ".cache" / "tcnn"))
 
@@ -129,16 +116,10 @@ def _remove_stale_temps(out: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def _make_dir(parent: Path, prefix: str) -> Path:
     """A fresh directory with the usual permissions (mkdtemp's are 0700)."""
     path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
-    os.chmod(path, 0o777 & ~_umask())
+    os.chmod(path, 0o777 & ~umask())
     return path
 
 
@@ -156,8 +137,8 @@ def atomic_output_dir(out: Path) -> Iterator[Path]:
     try:
         yield tmp
         for f in tmp.iterdir():
-            _fsync_file(f)
-        _fsync_dir(tmp)
+            fsync_file(f)
+        fsync_dir(tmp)
         if out.exists():
             backup = _make_dir(out.parent, f".{out.name}.old-{os.getpid()}-")
             os.replace(out, backup / out.name)
@@ -165,7 +146,7 @@ def atomic_output_dir(out: Path) -> Iterator[Path]:
             shutil.rmtree(backup, ignore_errors=True)
         else:
             os.replace(tmp, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -467,7 +448,7 @@ def write_array_dataset(
             dataset, source_info, fingerprint, "raw", list(arrays["train"][0].shape[1:]), label_names,
             mean, std, shard_rows, splits,
         )  # fmt: skip
-        atomic_write_json(tmp / MANIFEST, manifest, indent=1, shared=True)
+        atomic_write_json(tmp / MANIFEST, manifest, indent=1)
     return manifest
 
 

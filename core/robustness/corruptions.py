@@ -62,6 +62,7 @@ tests/test_corruptions.py. Generating with ``workers > 1`` spawns processes: cal
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.resources
 import json
@@ -1000,6 +1001,25 @@ def default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+@contextlib.contextmanager
+def _ended_on_error(pool: ProcessPoolExecutor) -> Iterator[ProcessPoolExecutor]:
+    """The pool, shut down normally on success; on any error or stop signal (or a generator closed early) its
+    queued tasks are cancelled and its worker processes terminated, so none outlives the caller."""
+    try:
+        yield pool
+    except BaseException:
+        procs = list((getattr(pool, "_processes", None) or {}).values())  # no public API before Python 3.14
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in procs:
+            with contextlib.suppress(Exception):
+                proc.terminate()
+        for proc in procs:
+            with contextlib.suppress(Exception):
+                proc.join(5)
+        raise
+    pool.shutdown(wait=True)
+
+
 def iter_sets(
     images: np.ndarray,
     pairs: Iterable[tuple[str, int]],
@@ -1086,7 +1106,7 @@ def iter_sets(
         os.environ.update({k: "1" for k in _SINGLE_THREAD_ENV})
         try:
             pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init)
-            with pool:
+            with _ended_on_error(pool):
                 queue = iter(tasks)
                 in_flight: dict[Any, tuple[str, int, int, int]] = {}
 
@@ -1121,7 +1141,7 @@ def iter_sets(
 # Stored sets: <dir>/<corruption>/<severity>.parquet (and <dir>/clean.parquet)
 # ----------------------------------------------------------------------------------------------------------
 
-SET_FORMAT = 2
+SET_FORMAT = 3  # 3: the stored content's sha256 in the metadata, verified on every read
 _META_KEY = b"tcnn.corrupted_set"
 
 
@@ -1207,7 +1227,8 @@ def write_set(
         pa.binary(per), n, [None, pa.py_buffer(images.reshape(-1))]
     )
     table = pa.table({"index": indices, "label": labels, "image": image_col})
-    meta = {**meta, "image_shape": [int(v) for v in images.shape[1:]], "n": n}
+    meta = {**meta, "image_shape": [int(v) for v in images.shape[1:]], "n": n,
+            "sha256": content_digest(images, labels, indices)}  # fmt: skip
     table = table.replace_schema_metadata({_META_KEY: json.dumps(meta, sort_keys=True).encode()})
     return atomic_write(
         path,
@@ -1234,10 +1255,31 @@ def read_set_meta(path: str | os.PathLike) -> dict[str, Any] | None:
         return None
 
 
+def content_digest(images: np.ndarray, labels: np.ndarray, indices: np.ndarray) -> str:
+    """sha256 of a set's content as stored (uint8 images, int64 labels and indices), kept in its metadata and
+    recomputed by :func:`read_set`: a damaged file is detected where it is read."""
+    h = hashlib.sha256()
+    for a in (
+        np.ascontiguousarray(images, np.uint8),
+        np.asarray(labels, np.int64),
+        np.asarray(indices, np.int64),
+    ):
+        h.update(repr(list(a.shape)).encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
 def set_is_valid(path: str | os.PathLike, expected: dict[str, Any]) -> bool:
-    """True when `path` holds a complete set whose metadata equals `expected` (see :func:`set_meta`)."""
+    """True when `path` holds a complete set whose metadata equals `expected` (see :func:`set_meta`) and
+    whose content matches its stored sha256 (the whole file is read)."""
     meta = read_set_meta(path)
-    return meta is not None and all(meta.get(k) == v for k, v in expected.items())
+    if meta is None or any(meta.get(k) != v for k, v in expected.items()):
+        return False
+    try:
+        read_set(path)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def read_set(path: str | os.PathLike) -> StoredSet:
@@ -1264,6 +1306,10 @@ def read_set(path: str | os.PathLike) -> StoredSet:
         indices = table.column("index").to_numpy().astype(np.int64)
     except (OSError, KeyError, ValueError, TypeError) as err:
         raise ValueError(f"{path}: not a readable corrupted set ({type(err).__name__}: {err})") from None
+    if "sha256" not in meta:
+        raise ValueError(f"{path}: written without a checksum (an older version); rerun the corrupt stage")
+    if content_digest(images, labels, indices) != meta["sha256"]:
+        raise ValueError(f"{path}: checksum mismatch, the file is damaged; rerun the corrupt stage")
     return StoredSet(images, labels, indices, meta)
 
 

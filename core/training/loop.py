@@ -39,7 +39,9 @@ RESUME_FILE = "resume.pt"
 STATE_FORMAT = "tcnn-train-state/1"
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: "try again later" -- the run resumes when started again
 STOP_SIGNALS = tuple(
-    s for s in (getattr(signal, n, None) for n in ("SIGTERM", "SIGUSR1", "SIGUSR2")) if s is not None
+    s
+    for s in (getattr(signal, n, None) for n in ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2"))
+    if s is not None
 )
 TIMING_KEYS = ("images_per_s", "train_time_s", "wall_s")  # machine-dependent fields of histories/metrics
 
@@ -196,7 +198,7 @@ def predict(model: nn.Module, x: torch.Tensor, *, device: torch.device | None = 
 
 
 class StopSignals:
-    """Turn SIGTERM (SLURM time limit), SIGUSR1 (SLURM --signal) and SIGUSR2 (submitit) into a flag read
+    """Turn SIGTERM (SLURM time limit), SIGHUP, SIGUSR1 (SLURM --signal) and SIGUSR2 (submitit) into a flag read
     at step boundaries. After the checkpoint is written, a handler that was installed before (e.g.
     submitit's SIGUSR2 requeue handler) is called, then `Preempted` is raised. Outside the main thread
     (some Ray workers) signals cannot be caught and this does nothing."""
@@ -227,7 +229,12 @@ class StopSignals:
         if self.received is None:
             return
         prev = self._previous.get(self.received)
-        if callable(prev) and prev not in (signal.default_int_handler,):
+        # The stage process's own handler (stages._cli.stop_on_signals) would only raise: Preempted says it.
+        if (
+            callable(prev)
+            and prev is not signal.default_int_handler
+            and not getattr(prev, "tcnn_stage_handler", False)
+        ):
             prev(self.received, None)
 
 

@@ -15,35 +15,46 @@ from pathlib import Path
 from typing import IO, Any
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_file(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(directory: str | os.PathLike) -> None:
     with contextlib.suppress(OSError):  # not every filesystem lets a directory be opened for fsync
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_file(directory)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
+def umask() -> int:
+    """This process's umask, read thread-safely from /proc where it can be (``os.umask`` sets while it reads)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
     os.umask(mask)
     return mask
 
 
-def atomic_write(
-    path: str | os.PathLike, write: Callable[[IO[bytes]], None], *, shared: bool = False
-) -> Path:
+def file_mode() -> int:
+    """The mode a plain ``open(path, "w")`` gives a new file (0644 under the usual umask 022)."""
+    return 0o666 & ~umask()
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> Path:
     """Write `path` through `write(fileobj)` into a temp file in the same directory, fsync, then rename.
 
-    The temp file is removed when `write` fails; the destination is never left half-written. `shared`: give
-    the file the usual umask permissions (mkstemp's default is 0600) for files meant to be read by others.
+    The temp file is removed when `write` fails; the destination is never left half-written. The file gets
+    the permissions of a plainly created one (:func:`file_mode`; mkstemp's own are 0600).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        if shared:
-            os.fchmod(fd, 0o666 & ~_umask())
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -53,7 +64,7 @@ def atomic_write(
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
 
 
@@ -70,13 +81,13 @@ def remove_stale_temps(directory: str | os.PathLike, patterns: tuple[str, ...] =
     return gone
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes, *, shared: bool = False) -> Path:
-    return atomic_write(path, lambda f: f.write(data), shared=shared)
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    return atomic_write(path, lambda f: f.write(data))
 
 
-def atomic_write_text(path: str | os.PathLike, text: str, *, shared: bool = False) -> Path:
-    return atomic_write_bytes(path, text.encode(), shared=shared)
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode())
 
 
-def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int = 2, shared: bool = False) -> Path:
-    return atomic_write_text(path, json.dumps(obj, indent=indent, allow_nan=True) + "\n", shared=shared)
+def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int = 2) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=indent, allow_nan=True) + "\n")

@@ -24,7 +24,7 @@ from core.robustness.corruptions import CATEGORIES, CORRUPTIONS, SEVERITIES  # n
 
 def _save(fig: Any, path: Path, dpi: int) -> Path:
     try:
-        return atomic_write(path, lambda fh: fig.savefig(fh, format="png", dpi=dpi), shared=True)
+        return atomic_write(path, lambda fh: fig.savefig(fh, format="png", dpi=dpi))
     finally:
         plt.close(fig)
 

@@ -61,7 +61,7 @@ _DPI = 110
 def write_bytes_atomic(data: bytes, path: str | os.PathLike) -> Path:
     """Write bytes (a PNG, the report's HTML) atomically (temp file in the same directory, fsync, os.replace),
     readable by others (a report is for sharing; mkstemp would leave 0600)."""
-    return atomic_write_bytes(path, data, shared=True)
+    return atomic_write_bytes(path, data)
 
 
 def _finish(fig: Any, path: str | os.PathLike | None) -> bytes:
