@@ -35,6 +35,9 @@ class StageError(RuntimeError):
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: stopped, run the same command again (core.training.loop)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: the shell's status for Ctrl-C
+RANK_STATUS_ENV = (
+    "TCNN_RANK_STATUS_DIR"  # where each torchrun rank records its exit status (stages._training)
+)
 #: Signals that stop a stage process wherever it is: SIGINT (Ctrl-C), SIGTERM (kill, SLURM's time limit),
 #: SIGHUP (the terminal went away), SIGUSR1/SIGUSR2 (SLURM --signal, submitit). Inside the training loop
 #: its own handler (core.training.loop.StopSignals) takes SIGTERM/SIGHUP/SIGUSR* first and checkpoints.
@@ -205,6 +208,22 @@ def stage_main(
         "-S", "--set", action="append", default=[], metavar="KEY=VALUE", help="override a param"
     )
     args = parser.parse_args(argv)
+    code = _stage(name, run, args, argv, data_parallel, check)
+    where = os.environ.get(RANK_STATUS_ENV)
+    if where:  # a torchrun rank: the launching process exits with the ranks' common status
+        with contextlib.suppress(OSError):
+            Path(where, f"rank-{os.environ.get('RANK', '0')}").write_text(str(code))
+    return code
+
+
+def _stage(
+    name: str,
+    run: Callable[[Params], object],
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    data_parallel: Callable[[Params, str, list[str]], contextlib.AbstractContextManager] | None,
+    check: Callable[[Params], None] | None,
+) -> int:
     with stop_on_signals():
         try:
             params = plan_epochs(load_params(args.params, args.set))  # epochs x 1/f, as the sweeps plan them

@@ -5,7 +5,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +25,7 @@ from core.training.checkpoint import CheckpointError, atomic_save, load
 from core.training.history import csv_text, history_rows_flat
 from core.training.loop import evaluate, select_device
 from core.utils.atomic import atomic_write_json, atomic_write_text, remove_stale_temps
-from stages._cli import StageError
+from stages._cli import EXIT_PREEMPTED, RANK_STATUS_ENV, STAGE_SIGNALS, StageError
 
 EVAL_BATCH = 500
 
@@ -89,12 +92,27 @@ def loaders(
 
 
 def _torchrun(name: str, workers: int, argv: list[str]) -> None:
-    """Replace this process by torchrun starting `workers` copies of the stage (DDP on one node; torchrun
-    makes the process group and forwards SIGTERM to every rank, which checkpoints and stops)."""
+    """Run the stage as `workers` torchrun processes (DDP on one node) and exit with their status: torchrun
+    makes the process group and forwards a stop signal to every rank (which checkpoints and stops); this
+    process forwards the signals it gets to torchrun, waits, and exits 75 when every rank stopped resumably
+    (torchrun itself reports 1 for any failing rank). Each rank records its status in $TCNN_RANK_STATUS_DIR
+    (stages._cli.stage_main)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}"]
     print(f"{name}: {workers} data-parallel workers (torchrun)", file=sys.stderr, flush=True)
     sys.stdout.flush()
-    os.execv(sys.executable, [*cmd, "-m", f"stages.{name}", *argv])
+    with tempfile.TemporaryDirectory(prefix="tcnn-ranks-") as status_dir:
+        env = {**os.environ, RANK_STATUS_ENV: status_dir}
+        proc = subprocess.Popen([*cmd, "-m", f"stages.{name}", *argv], env=env)
+        forwarded = {s: signal.signal(s, lambda sig, _f: proc.send_signal(sig)) for s in STAGE_SIGNALS}
+        try:
+            code = proc.wait()
+        finally:
+            for s, prev in forwarded.items():
+                signal.signal(s, prev)
+        ranks = [int(p.read_text()) for p in Path(status_dir).glob("rank-*") if p.read_text().strip()]
+    if code != 0 and len(ranks) == workers and set(ranks) == {EXIT_PREEMPTED}:
+        code = EXIT_PREEMPTED
+    raise SystemExit(code)
 
 
 @contextlib.contextmanager

@@ -45,7 +45,10 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     bar, update = _progress_bar()
     try:
         with bar:
-            result = import_dataset(data.name, data.source, out, shard_rows=data.shard_rows, progress=update)
+            result = import_dataset(
+                data.name, data.source, out, shard_rows=data.shard_rows, progress=update,
+                order="interleaved" if data.stream else "sorted",  # streamed batches then mix classes
+            )  # fmt: skip
     except DataError as err:
         raise StageError(str(err)) from None
     m = result.manifest

@@ -183,3 +183,53 @@ def test_benchmark_quick_prints_rates() -> None:
     }
     assert all(float(r[2]) > 0 for r in rows)
     assert "to feed a GPU at X img/s you need about" in out
+
+
+def _class_spread(labels: np.ndarray, rows_per_group: int, window: int, batch: int, epochs: int = 2) -> float:
+    """Mean number of distinct classes in a training batch of StreamLoader's order (block_order over row
+    groups of ``rows_per_group`` consecutive rows)."""
+    from core.data.stream import block_order
+
+    groups = np.arange(len(labels)) // rows_per_group
+    spreads = []
+    for epoch in range(epochs):
+        order = block_order(groups, np.random.default_rng(epoch), window)
+        for a in range(0, len(order) - batch + 1, batch * 50):
+            spreads.append(len(np.unique(labels[order[a : a + batch]])))
+    return float(np.mean(spreads))
+
+
+def test_interleaved_import_gives_streamed_batches_a_uniform_class_spread() -> None:
+    """ImageNet-like: 1000 classes x 1300 images, ~38 JPEGs per 4 MiB row group, window 32, batch 256. Sorted
+    rows (classes one after another) give batches of a few dozen classes; rows interleaved at import give
+    about the uniform shuffle's expectation, 1000 (1 - (1 - 1/1000)^256) = 226.0 classes."""
+    from core.data.imagefolder import interleave
+
+    n_cls, per = 1000, 1300
+    items = [(f"{c:04d}/{i:04d}.jpg", c) for c in range(n_cls) for i in range(per)]
+    sorted_labels = np.array([y for _, y in items])
+    mixed_labels = np.array([y for _, y in interleave(items)])
+    uniform = n_cls * (1 - (1 - 1 / n_cls) ** 256)
+    s_sorted = _class_spread(sorted_labels, 38, 32, 256)
+    s_mixed = _class_spread(mixed_labels, 38, 32, 256)
+    assert s_sorted < 70
+    assert s_mixed > 0.95 * uniform, (s_sorted, s_mixed, uniform)
+    assert sorted(interleave(items)) == sorted(items)  # a permutation of the rows
+    assert [y for _, y in interleave(items)][:3] == [0, 1, 2]
+
+
+def test_a_streamed_dataset_is_prepared_interleaved(tmp_path: Path) -> None:
+    from PIL import Image
+
+    from core.data import import_dataset, load_labels
+
+    for c in range(3):
+        (tmp_path / "tree" / "train" / f"c{c}").mkdir(parents=True)
+        for i in range(6):
+            Image.new("RGB", (8, 8), (40 * c, i, 0)).save(tmp_path / "tree" / "train" / f"c{c}" / f"{i}.png")
+    import_dataset("imagefolder", tmp_path / "tree", tmp_path / "sorted")
+    import_dataset("imagefolder", tmp_path / "tree", tmp_path / "mixed", order="interleaved")
+    a, b = load_labels(tmp_path / "sorted", "train"), load_labels(tmp_path / "mixed", "train")
+    assert sorted(a.tolist()) == sorted(b.tolist())
+    k = len(set(a.tolist()))
+    assert a.tolist() == sorted(a.tolist()) and len(set(b[:k].tolist())) == k

@@ -8,6 +8,13 @@ The manifest's ``source`` records the provenance a lossy copy needs: the archive
 JPEG quality and chroma subsampling of its files (the IJG quality whose quantization tables the file carries,
 found by re-encoding with the same library; "custom" when none matches).
 
+Row order: "sorted" (class folders in name order, files sorted: the default) or "interleaved" (classes take
+turns: the r-th file of every class before the (r+1)-th of any), which a streamed dataset gets (``data.stream``:
+stages/prepare.py). A Parquet row group is what core.data.stream reads at once, and its window shuffle draws a
+batch from a few dozen groups: sorted, a group holds one or two classes and a batch of 256 from a 1000-class
+tree spans ~32 of them; interleaved, a group holds as many classes as rows and the batch spans about as many
+as a uniform shuffle's ~226 (tests/test_data_stream.py measures it).
+
 A missing, truncated or corrupt source fails with one :class:`~core.data.importers.DataError` line before
 anything is written (the output is assembled in a temp dir and renamed into place).
 """
@@ -47,6 +54,7 @@ from core.data.importers import (
 from core.utils.atomic import atomic_write_json
 
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+ORDERS = ("sorted", "interleaved")
 ARCHIVE_MAX_BYTES = 4 << 30  # held in memory while importing; larger archives: extract and pass the folder
 _SPLIT_DIRS = {"train": ("train",), "test": ("val", "test")}  # the first that exists names the test split
 _SUBSAMPLING = {0: "4:4:4", 1: "4:2:2", 2: "4:2:0"}
@@ -241,6 +249,16 @@ def jpeg_quality(img: Any) -> str:
     return str(_ijg_tables().get(tuple(tables[0]), "custom"))
 
 
+def interleave(items: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """Classes take turns (round robin in class order), each class's files in their sorted order."""
+    rank: dict[int, int] = {}
+    keyed = []
+    for i, (path, label) in enumerate(items):
+        rank[label] = rank.get(label, -1) + 1
+        keyed.append((rank[label], label, i))
+    return [items[i] for _, _, i in sorted(keyed)]
+
+
 def _jpeg_info(img: Any) -> tuple[str, str] | None:
     if img.format != "JPEG":
         return None
@@ -259,9 +277,10 @@ def _count(counter: dict[str, int], key: str) -> None:
 def import_imagefolder(
     source: Path | None, out: Path, *, shard_rows: int = 10000, mode: str = "RGB",
     progress: Progress | None = None, force: bool = False, stats_max_images: int = STATS_MAX_IMAGES,
+    order: str = "sorted",
 ) -> ImportResult:  # fmt: skip
     """Import an ImageFolder tree (``class/image.ext``; a directory or a tar archive of one), streaming file
-    bytes into shards.
+    bytes into shards, rows in ``order`` (see the module docstring).
 
     Every file's header is parsed (PIL) so that a file that is not an image fails here, naming the file,
     rather than in the middle of training. Per-channel mean/std come from an evenly spaced subset of at most
@@ -278,13 +297,18 @@ def import_imagefolder(
     items = {"train": train_items}
     if "test" in prefixes:
         items["test"] = _scan(paths, prefixes["test"], classes, _where(source, prefixes["test"]))[1]
+    if order not in ORDERS:
+        raise DataError(f"row order {order!r}: choose from {list(ORDERS)}")
     identity = {**tree.identity(items), "mode": mode, "stats_max_images": stats_max_images}
+    if order != "sorted":  # the default keeps the identity (and the fingerprint) of earlier imports
+        identity["order"] = order
+        items = {split: interleave(its) for split, its in items.items()}
     fingerprint = _fingerprint("imagefolder", shard_rows, identity)
     if not force and (existing := _up_to_date(out, fingerprint)) is not None:
         return ImportResult(existing, out, True, time.perf_counter() - t0)
     _check_output_dir(out)
     info = _write(
-        tree, items, prefixes, classes, out, fingerprint, shard_rows, mode, progress, stats_max_images
+        tree, items, prefixes, classes, out, fingerprint, shard_rows, mode, progress, stats_max_images, order
     )
     return ImportResult(info, out, False, time.perf_counter() - t0)
 
@@ -305,6 +329,7 @@ def _source_info(tree: _Tree, source_path: Path, prefixes: dict[str, str], n: in
 def _write(
     tree: _Tree, items: dict[str, list[tuple[str, int]]], prefixes: dict[str, str], classes: list[str],
     out: Path, fingerprint: str, shard_rows: int, mode: str, progress: Progress | None, stats_max_images: int,
+    order: str,
 ) -> dict[str, Any]:  # fmt: skip
     from PIL import Image, UnidentifiedImageError
 
@@ -355,6 +380,7 @@ def _write(
             mean, std, shard_rows, splits, image_mode=mode, image_formats=formats,
             image_size_range=[list(min(sizes)), list(max(sizes))],
             stats_images=len(range(0, len(items["train"]), stride)),
+            **({"row_order": order} if order != "sorted" else {}),
         )  # fmt: skip
         atomic_write_json(tmp / MANIFEST, manifest, indent=1)
     return manifest

@@ -653,9 +653,10 @@ def import_cifar(
 
 def import_dataset(
     name: str, source: Path | str | None, out: Path | str, *, shard_rows: int = 10000,
-    allow_download: bool = True, progress: Progress | None = None, force: bool = False,
+    allow_download: bool = True, progress: Progress | None = None, force: bool = False, order: str = "sorted",
 ) -> ImportResult:  # fmt: skip
-    """Import dataset ``name`` (``data.name``) from ``source`` (``data.source``; None = default/download)."""
+    """Import dataset ``name`` (``data.name``) from ``source`` (``data.source``; None = default/download).
+    ``order``: the row order of an ImageFolder import (core.data.imagefolder: "interleaved" for streaming)."""
     out = Path(out)
     if name not in DATASETS:
         raise DataError(f"data.name: unknown dataset {name!r}; choose from {list(DATASETS)}")
@@ -669,7 +670,7 @@ def import_dataset(
             return import_cifar(name, source, out, allow_download=allow_download, **kw)
         from core.data.imagefolder import import_imagefolder
 
-        return import_imagefolder(source, out, **kw)
+        return import_imagefolder(source, out, order=order, **kw)
 
 
 @contextlib.contextmanager
