@@ -271,7 +271,7 @@ def score(params: Params, table: pa.Table, per_image: pa.Table, models: Sequence
         replicates=rob.bootstrap, seed=derive_seed(params.seed, "bootstrap"),
     )  # fmt: skip
     pairs = [(a, b) for a, b in PAIRS if a in models and b in models]
-    return {"baseline": baseline, "summaries": summaries, "points": points, "pairs": pairs,
+    return {"baseline": baseline, "summaries": summaries, "points": points, "pairs": pairs, "samples": samples,
             "comparisons": comparisons(points, samples, pairs)}  # fmt: skip
 
 
