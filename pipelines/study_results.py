@@ -33,6 +33,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from core.utils.atomic import atomic_write_text
 
 ARMS = ("tcnn", "control")
@@ -301,7 +303,8 @@ def markdown(data: dict[str, Any], name: str, fig_dir: str) -> str:
         f"- Mean corruption accuracy, T-CNN - control: {h['mca']} pp: {says['mca']}.\n"
         f"- mCE, T-CNN - control: {h['mce']} pp: {says['mce']}.\n\n"
     )
-    text += _grid_table(rows, key) + "\n" + _heads_sentence(data["attention"]) + "\n\n"
+    text += _grid_table(rows, key) + "\n" + _plateau_sentence(data["history"], sel) + "\n\n"
+    text += _heads_sentence(data["attention"]) + "\n\n"
     text += (
         f"![test accuracy and mCA against the fine-tuning lr, both arms]({fig_dir}/lr_grid.png)\n\n"
         f"![validation accuracy per fine-tuning epoch]({fig_dir}/val_curves.png)\n\n"
@@ -334,6 +337,28 @@ def _grid_table(rows: list[dict[str, Any]], key: str) -> str:
             f"| {ci(f'{DIFF}_clean_accuracy', True)} | {ci(f'{DIFF}_mca', True)} | {n_t} / {n_c} seeds |"
         )
     return "The whole grid (mean over seeds [95% t-interval], %):\n\n" + "\n".join(lines) + "\n"
+
+
+def _plateau_sentence(history: list[dict[str, Any]], sel: list[dict[str, Any]]) -> str:
+    """Has validation accuracy stopped rising? Its change over the last fine-tuning epoch at each seed's chosen
+    value, per arm (mean over seeds, in pp), next to the change over the first epoch."""
+    parts = []
+    for arm in ARMS:
+        last, first = [], []
+        for r in sel:
+            curve = sorted((int(h["epoch"]), float(h["val_accuracy"])) for h in history
+                           if h["arm"] == arm and int(h["seed"]) == int(r["seed"]) and h["value"] == r[f"{arm}_value"])  # fmt: skip
+            if len(curve) >= 3:
+                last.append(curve[-1][1] - curve[-2][1])
+                first.append(curve[1][1] - curve[0][1])
+        if last:
+            name = "T-CNN" if arm == "tcnn" else "control"
+            parts.append(f"{name} {100 * float(np.mean(last)):+.2f} pp in the last epoch (first: "
+                         f"{100 * float(np.mean(first)):+.2f} pp)")  # fmt: skip
+    if not parts:
+        return "No fine-tuning history was recorded."
+    return ("Validation accuracy at the chosen values, mean over seeds: " + "; ".join(parts) +
+            " (figure `val_curves.png`: every epoch, every value).")  # fmt: skip
 
 
 def _heads_sentence(attention: list[dict[str, Any]]) -> str:

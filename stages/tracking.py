@@ -826,15 +826,21 @@ def stage_run(
         tracker.end(status)
         tracker.end_parent(status)
         raise
-    tracker.end("FINISHED")
-    if end_parent:
-        tracker.set_tags(
-            {DVC_LOCK_TAG: digest_if_present(root / "dvc.lock"), CHAIN_TAG: "complete"}, run_id=parent
-        )
-        for tag in ("tcnn.failed_stage", "tcnn.error"):  # an earlier interruption, since continued
-            with contextlib.suppress(Exception):
-                tracker.client.delete_tag(parent, tag)
-        for name in ("dvc.lock", "params.yaml"):
-            if (root / name).is_file():
-                tracker.log_artifact(root / name, run_id=parent)
-    tracker.end_parent("FINISHED")  # every stage closes what it opened; the chain's next stage reopens it
+    try:
+        tracker.end("FINISHED")
+        if end_parent:
+            tracker.set_tags(
+                {DVC_LOCK_TAG: digest_if_present(root / "dvc.lock"), CHAIN_TAG: "complete"}, run_id=parent
+            )
+            for tag in ("tcnn.failed_stage", "tcnn.error"):  # an earlier interruption, since continued
+                with contextlib.suppress(Exception):
+                    tracker.client.delete_tag(parent, tag)
+            for name in ("dvc.lock", "params.yaml"):
+                if (root / name).is_file():
+                    tracker.log_artifact(root / name, run_id=parent)
+        tracker.end_parent("FINISHED")  # every stage closes what it opened; the chain's next stage reopens it
+    except BaseException as err:  # a stop signal (or an error) while closing: nothing is left RUNNING
+        with contextlib.suppress(Exception):
+            tracker.end(_end_status(err))
+            tracker.end_parent(_end_status(err))
+        raise

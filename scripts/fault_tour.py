@@ -1,0 +1,392 @@
+"""A tour of bad inputs and faults against a tiny workspace: what each one exits with, what it prints, what it
+writes, and whether it leaves an MLflow run RUNNING or a process behind.
+
+    .venv/bin/python scripts/fault_tour.py [--out tour.md] [--keep DIR]
+
+Every case runs against its own copy of a tiny finished chain (Fashion-MNIST slice, one pretraining and one
+fine-tuning epoch, a few corrupted sets, tracking on in the workspace's sqlite store), so cases do not see each
+other's damage. A case passes when the exit status is the expected one, stderr is one line (MLflow's own INFO
+logging aside; stop signals: the last line), nothing unexpected was written, no run is left RUNNING and no
+process it started outlives it. Exit status: the number of failing cases (0 = all behaved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+TINY = """\
+seed: 0
+data: {{dir: data/fmnist, val_size: 200, sample_fraction: 0.03, fraction_scales_epochs: false}}
+model: {{kind: tcnn, arch: resnet10_cifar}}
+pretrain: {{epochs: 1, batch_size: 60, warmup_epochs: 0.2}}
+reparam: {{epoch: 1}}
+finetune: {{epochs: 1, batch_size: 60, warmup_epochs: 0.2}}
+robustness: {{dir: data/c, n_images: 60, corruptions: [gaussian_noise, contrast, frost], severities: [1, 3], bootstrap: 50, workers: 2}}
+tracking: {{uri: sqlite:///mlruns.db, experiment: tour}}
+{extra}"""
+CHAIN = ("prepare", "pretrain", "reparam", "finetune", "control", "corrupt", "evaluate", "report")
+
+
+@dataclass
+class Case:
+    name: str
+    cmd: list[str]
+    status: int
+    setup: Callable[[Path], None] | None = None
+    signal_after: tuple[int, str] | None = None  # (signal, a path that exists once the stage is under way)
+    may_write: tuple[str, ...] = ()  # path prefixes this case is allowed to create or change
+    env: dict[str, str] = field(default_factory=dict)
+    result: dict = field(default_factory=dict)
+
+
+def stage(name: str, *args: str) -> list[str]:
+    return [PY, "-m", f"stages.{name}", *args]
+
+
+def tcnn(*args: str) -> list[str]:
+    return [PY, "-m", "pipelines.cli", *args]
+
+
+def env() -> dict[str, str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("TCNN_", "MLFLOW_"))}
+    return {**e, "TCNN_QUIET": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def listing(root: Path) -> dict[str, float]:
+    skip = ("mlruns.db", "mlartifacts", ".tcnn.lock", "mlruns.db.lock", "__pycache__")
+    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*")
+            if p.is_file() and not str(p.relative_to(root)).startswith(skip)}  # fmt: skip
+
+
+def running_runs(root: Path) -> list[str]:
+    from mlflow import MlflowClient
+
+    if not (root / "mlruns.db").exists():
+        return []
+    client = MlflowClient(f"sqlite:///{root / 'mlruns.db'}")
+    exps = [e.experiment_id for e in client.search_experiments()]
+    runs = client.search_runs(exps, "attributes.status = 'RUNNING'") if exps else []
+    return [f"{r.info.run_name}" for r in runs]
+
+
+def build_chain(base: Path) -> None:
+    (base / "params.yaml").write_text(TINY.format(extra=""))
+    for name in CHAIN:
+        p = subprocess.run(stage(name), cwd=base, env=env(), capture_output=True, text=True, timeout=1800)
+        if p.returncode != 0:
+            raise SystemExit(f"fault_tour: building the tiny chain failed at {name}:\n{p.stderr[-3000:]}")
+
+
+def run_case(case: Case, base: Path, scratch: Path) -> None:
+    import psutil
+
+    ws = scratch / case.name.replace(" ", "_").replace("/", "_")
+    shutil.copytree(base, ws, symlinks=True)
+    if case.setup:
+        case.setup(ws)
+    before = listing(ws)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(case.cmd, cwd=ws, env={**env(), **case.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+    family: set = set()
+    if case.signal_after:
+        sig, marker = case.signal_after
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and not (ws / marker).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        with_children = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+        family = set(with_children)
+        if proc.poll() is None:
+            proc.send_signal(sig)
+    try:
+        _, err = proc.communicate(timeout=1800)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+    left = [p.pid for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    with_session = [p.pid for p in psutil.process_iter() if _session(p) == proc.pid]
+    after = listing(ws)
+    changed = sorted(k for k, v in after.items() if before.get(k) != v)
+    unexpected = [c for c in changed if not c.startswith(case.may_write)]
+    lines = [ln for ln in err.strip().splitlines() if ln.strip() and " INFO mlflow." not in ln]
+    one_line = len(lines) == 1 or (case.signal_after is not None and lines and "stopped by" in lines[-1])
+    if case.status == 0:
+        one_line = "Traceback" not in err
+    running = running_runs(ws)
+    ok = (
+        proc.returncode == case.status
+        and one_line
+        and not unexpected
+        and not running
+        and not left + with_session
+    )
+    case.result = {"ok": ok, "status": proc.returncode, "line": lines[-1][:160] if lines else "", "written": changed,
+                   "unexpected": unexpected, "running": running, "left": left + with_session,
+                   "seconds": round(time.monotonic() - t0, 1)}  # fmt: skip
+
+
+def _session(p) -> int | None:
+    try:
+        return os.getsid(p.pid)
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
+def flip(rel: str, where: float = 0.5) -> Callable[[Path], None]:
+    def do(ws: Path) -> None:
+        path = ws / rel
+        data = bytearray(path.read_bytes())
+        data[int(len(data) * where)] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    return do
+
+
+def truncate(rel: str) -> Callable[[Path], None]:
+    def do(ws: Path) -> None:
+        path = ws / rel
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+
+    return do
+
+
+def remove(*rels: str) -> Callable[[Path], None]:
+    def do(ws: Path) -> None:
+        for rel in rels:
+            p = ws / rel
+            shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
+
+    return do
+
+
+def write(rel: str, text: str) -> Callable[[Path], None]:
+    def do(ws: Path) -> None:
+        (ws / rel).parent.mkdir(parents=True, exist_ok=True)
+        (ws / rel).write_text(text)
+
+    return do
+
+
+def holder(ws: Path) -> None:
+    """Another live process holds the workspace (it is killed by the scratch cleanup)."""
+    code = ("import sys,time; from core.utils.workspace import workspace_lock\n"
+            "with workspace_lock(sys.argv[1], 'python -m stages.pretrain'):\n print('held', flush=True); time.sleep(600)")  # fmt: skip
+    p = subprocess.Popen([PY, "-c", code, str(ws)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "held"
+    HOLDERS.append(p)
+
+
+def dead_holder(ws: Path) -> None:
+    holder(ws)
+    p = HOLDERS.pop()
+    p.kill()
+    p.wait()
+
+
+HOLDERS: list[subprocess.Popen] = []
+
+
+def cases() -> list[Case]:
+    c = []
+    add = c.append
+    bad = "runs/", "results/", "data/"
+    # -- params: one line, exit 2, nothing written
+    add(Case("validate a directory", tcnn("validate", "."), 2))
+    add(Case("params file missing", stage("pretrain", "--params", "nope.yaml"), 2))
+    add(
+        Case(
+            "duplicate YAML key",
+            stage("pretrain", "--params", "dup.yaml"),
+            2,
+            write("dup.yaml", "pretrain: {epochs: 1, epochs: 7}\n"),
+        )
+    )
+    add(
+        Case(
+            "YAML syntax error",
+            stage("pretrain", "--params", "bad.yaml"),
+            2,
+            write("bad.yaml", "seed: 0\ndata:\n  name: [x\n"),
+        )
+    )
+    add(
+        Case(
+            "top level not a mapping",
+            stage("pretrain", "--params", "list.yaml"),
+            2,
+            write("list.yaml", "- 1\n- 2\n"),
+        )
+    )
+    add(Case("unknown key", stage("pretrain", "-S", "pretrain.epochz=3"), 2))
+    add(Case("override without =", stage("pretrain", "-S", "pretrain.epochs"), 2))
+    add(Case("negative epochs", stage("pretrain", "-S", "pretrain.epochs=-1"), 2))
+    add(Case("sample_fraction 1.5", stage("pretrain", "-S", "data.sample_fraction=1.5"), 2))
+    add(Case("unknown dataset", stage("prepare", "-S", "data.name=mnist"), 2))
+    add(Case("unknown model kind", stage("pretrain", "-S", "model.kind=vit"), 2))
+    add(Case("unknown arch", stage("pretrain", "-S", "model.arch=resnet9000"), 2))
+    add(Case("t1 beyond pretraining", stage("reparam", "-S", "reparam.epoch=5"), 2))
+    add(Case("batch not divisible by workers", stage("pretrain", "-S", "workers_per_trial=7"), 2))
+    add(Case("unknown corruption", stage("corrupt", "-S", "robustness.corruptions=[rain]"), 2))
+    add(Case("severity 6", stage("corrupt", "-S", "robustness.severities=[6]"), 2))
+    add(Case("precision fp64", stage("pretrain", "-S", "precision=fp64"), 2))
+    add(Case("stride mode unknown", stage("reparam", "-S", "reparam.stride_mode=s2"), 2))
+    add(
+        Case(
+            "select over a non-grid key",
+            tcnn("validate", "params.yaml", "-S", "sweep.select.over=[finetune.lr]"),
+            2,
+        )
+    )
+    add(
+        Case(
+            "published sets dir missing",
+            stage("evaluate", "-S", "robustness.public={kind: cifar10_c, dir: nowhere}"),
+            2,
+        )
+    )
+    add(Case("bad checkpoint-steps env", stage("pretrain"), 2, env={"TCNN_CHECKPOINT_EVERY_STEPS": "abc"}))
+    # -- inputs: checked before any run opens
+    add(
+        Case(
+            "archive missing",
+            stage(
+                "prepare",
+                "-S",
+                "data.name=imagefolder",
+                "-S",
+                "data.source=nowhere.tar.gz",
+                "-S",
+                "data.dir=data/x",
+            ),
+            2,
+        )
+    )
+    add(Case("archive truncated", stage("prepare", "-S", "data.name=imagefolder", "-S", "data.source=t.tar.gz", "-S", "data.dir=data/x"), 2,
+             write("t.tar.gz", "\x1f\x8b\x08\x00garbage")))  # fmt: skip
+    add(Case("data.dir is not a dataset", stage("prepare", "-S", "data.dir=runs"), 2))
+    add(
+        Case(
+            "more corrupted images than the test split",
+            stage("corrupt", "-S", "robustness.n_images=20000"),
+            2,
+        )
+    )
+    add(Case("baseline file missing", stage("evaluate", "-S", "robustness.baseline=nowhere.json"), 2))
+    add(
+        Case(
+            "baseline file not JSON",
+            stage("evaluate", "-S", "robustness.baseline=b.json"),
+            2,
+            write("b.json", "{not json"),
+        )
+    )
+    add(Case("evaluate without checkpoints", stage("evaluate"), 2, remove("runs/finetune")))
+    add(Case("reparam without pretraining", stage("reparam"), 2, remove("runs/pretrain")))
+    add(Case("finetune without reparam", stage("finetune"), 2, remove("runs/reparam")))
+    add(Case("MLflow server down", stage("corrupt", "-S", "tracking.uri=http://127.0.0.1:9"), 2))
+    # -- damaged data
+    add(Case("damaged training shard", stage("pretrain"), 2, flip("data/fmnist/train-00000.parquet")))
+    add(Case("damaged corrupted set: evaluate", stage("evaluate"), 2, flip("data/c/contrast/1.parquet")))
+    add(Case("damaged corrupted set: corrupt regenerates", stage("corrupt"), 0, flip("data/c/contrast/1.parquet"),
+             may_write=("data/c/",)))  # fmt: skip
+    add(Case("truncated CNN checkpoint", stage("reparam"), 2, truncate("runs/pretrain/cnn-final.pt")))
+    add(Case("damaged T-CNN checkpoint", stage("evaluate"), 2, flip("runs/finetune/tcnn-final.pt", 0.7)))
+    add(Case("checkpoint that is JSON", stage("evaluate"), 2, write("runs/finetune/tcnn-final.pt", "{}")))
+    # -- one writer
+    add(Case("second writer", stage("pretrain"), 2, holder))
+    add(Case("lock of a SIGKILLed holder", stage("corrupt"), 0, dead_holder, may_write=("data/c/",)))
+    # -- stop signals anywhere: runs KILLED, workers ended, 75 / 130
+    add(Case("SIGTERM in pretraining", stage("pretrain", "-S", "pretrain.epochs=2"), 75, remove("runs/pretrain"),
+             (signal.SIGTERM, "runs/.partial/pretrain"), may_write=bad))  # fmt: skip
+    add(Case("SIGINT in pretraining", stage("pretrain", "-S", "pretrain.epochs=2"), 130, remove("runs/pretrain"),
+             (signal.SIGINT, "runs/.partial/pretrain"), may_write=bad))  # fmt: skip
+    add(Case("SIGHUP in the corrupt pool", stage("corrupt", "-S", "robustness.n_images=2000", "-S", "robustness.dir=data/c2"),
+             75, None, (signal.SIGHUP, "data/c2"), may_write=bad))  # fmt: skip
+    add(
+        Case(
+            "SIGTERM in evaluate",
+            stage("evaluate"),
+            75,
+            None,
+            (signal.SIGTERM, "runs/mlflow_runs.json"),
+            may_write=bad,
+        )
+    )
+    add(
+        Case(
+            "SIGTERM in the report",
+            stage("report"),
+            75,
+            None,
+            (signal.SIGTERM, "runs/mlflow_runs.json"),
+            may_write=bad,
+        )
+    )
+    add(Case("SIGUSR1 in fine-tuning", stage("finetune"), 75, remove("runs/finetune"), (signal.SIGUSR1, "runs/.partial/finetune"),
+             may_write=bad))  # fmt: skip
+    # -- sweeps
+    add(Case("sweep over an unknown key", tcnn("sweep", "-S", "sweep.grid.pretrain.epochz=[1,2]"), 2))
+    add(Case("sweep --resume of nothing", tcnn("sweep", "--name", "none", "--resume"), 2))
+    add(Case("sweep --address bogus", tcnn("sweep", "--address", "not an address"), 2))
+    add(Case("sweep name with a slash", tcnn("sweep", "--name", "a/b"), 2))
+    return c
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--keep", type=Path, default=None, help="keep the workspaces here")
+    ap.add_argument("-k", default="", help="only cases whose name contains this")
+    args = ap.parse_args()
+    scratch = Path(args.keep or tempfile.mkdtemp(prefix="tcnn-tour-"))
+    scratch.mkdir(parents=True, exist_ok=True)
+    base = scratch / "_base"
+    if not (base / "results" / "report.html").exists():
+        base.mkdir(exist_ok=True)
+        t0 = time.monotonic()
+        build_chain(base)
+        print(f"fault_tour: tiny chain built in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    todo = [c for c in cases() if args.k in c.name]
+    try:
+        for case in todo:
+            run_case(case, base, scratch)
+            r = case.result
+            print(f"{'ok  ' if r['ok'] else 'FAIL'} {case.name}: exit {r['status']} ({r['seconds']} s) {r['line']}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+    finally:
+        for p in HOLDERS:
+            p.kill()
+    lines = [f"Fault tour on {socket.gethostname()}, {time.strftime('%Y-%m-%d %H:%M')}: "
+             f"{sum(c.result['ok'] for c in todo)}/{len(todo)} behaved.", "",
+             "| # | fault | expected | exit | what it printed (last line) | written | RUNNING runs | processes left |",
+             "|---:|---|---:|---:|---|---|---|---|"]  # fmt: skip
+    for i, c in enumerate(todo, 1):
+        r = c.result
+        written = ", ".join(r["written"][:3]) + (" ..." if len(r["written"]) > 3 else "") or "nothing"
+        lines.append(f"| {i} | {c.name} | {c.status} | {r['status']}{'' if r['ok'] else ' **FAIL**'} | "
+                     f"`{r['line'].replace('|', '/')}` | {written} | {len(r['running'])} | {len(r['left'])} |")  # fmt: skip
+    text = "\n".join(lines) + "\n"
+    if args.out:
+        args.out.write_text(text)
+    print(text)
+    if not args.keep:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return sum(not c.result["ok"] for c in todo)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
