@@ -46,7 +46,8 @@ class Case:
     cmd: list[str]
     status: int
     setup: Callable[[Path], None] | None = None
-    signal_after: tuple[int, str] | None = None  # (signal, a path that exists once the stage is under way)
+    # (signal, a path that exists once the stage is under way, or seconds to wait)
+    signal_after: tuple[int, str | float] | None = None
     may_write: tuple[str, ...] = ()  # path prefixes this case is allowed to create or change
     env: dict[str, str] = field(default_factory=dict)
     result: dict = field(default_factory=dict)
@@ -104,10 +105,12 @@ def run_case(case: Case, base: Path, scratch: Path) -> None:
     family: set = set()
     if case.signal_after:
         sig, marker = case.signal_after
-        deadline = time.monotonic() + 600
-        while proc.poll() is None and not (ws / marker).exists() and time.monotonic() < deadline:
+        deadline = time.monotonic() + (marker if isinstance(marker, float) else 600)
+        while proc.poll() is None and time.monotonic() < deadline:
+            if isinstance(marker, str) and (ws / marker).exists():
+                time.sleep(0.5)
+                break
             time.sleep(0.05)
-        time.sleep(0.5)
         with_children = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
         family = set(with_children)
         if proc.poll() is None:
@@ -117,8 +120,9 @@ def run_case(case: Case, base: Path, scratch: Path) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         _, err = proc.communicate()
-    left = [p.pid for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    with_session = [p.pid for p in psutil.process_iter() if _session(p) == proc.pid]
+    time.sleep(0.5)
+    left = [p.pid for p in family if _alive(p)]
+    with_session = [p.pid for p in psutil.process_iter() if _session(p) == proc.pid and _alive(p)]
     after = listing(ws)
     changed = sorted(k for k, v in after.items() if before.get(k) != v)
     unexpected = [c for c in changed if not c.startswith(case.may_write)]
@@ -137,6 +141,16 @@ def run_case(case: Case, base: Path, scratch: Path) -> None:
     case.result = {"ok": ok, "status": proc.returncode, "line": lines[-1][:160] if lines else "", "written": changed,
                    "unexpected": unexpected, "running": running, "left": left + with_session,
                    "seconds": round(time.monotonic() - t0, 1)}  # fmt: skip
+
+
+def _alive(p) -> bool:
+    """Running and not a zombie (this sandbox's init does not always reap orphans at once)."""
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _session(p) -> int | None:
@@ -298,14 +312,41 @@ def cases() -> list[Case]:
     add(Case("reparam without pretraining", stage("reparam"), 2, remove("runs/pretrain")))
     add(Case("finetune without reparam", stage("finetune"), 2, remove("runs/reparam")))
     add(Case("MLflow server down", stage("corrupt", "-S", "tracking.uri=http://127.0.0.1:9"), 2))
-    # -- damaged data
-    add(Case("damaged training shard", stage("pretrain"), 2, flip("data/fmnist/train-00000.parquet")))
-    add(Case("damaged corrupted set: evaluate", stage("evaluate"), 2, flip("data/c/contrast/1.parquet")))
+    # -- damaged data: found where it is read (after the stage's runs opened: they end FAILED)
+    opened = ("runs/mlflow_runs.json",)
+    add(
+        Case(
+            "damaged training shard",
+            stage("pretrain"),
+            2,
+            flip("data/fmnist/train-00000.parquet"),
+            may_write=opened,
+        )
+    )
+    add(Case("damaged corrupted set: evaluate", stage("evaluate"), 2, flip("data/c/contrast/1.parquet"),
+             may_write=opened))  # fmt: skip
     add(Case("damaged corrupted set: corrupt regenerates", stage("corrupt"), 0, flip("data/c/contrast/1.parquet"),
              may_write=("data/c/",)))  # fmt: skip
-    add(Case("truncated CNN checkpoint", stage("reparam"), 2, truncate("runs/pretrain/cnn-final.pt")))
-    add(Case("damaged T-CNN checkpoint", stage("evaluate"), 2, flip("runs/finetune/tcnn-final.pt", 0.7)))
-    add(Case("checkpoint that is JSON", stage("evaluate"), 2, write("runs/finetune/tcnn-final.pt", "{}")))
+    add(Case("truncated pretraining checkpoint", stage("reparam"), 2, truncate("runs/pretrain/ckpt/ckpt-epoch-001.pt"),
+             may_write=opened))  # fmt: skip
+    add(
+        Case(
+            "damaged T-CNN checkpoint",
+            stage("evaluate"),
+            2,
+            flip("runs/finetune/tcnn-final.pt", 0.7),
+            may_write=opened,
+        )
+    )
+    add(
+        Case(
+            "checkpoint that is JSON",
+            stage("evaluate"),
+            2,
+            write("runs/finetune/tcnn-final.pt", "{}"),
+            may_write=opened,
+        )
+    )
     # -- one writer
     add(Case("second writer", stage("pretrain"), 2, holder))
     add(Case("lock of a SIGKILLed holder", stage("corrupt"), 0, dead_holder, may_write=("data/c/",)))

@@ -205,6 +205,23 @@ def mean_rate(history: list[dict[str, Any]]) -> float | None:
     return images / secs if secs > 0 else None
 
 
+def require_checkpoint(path: Path, what: str) -> None:
+    """A stage's pre-flight check (before any run opens): the checkpoint it will read exists."""
+    if not path.is_file():
+        raise StageError(f"{path}: no such checkpoint (the {what})")
+
+
+def require_dataset(params: Params, root: Path) -> None:
+    """A training stage's pre-flight check: the prepared dataset's manifest is readable (its shards are
+    verified where they are read)."""
+    from core.data import DataError, read_manifest
+
+    try:
+        read_manifest(root / params.data.dir)
+    except (DataError, FileNotFoundError, ValueError) as err:
+        raise StageError(f"data.dir: {err} (run the prepare stage)") from None
+
+
 def load_checkpoint(path: Path, require: tuple[str, ...], what: str) -> dict[str, Any]:
     try:
         return load(path, require=require)

@@ -88,8 +88,17 @@ def _disabled(root: Path, reason: str) -> dict[str, Any]:
     return metrics
 
 
+def check(params: Params, root: Path = Path(".")) -> None:
+    """Before any run opens (when there is a control): the pretraining checkpoint at t1 and the data exist."""
+    if disabled_reason(params) is None:
+        T.require_checkpoint(reparam.source_path(params, root),
+                             f"pretraining checkpoint at reparam.epoch={params.reparam.epoch}")  # fmt: skip
+        T.require_dataset(params, root)
+        T.checkpoint_every_steps(params, NAME)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return stage_main(NAME, run, argv, data_parallel=T.data_parallel)
+    return stage_main(NAME, run, argv, data_parallel=T.data_parallel, check=check)
 
 
 if __name__ == "__main__":

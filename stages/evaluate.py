@@ -234,11 +234,12 @@ def evaluate_models(
                     mean=manifest["mean"], std=manifest["std"], batch_size=rob.batch_size, device=device,
                     model_name=name, image_size=size, per_image=True,
                 )  # fmt: skip
-            except (FileNotFoundError, ValueError) as err:  # a missing or damaged (checksum) set
+            except (
+                FileNotFoundError,
+                ValueError,
+            ) as err:  # a missing or damaged (checksum) set: says what to do
                 where = "robustness.dir" if suite.name == "generated" else "robustness.public"
-                raise StageError(
-                    f"{where}: {err}" + (" (run the corrupt stage)" if suite.name == "generated" else "")
-                ) from None
+                raise StageError(f"{where}: {err}") from None
             out[suite.name][0].append(table)
             out[suite.name][1].append(correct)
             n = sum(table.column("n").to_pylist())

@@ -291,8 +291,15 @@ def _steps(loaders: T.Loaders, batch: int, ds: Any, key: str) -> int:
     return spe
 
 
+def check(params: Params, root: Path = Path(".")) -> None:
+    """Before any run opens: the reparameterized model exists, the data too, the checkpoint cadence is readable."""
+    T.require_checkpoint(source_path(root), "reparameterized model written by the reparam stage")
+    T.require_dataset(params, root)
+    T.checkpoint_every_steps(params, NAME)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return stage_main(NAME, run, argv, data_parallel=T.data_parallel)
+    return stage_main(NAME, run, argv, data_parallel=T.data_parallel, check=check)
 
 
 if __name__ == "__main__":

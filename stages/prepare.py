@@ -69,8 +69,21 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     }
 
 
+def check(params: Params, root: Path = Path(".")) -> None:
+    """Before any run opens: data.dir may be (re)written, and an archive source reads to its end."""
+    from core.data.imagefolder import check_archive
+    from core.data.importers import check_output_dir
+
+    try:
+        check_output_dir(Path(root) / params.data.dir)
+        if params.data.name == "imagefolder" and params.data.source is not None:
+            check_archive(Path(params.data.source))
+    except DataError as err:
+        raise StageError(str(err)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
-    return stage_main("prepare", run, argv)
+    return stage_main("prepare", run, argv, check=check)
 
 
 if __name__ == "__main__":

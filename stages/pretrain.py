@@ -166,8 +166,14 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     return metrics
 
 
+def check(params: Params, root: Path = Path(".")) -> None:
+    """Before any run opens: the prepared dataset exists, the checkpoint cadence is readable."""
+    T.require_dataset(params, root)
+    T.checkpoint_every_steps(params, NAME)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return stage_main(NAME, run, argv, data_parallel=T.data_parallel)
+    return stage_main(NAME, run, argv, data_parallel=T.data_parallel, check=check)
 
 
 if __name__ == "__main__":

@@ -258,8 +258,16 @@ def _other_inits(
     return rows
 
 
+def check(params: Params, root: Path = Path(".")) -> None:
+    """Before any run opens: the pretraining checkpoint at t1 exists."""
+    T.require_checkpoint(
+        source_path(params, root), f"pretraining checkpoint at reparam.epoch={params.reparam.epoch}"
+    )
+    T.require_dataset(params, root)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return stage_main(NAME, run, argv)
+    return stage_main(NAME, run, argv, check=check)
 
 
 if __name__ == "__main__":

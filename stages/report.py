@@ -773,8 +773,18 @@ def run(params: Params, *, root: Path = Path("."), run_ids: dict[str, str] | Non
     }
 
 
+def check(params: Params, root: Path = Path(".")) -> None:
+    """Before any run opens: the models and evaluate's metrics exist."""
+    paths = input_paths(params, root)
+    missing = [str(paths[k]) for k in ("cnn", "tcnn", "metrics") if not paths[k].is_file()]
+    if missing:
+        raise StageError(
+            f"missing required input(s): {', '.join(missing)} (run pretrain, finetune and evaluate)"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
-    return stage_main(NAME, run, argv)
+    return stage_main(NAME, run, argv, check=check)
 
 
 if __name__ == "__main__":

@@ -292,3 +292,33 @@ def test_atomic_writes_get_the_umask_permissions(tmp_path: Path) -> None:
         assert (tmp_path / "b.json").stat().st_mode & 0o777 == 0o600
     finally:
         os.umask(old)
+
+
+def test_a_checkpoint_damaged_inside_a_tensor_is_refused(tmp_path: Path) -> None:
+    """The zip container does not check tensor bytes: the content sha256 saved with every checkpoint does."""
+    import torch
+
+    from core.training.checkpoint import CheckpointError, atomic_save, load
+
+    model = torch.nn.Linear(256, 256)
+    atomic_save({"model": model.state_dict(), "epoch": 3}, tmp_path / "c.pt")
+    assert torch.equal(load(tmp_path / "c.pt")["model"]["weight"], model.weight.detach())
+    data = bytearray((tmp_path / "c.pt").read_bytes())
+    data[len(data) // 2] ^= 0x01  # inside the 256 KB weight matrix
+    (tmp_path / "c.pt").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        load(tmp_path / "c.pt")
+
+
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGTERM, 75), (signal.SIGINT, 130)])
+def test_a_stop_signal_while_a_stage_imports_is_one_line(tmp_path: Path, sig: int, status: int) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "stages.evaluate"], cwd=tmp_path, stderr=subprocess.PIPE,
+                            text=True, env=stage_env())  # fmt: skip
+    time.sleep(0.3)  # importing torch, MLflow and the rest takes seconds
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == status
+    assert (
+        err.strip() == f"evaluate: stopped by {signal.Signals(sig).name} while starting; nothing was written"
+    )
+    assert list(tmp_path.iterdir()) == []

@@ -43,7 +43,7 @@ from core.data.importers import (
     ImportResult,
     Progress,
     _ChannelStats,
-    _check_output_dir,
+    check_output_dir,
     _fingerprint,
     _manifest,
     _ShardWriter,
@@ -159,6 +159,21 @@ def _archive_digest(path: Path) -> str:
     except OSError as err:
         raise DataError(f"data.source: cannot read {path} ({_first_line(err)})") from None
     return h.hexdigest()
+
+
+def check_archive(source: Path) -> None:
+    """Read an archive source to its end without keeping anything (a truncated or corrupt one fails here, in
+    one :class:`DataError` line); a folder or a missing path is left to the import."""
+    if not source.is_file() or not is_archive(source):
+        return
+    try:
+        with tarfile.open(source, mode="r|*") as tar:
+            for member in tar:
+                if member.isfile() and (fh := tar.extractfile(member)) is not None:
+                    while fh.read(1 << 20):
+                        pass
+    except (tarfile.TarError, EOFError, zlib.error, OSError) as err:
+        raise DataError(f"data.source: {source} is not a readable tar archive ({_first_line(err)})") from None
 
 
 def _open_tree(source: Path) -> _Tree:
@@ -306,7 +321,7 @@ def import_imagefolder(
     fingerprint = _fingerprint("imagefolder", shard_rows, identity)
     if not force and (existing := _up_to_date(out, fingerprint)) is not None:
         return ImportResult(existing, out, True, time.perf_counter() - t0)
-    _check_output_dir(out)
+    check_output_dir(out)
     info = _write(
         tree, items, prefixes, classes, out, fingerprint, shard_rows, mode, progress, stats_max_images, order
     )

@@ -152,7 +152,7 @@ def atomic_output_dir(out: Path) -> Iterator[Path]:
         raise
 
 
-def _check_output_dir(out: Path) -> None:
+def check_output_dir(out: Path) -> None:
     """Refuse to replace a directory that is not a prepared dataset (e.g. data.dir set to '.')."""
     if out.exists() and not out.is_dir():
         raise DataError(f"{out}: exists and is not a directory; refusing to replace it")
@@ -429,7 +429,7 @@ def write_array_dataset(
 ) -> dict[str, Any]:  # fmt: skip
     """Write in-memory uint8 ``arrays`` {split: (images [N,H,W,C], labels [N])} as a prepared dataset at
     ``out`` (atomically; ``arrays`` must hold "train", whose per-channel mean/std go into the manifest)."""
-    _check_output_dir(out)
+    check_output_dir(out)
     num_classes = len(label_names)
     for split, (_, labels) in arrays.items():
         if len(labels) and (labels.min() < 0 or labels.max() >= num_classes):
@@ -660,7 +660,7 @@ def import_dataset(
     out = Path(out)
     if name not in DATASETS:
         raise DataError(f"data.name: unknown dataset {name!r}; choose from {list(DATASETS)}")
-    _check_output_dir(out)  # before any expensive work on the source
+    check_output_dir(out)  # before any expensive work on the source
     source = Path(source) if source is not None else None
     kw = dict(shard_rows=shard_rows, progress=progress, force=force)
     with _output_lock(out):  # concurrent imports into one dir (Ray trials): the later ones find it done
