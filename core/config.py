@@ -30,7 +30,7 @@ from core.nn.psa import QK_INITS
 from core.robustness.suite import CORRUPTIONS
 from core.training.precision import PRECISIONS
 
-FINETUNE_MODES = ("fresh", "continue")  # 000 Sec. 3 ("fresh") and Table 3 ("continue")
+FINETUNE_MODES = ("fresh", "continue")  # [TCNN21] Sec. 3 ("fresh") and Table 3 ("continue")
 
 
 # The default network: the project's CIFAR-style ResNet-10 with a dilated last stage (timm's output_stride=16),
@@ -73,7 +73,7 @@ class DataConfig(_Strict):
     # workers (core.data.stream: RandomResizedCrop(image_size) + flip; eval resize + centre crop) instead of
     # decoding the whole dataset into memory -- what ImageNet needs.
     stream: bool = False
-    # 001 Table 2: at fraction f < 1 every phase trains max(1, round(E / f)) epochs, so it sees as many images
+    # [ConViT21] Table 2: at fraction f < 1 every phase trains max(1, round(E / f)) epochs, so it sees as many images
     # as the full-data run (`plan_epochs`; the DVC path and the sweeps apply the same function).
     fraction_scales_epochs: bool = True
 
@@ -106,7 +106,7 @@ class ModelConfig(_Strict):
     @field_validator("options")
     @classmethod
     def _kind_options(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        """Kind-specific options: the ablation switches (001 Table 3), the conversion of hybrid_scratch and
+        """Kind-specific options: the ablation switches ([ConViT21] Table 3), the conversion of hybrid_scratch and
         psa's qk_init; tcnn / psa convert with the `reparam` section, cmhsa's phase is set by the stages."""
         kind = info.data.get("kind")
         if kind is None:
@@ -198,7 +198,7 @@ class ReparamConfig(_Strict):
 class FinetuneConfig(_Strict):
     epochs: int = Field(1, gt=0)
     mode: Literal[FINETUNE_MODES] = "fresh"
-    # Both learning rates are the paper's values at batch 1024 (000 Sec. 3: AdamW warmed up to 1e-4, the gates
+    # Both learning rates are the paper's values at batch 1024 ([TCNN21] Sec. 3: AdamW warmed up to 1e-4, the gates
     # at 0.1) and both scale linearly with batch_size, so the gate / weight ratio stays the paper's 1000.
     lr: float = Field(1e-4, gt=0.0)
     gate_lr: float = Field(0.1, gt=0.0)
@@ -211,7 +211,7 @@ class FinetuneConfig(_Strict):
     freeze: list[str] = Field(default_factory=list)  # parameter leaf names to freeze, e.g. [qkv_weight]
     augment: AugmentConfig | None = None  # None = the shared policy `augment`
     # The matched control: the same pretrained checkpoint fine-tuned with this same recipe, without attention
-    # (000 Table 1's "without SA" column). false skips it (and every comparison against it).
+    # ([TCNN21] Table 1's "without SA" column). false skips it (and every comparison against it).
     control: bool = True
 
     def scaled_lrs(self) -> tuple[float, float]:
@@ -343,7 +343,7 @@ class Params(_Strict):
         return own if own is not None else self.augment
 
     def test_image_size(self) -> int:
-        """The one resolution every model is evaluated at: the fine-tuning resolution (000 Sec. 3 may raise it
+        """The one resolution every model is evaluated at: the fine-tuning resolution ([TCNN21] Sec. 3 may raise it
         over the pretraining one), so the CNN, the control and the T-CNN see the same test pixels."""
         return self.finetune.image_size or self.data.image_size
 
@@ -356,7 +356,7 @@ class Params(_Strict):
 
 
 def scaled_epochs(epochs: int, fraction: float) -> int:
-    """Epochs at training-sample fraction f that see as many images as `epochs` at f = 1 (001 Table 2):
+    """Epochs at training-sample fraction f that see as many images as `epochs` at f = 1 ([ConViT21] Table 2):
     max(1, round(E / f)); e.g. E = 3 gives 10 at f = 0.3 and 4 at f = 0.7."""
     return max(1, round(epochs / fraction))
 

@@ -11,7 +11,7 @@ form one *group*. A group pretrains once, in the
 content-addressed directory ``<storage>/pretrain/<key>/`` (key = sha256 of those inputs), keeping a
 checkpoint at every t1 its trials ask for; later sweeps with the same inputs reuse it.
 
-Fraction sweeps (001 Table 2): with ``data.fraction_scales_epochs`` a trial at sample fraction f < 1
+Fraction sweeps ([ConViT21] Table 2): with ``data.fraction_scales_epochs`` a trial at sample fraction f < 1
 trains E' = max(1, round(E / f)) epochs in every phase, so it sees as many images as the f = 1 run; t1 keeps
 its place in the schedule (`core.config.plan_epochs`, the same function the DVC stages apply). The summary
 table shows the grid value and the effective epochs.

@@ -2,14 +2,14 @@
 
 One row per trial: the grid values (one column per grid key, named by its dotted key), the effective
 epochs (after fraction scaling), clean accuracy of the CNN and the T-CNN, mean corruption accuracy (mCA),
-mCE and relative mCE (000 Sec. 4 / Hendrycks & Dietterich; the CNN of the trial is the baseline by default,
+mCE and relative mCE ([TCNN21] Sec. 4 / Hendrycks & Dietterich; the CNN of the trial is the baseline by default,
 so its mCE is 1), the reparameterization's equivalence error (max |logit diff|), the trial's status,
 directory and MLflow run id.
 
 Plots (each only when the grid varies what it shows; values averaged over the other grid keys, error bars
 min..max):
-- ``accuracy_vs_t1.png``: T-CNN clean accuracy and mCA vs the reparameterization epoch t1 (000 Table 3);
-- ``accuracy_vs_fraction.png``: CNN and T-CNN clean accuracy vs training-sample fraction (001 Table 2);
+- ``accuracy_vs_t1.png``: T-CNN clean accuracy and mCA vs the reparameterization epoch t1 ([TCNN21] Table 3);
+- ``accuracy_vs_fraction.png``: CNN and T-CNN clean accuracy vs training-sample fraction ([ConViT21] Table 2);
 - ``alpha_lambda_heatmap.png``: T-CNN clean accuracy and mCA over alpha_init x lambda_init;
 - ``accuracy_by_kind.png``: clean accuracy and mCE per model.kind (:func:`kind_rows`).
 
@@ -268,7 +268,7 @@ def make_plots(spec: dict[str, Any], rows: list[dict[str, Any]], out_dir: Path) 
             ax.axhline(sum(cnn) / len(cnn), color="gray", linestyle=":", label="CNN (end of pretraining)")
         ax.set_xlabel("reparameterization epoch t1 (grid value)")
         ax.set_ylabel("test accuracy")
-        ax.set_title(f"{name}: accuracy vs t1 (000 Table 3)")
+        ax.set_title(f"{name}: accuracy vs t1 ([TCNN21] Table 3)")
         ax.legend(fontsize=8)
         written.append(_save(fig, out_dir / "accuracy_vs_t1.png"))
     if _varies(spec, FRACTION):
@@ -280,7 +280,7 @@ def make_plots(spec: dict[str, Any], rows: list[dict[str, Any]], out_dir: Path) 
             "training-sample fraction f (epochs x 1/f)" if _scales(spec) else "training-sample fraction f"
         )
         ax.set_ylabel("clean test accuracy")
-        ax.set_title(f"{name}: CNN vs T-CNN by sample fraction (001 Table 2)")
+        ax.set_title(f"{name}: CNN vs T-CNN by sample fraction ([ConViT21] Table 2)")
         ax.legend(fontsize=8)
         written.append(_save(fig, out_dir / "accuracy_vs_fraction.png"))
     if _varies(spec, ALPHA) and _varies(spec, LAMBDA):

@@ -179,7 +179,7 @@ def extra_state(spec: dict[str, Any], ds: Datasets, image_size: int | None) -> d
 
 
 def carry(ckpt: dict[str, Any], state: dict[str, dict[str, Any]], moved: dict[str, str]) -> dict[str, Any]:
-    """What "continue" fine-tuning resumes from (000 Table 3): a pretraining checkpoint's per-parameter
+    """What "continue" fine-tuning resumes from ([TCNN21] Table 3): a pretraining checkpoint's per-parameter
     optimizer state (keyed by the fine-tuned network's parameter names), scheduler, step, RNG states."""
     return {
         "optimizer_state": state,

@@ -2,12 +2,12 @@
 
     python -m stages.control [--params params.yaml]
 
-What attention buys is the T-CNN minus this model (000 Table 1 reports the CNN fine-tuned "without SA" next to
+What attention buys is the T-CNN minus this model ([TCNN21] Table 1 reports the CNN fine-tuned "without SA" next to
 each T-CNN). It starts from the pretraining checkpoint the reparam stage converts
 (``runs/pretrain/ckpt/ckpt-epoch-{t1:03d}.pt``) and runs the finetune stage's own training function
 (`stages.finetune.train`) with the same params: optimizer, lr schedule, epochs, resolution, augmentation,
 stochastic depth, data order and seeds; only the reparameterization is missing. In "continue" mode it is the
-CNN run continued for the same t2 epochs (000 Table 3's CNN row). Names in ``finetune.freeze`` that the CNN
+CNN run continued for the same t2 epochs ([TCNN21] Table 3's CNN row). Names in ``finetune.freeze`` that the CNN
 does not have (the GPSA's attention-only parameters) are skipped.
 
 The control exists for the kinds whose fine-tuned model is a reparameterized pretrained network

@@ -21,10 +21,10 @@ model of ``model.kind`` (``runs/finetune/tcnn-final.pt``). All are evaluated at 
   category / severity / corruption); ``comparisons``: T-CNN minus control (what attention buys), T-CNN minus
   the pretrained CNN and control minus the pretrained CNN, each metric with its paired-bootstrap 95%
   interval over test images (``robustness.bootstrap`` replicates, seeded by ``seed``; core.robustness.intervals) and
-  the relative gain per category / severity (000 Fig. 3) -- DVC metrics;
+  the relative gain per category / severity ([TCNN21] Fig. 3) -- DVC metrics;
 - ``robustness_by_category.csv`` / ``robustness_by_severity.csv``: mean corruption accuracy per group and
   model (DVC plots), and ``plots/robustness_gain.png``: the T-CNN's relative improvement over the control and
-  over the pretrained CNN per category and severity, with intervals (000 Fig. 3).
+  over the pretrained CNN per category and severity, with intervals ([TCNN21] Fig. 3).
 """
 
 from __future__ import annotations

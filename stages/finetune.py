@@ -1,14 +1,14 @@
 """Stage `finetune`: train the reparameterized network from `root/runs/reparam/tcnn.pt`.
 
 `finetune.mode`:
-- "fresh" (000 Sec. 3): AdamW, linear warmup over `finetune.warmup_epochs` to
+- "fresh" ([TCNN21] Sec. 3): AdamW, linear warmup over `finetune.warmup_epochs` to
   lr = finetune.lr x finetune.batch_size / 1024, then per-step cosine decay over `finetune.epochs`; the
   gating parameters lambda (Eq. 7) use finetune.gate_lr x finetune.batch_size / 1024 (the paper gives both
   at batch 1024; scaling both keeps its gate / weight ratio), on the same warmup + cosine shape; no weight
   decay on alpha, lambda, attention centres, norms and biases; stochastic depth `finetune.drop_path` (timm's
   linear rule over the ResNet blocks); augmentation `Params.augment_for("finetune")`; resolution
   `finetune.image_size` (null = pretraining resolution); data order seeded by derive_seed(seed, "finetune").
-- "continue" (000 Table 3): the pretraining run goes on with the T-CNN in place of the CNN. It trains the
+- "continue" ([TCNN21] Table 3): the pretraining run goes on with the T-CNN in place of the CNN. It trains the
   t2 = pretrain.epochs - reparam.epoch epochs that remain of the schedule planned over pretrain.epochs
   (`finetune.epochs` is ignored in this mode; t2 = 0 just evaluates the converted network), with the CNN
   run's SGD (pretrain.lr, momentum, weight_decay), its per-step warmup + cosine schedule at the step it
@@ -19,14 +19,14 @@
 
 The matched control (stages/control.py) runs this same function on the CNN checkpoint at t1 (no
 reparameterization): the same optimizer, lr schedule, epochs, resolution, augmentation, stochastic depth, data
-order and seeds -- only the network differs (000 Table 1, "without SA"). To keep the random streams equal, the
+order and seeds -- only the network differs ([TCNN21] Table 1, "without SA"). To keep the random streams equal, the
 global RNG is re-seeded after the model is built (building a T-CNN draws its new W_qry/W_key), so stochastic
 depth draws the same masks in both runs.
 
 Outputs (`root/runs/finetune/`, published when the run completes): tcnn-final.pt (model checkpoint),
 history.csv / history.json (one row per epoch, the first row being the state right after
 reparameterization; per attention layer (GPSA, PSA, ConViT, AA, cmhsa's MHSA; `core.analysis.dissect.layer_stats`)
-mean 1/alpha, sigma(lambda) where the layer has them, and the nonlocality (001 Eq. 8) on the layer's real
+mean 1/alpha, sigma(lambda) where the layer has them, and the nonlocality ([ConViT21] Eq. 8) on the layer's real
 input for a fixed validation batch), gpsa.csv (per epoch, layer and head), metrics.json. Every model kind
 fine-tunes the same way: AdamW groups from `core.training.optim.param_groups` (GPSA / PSA positional parameters
 without weight decay, GPSA gates at finetune.gate_lr); parameters frozen by ablation switches stay frozen.

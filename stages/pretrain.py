@@ -53,7 +53,7 @@ def model_spec(params: Params, num_classes: int, in_chans: int) -> dict[str, Any
 
 
 def gate_lr(params: Params) -> float | None:
-    """hybrid_scratch trains its gates at finetune.gate_lr (the fine-tuning recipe's gate lr, 000 Sec. 3);
+    """hybrid_scratch trains its gates at finetune.gate_lr (the fine-tuning recipe's gate lr, [TCNN21] Sec. 3);
     other kinds: one lr for every parameter."""
     return params.finetune.gate_lr if params.model.kind == "hybrid_scratch" else None
 

@@ -1,4 +1,4 @@
-"""Stage `reparam`: turn the CNN checkpointed at epoch t1 = `reparam.epoch` into a T-CNN (000 Sec. 2).
+"""Stage `reparam`: turn the CNN checkpointed at epoch t1 = `reparam.epoch` into a T-CNN ([TCNN21] Sec. 2).
 
 Reads `root/runs/pretrain/ckpt/ckpt-epoch-{t1:03d}.pt`, applies `core.reparam.to_tcnn` with `reparam.alpha_init`,
 `reparam.lambda_init`, `reparam.stages` and `reparam.stride_mode`, and writes to `root/runs/reparam/`:
@@ -7,18 +7,18 @@ Reads `root/runs/pretrain/ckpt/ckpt-epoch-{t1:03d}.pt`, applies `core.reparam.to
                      "carry": the CNN run's optimizer state moved onto the T-CNN's parameter names (a
                      converted conv's momentum goes to the GPSA parameter holding that filter), its
                      scheduler state, global step and RNG states -- what fine-tuning in "continue" mode
-                     resumes from (000 Table 3).
+                     resumes from ([TCNN21] Table 3).
   equivalence.json   max / mean |logit diff| T-CNN vs CNN on a validation batch (eval mode), the same for
                      the other stride mode, and the accuracy of both networks on the validation and test sets.
 
 Dispatch on `model.kind`:
-- "tcnn": GPSA (000 Sec. 2); "psa": ungated positional self-attention (`core.nn.psa`, 003 / 001 App. A), with
+- "tcnn": GPSA ([TCNN21] Sec. 2); "psa": ungated positional self-attention (`core.nn.psa`, [Cordonnier20] / [ConViT21] App. A), with
   `reparam.alpha_init`, `reparam.stages`, `reparam.stride_mode` (and `model.options.qk_init`); both followed by
   the ablation switches of `model.options` (gating, freeze_gpsa; `core.models`).
-- "cmhsa": the convolution phase becomes the self-attention phase by 002 Theorem 1 (`core.nn.cmhsa.to_mhsa`);
+- "cmhsa": the convolution phase becomes the self-attention phase by [Li21] Theorem 1 (`core.nn.cmhsa.to_mhsa`);
   the optimizer state of parameters that keep their name and shape is carried, the rest starts empty.
 - "cnn" (Table 1's fine-tuning "without SA" baseline), "convit", "aa_resnet" and "hybrid_scratch" (the T-CNN
-  architecture trained from scratch, t1 = 0 of 000 Table 3): the network passes through unconverted, with
+  architecture trained from scratch, t1 = 0 of [TCNN21] Table 3): the network passes through unconverted, with
   the same files.
 """
 
@@ -148,7 +148,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
                                spec_cnn["options"], phase="mhsa")  # fmt: skip
         dropped = sorted(set(state_in) - set(_carry_by_name(state_in, tcnn)))
         state_in = _carry_by_name(state_in, tcnn)
-        note = f"cmhsa: convolution phase -> self-attention phase (002 Theorem 1); no optimizer state for {dropped}"
+        note = f"cmhsa: convolution phase -> self-attention phase ([Li21] Theorem 1); no optimizer state for {dropped}"
     else:
         tcnn = build_from_spec(spec_cnn)
         tcnn.load_state_dict(cnn.state_dict())

@@ -266,7 +266,7 @@ def _test_image(
 def _figure5(
     paths: dict[str, Path], cnn: Any, tcnn: Any, meta: dict, cnn_meta: dict, inputs: Inputs
 ) -> bytes | None:
-    """000 Fig. 5 for the first clean test image (attention data kept in ``inputs.attention_stats``)."""
+    """[TCNN21] Fig. 5 for the first clean test image (attention data kept in ``inputs.attention_stats``)."""
     import numpy as np
 
     from core.analysis.dissect import centre_query_maps
@@ -319,12 +319,12 @@ def _figure5(
                 "gate": float(np.nanmean(la.gate)) if np.isfinite(la.gate).any() else None,
             }
         )
-    return plot_attention_maps(layers, image, title=f"Centre-query attention per GPSA layer and head (000 Fig. 5); "
+    return plot_attention_maps(layers, image, title=f"Centre-query attention per GPSA layer and head ([TCNN21] Fig. 5); "
                                f"label {name(label)}, T-CNN predicts {name(tcnn_pred)}")  # fmt: skip
 
 
 def _dissection_figures(inputs: Inputs) -> tuple[bytes | None, bytes | None]:
-    """Mass contours of the Fig. 5 maps and 001 Fig. 5 (nonlocality per layer over fine-tuning epochs)."""
+    """Mass contours of the Fig. 5 maps and [ConViT21] Fig. 5 (nonlocality per layer over fine-tuning epochs)."""
     from core.viz.report_plots import plot_attention_contours, plot_nonlocality, to_png
 
     contours = nonloc = None
@@ -464,7 +464,7 @@ def _section_equivalence(eq: dict[str, Any] | None) -> Markup:
         )
     if eq.get("note"):
         rows.append(["note", eq["note"]])
-    names = {"paper": "the paper's init (000 Sec. 2)", "large": "a large init"}
+    names = {"paper": "the paper's init ([TCNN21] Sec. 2)", "large": "a large init"}
     inits = [[names.get(r.get("init"), r.get("init")), fmt_num(r.get("alpha_init")), fmt_num(r.get("lambda_init")),
               fmt_sci(r.get("max_abs_logit_diff")), fmt_pct(r.get("prediction_agreement")),
               fmt_pct(r.get("test_acc")) if "test_acc" in r else "not measured"]

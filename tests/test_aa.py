@@ -1,4 +1,4 @@
-"""Attention Augmented convolution and AA-ResNets (004): parameter counts vs Table 6, relative logits vs a
+"""Attention Augmented convolution and AA-ResNets ([Bello19]): parameter counts vs Table 6, relative logits vs a
 brute-force Eq. 3, shapes for odd / non-square inputs and stride 2, rebuild from (arch, num_classes,
 options)."""
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from core.models.aa_resnet import build_aa_resnet
 from core.nn.aa import AAConv2d, aa_modules
 
-TABLE6 = {0.25: 24.3, 0.5: 22.3, 0.75: 20.7, 1.0: 19.4}  # 004 Table 6, AA-ResNet-50 params (M)
+TABLE6 = {0.25: 24.3, 0.5: 22.3, 0.75: 20.7, 1.0: 19.4}  # [Bello19] Table 6, AA-ResNet-50 params (M)
 
 
 def _n_params(m: nn.Module) -> int:
@@ -26,7 +26,7 @@ def test_aa_resnet50_parameter_counts_match_table6() -> None:
     for ratio, paper in TABLE6.items():
         model = build_aa_resnet("resnet50", 1000, kappa=ratio, upsilon=ratio)
         got[ratio] = _n_params(model) / 1e6
-        print(f"AA-ResNet-50 kappa=upsilon={ratio}: {got[ratio]:.2f} M (004 Table 6: {paper} M)")
+        print(f"AA-ResNet-50 kappa=upsilon={ratio}: {got[ratio]:.2f} M ([Bello19] Table 6: {paper} M)")
         assert len(aa_modules(model)) == 4 + 6 + 3  # every block of the last three stages
         assert abs(got[ratio] - paper) <= 0.6
     assert got[0.25] > got[0.5] > got[0.75] > got[1.0]
@@ -40,7 +40,7 @@ def test_aa_resnet50_forward_non_square() -> None:
 
 
 def test_parameter_delta_matches_hand_count() -> None:
-    """Exact count per augmented layer (004 Sec. 3.2 / Eq. 5 with biases and the relative tables)."""
+    """Exact count per augmented layer ([Bello19] Sec. 3.2 / Eq. 5 with biases and the relative tables)."""
     base = timm.create_model("resnet10_cifar", num_classes=10, in_chans=1)
     model = build_aa_resnet(
         "resnet10_cifar", 10, in_chans=1, img_size=28, kappa=0.5, upsilon=0.25, num_heads=4
@@ -52,12 +52,12 @@ def test_parameter_delta_matches_hand_count() -> None:
         expected += -f_in * dv * 9  # conv filters replaced by attention maps
         expected += f_in * (2 * dk + dv) + (2 * dk + dv)  # qkv 1x1 conv + bias
         expected += dv * dv + dv  # head-mixing 1x1 conv + bias
-        expected += (2 * (hw + hw) - 2) * (dk // nh)  # r^H, r^W (004 Sec. 3.1.1)
+        expected += (2 * (hw + hw) - 2) * (dk // nh)  # r^H, r^W ([Bello19] Sec. 3.1.1)
     assert _n_params(model) - _n_params(base) == expected
 
 
 def _brute_logits(layer: AAConv2d, q: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """004 Eq. 3 position terms by loops: q_i . (r^W[j_x - i_x] + r^H[j_y - i_y]), clipped to the table."""
+    """[Bello19] Eq. 3 position terms by loops: q_i . (r^W[j_x - i_x] + r^H[j_y - i_y]), clipped to the table."""
     th, tw = (layer.rel_height.shape[0] + 1) // 2, (layer.rel_width.shape[0] + 1) // 2
     out = torch.zeros(q.shape[0], q.shape[1], h * w, h * w, dtype=q.dtype)
     for i in range(h * w):
@@ -80,7 +80,7 @@ def test_relative_logits_match_brute_force(size: tuple[int, int]) -> None:
 
 
 def test_aa_conv_forward_matches_direct_computation() -> None:
-    """Whole layer vs a direct implementation of 004 Eq. 2-4 and the concat of Sec. 3.2 (stride 1, 4x5)."""
+    """Whole layer vs a direct implementation of [Bello19] Eq. 2-4 and the concat of Sec. 3.2 (stride 1, 4x5)."""
     torch.manual_seed(1)
     layer = AAConv2d(5, 12, kappa=0.5, upsilon=0.5, num_heads=2, feat_size=(4, 5)).double()
     x = torch.randn(2, 5, 4, 5, dtype=torch.float64)

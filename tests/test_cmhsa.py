@@ -1,4 +1,4 @@
-"""CMHSA (002): the convolution phase against a direct convolution, the Theorem 1 transfer (outputs equal to
+"""CMHSA ([Li21]): the convolution phase against a direct convolution, the Theorem 1 transfer (outputs equal to
 <= 1e-4), gradients and training in both phases, and rebuilding from (arch, num_classes, options, phase)."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _max_diff(a: CMHSA, b: CMHSA, x: torch.Tensor) -> tuple[float, float]:
 
 
 def test_conv_phase_is_a_pixel_convolution() -> None:
-    """The conv-phase mixer equals F.conv2d on the image of pixels that the tokens hold (002 Eq. 1), with the
+    """The conv-phase mixer equals F.conv2d on the image of pixels that the tokens hold ([Li21] Eq. 1), with the
     token layout written out by loops: token (gy, gx), index (u P + v) c + i = pixel (gy P + u, gx P + v),
     channel i."""
     torch.manual_seed(0)
@@ -99,7 +99,7 @@ def test_transfer_is_exact_any_kernel_and_patch(kernel: int, patch: int, img: tu
     _randomise_convs(conv)
     mhsa = to_mhsa(conv)
     r = math.ceil((kernel - 1) / (2 * patch))
-    assert mhsa.num_heads == (2 * r + 1) ** 2 == (2 * patch_radius(kernel, patch) + 1) ** 2  # 002 Theorem 1
+    assert mhsa.num_heads == (2 * r + 1) ** 2 == (2 * patch_radius(kernel, patch) + 1) ** 2  # [Li21] Theorem 1
     if patch == 1:
         assert mhsa.num_heads == kernel**2  # Corollary 3 (pixel input)
     feats, logits = _max_diff(conv, mhsa, torch.randn(3, 2, *img))
@@ -217,7 +217,7 @@ def test_archs_and_errors() -> None:
 
 @pytest.mark.slow
 def test_transfer_is_exact_paper_config() -> None:
-    """002 Table 1 setting (224 px, P = 16, d = 768, CMHSA-5: 9 heads), one layer to keep it light."""
+    """[Li21] Table 1 setting (224 px, P = 16, d = 768, CMHSA-5: 9 heads), one layer to keep it light."""
     torch.manual_seed(0)
     conv = build_cmhsa("cmhsa5_224", 100, depth=1).eval()
     _randomise_convs(conv)

@@ -243,7 +243,7 @@ def test_one_augmentation_policy_unless_a_phase_sets_its_own() -> None:
 
 
 def test_learning_rates_scale_with_the_batch() -> None:
-    """000 Sec. 3 gives lr 1e-4 and the gates' 0.1 at batch 1024: both scale linearly, keeping their ratio."""
+    """[TCNN21] Sec. 3 gives lr 1e-4 and the gates' 0.1 at batch 1024: both scale linearly, keeping their ratio."""
     p = load_params(REPO / "params.yaml").with_overrides({"finetune.batch_size": 256})
     lr, gate = p.finetune.scaled_lrs()
     assert lr == pytest.approx(p.finetune.lr / 4) and gate == pytest.approx(p.finetune.gate_lr / 4)

@@ -1,5 +1,5 @@
 """The matched control: the same pretrained checkpoint fine-tuned with the T-CNN's recipe, only the
-reparameterization differs (000 Table 1, "without SA")."""
+reparameterization differs ([TCNN21] Table 1, "without SA")."""
 
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def test_only_the_reparameterization_differs(tmp_path, data_dir, monkeypatch, ar
 
 @pytest.mark.slow
 def test_continue_mode_control_is_the_cnn_run_continued(tmp_path, data_dir) -> None:
-    """000 Table 3's CNN row: in "continue" mode the control is the pretraining run continued for the same t2
+    """[TCNN21] Table 3's CNN row: in "continue" mode the control is the pretraining run continued for the same t2
     epochs from t1 -- with the carried SGD state, schedule, RNG and data order it reproduces the pretraining
     run's own final CNN exactly (bitwise on CPU)."""
     raw = tiny_params(data_dir, pretrain={"epochs": 3}, reparam={"epoch": 1}, finetune={"mode": "continue"})

@@ -162,7 +162,7 @@ def test_project_convit_init_equals_timm_init() -> None:
     with torch.no_grad():
         _close(ours(x), ref(x))
     g = ours.blocks[0].attn
-    torch.testing.assert_close(g.alpha(), torch.ones(4))  # locality_strength 1 (001 Sec. 3)
+    torch.testing.assert_close(g.alpha(), torch.ones(4))  # locality_strength 1 ([ConViT21] Sec. 3)
     assert sorted(map(tuple, g.centers().tolist())) == [(-0.5, -0.5), (-0.5, 0.5), (0.5, -0.5), (0.5, 0.5)]
 
 

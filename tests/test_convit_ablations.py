@@ -1,4 +1,4 @@
-"""001 Table 3 ablation switches (gating, conv_init, freeze_gpsa) and the small ConViT for 28 px inputs."""
+"""[ConViT21] Table 3 ablation switches (gating, conv_init, freeze_gpsa) and the small ConViT for 28 px inputs."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ SLOW_RESNET = pytest.mark.slow
     "kind,arch", [("convit", "convit_fmnist"), pytest.param("tcnn", "resnet10_cifar", marks=SLOW_RESNET)]
 )
 def test_gating_freeze0_pins_every_gate_at_one_half(kind: str, arch: str) -> None:
-    """001 Table 3 footnote: "no gating" = all lambda frozen at 0, so sigma(lambda) = 1/2."""
+    """[ConViT21] Table 3 footnote: "no gating" = all lambda frozen at 0, so sigma(lambda) = 1/2."""
     torch.manual_seed(0)
     m = build(kind, arch, 10, in_chans=1, gating="freeze0", **_kw(kind))
     layers = gpsa_modules(m)
@@ -88,7 +88,7 @@ def test_freeze_gpsa_freezes_every_attention_parameter(kind: str, arch: str) -> 
 
 
 def test_conv_init_off_drops_the_locality_init() -> None:
-    """conv_init=false: v_pos and W_val get the ViT init (std 0.02) instead of 001 Eq. 5's: the positional
+    """conv_init=false: v_pos and W_val get the ViT init (std 0.02) instead of [ConViT21] Eq. 5's: the positional
     attention starts nearly uniform instead of peaked on the kernel taps, and W_val is no identity."""
     torch.manual_seed(2)
     on = build("convit", "convit_fmnist", 10, in_chans=1)

@@ -1,4 +1,4 @@
-"""Class-balanced training fractions (001, Table 2) and the validation split."""
+"""Class-balanced training fractions ([ConViT21], Table 2) and the validation split."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from core.data import fraction_indices, split_train_val, train_val_indices
 
 # Deliberately unbalanced classes, shuffled, with a class of 3 images and a missing label (4).
 COUNTS = {0: 500, 1: 300, 2: 120, 3: 77, 5: 3}
-FRACTIONS = [0.05, 0.1, 0.3, 0.5, 1.0]  # the grid of 001, Table 2
+FRACTIONS = [0.05, 0.1, 0.3, 0.5, 1.0]  # the grid of [ConViT21], Table 2
 
 
 @pytest.fixture(scope="module")

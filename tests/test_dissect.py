@@ -24,7 +24,7 @@ def _gpsa_net(stride: int = 1) -> nn.Sequential:
 
 
 def test_centre_query_of_a_local_gpsa_peaks_on_its_kernel_tap() -> None:
-    """000 Fig. 5 at large alpha: head h of the centre query (3, 3) of a 7 x 7 map looks at the tap
+    """[TCNN21] Fig. 5 at large alpha: head h of the centre query (3, 3) of a 7 x 7 map looks at the tap
     (3 + h // 3 - 1, 3 + h % 3 - 1) (row-major taps), with all its mass there."""
     layers, logits = centre_query_maps(_gpsa_net(), torch.randn(1, 1, 7, 7))
     (la,) = layers
@@ -67,7 +67,7 @@ def test_mass_contours_on_a_hand_made_map() -> None:
 
 
 def test_nonlocality_matches_a_hand_computation_of_eq8() -> None:
-    """001 Eq. 8 on a 2 x 2 grid, one head: D = (1/L) sum_ij A_ij |delta_ij|."""
+    """[ConViT21] Eq. 8 on a 2 x 2 grid, one head: D = (1/L) sum_ij A_ij |delta_ij|."""
     dist = grid_distances(2, 2)
     s2 = math.sqrt(2)
     want = [[0, 1, 1, s2], [1, 0, s2, 1], [1, s2, 0, 1], [s2, 1, 1, 0]]

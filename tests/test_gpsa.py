@@ -33,7 +33,7 @@ def _randomize(g: GPSA, *, lam_scale: float = 1.5, qk_std: float = 0.5) -> GPSA:
 
 
 def reference_gpsa(g: GPSA, x: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
-    """000 Eq. 5-7 / 001 Eq. 6-7 evaluated literally, head by head, with the dense encodings r_ij.
+    """[TCNN21] Eq. 5-7 / [ConViT21] Eq. 6-7 evaluated literally, head by head, with the dense encodings r_ij.
 
     T-CNN mode: queries at the conv's output positions, positional softmax over the zero-padded key grid
     (padded keys hold zero values), content softmax over the real pixels; output [B, D_out, Hq, Wq].
@@ -70,7 +70,7 @@ def reference_gpsa(g: GPSA, x: torch.Tensor, size: tuple[int, int] | None = None
     if g.positional == "softplus":
         a = g.alpha().to(x.dtype)
         cen = g.centers().to(x.dtype)
-        vpos = -a[:, None] * torch.cat([torch.ones(nh, 1, dtype=x.dtype), -2 * cen], 1)  # 000 Eq. 4
+        vpos = -a[:, None] * torch.cat([torch.ones(nh, 1, dtype=x.dtype), -2 * cen], 1)  # [TCNN21] Eq. 4
     else:
         vpos = g.pos_weight.to(x.dtype)
     wqkv = g.qkv_weight.to(x.dtype)
@@ -137,7 +137,7 @@ def test_softplus_alpha_init_is_exact_and_positive() -> None:
         assert float(softplus_inverse(a)) == pytest.approx(
             a + math.log(-math.expm1(-5 * a)) / 5, rel=1e-12
         )  # x = a + log(1 - e^{-5a}) / 5
-    # footnote 1 of 000 writes softplus(-alpha~); ours is softplus(+alpha~): increasing in alpha~
+    # footnote 1 of [TCNN21] writes softplus(-alpha~); ours is softplus(+alpha~): increasing in alpha~
     g = GPSA(8, num_heads=4)
     a0 = g.alpha().detach().clone()
     with torch.no_grad():
@@ -538,7 +538,7 @@ def test_accessors_and_nonlocality_by_hand() -> None:
     rows = maps.sum(-1)[0]  # keys outside the image (padding) are not in the map: border rows sum below 1
     assert torch.allclose(rows[4], torch.ones(h * w))  # center tap: always inside
     assert rows[0].min() < 0.5  # tap (-1, -1): the top row and left column fall on the padding
-    # nonlocality (001 Eq. 8): one-hot at Delta_h when the tap is inside the image, nothing otherwise
+    # nonlocality ([ConViT21] Eq. 8): one-hot at Delta_h when the tap is inside the image, nothing otherwise
     expected = []
     for hd in range(9):
         dy, dx = hd // 3 - 1, hd % 3 - 1

@@ -104,7 +104,7 @@ def test_every_kind_runs_the_same_stages(kind: str, shared: dict[str, Path], tmp
         assert rep["max_abs_logit_diff"] >= 0 and rep["max_abs_logit_diff_s1"] >= 0  # both stride modes tried
     elif kind == "cmhsa":
         assert spec_pre["phase"] == "conv" and spec["phase"] == "mhsa" and rep["converted"]
-        assert rep["max_abs_logit_diff"] <= 1e-4  # 002 Theorem 1 transfer: the function is kept
+        assert rep["max_abs_logit_diff"] <= 1e-4  # [Li21] Theorem 1 transfer: the function is kept
         assert rep["attention_layers"] and not rep["gpsa_layers"]
     else:
         assert not rep["converted"] and rep["max_abs_logit_diff"] == 0.0

@@ -1,4 +1,4 @@
-"""PSA (core.nn.psa): exact convolutional init (003 Lemma 1), the formula against a direct reference, gradients."""
+"""PSA (core.nn.psa): exact convolutional init ([Cordonnier20] Lemma 1), the formula against a direct reference, gradients."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,in_chans,sizes", CASES)
 def test_to_psa_is_exact_at_large_alpha(arch: str, in_chans: int, sizes: list) -> None:
-    """003 Eq. 5: centres on the taps, W_val = I, zero content logits -> at alpha = 50 the logits equal the
+    """[Cordonnier20] Eq. 5: centres on the taps, W_val = I, zero content logits -> at alpha = 50 the logits equal the
     CNN's (<= 1e-4) at any resolution, the strided conv and the zero-padded borders included."""
     torch.manual_seed(0)
     cnn = _nontrivial_bn(timm.create_model(arch, num_classes=10, in_chans=in_chans), in_chans, sizes[0])
@@ -50,7 +50,7 @@ def test_to_psa_is_exact_at_large_alpha(arch: str, in_chans: int, sizes: list) -
 
 
 def _reference(m: PSA, x: torch.Tensor) -> torch.Tensor:
-    """001 Eq. 4 with the quadratic encoding, written out independently: loops over heads and queries, the
+    """[ConViT21] Eq. 4 with the quadratic encoding, written out independently: loops over heads and queries, the
     conv's zero padding as explicit zero pixels, stride-1 attention subsampled [::s, ::s]."""
     b, c, h, w = x.shape
     p, k, nh, dq = m.padding, m.kernel_size, m.num_heads, m.qk_head_dim
@@ -110,7 +110,7 @@ def test_attention_maps_sit_on_the_taps_and_drop_padded_keys() -> None:
 
 def test_gradients_reach_content_projections_and_alpha() -> None:
     """qk_init="zero_key": content logits 0 (exact init) yet W_key gets a gradient at once, W_qry after one
-    step; alpha and the centres get one too. qk_init="zero" (003 Eq. 5 literally) is a saddle: none."""
+    step; alpha and the centres get one too. qk_init="zero" ([Cordonnier20] Eq. 5 literally) is a saddle: none."""
     torch.manual_seed(2)
     conv = nn.Conv2d(8, 8, 3, padding=1)
     x, target = torch.randn(4, 8, 6, 6), torch.randn(4, 8, 6, 6)

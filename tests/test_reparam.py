@@ -1,4 +1,4 @@
-"""to_tcnn (core.reparam): exact equivalence with the CNN, surgery contract, parameter counts (000 Table 2)."""
+"""to_tcnn (core.reparam): exact equivalence with the CNN, surgery contract, parameter counts ([TCNN21] Table 2)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def test_s1_and_paper_init_are_not_function_preserving() -> None:
     x = torch.randn(4, 1, 28, 28)
     err_exact, _ = _max_logit_diff(cnn, to_tcnn(cnn, alpha_init=50.0, lambda_init=50.0), x)
     err_s1, _ = _max_logit_diff(cnn, to_tcnn(cnn, alpha_init=50.0, lambda_init=50.0, stride_mode="s1"), x)
-    err_paper, _ = _max_logit_diff(cnn, to_tcnn(cnn), x)  # alpha = lambda = 1 (000 Sec. 2)
+    err_paper, _ = _max_logit_diff(cnn, to_tcnn(cnn), x)  # alpha = lambda = 1 ([TCNN21] Sec. 2)
     assert err_exact <= 1e-4 < 1e-2 < min(err_s1, err_paper)
 
 
@@ -119,7 +119,7 @@ def test_tcnn_trains_and_keeps_bn() -> None:
     opt.step()
 
 
-RS_TABLE2 = {  # 000 Table 2: ResNet-RS params (M) and T-ResNet-RS params (M)
+RS_TABLE2 = {  # [TCNN21] Table 2: ResNet-RS params (M) and T-ResNet-RS params (M)
     "resnetrs50": (36, 38),
     "resnetrs101": (64, 66),
     "resnetrs152": (87, 89),
@@ -138,7 +138,7 @@ def test_parameter_counts_match_paper_table2(arch: str) -> None:
     n_cnn = sum(p.numel() for p in cnn.parameters())
     n_tcnn = sum(p.numel() for p in tcnn.parameters())
     assert (round(n_cnn / 1e6), round(n_tcnn / 1e6)) == RS_TABLE2[arch]
-    # 000 Sec. 2: three D_in x D_in matrices per converted conv (plus 4 positional numbers per head)
+    # [TCNN21] Sec. 2: three D_in x D_in matrices per converted conv (plus 4 positional numbers per head)
     extra = 0
     for _, g in gpsa_modules(tcnn):
         extra += g.qkv_weight.numel() + g.pos_alpha.numel() + g.pos_center.numel() + g.gating_param.numel()

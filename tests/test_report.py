@@ -209,7 +209,7 @@ def test_report_shows_the_numbers_of_its_inputs(rendered) -> None:
             d = m["comparisons"][f"{b}-{a}"][key]
             assert d["diff"] == pytest.approx(m[b][key] - m[a][key])
             assert f"{100 * d['diff']:+.2f} pp [{100 * d['low']:+.2f}, {100 * d['high']:+.2f}]" in text
-    g = m["comparisons"]["tcnn-control"]["gain_blur"]  # 000 Fig. 3's relative gain, with its interval
+    g = m["comparisons"]["tcnn-control"]["gain_blur"]  # [TCNN21] Fig. 3's relative gain, with its interval
     assert g["diff"] == pytest.approx(m["tcnn"]["mca_blur"] / m["control"]["mca_blur"] - 1)
     assert f"{100 * g['diff']:+.2f} % [{100 * g['low']:+.2f}, {100 * g['high']:+.2f}]" in text
     # The report leads with T-CNN vs its control and says in words what the interval means.

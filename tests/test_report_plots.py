@@ -58,7 +58,7 @@ def _perturbed_tcnn(seed: int = 1) -> torch.nn.Module:
 
 # ------------------------------------------------------------------------------------------------ Fig. 5
 def test_centre_query_maps_are_the_taps_at_large_alpha_and_lambda() -> None:
-    """At alpha = lambda = 50 (function-preserving init, 000 Sec. 2) head h attends to its tap: the key at
+    """At alpha = lambda = 50 (function-preserving init, [TCNN21] Sec. 2) head h attends to its tap: the key at
     query + (h // 3 - 1, h % 3 - 1). Tap geometry from the conv's definition, not from the module."""
     tcnn = to_tcnn(_cnn(), alpha_init=50.0, lambda_init=50.0).eval()
     x = preprocess_image(_image(), [0.3], [0.3])
@@ -82,7 +82,7 @@ def test_centre_query_maps_are_the_taps_at_large_alpha_and_lambda() -> None:
 
 
 def _manual_attention(m, inp: torch.Tensor, query: tuple[int, int]) -> np.ndarray:
-    """000 Eq. 7 written out for one query: (1 - s(l)) softmax_j(q.k / sqrt(d)) + s(l) softmax_j(-a |d - D|^2),
+    """[TCNN21] Eq. 7 written out for one query: (1 - s(l)) softmax_j(q.k / sqrt(d)) + s(l) softmax_j(-a |d - D|^2),
     the positional softmax over the zero-padded key grid (padded keys take mass, as a conv's zero padding)."""
     _, c, h, w = inp.shape
     nh, dq, p = m.num_heads, m.qk_head_dim, m.padding

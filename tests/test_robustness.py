@@ -206,7 +206,7 @@ def _two_models() -> pa.Table:
 
 
 def test_relative_improvement_per_category_and_severity(tmp_path):
-    """000 Fig. 3's relative gain acc_B / acc_A - 1 per category and severity (the ``gain_<group>`` entries of
+    """[TCNN21] Fig. 3's relative gain acc_B / acc_A - 1 per category and severity (the ``gain_<group>`` entries of
     the comparisons), against hand-computed values, and its plot."""
     table = _two_models()
     base = R.Baseline.from_table(table, model="cnn")

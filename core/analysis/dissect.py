@@ -1,20 +1,20 @@
-"""Dissection views for any attention model (000 Fig. 4-5; 001 Eq. 8, Fig. 5).
+"""Dissection views for any attention model ([TCNN21] Fig. 4-5; [ConViT21] Eq. 8, Fig. 5).
 
 Works on every layer `core.reparam.attention_modules` finds: T-CNN GPSA, ConViT-mode GPSA (token inputs on a
 grid), PSA, and any other module with an ``attention_maps(x)`` method returning [B, heads, Lq, L] over an
 (h, w) key grid (NCHW input) - the per-head accessors (alpha, gate, centers) are used where present.
 
 - :func:`capture_inputs`: each layer's REAL input when a batch goes through the whole network (forward
-  pre-hooks), the input the nonlocality of 001 Fig. 5 is computed on.
+  pre-hooks), the input the nonlocality of [ConViT21] Fig. 5 is computed on.
 - :func:`layer_stats`: per layer and head, 1/alpha_h (span), sigma(lambda_h) (gate) and the nonlocality
-  D_loc^h = (1/L) sum_ij A^h_ij |delta_ij| (001 Eq. 8) on those real inputs; the per-epoch records of the
+  D_loc^h = (1/L) sum_ij A^h_ij |delta_ij| ([ConViT21] Eq. 8) on those real inputs; the per-epoch records of the
   finetune stage (history.json "gpsa", gpsa.csv via :func:`long_rows`).
 - :func:`centre_query_maps`: the attention of the query nearest the centre of each layer's grid, per head
-  (000 Fig. 5), as `LayerAttention` so `core.viz.report_plots.plot_attention_maps` draws it.
+  ([TCNN21] Fig. 5), as `LayerAttention` so `core.viz.report_plots.plot_attention_maps` draws it.
 - :func:`mass_contours` + :func:`plot_attention_contours`: the smallest sets of keys holding 90/50/10 % of a
   head's attention mass (highest-density regions) and their contours.
 - :func:`dynamics_table` / :func:`plot_nonlocality`: the per-epoch records as a pyarrow table; the layer
-  nonlocality over epochs (001 Fig. 5). Span and gate over epochs (000 Fig. 4) are drawn by
+  nonlocality over epochs ([ConViT21] Fig. 5). Span and gate over epochs ([TCNN21] Fig. 4) are drawn by
   `core.viz.report_plots.plot_gpsa_dynamics` from the same rows.
 
 Everything returns data (numpy arrays, pyarrow tables, dataclasses) or matplotlib figures; nothing here
@@ -60,7 +60,7 @@ def _is_positional(m: nn.Module) -> bool:
 
 def _square_grid(m: nn.Module, x: torch.Tensor, n_keys: int) -> tuple[int, int]:
     """The (h, w) attention grid of a layer attending over ``n_keys`` keys: its input grid (NCHW) or that grid
-    pooled k times by a stride-2 operator (ceil(n / 2) per pooling, 004 Sec. 3.2); tokens: the module's
+    pooled k times by a stride-2 operator (ceil(n / 2) per pooling, [Bello19] Sec. 3.2); tokens: the module's
     ``grid_size`` or a square."""
     if x.ndim == 3:
         return attention_grid(m, x)
@@ -104,7 +104,7 @@ def capture_inputs(
     """Feed ``x`` through ``model`` (eval mode, restored after) and return ({layer name: its input}, logits).
 
     Inputs are captured by forward pre-hooks, so they are what each layer really receives inside the network
-    (001 Fig. 5 is computed on these, not on random tensors).
+    ([ConViT21] Fig. 5 is computed on these, not on random tensors).
     """
 
     layers = list(layers) if layers is not None else attention_modules(model)
@@ -138,8 +138,8 @@ def _head_values(m: nn.Module, name: str) -> list[float] | None:
 
 @torch.no_grad()
 def layer_stats(model: nn.Module, probe: torch.Tensor) -> dict[str, dict[str, list[float]]]:
-    """Per attention layer, per head: ``inv_alpha`` (1/alpha_h, 000 Eq. 3-4), ``gate`` (sigma(lambda_h),
-    Eq. 7; only for gated layers) and ``nonlocality`` (001 Eq. 8, on the layer's real input for ``probe``).
+    """Per attention layer, per head: ``inv_alpha`` (1/alpha_h, [TCNN21] Eq. 3-4), ``gate`` (sigma(lambda_h),
+    Eq. 7; only for gated layers) and ``nonlocality`` ([ConViT21] Eq. 8, on the layer's real input for ``probe``).
     The same shape for every attention model; {} without attention layers."""
 
     layers = attention_modules(model)
@@ -214,7 +214,7 @@ class LayerAttention:
     """The attention of one query of a GPSA layer, per head, over the layer's input pixels (keys)."""
 
     name: str
-    maps: np.ndarray  # [heads, h, w]: A^h_{q, j} for the chosen query q, keys j on the input grid (000 Eq. 7)
+    maps: np.ndarray  # [heads, h, w]: A^h_{q, j} for the chosen query q, keys j on the input grid ([TCNN21] Eq. 7)
     query: tuple[int, int]  # (row, col) of the query on the input grid
     grid: tuple[int, int]  # (h, w) of the layer input
     stride: int  # query stride (1 for stride_mode "s1": the attention runs at stride 1 before pooling)
@@ -230,7 +230,7 @@ def _centre_index(n_keys: int, n_queries: int, stride: int) -> int:
 
 @torch.no_grad()
 def centre_query_maps(model: nn.Module, x: torch.Tensor) -> tuple[list[Any], torch.Tensor]:
-    """000 Fig. 5 for any attention model: feed one image ``x`` [1, C, H, W] through ``model`` and return,
+    """[TCNN21] Fig. 5 for any attention model: feed one image ``x`` [1, C, H, W] through ``model`` and return,
     per attention layer, the attention of the query nearest the centre of its grid over the layer's input
     grid, per head, as `LayerAttention` (gate / 1/alpha / centres NaN where a layer has
     none), plus the logits. ConViT layers: the maps cover the patch tokens (the class token joins later)."""

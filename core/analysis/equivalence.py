@@ -1,11 +1,11 @@
-"""How close a converted network is to the CNN it came from (000 Sec. 2: the reparameterization preserves the
+"""How close a converted network is to the CNN it came from ([TCNN21] Sec. 2: the reparameterization preserves the
 function exactly only for large alpha and lambda; at the paper's alpha = lambda = 1 it starts near it)."""
 
 from __future__ import annotations
 
 import torch
 
-PAPER_INIT = (1.0, 1.0)  # 000 Sec. 2: alpha = lambda = 1 puts the T-CNN "on the verge of locality"
+PAPER_INIT = (1.0, 1.0)  # [TCNN21] Sec. 2: alpha = lambda = 1 puts the T-CNN "on the verge of locality"
 LARGE_INIT = (50.0, 50.0)  # large alpha and lambda: the conv's function to float precision (DESIGN section 4)
 
 

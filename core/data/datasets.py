@@ -43,7 +43,7 @@ def load_datasets(
     stream_size: int | None = None,
 ) -> Datasets:  # fmt: skip
     """Load a prepared dataset (core.data.load_splits): a class-balanced validation set carved out of the
-    training split, a class-balanced `sample_fraction` of the rest (001 Table 2), and the test split.
+    training split, a class-balanced `sample_fraction` of the rest ([ConViT21] Table 2), and the test split.
     `stream_size` (an encoded dataset streamed at that resolution): only labels are read here, the same split
     is kept as positions, and the loaders decode per batch (core.data.stream).
     Errors are core.data.DataError / ValueError with one line naming the file or key."""

@@ -148,7 +148,7 @@ class BatchLoader:
         augment: crop padding, flip, RandAugment, mixup/cutmix, label smoothing (used only with mixing;
             without mixing, targets stay integers and the loss applies label smoothing). None = no aug.
         image_size: output side; resized (bilinear, antialiased when shrinking) after augmentation when it
-            differs from the stored size, e.g. for higher-resolution fine-tuning (000, Sec. 3).
+            differs from the stored size, e.g. for higher-resolution fine-tuning ([TCNN21], Sec. 3).
         drop_last: drop the last incomplete batch (default: ``train``).
         num_workers: 0 (default) builds batches in this process; >0 uses a torch DataLoader over steps.
         num_classes: for soft targets (default: ``labels.max() + 1``).

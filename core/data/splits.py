@@ -7,7 +7,7 @@ The public data API of the project (see tcnn_team/INTERFACES.md, "Data"):
 - :func:`read_manifest`, :func:`load_split` read them back (checksums verified; a truncated, missing or
   altered shard fails with one line naming the file);
 - :func:`split_train_val`, :func:`fraction_indices`, :func:`train_val_indices` choose the images a run trains
-  and validates on (001, Table 2 protocol for fractions);
+  and validates on ([ConViT21], Table 2 protocol for fractions);
 - :class:`~core.data.loader.BatchLoader` (core/data/loader.py) turns arrays into augmented, normalized batches whose
   randomness is a pure function of (seed, epoch, step); :class:`ShardDataset` is the per-sample torch Dataset
   for data too large to hold in memory.
@@ -320,7 +320,7 @@ def split_train_val(labels: Any, val_size: int, seed: int) -> tuple[np.ndarray, 
 
 
 def fraction_indices(labels: Any, fraction: float, seed: int) -> np.ndarray:
-    """Keep a fraction of EACH class (001, Table 2): sorted indices into ``labels``.
+    """Keep a fraction of EACH class ([ConViT21], Table 2): sorted indices into ``labels``.
 
     Class c keeps ``max(1, floor(fraction * n_c + 1/2))`` images: the head of one permutation seeded by
     (seed, class) and independent of the fraction, so for one seed a smaller fraction is a subset of a larger

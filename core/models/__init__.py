@@ -2,24 +2,24 @@
 
 Kinds
 - "cnn": any timm model name or a project-registered small net (below).
-- "tcnn": the CNN above reparameterized by `core.reparam.to_tcnn` (000, Sec. 2). Options ``alpha_init``,
+- "tcnn": the CNN above reparameterized by `core.reparam.to_tcnn` ([TCNN21], Sec. 2). Options ``alpha_init``,
   ``lambda_init``, ``stages``, ``stride_mode`` go to `to_tcnn`; the rest to the CNN.
-- "psa": the CNN converted like "tcnn" but to ungated positional self-attention (`core.nn.psa.PSA`; 003,
-  001 Appendix A): ``alpha_init``, ``stages``, ``stride_mode``, ``qk_init``.
+- "psa": the CNN converted like "tcnn" but to ungated positional self-attention (`core.nn.psa.PSA`; [Cordonnier20],
+  [ConViT21] Appendix A): ``alpha_init``, ``stages``, ``stride_mode``, ``qk_init``.
 - "hybrid_scratch": the T-CNN architecture of a randomly initialised CNN, trained from scratch (t1 = 0 in
-  000 Table 3); built exactly as "tcnn" (the stages treat it differently: pretraining trains it directly).
-- "convit": the project's ConViT (001): timm's ConViT architecture (``convit_tiny``, ``convit_small``,
+  [TCNN21] Table 3); built exactly as "tcnn" (the stages treat it differently: pretraining trains it directly).
+- "convit": the project's ConViT ([ConViT21]): timm's ConViT architecture (``convit_tiny``, ``convit_small``,
   ``convit_base`` configs, and ``convit_fmnist``, a small one for 28 px single-channel inputs) running on the
   ConViT-mode `core.nn.gpsa.GPSA`. It loads a timm ConViT state_dict with plain ``load_state_dict`` (the GPSA
   converts timm's keys), after which its logits equal timm's.
-- "aa_resnet": Attention Augmented ResNet (004), `core.models.aa_resnet.build_aa_resnet`.
-- "cmhsa": the two-phase model of 002, `core.nn.cmhsa.build_cmhsa` (option ``phase``: "conv" or "mhsa").
+- "aa_resnet": Attention Augmented ResNet ([Bello19]), `core.models.aa_resnet.build_aa_resnet`.
+- "cmhsa": the two-phase model of [Li21], `core.nn.cmhsa.build_cmhsa` (option ``phase``: "conv" or "mhsa").
 
-Ablation switches (001 Table 3), options of "convit" and, where they mean something, of the T-CNN kinds:
+Ablation switches ([ConViT21] Table 3), options of "convit" and, where they mean something, of the T-CNN kinds:
 - ``gating``: "train" (default) or "freeze0": every gating parameter lambda is set to 0 and frozen, so each
-  head pays the same attention to content and position (001 Table 3 footnote 4: "no gating").
+  head pays the same attention to content and position ([ConViT21] Table 3 footnote 4: "no gating").
   convit, tcnn, hybrid_scratch.
-- ``conv_init``: true (default) or false: false drops the convolutional (locality) init of 001 Eq. 5: W_val
+- ``conv_init``: true (default) or false: false drops the convolutional (locality) init of [ConViT21] Eq. 5: W_val
   and the positional embedding v_pos get timm's ViT init (truncated normal, std 0.02) like every other
   linear layer; v_pos is then stored raw (``positional="linear"``) since a random one may be anti-local.
   convit only (the T-CNN kinds are convolutional by construction).
@@ -74,7 +74,7 @@ CONVERSION_OPTIONS: dict[str, tuple[str, ...]] = {
     "hybrid_scratch": ("alpha_init", "lambda_init", "stages", "stride_mode"),
     "psa": ("alpha_init", "stages", "stride_mode", "qk_init"),
 }
-# Ablation switches (001 Table 3) and the kinds they apply to.
+# Ablation switches ([ConViT21] Table 3) and the kinds they apply to.
 ABLATION_OPTIONS: dict[str, tuple[str, ...]] = {
     "gating": ("convit", "tcnn", "hybrid_scratch"),
     "conv_init": ("convit",),
@@ -127,7 +127,7 @@ def backbone_options(kind: str, options: dict[str, Any]) -> dict[str, Any]:
 
 
 def apply_ablations(model: nn.Module, *, gating: str = "train", freeze_gpsa: bool = False) -> nn.Module:
-    """001 Table 3 switches on the GPSA / PSA layers of ``model`` (in place; see the module docstring)."""
+    """[ConViT21] Table 3 switches on the GPSA / PSA layers of ``model`` (in place; see the module docstring)."""
     if gating not in GATING_MODES:
         raise ValueError(f"gating must be one of {list(GATING_MODES)}, got {gating!r}")
     layers = gpsa_modules(model)

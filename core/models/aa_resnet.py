@@ -1,5 +1,5 @@
-"""AA-ResNets (004, Sec. 4.2): timm ResNets whose 3x3 convs of the chosen stages are attention augmented
-convolutions (`core.nn.aa.AAConv2d`; the choices 004 leaves open are documented there)."""
+"""AA-ResNets ([Bello19], Sec. 4.2): timm ResNets whose 3x3 convs of the chosen stages are attention augmented
+convolutions (`core.nn.aa.AAConv2d`; the choices [Bello19] leaves open are documented there)."""
 
 from __future__ import annotations
 
@@ -46,15 +46,15 @@ def _conv_input_sizes(model: nn.Module, names: Sequence[str], img_size: tuple[in
 
 
 def build_aa_resnet(arch: str, num_classes: int, **options: Any) -> nn.Module:
-    """AA-ResNet (004, Sec. 4.2): a timm ResNet whose 3x3 convs of the chosen stages are `AAConv2d`.
+    """AA-ResNet ([Bello19], Sec. 4.2): a timm ResNet whose 3x3 convs of the chosen stages are `AAConv2d`.
 
     Args:
         arch: timm ResNet-family name (``resnet50`` = AA-ResNet-50) or a project small net
             (``resnet10_cifar``).
         num_classes: classifier outputs.
-        options: ``kappa`` (0.25), ``upsilon`` (0.25) - 004 Table 2/6 first row; ``num_heads``
-            (8, 004 Sec. 4.2);
-            ``stages`` (indices into [layer1..layerN], default (-3, -2, -1): the last three, 004 Sec. 4.2);
+        options: ``kappa`` (0.25), ``upsilon`` (0.25) - [Bello19] Table 2/6 first row; ``num_heads``
+            (8, [Bello19] Sec. 4.2);
+            ``stages`` (indices into [layer1..layerN], default (-3, -2, -1): the last three, [Bello19] Sec. 4.2);
             ``img_size`` (int or (H, W); sizes the relative embedding tables; default the arch's timm input
             size,
             32 for the project's nets); ``downsample_first_stage`` (None = True for timm nets, False for the

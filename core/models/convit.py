@@ -1,4 +1,4 @@
-"""The project's ConViT (001): timm's ConViT architecture running on the ConViT-mode `core.nn.gpsa.GPSA`."""
+"""The project's ConViT ([ConViT21]): timm's ConViT architecture running on the ConViT-mode `core.nn.gpsa.GPSA`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from core.nn.gpsa import GPSA
 
 __all__ = ["CONVIT_CONFIGS", "ConViT", "build_convit"]
 
-# timm's ConViT configs (001 Table 1: Ti, S, B; embed_dim is per head, 48 x heads in total).
+# timm's ConViT configs ([ConViT21] Table 1: Ti, S, B; embed_dim is per head, 48 x heads in total).
 CONVIT_CONFIGS: dict[str, dict[str, Any]] = {
     "convit_tiny": dict(embed_dim=48, num_heads=4, local_up_to_layer=10, locality_strength=1.0),
     "convit_small": dict(embed_dim=48, num_heads=9, local_up_to_layer=10, locality_strength=1.0),
@@ -83,8 +83,8 @@ class ConViT(ConVit):
 
 @torch.no_grad()
 def _vit_init(g: GPSA) -> None:
-    """001 Table 3 "no conv init": W_val and v_pos get timm's ViT init (truncated normal, std 0.02, as every
-    linear layer of the ConViT) instead of the identity and the locality init of 001 Eq. 5."""
+    """[ConViT21] Table 3 "no conv init": W_val and v_pos get timm's ViT init (truncated normal, std 0.02, as every
+    linear layer of the ConViT) instead of the identity and the locality init of [ConViT21] Eq. 5."""
     qk = 2 * g.num_heads * g.qk_head_dim
     nn.init.trunc_normal_(g.qkv_weight[qk:], std=0.02)
     nn.init.trunc_normal_(g.pos_weight, std=0.02)

@@ -1,11 +1,11 @@
-"""Conv -> GPSA surgery: turn a (trained) timm ResNet-family CNN into its T-CNN (000, Sec. 2).
+"""Conv -> GPSA surgery: turn a (trained) timm ResNet-family CNN into its T-CNN ([TCNN21], Sec. 2).
 
 `to_tcnn` copies the model and replaces every k x k (k > 1) convolution of the chosen stages by a T-CNN-mode
 `core.nn.gpsa.GPSA` at the same attribute path (e.g. ``layer4.0.conv2``). The GPSA's ``weight`` is the conv filter
 (same name, same shape), its ``bias`` the conv bias, W_val = I, heads sit on the kernel taps; BatchNorm,
 activations, SE, shortcuts and everything else are untouched. With large alpha_init and lambda_init (e.g. 50)
 the T-CNN computes the CNN's function to float precision (stride_mode="exact"); the paper's init is
-alpha = lambda = 1 (000, Sec. 2 "How convolutional should the initialization be?").
+alpha = lambda = 1 ([TCNN21], Sec. 2 "How convolutional should the initialization be?").
 
 Supported: timm ResNet (basic and bottleneck blocks), ResNet-D, ResNet-RS, SE-ResNet, anti-aliased and dilated
 variants, and the project's small CIFAR ResNets - any model with stages ``layer1`` ... ``layerN`` of plain
@@ -53,7 +53,7 @@ def to_tcnn(
     attention: str = "gpsa",
     qk_init: str = "zero_key",
 ) -> nn.Module:
-    """Return a NEW module where each k x k conv (k > 1) of the chosen stages is a T-CNN GPSA (000, Sec. 2).
+    """Return a NEW module where each k x k conv (k > 1) of the chosen stages is a T-CNN GPSA ([TCNN21], Sec. 2).
 
     Args:
         model: a timm ResNet-family model (the input is never modified).
@@ -62,8 +62,8 @@ def to_tcnn(
         stages: indices into [layer1, ..., layerN] (negative from the end; default: the last stage).
         stride_mode: "exact" (stride-1 attention then [::s, ::s]; function-preserving) or "s1" (BoTNet-style
             stride-1 attention then s x s average pooling; not function-preserving).
-        attention: "gpsa" (000, the default) or "psa": ungated positional self-attention (`core.nn.psa.PSA`,
-            003 / 001 Appendix A) in the same head layout; ``lambda_init`` is then unused.
+        attention: "gpsa" ([TCNN21], the default) or "psa": ungated positional self-attention (`core.nn.psa.PSA`,
+            [Cordonnier20] / [ConViT21] Appendix A) in the same head layout; ``lambda_init`` is then unused.
         qk_init: PSA only: how W_qry, W_key start (see `core.nn.psa`; the default keeps the content logits 0).
     """
     if attention not in ATTENTIONS:
@@ -115,7 +115,7 @@ def to_psa(
     stride_mode: str = "exact",
     qk_init: str = "zero_key",
 ) -> nn.Module:
-    """`to_tcnn` with ungated positional self-attention (`core.nn.psa.PSA`; 003, 001 Appendix A)."""
+    """`to_tcnn` with ungated positional self-attention (`core.nn.psa.PSA`; [Cordonnier20], [ConViT21] Appendix A)."""
     return to_tcnn(
         model, alpha_init=alpha_init, stages=stages, stride_mode=stride_mode, attention="psa", qk_init=qk_init
     )

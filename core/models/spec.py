@@ -5,7 +5,7 @@ A spec is ``{"kind", "arch", "num_classes", "in_chans", "options",
 "tcnn": {"alpha_init", "lambda_init", "stages", "stride_mode", "attention"} | None, "phase": "conv" | "mhsa"}``.
 ``tcnn`` is the conversion section of the kinds built by converting a CNN (`core.models.convert`): "tcnn" and
 "hybrid_scratch" (attention "gpsa") and "psa" (attention "psa"; lambda_init unused); ``phase`` the phase of a
-"cmhsa" model (002). Older specs without "attention" / "phase" read as "gpsa" / None. ``options`` holds the
+"cmhsa" model ([Li21]). Older specs without "attention" / "phase" read as "gpsa" / None. ``options`` holds the
 backbone options and the ablation switches (`core.models`), which the rebuild applies again (frozen
 parameters stay frozen).
 """
@@ -100,7 +100,7 @@ def build_from_spec(spec: dict[str, Any]) -> nn.Module:
 def pretraining_kind(kind: str) -> str:
     """The network pretraining trains for model kind `kind`: the CNN for kinds cnn/tcnn/psa (converted after
     pretraining), the model itself otherwise: convit, aa_resnet and hybrid_scratch (the T-CNN architecture
-    from scratch, t1 = 0 of 000 Table 3) from scratch, cmhsa in its convolution phase (002)."""
+    from scratch, t1 = 0 of [TCNN21] Table 3) from scratch, cmhsa in its convolution phase ([Li21])."""
     return "cnn" if kind in CONVERTED_LATER else kind
 
 

@@ -1,58 +1,58 @@
-"""Attention Augmented convolution (004, Bello et al.); the AA-ResNets are built by `core.models.aa_resnet`.
+"""Attention Augmented convolution ([Bello19], Bello et al.); the AA-ResNets are built by `core.models.aa_resnet`.
 
-An attention augmented convolution (004, Sec. 3.2) concatenates convolutional feature maps with multi-head
+An attention augmented convolution ([Bello19], Sec. 3.2) concatenates convolutional feature maps with multi-head
 self-attention feature maps:
     AAConv(X) = Concat[Conv(X), MHA(X)],  d_v = upsilon F_out attention channels, d_k = kappa F_out key depth,
 
-where Conv has F_out - d_v output filters (the attention channels *replace* conv filters, 004 Sec. 4 "we
+where Conv has F_out - d_v output filters (the attention channels *replace* conv filters, [Bello19] Sec. 4 "we
 substitute convolutional feature maps with self-attention feature maps"), the queries / keys / values come
 from one 1x1 convolution F_in -> 2 d_k + d_v, the N_h heads are combined by a 1x1 convolution d_v -> d_v
-(W^O, 004 Eq. 2), and the attention logits carry 2D relative position logits (004 Eq. 3-4):
+(W^O, [Bello19] Eq. 2), and the attention logits carry 2D relative position logits ([Bello19] Eq. 3-4):
     l_ij = q_i^T (k_j + r^W_{j_x - i_x} + r^H_{j_y - i_y}) / sqrt(d_k^h).
 
-r^H [2H - 1, d_k^h] and r^W [2W - 1, d_k^h] are learned per layer and shared across heads (004 Sec. 3.1.1),
+r^H [2H - 1, d_k^h] and r^W [2W - 1, d_k^h] are learned per layer and shared across heads ([Bello19] Sec. 3.1.1),
 which adds (2(H + W) - 2) d_k^h parameters per layer. The relative logits are computed with the memory
-efficient "relative to absolute" trick of 004 Appendix A.3 (timm's `rel_logits_1d`, a port of that code).
+efficient "relative to absolute" trick of [Bello19] Appendix A.3 (timm's `rel_logits_1d`, a port of that code).
 
-Choices that 004 leaves open, and how they are made here
+Choices that [Bello19] leaves open, and how they are made here
 - Rounding: d_k and d_v are rounded to a multiple of N_h (at least one dimension per head); d_v <= F_out.
-  ``upsilon = 1`` is the fully attentional layer (no conv part, 004 Table 6 last row).
+  ``upsilon = 1`` is the fully attentional layer (no conv part, [Bello19] Table 6 last row).
 - Spatial sizes: the relative embedding tables are sized for the attention grid at ``img_size`` (the build
   resolution). At other resolutions relative distances beyond the table are clipped to its last entry (the
-  clipping of Shaw et al. [37], whose relative attention 004 extends); inside the table nothing changes. So
+  clipping of Shaw et al. [37], whose relative attention [Bello19] extends); inside the table nothing changes. So
   any input size works, odd and non-square included.
 - Stride 2 (first block of a stage, where timm puts the stride on the 3x3 conv): the attention runs on the
-  input average-pooled with 004's downsampling operator (3x3, stride 2, padding 1, padded zeros not counted,
-  004 Sec. 3.2), whose output grid is exactly the strided conv's grid (both are floor((n - 1) / 2) + 1 for
+  input average-pooled with [Bello19]'s downsampling operator (3x3, stride 2, padding 1, padded zeros not counted,
+  [Bello19] Sec. 3.2), whose output grid is exactly the strided conv's grid (both are floor((n - 1) / 2) + 1 for
   any n, odd included), so the two parts concatenate without resampling. The alternative - full-resolution
   attention then pooling of its output - would cost 16x the attention memory for no gain in the paper's
-  framing; 004 downsamples attention *inputs* wherever it needs to save memory.
-- "Downsample only during the first stage" (004 Sec. 4.2): in the first augmented stage the attention input is
+  framing; [Bello19] downsamples attention *inputs* wherever it needs to save memory.
+- "Downsample only during the first stage" ([Bello19] Sec. 4.2): in the first augmented stage the attention input is
   pooled once more (3x3 / 2 average pool) and the attention output is upsampled back by bilinear
-  interpolation (004 Sec. 3.2). On by default for timm (ImageNet) ResNets, off for the project's small CIFAR
-  nets (004 Appendix A.1, CIFAR: "we do not downsample feature maps before the attention operation").
-- Where: once per residual block (004 Sec. 3.2) on the 3x3 conv of the last three stages (004 Sec. 4.2):
+  interpolation ([Bello19] Sec. 3.2). On by default for timm (ImageNet) ResNets, off for the project's small CIFAR
+  nets ([Bello19] Appendix A.1, CIFAR: "we do not downsample feature maps before the attention operation").
+- Where: once per residual block ([Bello19] Sec. 3.2) on the 3x3 conv of the last three stages ([Bello19] Sec. 4.2):
   ``conv2`` of a bottleneck block, ``conv1`` (the first 3x3, the one that carries the stride) of a basic block
-  (as 004 does for Wide-ResNets: "augmenting the first convolution of all residual blocks").
-- The augmented conv keeps the block's BatchNorm over all F_out channels (004 Sec. 3.2).
-- Biases: the qkv and output 1x1 convolutions have biases (TensorFlow's ``conv2d`` default in 004 A.3); the
+  (as [Bello19] does for Wide-ResNets: "augmenting the first convolution of all residual blocks").
+- The augmented conv keeps the block's BatchNorm over all F_out channels ([Bello19] Sec. 3.2).
+- Biases: the qkv and output 1x1 convolutions have biases (TensorFlow's ``conv2d`` default in [Bello19] A.3); the
   conv part has none (like the ResNet conv it replaces).
 
 Parameter counts (AA-ResNet-50, timm ``resnet50``, 224 px, N_h = 8, kappa = upsilon): with the choices above
-the change per augmented layer is 004 Eq. 5,
+the change per augmented layer is [Bello19] Eq. 5,
 
     Delta = F_in F_out (2 kappa + (1 - k^2) upsilon + upsilon^2 F_out / F_in),
 
 plus biases and relative embeddings (a few thousand parameters in total):
     kappa = upsilon   0.25    0.5     0.75    1.0
     this module       23.78   22.15   20.68   19.36  M
-    004 Table 6       24.3    22.3    20.7    19.4   M
+    [Bello19] Table 6       24.3    22.3    20.7    19.4   M
 
 The 0.5 - 1.0 rows match to rounding; the 0.25 row is 0.52 M below the paper. The paper's own numbers are not
 all consistent with Eq. 5 (Table 3 lists 25.8 M for kappa = upsilon = 0.2 where Eq. 5 gives 24.1 M), and
 no variant that keeps Eq. 5 for the other rows reaches 24.3. Variants checked and rejected: keeping all F_out
 conv filters (attention channels added instead of substituted: +F_in d_v k^2 per layer, 26.6 M at 0.25);
-relative embeddings per head instead of shared (+0.03 M at 0.25, +0.13 M at 1.0; contradicts 004 Sec. 3.1.1).
+relative embeddings per head instead of shared (+0.03 M at 0.25, +0.13 M at 1.0; contradicts [Bello19] Sec. 3.1.1).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def pool_size(n: int) -> int:
 
 
 def _pool(x: torch.Tensor) -> torch.Tensor:
-    """004's downsampling operator: 3x3 average pooling, stride 2 (TF 'SAME': padded zeros not counted)."""
+    """[Bello19]'s downsampling operator: 3x3 average pooling, stride 2 (TF 'SAME': padded zeros not counted)."""
     return F.avg_pool2d(x, kernel_size=3, stride=2, padding=1, count_include_pad=False)
 
 
@@ -83,7 +83,7 @@ def _head_depth(ratio: float, f_out: int, num_heads: int) -> int:
 
 
 class AAConv2d(nn.Module):
-    """Attention augmented convolution (004, Sec. 3.2): Concat[Conv(X) (F_out - d_v maps), MHA(X) (d_v maps)].
+    """Attention augmented convolution ([Bello19], Sec. 3.2): Concat[Conv(X) (F_out - d_v maps), MHA(X) (d_v maps)].
 
     Args:
         in_channels, out_channels: F_in, F_out of the convolution being augmented.
@@ -92,10 +92,10 @@ class AAConv2d(nn.Module):
         upsilon: d_v / F_out (ratio of attention channels), in (0, 1]; 1 = no conv part.
         num_heads: N_h.
         feat_size: (H, W) of the attention grid the relative embedding tables are sized for.
-        relative: add 2D relative position logits (004 Eq. 3); False = position-unaware attention
-            (004 Table 7).
+        relative: add 2D relative position logits ([Bello19] Eq. 3); False = position-unaware attention
+            ([Bello19] Table 7).
         downsample: pool the attention input once more (3x3/2 avg) and upsample its output bilinearly
-            (004 Sec. 3.2), on top of the pooling a stride-2 conv implies.
+            ([Bello19] Sec. 3.2), on top of the pooling a stride-2 conv implies.
     """
 
     def __init__(
@@ -135,16 +135,16 @@ class AAConv2d(nn.Module):
             else None
         )
         self.qkv = nn.Conv2d(in_channels, 2 * self.dk + self.dv, 1)
-        self.proj = nn.Conv2d(self.dv, self.dv, 1)  # W^O (004 Eq. 2): mixes the heads
+        self.proj = nn.Conv2d(self.dv, self.dv, 1)  # W^O ([Bello19] Eq. 2): mixes the heads
         if relative:
             h, w = self.feat_size
-            # 004 A.3 initialises with std dkh^-0.5 (its TF call passes that as the *mean*, a known slip).
+            # [Bello19] A.3 initialises with std dkh^-0.5 (its TF call passes that as the *mean*, a known slip).
             self.rel_height = nn.Parameter(torch.randn(2 * h - 1, self.dkh) * self.dkh**-0.5)
             self.rel_width = nn.Parameter(torch.randn(2 * w - 1, self.dkh) * self.dkh**-0.5)
         if self.conv is not None:
             nn.init.kaiming_normal_(self.conv.weight, mode="fan_out", nonlinearity="relu")
 
-    # ---- relative logits (004 Eq. 3-4) ----
+    # ---- relative logits ([Bello19] Eq. 3-4) ----
     @staticmethod
     def _table(table: torch.Tensor, n: int) -> torch.Tensor:
         """Rows of ``table`` ([2T - 1, d], offsets -(T-1)..T-1) for offsets -(n-1)..n-1, clipped."""
@@ -153,10 +153,10 @@ class AAConv2d(nn.Module):
         return table[idx]
 
     def relative_logits(self, q: torch.Tensor, h: int, w: int) -> torch.Tensor:
-        """S_H^rel + S_W^rel of 004 Eq. 4 for queries q [B, N_h, h*w, d_k^h] (row-major): [B, N_h, hw, hw].
+        """S_H^rel + S_W^rel of [Bello19] Eq. 4 for queries q [B, N_h, h*w, d_k^h] (row-major): [B, N_h, hw, hw].
 
-        Entry [i, j] = q_i . (r^W_{j_x - i_x} + r^H_{j_y - i_y}) (004 Eq. 3 without the key term), via the
-        rel-to-abs trick of 004 A.3 (timm's port `rel_logits_1d`). timm's `PosEmbedRel` wraps the same
+        Entry [i, j] = q_i . (r^W_{j_x - i_x} + r^H_{j_y - i_y}) ([Bello19] Eq. 3 without the key term), via the
+        rel-to-abs trick of [Bello19] A.3 (timm's port `rel_logits_1d`). timm's `PosEmbedRel` wraps the same
         function but fixes the grid at construction (it reshapes q to its stored feat_size), so it cannot run
         at other resolutions; here the grid is the runtime one (tables sliced / clipped).
         """
@@ -179,7 +179,7 @@ class AAConv2d(nn.Module):
         """Attention weights [B, N_h, L, L] and values [B, N_h, L, d_v^h] on the attention grid of ``a``."""
         b, _, h, w = a.shape
         nh = self.num_heads
-        k, q, v = self.qkv(a).split([self.dk, self.dk, self.dv], dim=1)  # 004 A.3 order
+        k, q, v = self.qkv(a).split([self.dk, self.dk, self.dv], dim=1)  # [Bello19] A.3 order
 
         def heads(t: torch.Tensor, d: int) -> torch.Tensor:
             return t.reshape(b, nh, d, h * w).transpose(-1, -2)
@@ -219,7 +219,7 @@ class AAConv2d(nn.Module):
 
     @torch.no_grad()
     def nonlocality(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-head nonlocality [N_h] (001 Eq. 8) in attention-grid pixels, batch-averaged."""
+        """Per-head nonlocality [N_h] ([ConViT21] Eq. 8) in attention-grid pixels, batch-averaged."""
         a = self._attention_input(x)
         h, w = a.shape[-2:]
         attn = self._weights_and_values(a)[0]

@@ -1,33 +1,33 @@
-"""CMHSA: the two-phase convolution -> self-attention Vision Transformer of 002 ("Can Vision Transformers
+"""CMHSA: the two-phase convolution -> self-attention Vision Transformer of [Li21] ("Can Vision Transformers
 Perform Convolution?", Sec. 4.1 and Theorem 1).
 
 The model is a patch-input transformer: a patch embedding (P x P patches) gives an h x w grid of tokens of
 dimension d = P^2 c, pre-norm blocks x + Mixer(LN(x)), x + MLP(LN(x)), a final LayerNorm, global average
-pooling over the tokens and a linear classifier (002 Sec. 4.1 follows Swin: no [cls] token, because the
+pooling over the tokens and a linear classifier ([Li21] Sec. 4.1 follows Swin: no [cls] token, because the
 convolution phase cannot use one). Each token is read as a P x P block of "pixels" with c channels each
-(token index (u P + v) c + i = pixel (u, v) of the patch, channel i; 002 Sec. 2.2 "flattened patch").
+(token index (u P + v) c + i = pixel (u, v) of the patch, channel i; [Li21] Sec. 2.2 "flattened patch").
 
-Phase "conv" (002 Sec. 4.1, convolution phase): the token mixer is a K x K convolution c -> c over the
-*pixel* grid (hP x wP) of the un-flattened tokens, zero padding K // 2 - 002 Eq. 1 on the original resolution,
+Phase "conv" ([Li21] Sec. 4.1, convolution phase): the token mixer is a K x K convolution c -> c over the
+*pixel* grid (hP x wP) of the un-flattened tokens, zero padding K // 2 - [Li21] Eq. 1 on the original resolution,
 crossing patch boundaries. With P = 1 this is a plain K x K convolution over the token grid.
 
 Phase "mhsa" (self-attention phase): the mixer is a standard multi-head self-attention with a learned relative
-position bias (002 Eq. 2-4): softmax(Q K^T / sqrt(d_qk) + B) V, B_ij = b^h_{key(j) - query(i)} one learned
+position bias ([Li21] Eq. 2-4): softmax(Q K^T / sqrt(d_qk) + B) V, B_ij = b^h_{key(j) - query(i)} one learned
 scalar per head and relative token offset, N_H = (2 ceil((K - 1) / 2P) + 1)^2 heads of value width d_H = d
-(002 Theorem 1; 9 heads whenever K < 2P, Corollary 4; K^2 heads for P = 1, Corollary 3). `to_mhsa` transfers a
-trained convolution phase by the construction in the proof of Theorem 1 (002 A.1-A.2):
+([Li21] Theorem 1; 9 heads whenever K < 2P, Corollary 4; K^2 heads for P = 1, Corollary 3). `to_mhsa` transfers a
+trained convolution phase by the construction in the proof of Theorem 1 ([Li21] A.1-A.2):
   - head r <-> patch offset delta_r in {-R..R}^2 (row-major, R = ceil((K - 1) / 2P)): b^r_{delta_r} = M, all
-    other biases 0 (Lemma 2; 002 A.1 uses M = 40, "up to machine precision"), so head r attends only to the
+    other biases 0 (Lemma 2; [Li21] A.1 uses M = 40, "up to machine precision"), so head r attends only to the
     token at offset delta_r;
   - W^Q = 0 (and its bias), so the content logits Q K^T vanish. (The proof also zeroes W^K; zeroing only W^Q
     gives the same function and keeps W^K's random init, so dL/dW^Q = X^T (dS K) is not identically zero:
     with both at zero the content attention sits at a saddle where neither gets a gradient);
-  - W^V_r = I_d (bias 0), so head r outputs the whole token at offset delta_r (002 Eq. 14);
-  - W^O from the conv kernel (002 A.2 Remark): W^O[(r, s, i), (t, j)] = W^C[j, i, tap] where tap is the
+  - W^V_r = I_d (bias 0), so head r outputs the whole token at offset delta_r ([Li21] Eq. 14);
+  - W^O from the conv kernel ([Li21] A.2 Remark): W^O[(r, s, i), (t, j)] = W^C[j, i, tap] where tap is the
     kernel position of pixel s of token q + delta_r relative to pixel t of token q (0 if outside the kernel);
     the conv bias becomes the W^O bias.
 Borders: the conv zero-pads, while plain attention renormalises over the existing tokens, so a head whose
-offset points outside the grid would average everything instead of reading zeros (002's proof ignores
+offset points outside the grid would average everything instead of reading zeros ([Li21]'s proof ignores
 borders). The MHSA therefore attends over the token grid padded by R rings of zero tokens (key = value = 0,
 content logit 0, relative bias as for any offset): exactly the conv's zero padding, and at M = 40 the transfer
 reproduces the convolution phase to float32 rounding (max abs error ~1e-6 on the final features; tests).
@@ -67,7 +67,7 @@ CMHSA_ARCHS: dict[str, dict[str, Any]] = {
     "cmhsa_cifar": dict(
         img_size=32, in_chans=3, patch_size=4, pixel_dim=12, depth=6, kernel_size=3, mlp_ratio=2.0
     ),
-    # 002 Table 1 (CMHSA-3 / CMHSA-5): 224 px, P = 16, d = 768 (= 16^2 x 3), 6 layers, d_FFN = 3072.
+    # [Li21] Table 1 (CMHSA-3 / CMHSA-5): 224 px, P = 16, d = 768 (= 16^2 x 3), 6 layers, d_FFN = 3072.
     "cmhsa3_224": dict(
         img_size=224, in_chans=3, patch_size=16, pixel_dim=3, depth=6, kernel_size=3, mlp_ratio=4.0
     ),
@@ -91,7 +91,7 @@ _OPTIONS = (
 
 
 def patch_radius(kernel_size: int, patch_size: int) -> int:
-    """R = ceil((K - 1) / 2P): patch offsets a K x K kernel reaches (002 Eq. 5); N_H = (2R + 1)^2."""
+    """R = ceil((K - 1) / 2P): patch offsets a K x K kernel reaches ([Li21] Eq. 5); N_H = (2R + 1)^2."""
     return math.ceil((kernel_size - 1) / (2 * patch_size))
 
 
@@ -111,7 +111,7 @@ def _to_tokens(y: torch.Tensor, p: int) -> torch.Tensor:
 
 
 class ConvMixer(nn.Module):
-    """Convolution-phase token mixer: a K x K conv c -> c over the pixel grid of the tokens (002 Eq. 1)."""
+    """Convolution-phase token mixer: a K x K conv c -> c over the pixel grid of the tokens ([Li21] Eq. 1)."""
 
     def __init__(self, pixel_dim: int, patch_size: int, kernel_size: int) -> None:
         super().__init__()
@@ -125,14 +125,14 @@ class ConvMixer(nn.Module):
 
 
 class RelPosMHSA(nn.Module):
-    """MHSA with a learned relative position bias (002 Eq. 2-4) over a key grid padded by R zero tokens.
+    """MHSA with a learned relative position bias ([Li21] Eq. 2-4) over a key grid padded by R zero tokens.
 
     Args:
         dim: token dimension d.
         num_heads: N_H.
         grid_size: (h, w) token grid the bias table is sized for.
         pad: R, rings of zero-valued key/value tokens around the grid (emulate a conv's zero padding).
-        qk_head_dim: query/key width per head (002 uses d); the value width per head is d (d_H = d).
+        qk_head_dim: query/key width per head ([Li21] uses d); the value width per head is d (d_H = d).
     """
 
     def __init__(
@@ -144,7 +144,7 @@ class RelPosMHSA(nn.Module):
         self.grid_size = (int(grid_size[0]), int(grid_size[1]))
         h, w = self.grid_size
         self.qkv = nn.Linear(dim, num_heads * (2 * self.qk_head_dim + dim))
-        self.proj = nn.Linear(num_heads * dim, dim)  # W^O (002 Eq. 2)
+        self.proj = nn.Linear(num_heads * dim, dim)  # W^O ([Li21] Eq. 2)
         # b^h_delta for delta = key - query in [-(h - 1 + R), h - 1 + R] x [-(w - 1 + R), w - 1 + R].
         self.rel_bias = nn.Parameter(torch.zeros(num_heads, 2 * (h + pad) - 1, 2 * (w + pad) - 1))
         trunc_normal_(self.rel_bias, std=0.02)
@@ -204,7 +204,7 @@ class RelPosMHSA(nn.Module):
 
     @torch.no_grad()
     def nonlocality(self, x: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
-        """Per-head nonlocality [N_H] (001 Eq. 8): (1/L) sum_ij A_ij |delta_ij| in tokens, batch-averaged."""
+        """Per-head nonlocality [N_H] ([ConViT21] Eq. 8): (1/L) sum_ij A_ij |delta_ij| in tokens, batch-averaged."""
         h, w = self._grid(x, size)
         attn = self.attention_maps(x, (h, w))
 
@@ -218,7 +218,7 @@ class RelPosMHSA(nn.Module):
 
 
 class _Block(nn.Module):
-    """Pre-norm transformer block: x + DropPath(Mixer(LN(x))), x + DropPath(MLP(LN(x))) (002 Sec. 2.2)."""
+    """Pre-norm transformer block: x + DropPath(Mixer(LN(x))), x + DropPath(MLP(LN(x))) ([Li21] Sec. 2.2)."""
 
     def __init__(self, dim: int, mixer: nn.Module, mlp_ratio: float, drop: float, drop_path: float) -> None:
         super().__init__()
@@ -234,7 +234,7 @@ class _Block(nn.Module):
 
 
 class CMHSA(nn.Module):
-    """The CMHSA network of 002 Sec. 4.1 in one phase ("conv" or "mhsa"); see the module docstring."""
+    """The CMHSA network of [Li21] Sec. 4.1 in one phase ("conv" or "mhsa"); see the module docstring."""
 
     def __init__(
         self,
@@ -314,7 +314,7 @@ class CMHSA(nn.Module):
         return self.norm(x)
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = self.head_drop(x.mean(dim=1))  # global average pooling over tokens (002 Sec. 4.1)
+        x = self.head_drop(x.mean(dim=1))  # global average pooling over tokens ([Li21] Sec. 4.1)
         return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -340,7 +340,7 @@ def build_cmhsa(arch: str, num_classes: int, *, phase: str = "conv", **options: 
 
 
 def _wo_from_conv(conv: nn.Conv2d, patch_size: int, pad: int) -> torch.Tensor:
-    """W^O [d, N_H d] of 002 A.2 (Remark) from a K x K conv c -> c; rows (t, j), columns (head r, s, i)."""
+    """W^O [d, N_H d] of [Li21] A.2 (Remark) from a K x K conv c -> c; rows (t, j), columns (head r, s, i)."""
     p, k = patch_size, conv.kernel_size[0]
     wc = conv.weight.detach()  # [c_out, c_in, K, K]
     c_out, c_in = wc.shape[:2]
@@ -361,10 +361,10 @@ def _wo_from_conv(conv: nn.Conv2d, patch_size: int, pad: int) -> torch.Tensor:
 
 @torch.no_grad()
 def to_mhsa(model: CMHSA, *, bias_init: float = 40.0) -> CMHSA:
-    """Self-attention phase initialised from a convolution-phase ``model`` by 002 Theorem 1's construction.
+    """Self-attention phase initialised from a convolution-phase ``model`` by [Li21] Theorem 1's construction.
 
     Returns a NEW "mhsa" model (``model`` is untouched) computing the same function up to e^{-bias_init}
-    (002 A.1: M = 40, float32-exact). Everything but the token mixers is copied; each conv moves into its
+    ([Li21] A.1: M = 40, float32-exact). Everything but the token mixers is copied; each conv moves into its
     MHSA's W^O (and bias), see the module docstring.
     """
     if not isinstance(model, CMHSA) or model.phase != "conv":

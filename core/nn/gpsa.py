@@ -1,19 +1,19 @@
 """Gated positional self-attention (GPSA), in two modes that share one implementation.
 
-GPSA (001, Eq. 6-7; 000, Eq. 7): per head h and query i,
+GPSA ([ConViT21], Eq. 6-7; [TCNN21], Eq. 7): per head h and query i,
 
     A^h_ij = (1 - sigma(lambda_h)) softmax_j(Q^h_i . K^h_j / sqrt(d_h)) + sigma(lambda_h) softmax_j(v_pos^h . r_ij)
     out_i  = sum_h sum_j A^h_ij V^h_j W_out^h + b
 
 with the fixed relative encodings r_ij = (|delta|^2, delta_1, delta_2), delta = key position - query position, and
-v_pos^h = -alpha_h (1, -2 Delta^h_1, -2 Delta^h_2) (000, Eq. 4), i.e. a positional score -alpha_h |delta - Delta^h|^2
+v_pos^h = -alpha_h (1, -2 Delta^h_1, -2 Delta^h_2) ([TCNN21], Eq. 4), i.e. a positional score -alpha_h |delta - Delta^h|^2
 up to a per-head constant that cancels in the softmax. A convex mix of two softmaxes is already normalised, so
-there is no renormalisation pass (001, Eq. 6 writes one; it is the identity up to rounding).
+there is no renormalisation pass ([ConViT21], Eq. 6 writes one; it is the identity up to rounding).
 
 Modes
 - ``"convit"``: channels split across heads (D_v = D / heads), ``weight`` is the [D_out, D] output projection,
   input tokens [B, N, C] on a (H, W) grid. Loads timm ConViT GPSA weights (see `_load_timm_keys`).
-- ``"tcnn"`` (000, Sec. 2): one head per kernel tap, every head sees all input channels: one value projection
+- ``"tcnn"`` ([TCNN21], Sec. 2): one head per kernel tap, every head sees all input channels: one value projection
   W_val [D_in, D_in] shared by the heads (init identity), and a per-head output projection W_out^h =
   W_filter[:, :, tap(h)]; ``weight`` IS the conv filter [D_out, D_in, k, k] (same name and shape as the conv
   parameter it replaces). Head h <-> tap (h // k, h % k) (row-major, the order of ``weight.flatten(2)``),
@@ -59,7 +59,7 @@ __all__ = [
     "relative_encodings",
 ]
 
-ALPHA_BETA = 5.0  # softplus sharpness for the locality strength (000, footnote 1)
+ALPHA_BETA = 5.0  # softplus sharpness for the locality strength ([TCNN21], footnote 1)
 ALPHA_MIN = 1e-6  # floor added to the softplus: in fp32 softplus(x) underflows to exactly 0 for x < ~-18
 _MODES = ("convit", "tcnn")
 STRIDE_MODES = ("exact", "s1")  # the one list: exact (function-preserving) and s1 (BoTNet-style)
@@ -117,7 +117,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 class _GatedMix(torch.autograd.Function):
     """y = pos + con * g_con (broadcast), written in ``con``'s memory layout (or ``perm`` of it).
 
-    The convex mix of 000 Eq. 7 with sigma(lambda) already folded into ``pos``. A fused forward and a
+    The convex mix of [TCNN21] Eq. 7 with sigma(lambda) already folded into ``pos``. A fused forward and a
     3-pass backward (lerp's autograd takes 5 passes over the activation); ``pos``'s gradient is ``gy`` itself.
     """
 
@@ -220,10 +220,10 @@ class GPSA(nn.Module):
             padding = dilation * (kernel_size - 1) // 2).
         stride_mode: "exact" or "s1" (T-CNN mode with stride > 1).
         qk_head_dim: per-head query/key width (default: ceil(D_in / heads), so W_qry, W_key are about
-            D_in x D_in as in 000 Sec. 2; ConViT mode: D_in / heads as in timm).
+            D_in x D_in as in [TCNN21] Sec. 2; ConViT mode: D_in / heads as in timm).
         qkv_bias: bias on the q/k/v projections.
         bias: bias on the output projection.
-        positional: "softplus" (alpha = softplus(alpha~, beta=5) + ALPHA_MIN, centers Delta; 000 footnote 1)
+        positional: "softplus" (alpha = softplus(alpha~, beta=5) + ALPHA_MIN, centers Delta; [TCNN21] footnote 1)
             or "linear" (raw v_pos in R^3 per head, exactly timm's unconstrained ``pos_proj``).
         alpha_init, lambda_init: initial locality strength alpha (rectified) and gating parameter lambda.
         proj_drop: dropout after the output projection (ConViT).
@@ -271,7 +271,7 @@ class GPSA(nn.Module):
             num_heads = kernel_size**2
             if stride < 1 or dilation < 1:
                 raise ValueError(f"GPSA(tcnn): stride and dilation must be >= 1, got {stride}, {dilation}")
-            v_dim = in_dim  # one W_val shared by all heads (000, Eq. 6)
+            v_dim = in_dim  # one W_val shared by all heads ([TCNN21], Eq. 6)
             qk_head_dim = qk_head_dim or math.ceil(in_dim / num_heads)
         else:
             if num_heads is None or num_heads < 1:
@@ -334,7 +334,7 @@ class GPSA(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Convolutional init (000 Eq. 4, 6) of all but the positional part (`set_positional`): W_val = I.
+        """Convolutional init ([TCNN21] Eq. 4, 6) of all but the positional part (`set_positional`): W_val = I.
 
         q/k (and the ConViT output projection) get timm's ViT init (truncated normal, std 0.02); the T-CNN
         ``weight`` is left for `from_conv` to fill with the filter.
@@ -374,7 +374,7 @@ class GPSA(nn.Module):
         stride_mode: str = "exact",
         **kwargs: Any,
     ) -> GPSA:
-        """T-CNN GPSA computing ``conv`` (000 Sec. 2): weight = filter, bias = conv bias, W_val = I."""
+        """T-CNN GPSA computing ``conv`` ([TCNN21] Sec. 2): weight = filter, bias = conv bias, W_val = I."""
         m = cls(
             **conv_kwargs(conv, "GPSA.from_conv"), mode="tcnn", stride_mode=stride_mode, alpha_init=alpha_init,
             lambda_init=lambda_init, **kwargs,
@@ -427,13 +427,13 @@ class GPSA(nn.Module):
     def positional_parameter_names() -> tuple[str, ...]:
         """Names (relative to the GPSA) of its positional parameters: gating lambda, alpha~, centers, v_pos.
 
-        Used for no-weight-decay and the gate learning rate (000 Sec. 3); only those present exist.
+        Used for no-weight-decay and the gate learning rate ([TCNN21] Sec. 3); only those present exist.
         """
         return ("gating_param", "pos_alpha", "pos_center", "pos_weight")
 
     @staticmethod
     def gating_parameter_names() -> tuple[str, ...]:
-        """Names of the gating parameters lambda (the ones 000 Sec. 3 trains with lr 0.1)."""
+        """Names of the gating parameters lambda (the ones [TCNN21] Sec. 3 trains with lr 0.1)."""
         return ("gating_param",)
 
     def alpha(self) -> torch.Tensor:
@@ -443,7 +443,7 @@ class GPSA(nn.Module):
         return -self.pos_weight[:, 0]
 
     def gate(self) -> torch.Tensor:
-        """sigma(lambda) [heads]: the weight of the positional attention (000 Eq. 7)."""
+        """sigma(lambda) [heads]: the weight of the positional attention ([TCNN21] Eq. 7)."""
         return torch.sigmoid(self.gating_param)
 
     def centers(self) -> torch.Tensor:
@@ -575,7 +575,7 @@ class GPSA(nn.Module):
         return self.proj_drop(F.linear(y, self.weight, self.bias))
 
     def _forward_tcnn_dense(self, x: torch.Tensor) -> torch.Tensor:
-        """T-CNN mode, dense path: out_i = sum_h sum_j A^h_ij V_j W_out^h + b (000 Eq. 5), conv-shaped GEMMs.
+        """T-CNN mode, dense path: out_i = sum_h sum_j A^h_ij V_j W_out^h + b ([TCNN21] Eq. 5), conv-shaped GEMMs.
 
         Works on the NCHW map as it comes (no token copy of the input):
         1. q^T, k^T [B * heads, d, L] straight from the [B, C, L] view of x: a 1x1-conv-shaped GEMM per image
@@ -728,7 +728,7 @@ class GPSA(nn.Module):
         dense: bool,
     ) -> torch.Tensor:
         """T-CNN mode, SDPA path (the dense one is `_forward_tcnn_dense`): attention and output projection,
-        out_i = sum_h sum_j A^h_ij V_j W_out^h + b (000 Eq. 5).
+        out_i = sum_h sum_j A^h_ij V_j W_out^h + b ([TCNN21] Eq. 5).
 
         q: [B, Lq, heads, d], k: [B, L, heads, d], v: [B, L, C] (shared by the heads). Returns [B, Lq, D_out].
         """
@@ -838,7 +838,7 @@ class GPSA(nn.Module):
 
     @torch.no_grad()
     def nonlocality(self, x: torch.Tensor, size: tuple[int, int] | None = None) -> torch.Tensor:
-        """Nonlocality per head [heads] (001 Eq. 8): D_loc^h = (1/Lq) sum_ij A^h_ij |delta_ij|, batch-averaged.
+        """Nonlocality per head [heads] ([ConViT21] Eq. 8): D_loc^h = (1/Lq) sum_ij A^h_ij |delta_ij|, batch-averaged.
 
         delta is measured in input pixels between the query position and the key; average over heads for the
         layer value.

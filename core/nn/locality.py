@@ -1,4 +1,4 @@
-"""Geometry of attention on a pixel grid: query-key distances and the nonlocality of 001 Eq. 8 (one
+"""Geometry of attention on a pixel grid: query-key distances and the nonlocality of [ConViT21] Eq. 8 (one
 definition, used by every attention layer's statistics and by the dissection)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def grid_distances(
 
 
 def nonlocality(attn: torch.Tensor, distances: torch.Tensor) -> torch.Tensor:
-    """001 Eq. 8 per head: D_loc^h = (1/L) sum_ij A^h_ij |delta_ij| for attention [..., heads, Lq, L] and
+    """[ConViT21] Eq. 8 per head: D_loc^h = (1/L) sum_ij A^h_ij |delta_ij| for attention [..., heads, Lq, L] and
     distances [Lq, L]; leading (batch) dimensions are averaged. Average the result over heads for D_loc^l."""
     d = (attn.double() * distances.double()).sum(dim=(-2, -1)) / attn.shape[-2]
     return d.reshape(-1, attn.shape[-3]).mean(0)

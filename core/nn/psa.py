@@ -1,15 +1,15 @@
-"""Positional self-attention (PSA) without gating, in the T-CNN head layout (003; 001 Eq. 4 and Appendix A).
+"""Positional self-attention (PSA) without gating, in the T-CNN head layout ([Cordonnier20]; [ConViT21] Eq. 4 and Appendix A).
 
 One softmax over the sum of content and positional logits, per head h and query i::
     A^h_ij = softmax_j( Q^h_i . K^h_j / sqrt(d_h) - alpha_h |delta_ij - Delta^h|^2 )
     out_i  = sum_h sum_j A^h_ij V_j W_out^h + b
 
 The positional logit is v_pos^h . r_ij with the quadratic encoding r_ij = (|delta|^2, delta_1, delta_2) and
-v_pos^h = -alpha_h (1, -2 Delta^h_1, -2 Delta^h_2) (003 Lemma 1; 001 Eq. 5), up to a per-head constant that
-cancels in the softmax. Unlike GPSA (001 Eq. 7) there is no gate: content and position compete inside one
-softmax, which is what 001 Appendix A ("vanilla PSA") compares against.
+v_pos^h = -alpha_h (1, -2 Delta^h_1, -2 Delta^h_2) ([Cordonnier20] Lemma 1; [ConViT21] Eq. 5), up to a per-head constant that
+cancels in the softmax. Unlike GPSA ([ConViT21] Eq. 7) there is no gate: content and position compete inside one
+softmax, which is what [ConViT21] Appendix A ("vanilla PSA") compares against.
 
-Layout (as the T-CNN GPSA, 000 Sec. 2): one head per kernel tap (head h <-> tap (h // k, h % k), row-major,
+Layout (as the T-CNN GPSA, [TCNN21] Sec. 2): one head per kernel tap (head h <-> tap (h // k, h % k), row-major,
 centre Delta^h = dilation * (h // k - k // 2, h % k - k // 2) in (row, col)), every head sees all D_in input
 channels through one shared W_val (init identity) and has its own output projection W_out^h =
 W_filter[:, :, tap(h)]; ``weight`` IS the conv filter [D_out, D_in, k, k] (same name and shape as the conv it
@@ -20,11 +20,11 @@ grid. A padded key is the zero token: its value is 0 and its content logit Q_i .
 its positional share of the softmax mass and contributes nothing, exactly as the conv's zero padding (keep
 ``qkv_bias=False``, the default, for this to hold after training too).
 
-Convolutional init (003 Eq. 5, 001 Eq. 5): centres on the taps, alpha = alpha_init, W_val = I and the content
-logits identically zero. 003 sets W_qry = W_key = 0; that is a saddle (both gradients vanish identically), so
+Convolutional init ([Cordonnier20] Eq. 5, [ConViT21] Eq. 5): centres on the taps, alpha = alpha_init, W_val = I and the content
+logits identically zero. [Cordonnier20] sets W_qry = W_key = 0; that is a saddle (both gradients vanish identically), so
 the default ``qk_init="zero_key"`` sets only W_key = 0 and draws W_qry from timm's ViT init: the content logits
 Q_i . K_j = 0 all the same (the layer computes the positional attention exactly), and W_key receives a
-gradient from the first step, after which W_qry does too. ``qk_init="zero"`` is 003's literal choice (content
+gradient from the first step, after which W_qry does too. ``qk_init="zero"`` is [Cordonnier20]'s literal choice (content
 projections then never train), ``"random"`` draws both (the content logits are then small but not zero).
 With large alpha the positional softmax is one-hot on the tap and the layer computes the conv exactly.
 
@@ -65,7 +65,7 @@ class PSA(nn.Module):
         qkv_bias: bias on the q/k/v projections (off: padded keys stay exact zero tokens).
         bias: bias on the output projection.
         alpha_init: initial locality strength alpha (rectified, > 0).
-        qk_init: "zero_key" (default), "zero" (003 Eq. 5 literally) or "random" (see module docstring).
+        qk_init: "zero_key" (default), "zero" ([Cordonnier20] Eq. 5 literally) or "random" (see module docstring).
     """
 
     def __init__(
@@ -129,7 +129,7 @@ class PSA(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Convolutional init (003 Eq. 5) of all but the positional part (`set_positional`): W_val = I, content
+        """Convolutional init ([Cordonnier20] Eq. 5) of all but the positional part (`set_positional`): W_val = I, content
         logits zero (``qk_init``); ``weight`` gets kaiming init until `from_conv` copies the filter in."""
         qk = self.num_heads * self.qk_head_dim
         wq, wk, wv = self.qkv_weight.split([qk, qk, self.v_dim])
@@ -159,7 +159,7 @@ class PSA(nn.Module):
     def from_conv(
         cls, conv: nn.Conv2d, *, alpha_init: float = 1.0, stride_mode: str = "exact", **kwargs: Any
     ) -> PSA:
-        """PSA computing ``conv`` at large alpha: weight = filter, bias = conv bias, W_val = I (003 Lemma 1)."""
+        """PSA computing ``conv`` at large alpha: weight = filter, bias = conv bias, W_val = I ([Cordonnier20] Lemma 1)."""
         m = cls(
             **conv_kwargs(conv, "PSA.from_conv"), stride_mode=stride_mode, alpha_init=alpha_init, **kwargs
         )
@@ -172,7 +172,7 @@ class PSA(nn.Module):
     # ------------------------------------------------------------------------------ analysis values
     @staticmethod
     def positional_parameter_names() -> tuple[str, ...]:
-        """Positional parameters (alpha~, centres): no weight decay in fine-tuning (000 Sec. 3)."""
+        """Positional parameters (alpha~, centres): no weight decay in fine-tuning ([TCNN21] Sec. 3)."""
         return ("pos_alpha", "pos_center")
 
     @staticmethod
@@ -294,7 +294,7 @@ class PSA(nn.Module):
 
     @torch.no_grad()
     def nonlocality(self, x: torch.Tensor) -> torch.Tensor:
-        """Nonlocality per head [heads] (001 Eq. 8): (1/Lq) sum_ij A^h_ij |delta_ij|, batch-averaged."""
+        """Nonlocality per head [heads] ([ConViT21] Eq. 8): (1/Lq) sum_ij A^h_ij |delta_ij|, batch-averaged."""
 
         attn = self.attention_maps(x).mean(0)
         h, w = int(x.shape[-2]), int(x.shape[-1])

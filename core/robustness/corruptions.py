@@ -1,6 +1,6 @@
 """Common-corruption suites (Hendrycks & Dietterich 2019) with one constant table per resolution band.
 
-The T-CNN paper's robustness claim (000, Table 2 and Fig. 3) is measured on ImageNet-C: 15 corruptions in
+The T-CNN paper's robustness claim ([TCNN21], Table 2 and Fig. 3) is measured on ImageNet-C: 15 corruptions in
 four categories, five severities each, plus four held-out "extra" corruptions. CIFAR-10-C and
 Tiny-ImageNet-C are the same suite with constants re-tuned for 32 px and 64 px images. The pip package
 ``imagecorruptions`` hard-codes the 224 px constants, which are far too strong at 28-32 px (blurs and

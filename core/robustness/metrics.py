@@ -1,13 +1,13 @@
 """Robustness evaluation: accuracy on clean and corrupted sets, and the corruption-error metrics.
 
 Metrics (Hendrycks & Dietterich 2019, "Benchmarking neural network robustness to common corruptions";
-used by 000 Table 2 and Fig. 3). With E(f, s, c) the top-1 error of model f on corruption c at severity s:
+used by [TCNN21] Table 2 and Fig. 3). With E(f, s, c) the top-1 error of model f on corruption c at severity s:
 
 - corruption error        CE(f, c)  = sum_s E(f, s, c) / sum_s E(base, s, c)
 - mean corruption error   mCE(f)    = mean over the 15 benchmark corruptions of CE(f, c)  (mean of ratios)
 - relative CE             rCE(f, c) = sum_s (E(f, s, c) - E(f, clean)) / sum_s (E(base, s, c) - E(base, clean))
 - relative mCE                      = mean over the 15 of rCE(f, c)
-- mean corruption accuracy mCA(f)   = mean over the 15 x 5 cells of 1 - E(f, s, c)  (unnormalised; 000 Table 2
+- mean corruption accuracy mCA(f)   = mean over the 15 x 5 cells of 1 - E(f, s, c)  (unnormalised; [TCNN21] Table 2
   reports this as "ImageNet-C top-1")
 
 Also reported: per category (mean of the category's CEs; mean accuracy over its cells), per severity
@@ -664,7 +664,7 @@ def comparisons(
 ) -> dict[str, dict[str, Any]]:
     """For each (a, b) in ``pairs``: ``"<b>-<a>"`` -> {metric: difference b - a with its paired interval
     (core.robustness.intervals.difference)} over :func:`compared` metrics both models have, plus ``gain_<group>``: the
-    relative improvement acc_b / acc_a - 1 per category and severity (000 Fig. 3) with its interval."""
+    relative improvement acc_b / acc_a - 1 per category and severity ([TCNN21] Fig. 3) with its interval."""
 
     out: dict[str, dict[str, Any]] = {}
     for a, b in pairs:

@@ -596,7 +596,7 @@ def _bar_update(bar: Any, step: int, loss: torch.Tensor, n: int, t0: float, accu
 
 
 # ---------------------------------------------------------------------------------------------------------
-# GPSA dynamics (000 Fig. 4): flat per-layer means of core.analysis.dissect.layer_stats (1/alpha, sigma(lambda), nonlocality)
+# GPSA dynamics ([TCNN21] Fig. 4): flat per-layer means of core.analysis.dissect.layer_stats (1/alpha, sigma(lambda), nonlocality)
 # ---------------------------------------------------------------------------------------------------------
 
 

@@ -1,12 +1,12 @@
 """Optimizers, parameter groups and the per-step warmup + cosine schedule of the training stages.
 
 Recipes:
-- CNN pretraining (000 Sec. 5): SGD with momentum, linear warmup then cosine decay, planned over the whole
+- CNN pretraining ([TCNN21] Sec. 5): SGD with momentum, linear warmup then cosine decay, planned over the whole
   run (t1 + t2 epochs) and stepped once per optimizer step.
-- T-CNN fine-tuning, "fresh" (000 Sec. 3): AdamW, warmup to lr x batch/1024 then cosine, a separate
+- T-CNN fine-tuning, "fresh" ([TCNN21] Sec. 3): AdamW, warmup to lr x batch/1024 then cosine, a separate
   learning rate (0.1) for the gating parameters lambda (Eq. 7), no weight decay on alpha, lambda and the
   attention centres (nor on norms and biases).
-- "continue" (000 Table 3): the CNN's SGD keeps its state and schedule across the reparameterization; the
+- "continue" ([TCNN21] Table 3): the CNN's SGD keeps its state and schedule across the reparameterization; the
   momentum of each converted conv filter moves to the GPSA parameter that now holds the filter
   (:func:`map_state_to_tcnn`) and the new GPSA parameters start with empty state.
 """
@@ -34,7 +34,7 @@ class WarmupCosine:
               = m + (1 - m) * (1 + cos(pi * (s - W) / (T - W))) / 2     otherwise (T = total steps)
 
     The lr of every step is a pure function of the step counter, so the state is one integer and a resumed
-    (or "continued", 000 Table 3) run sets exactly the lr an uninterrupted run sets.
+    (or "continued", [TCNN21] Table 3) run sets exactly the lr an uninterrupted run sets.
     """
 
     def __init__(
@@ -129,7 +129,7 @@ def param_groups(
     """Groups "decay", "no_decay" and (when `gate_lr` is given and the model has GPSA layers) "gate".
 
     Parameters with `requires_grad=False` are left out. Without `gate_lr`, gates join "no_decay" at `lr`
-    (the "continue" recipe keeps one optimizer and one lr for everything, 000 Table 3).
+    (the "continue" recipe keeps one optimizer and one lr for everything, [TCNN21] Table 3).
     """
     roles = gpsa_parameter_roles(model)
     groups: dict[str, list[torch.nn.Parameter]] = {"decay": [], "no_decay": [], "gate": []}
@@ -165,14 +165,14 @@ def freeze_parameters(model: torch.nn.Module, names: Sequence[str]) -> list[str]
 
 
 def build_sgd(model: nn.Module, *, lr: float, momentum: float, weight_decay: float) -> torch.optim.SGD:
-    """SGD with momentum (Nesterov off, as in 000 Sec. 5), weight decay on weights only."""
+    """SGD with momentum (Nesterov off, as in [TCNN21] Sec. 5), weight decay on weights only."""
     return torch.optim.SGD(
         param_groups(model, lr=lr, weight_decay=weight_decay), lr=lr, momentum=momentum, weight_decay=0.0
     )
 
 
 def build_adamw(model: nn.Module, *, lr: float, gate_lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW of the fresh fine-tuning recipe (000 Sec. 3): a separate lr for the gates, no decay on them."""
+    """AdamW of the fresh fine-tuning recipe ([TCNN21] Sec. 3): a separate lr for the gates, no decay on them."""
     return torch.optim.AdamW(
         param_groups(model, lr=lr, weight_decay=weight_decay, gate_lr=gate_lr),
         lr=lr,

@@ -1,4 +1,4 @@
-"""Robustness figures (matplotlib, Agg backend): 000 Fig. 3-style gains with intervals and corruption contact
+"""Robustness figures (matplotlib, Agg backend): [TCNN21] Fig. 3-style gains with intervals and corruption contact
 sheets.
 
 Both functions write their PNG atomically (temporary file in the same directory, fsync, os.replace).
@@ -112,7 +112,7 @@ def plot_gains(
     labels: Mapping[str, str] | None = None,
     title: str | None = None,
 ) -> Path:
-    """000 Fig. 3 with uncertainty: the relative improvement acc_B / acc_A - 1 (in %) per corruption category
+    """[TCNN21] Fig. 3 with uncertainty: the relative improvement acc_B / acc_A - 1 (in %) per corruption category
     (left) and severity (right) for each comparison ``"<B>-<A>"`` in `keys` (grouped bars), with its paired
     bootstrap 95% interval as an error bar (the ``gain_<group>`` entries of
     :func:`core.robustness.comparisons`). A group without an entry is left out."""

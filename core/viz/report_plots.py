@@ -1,13 +1,13 @@
-"""Figures of the run report (matplotlib, Agg backend): training curves, 000 Fig. 4- and Fig. 5-style plots.
+"""Figures of the run report (matplotlib, Agg backend): training curves, [TCNN21] Fig. 4- and Fig. 5-style plots.
 
 - :func:`plot_training_curves`: train / validation loss and accuracy (and the learning rate) of pretraining
-  and fine-tuning on one epoch axis, the reparameterization epoch t1 marked (000 Fig. 4A).
-- :func:`gpsa_dynamics` + :func:`plot_gpsa_dynamics`: per GPSA layer, the attention span 1/alpha_h (000 Eq. 3-4)
+  and fine-tuning on one epoch axis, the reparameterization epoch t1 marked ([TCNN21] Fig. 4A).
+- :func:`gpsa_dynamics` + :func:`plot_gpsa_dynamics`: per GPSA layer, the attention span 1/alpha_h ([TCNN21] Eq. 3-4)
   and the gate sigma(lambda_h) (Eq. 7) of every head over the fine-tuning epochs, thin lines per head and
-  the head mean thick (000 Fig. 4B-C); nonlocality (001 Eq. 8) as a third row when recorded.
+  the head mean thick ([TCNN21] Fig. 4B-C); nonlocality ([ConViT21] Eq. 8) as a third row when recorded.
 - :func:`plot_attention_maps`: the attention map of a centre query of each attention layer, per head, for one
   input image fed through the whole network (data from :func:`core.analysis.dissect.centre_query_maps`),
-  sigma(lambda_h) annotated (000 Fig. 5).
+  sigma(lambda_h) annotated ([TCNN21] Fig. 5).
 
 Every plot function returns the PNG bytes (so a report can embed them) and, given ``path``, also writes them
 atomically (temporary file in the same directory, fsync, os.replace).
@@ -124,7 +124,7 @@ def plot_training_curves(
 ) -> bytes:
     """Loss, accuracy and learning rate per epoch: pretraining (blue), fine-tuning of the T-CNN (orange) and
     of its matched control (green); solid = train, dashed = validation. Fine-tuning is drawn at
-    ``reparam_epoch + finetune_epoch`` (t1 + t), so the phases share the axis of 000 Table 3's schedule; the
+    ``reparam_epoch + finetune_epoch`` (t1 + t), so the phases share the axis of [TCNN21] Table 3's schedule; the
     reparameterization is a dotted vertical line.
 
     Rows are history.json rows of the stages (``epoch``, ``finetune_epoch``, ``train_loss``, ``train_acc``,
@@ -215,7 +215,7 @@ def gpsa_dynamics(rows: Iterable[Mapping[str, Any]]) -> Dynamics:
 def plot_gpsa_dynamics(
     dyn: Dynamics, path: str | os.PathLike | None = None, *, title: str | None = None
 ) -> bytes:
-    """000 Fig. 4B-C per layer: one column per GPSA layer, one row per quantity (1/alpha_h, sigma(lambda_h),
+    """[TCNN21] Fig. 4B-C per layer: one column per GPSA layer, one row per quantity (1/alpha_h, sigma(lambda_h),
     nonlocality); thin coloured lines = heads (the same colour is the same head in every panel), thick black =
     mean over heads. The span axis turns logarithmic when it covers more than a factor 20."""
     layers = list(dyn.values)
@@ -268,7 +268,7 @@ def plot_gpsa_dynamics(
         handles=handles, loc="lower center", ncol=per_row, fontsize=7, frameon=False, borderaxespad=0.3
     )
     fig.suptitle(
-        title or "GPSA dynamics over fine-tuning (000 Fig. 4): thin = heads, thick = mean", fontsize=10
+        title or "GPSA dynamics over fine-tuning ([TCNN21] Fig. 4): thin = heads, thick = mean", fontsize=10
     )
     return _finish(fig, path)
 
@@ -304,7 +304,7 @@ def plot_attention_maps(
     *,
     title: str | None = None,
 ) -> bytes:
-    """000 Fig. 5: one row per GPSA layer; first column the input image with the query's footprint (red box),
+    """[TCNN21] Fig. 5: one row per GPSA layer; first column the input image with the query's footprint (red box),
     then one panel per head: the centre query's attention over the layer's input pixels (red box = query),
     sigma(lambda_h) in red under the map, 1/alpha_h in the title. Each map is scaled to its own maximum."""
     if not layers:
@@ -345,7 +345,7 @@ def plot_attention_maps(
             ax.set_title(f"h{hd}  1/α={la.inv_alpha[hd]:.2g}", fontsize=9, pad=3)
             ax.set_xlabel(f"σ(λ)={la.gate[hd]:.2f}", color="red", fontsize=10.5, labelpad=2)
     fig.suptitle(
-        title or "Attention of the centre query per GPSA layer and head (000 Fig. 5); red: query, σ(λ_h)",
+        title or "Attention of the centre query per GPSA layer and head ([TCNN21] Fig. 5); red: query, σ(λ_h)",
         fontsize=11,
     )
     return _finish(fig, path)
@@ -401,7 +401,7 @@ def plot_attention_contours(
 
 
 def plot_nonlocality(rows: Iterable[Mapping[str, Any]], *, title: str | None = None) -> Any:
-    """001 Fig. 5: the nonlocality of each layer (mean over heads) over epochs, from long rows."""
+    """[ConViT21] Fig. 5: the nonlocality of each layer (mean over heads) over epochs, from long rows."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -424,7 +424,7 @@ def plot_nonlocality(rows: Iterable[Mapping[str, Any]], *, title: str | None = N
     ax.set_ylabel("nonlocality (px)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    ax.set_title(title or "Nonlocality per layer (001 Eq. 8, Fig. 5)", fontsize=10)
+    ax.set_title(title or "Nonlocality per layer ([ConViT21] Eq. 8, Fig. 5)", fontsize=10)
     fig.tight_layout()
     return fig
 

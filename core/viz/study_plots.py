@@ -6,7 +6,7 @@
 - :func:`plot_val_curves`: validation accuracy per fine-tuning epoch, per arm and lr (mean over seeds): where
   it stops rising.
 - :func:`plot_head_gates`: per GPSA layer, every head's gate sigma(lambda_h), attention span 1/alpha_h and
-  nonlocality over fine-tuning (000 Fig. 4B-C, 5; 001 Eq. 8), for each seed's chosen T-CNN, with the
+  nonlocality over fine-tuning ([TCNN21] Fig. 4B-C, 5; [ConViT21] Eq. 8), for each seed's chosen T-CNN, with the
   content-based threshold sigma(lambda) = 0.1 drawn.
 
 Inputs are plain records (dicts of the committed CSV tables); each function returns PNG bytes and writes
@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 from core.viz.report_plots import _finish  # noqa: E402
 
 ARM_STYLE = {"tcnn": ("T-CNN", "tab:red", "o"), "control": ("control (no attention)", "tab:blue", "s")}
-CONTENT_GATE = 0.1  # a head with sigma(lambda) below this attends mostly by content (000 Fig. 5)
+CONTENT_GATE = 0.1  # a head with sigma(lambda) below this attends mostly by content ([TCNN21] Fig. 5)
 
 
 def _t_interval(values: Sequence[float]) -> tuple[float, float, float]:
