@@ -155,8 +155,8 @@ def pretrain_identity(params: Params, manifest: dict[str, Any], device: str, cod
     The network is identified by the spec the pretrain stage itself builds (``stages.pretrain.model_spec``:
     e.g. kinds cnn, tcnn and psa all pretrain the same CNN), plus its drop_path and any extra optimizer
     setting the stage derives (``stages.pretrain.gate_lr``)."""
-    from stages import _training as T
     from stages import pretrain
+    from stages import training as T
 
     d = params.data
     pre = params.pretrain.model_dump(mode="json")
@@ -193,7 +193,7 @@ def control_identity(params: Params, pretrain_key: str, device: str, code: str) 
     recipe (the whole finetune section but its operational keys, the effective augmentation), the device and
     the code. Trials that differ only in the reparameterization (alpha/lambda init, stride mode, tcnn vs psa on
     the same CNN) share one control."""
-    from stages import _training as T
+    from stages import training as T
 
     mode = params.finetune.mode
     return {

@@ -1,4 +1,4 @@
-"""The one catalogue of what a run reports, used by the DVC path (stages/_cli.py) and the Ray path
+"""The one catalogue of what a run reports, used by the DVC path (stages/runner.py) and the Ray path
 (pipelines/sweep_trial.py) alike, so MLflow's compare view lines every run up: the artifacts and models each
 stage logs, and the summary metrics with their stable names, read from the stages' output files."""
 

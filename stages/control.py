@@ -29,9 +29,9 @@ from core.config import Params
 from core.models import REPARAMETERIZED_KINDS
 from core.training.optim import named_state
 from core.utils.atomic import atomic_write_json, atomic_write_text
-from stages import _training as T
 from stages import finetune, reparam
-from stages._cli import stage_main
+from stages import training as T
+from stages.runner import stage_main
 
 NAME = "control"
 VARIANT = finetune.Variant(NAME, "model/control-final.pt")

@@ -33,7 +33,7 @@ from core.config import Params
 from core.robustness import corruptions as C
 from core.utils.atomic import atomic_write_json
 from core.utils.hashing import file_digest
-from stages._cli import StageError, stage_main
+from stages.runner import StageError, stage_main
 
 CONTACT_SHEET = "contact_sheet.png"
 INDEX = "index.json"

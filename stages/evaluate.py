@@ -58,7 +58,7 @@ from core.training.checkpoint import CheckpointError, load_model
 from core.utils.atomic import atomic_write, atomic_write_json, atomic_write_text
 from core.utils.hashing import derive_seed
 from core.viz.plots import plot_gains
-from stages._cli import StageError, stage_main
+from stages.runner import StageError, stage_main
 
 NAME = "evaluate"
 

@@ -60,8 +60,8 @@ from core.training.loop import (
 )
 from core.training.optim import WarmupCosine, build_adamw, build_sgd, freeze_parameters, load_named_state
 from core.utils.hashing import derive_seed, file_digest, stable_hash
-from stages import _training as T
-from stages._cli import StageError, stage_main
+from stages import training as T
+from stages.runner import StageError, stage_main
 
 NAME = "finetune"
 PROBE = 128  # validation images fed through the network for the per-epoch nonlocality

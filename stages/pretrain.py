@@ -32,8 +32,8 @@ from core.training.loop import (
 )
 from core.training.optim import WarmupCosine, build_sgd, param_groups
 from core.utils.hashing import stable_hash
-from stages import _training as T
-from stages._cli import StageError, stage_main
+from stages import training as T
+from stages.runner import StageError, stage_main
 
 NAME = "pretrain"
 

@@ -42,8 +42,8 @@ from core.training.loop import evaluate, predict, seed_everything, select_device
 from core.training.optim import map_state_to_tcnn, named_state
 from core.utils.atomic import atomic_write_json
 from core.utils.hashing import derive_seed, file_digest
-from stages import _training as T
-from stages._cli import StageError, stage_main
+from stages import training as T
+from stages.runner import StageError, stage_main
 
 NAME = "reparam"
 PROBE = 256  # images in the equivalence batch

@@ -42,7 +42,7 @@ from markupsafe import Markup
 
 from core.config import Params
 from core.viz.html import finite, fmt_delta_pp, fmt_diff, fmt_num, fmt_pct, fmt_sci, render
-from stages._cli import StageError, stage_main
+from stages.runner import StageError, stage_main
 
 NAME = "report"
 RUN_IDS_FILE = Path("runs") / "mlflow_runs.json"

@@ -49,10 +49,10 @@ def fmnist_slice(n_train: int, n_test: int) -> dict[str, tuple[np.ndarray, np.nd
 
 def write_dataset(out: Path, n_train: int = 600, n_test: int = 200) -> Path:
     """A prepared dataset directory (Parquet shards + manifest.json) written by core's own writer."""
-    from core.data.importers import _write_array_dataset
+    from core.data.shards import write_array_dataset
 
     arrays = fmnist_slice(n_train, n_test)
-    _write_array_dataset(
+    write_array_dataset(
         "fashion_mnist", out, arrays, LABELS, {"kind": "test-slice", "path": str(out)}, "test", 256, None
     )
     return out

@@ -99,7 +99,9 @@ def test_transfer_is_exact_any_kernel_and_patch(kernel: int, patch: int, img: tu
     _randomise_convs(conv)
     mhsa = to_mhsa(conv)
     r = math.ceil((kernel - 1) / (2 * patch))
-    assert mhsa.num_heads == (2 * r + 1) ** 2 == (2 * patch_radius(kernel, patch) + 1) ** 2  # [Li21] Theorem 1
+    assert (
+        mhsa.num_heads == (2 * r + 1) ** 2 == (2 * patch_radius(kernel, patch) + 1) ** 2
+    )  # [Li21] Theorem 1
     if patch == 1:
         assert mhsa.num_heads == kernel**2  # Corollary 3 (pixel input)
     feats, logits = _max_diff(conv, mhsa, torch.randn(3, 2, *img))

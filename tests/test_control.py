@@ -14,8 +14,8 @@ from _train_helpers import tiny_params, write_dataset
 from core.config import validate_params
 from core.data import first_batch, load_datasets, make_loader
 from core.training.checkpoint import load, load_model
-from stages import _training as T
 from stages import control, finetune, pretrain, reparam
+from stages import training as T
 
 # GPSA parameters a CNN does not have (W_qry, W_key, W_val live in qkv_weight).
 ATTENTION_ONLY = ("qkv_weight", "gating_param", "pos_alpha", "pos_center")

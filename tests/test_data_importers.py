@@ -287,8 +287,10 @@ def test_failed_import_keeps_the_good_output(small: Path, monkeypatch: pytest.Mo
             raise OSError("disk full")
         return real(*args, **kwargs)
 
-    real = importers.write_array_split
-    monkeypatch.setattr(importers, "write_array_split", failing)
+    from core.data import shards
+
+    real = shards.write_array_split
+    monkeypatch.setattr(shards, "write_array_split", failing)
     with pytest.raises(OSError, match="disk full"):
         import_dataset("cifar10", small.parent / "c.tar.gz", small, shard_rows=16, force=True)
     assert {p.name: p.read_bytes() for p in small.iterdir()} == before

@@ -116,7 +116,7 @@ def _results(root: Path) -> dict:
 
 
 def test_interval_ends_reach_the_mlflow_parent_as_low_and_high(tmp_path: Path) -> None:
-    from stages._cli import _log_outputs
+    from stages.runner import _log_outputs
     from stages.tracking import Tracker
 
     comps = _results(tmp_path)

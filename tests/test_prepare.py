@@ -12,8 +12,8 @@ import yaml
 
 from core.config import load_params
 from core.data import load_split, read_manifest
-from stages._cli import StageError
 from stages.prepare import main, run
+from stages.runner import StageError
 
 REPO = Path(__file__).resolve().parents[1]
 FMNIST = Path("/usr/share/datasets/fashion-mnist")

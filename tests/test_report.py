@@ -29,9 +29,9 @@ from core.robustness.metrics import Baseline, comparisons, flat_metrics, summari
 from core.training.checkpoint import atomic_save
 from core.utils.atomic import atomic_write_json
 from core.viz.plots import plot_gains
-from stages import _training as T
 from stages import report
-from stages._cli import StageError
+from stages import training as T
+from stages.runner import StageError
 
 LABELS = ["t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "boot"]
 PARENT = "0123456789abcdef0123456789abcdef"

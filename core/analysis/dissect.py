@@ -214,7 +214,9 @@ class LayerAttention:
     """The attention of one query of a GPSA layer, per head, over the layer's input pixels (keys)."""
 
     name: str
-    maps: np.ndarray  # [heads, h, w]: A^h_{q, j} for the chosen query q, keys j on the input grid ([TCNN21] Eq. 7)
+    maps: (
+        np.ndarray
+    )  # [heads, h, w]: A^h_{q, j} for the chosen query q, keys j on the input grid ([TCNN21] Eq. 7)
     query: tuple[int, int]  # (row, col) of the query on the input grid
     grid: tuple[int, int]  # (h, w) of the layer input
     stride: int  # query stride (1 for stride_mode "s1": the attention runs at stride 1 before pooling)

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from core.data.importers import (
+from core.data.shards import (
     IMG_EXTENSIONS,
     MANIFEST,
     STATS_MAX_IMAGES,
@@ -43,13 +43,13 @@ from core.data.importers import (
     ImportResult,
     Progress,
     _ChannelStats,
-    check_output_dir,
     _fingerprint,
     _manifest,
     _ShardWriter,
     _split_record,
     _up_to_date,
     atomic_output_dir,
+    check_output_dir,
 )
 from core.utils.atomic import atomic_write_json
 
@@ -84,7 +84,9 @@ class _DirTree(_Tree):
         for top, dirs, names in os.walk(root, followlinks=True):
             dirs[:] = sorted(d for d in dirs if not d.startswith("."))
             rel = Path(top).relative_to(root)
-            self._paths += [f"{(rel / d).as_posix()}/" for d in dirs]  # folders too: an empty class folder counts
+            self._paths += [
+                f"{(rel / d).as_posix()}/" for d in dirs
+            ]  # folders too: an empty class folder counts
             self._paths += [(rel / n).as_posix() for n in sorted(names) if not n.startswith(".")]
 
     def paths(self) -> list[str]:
@@ -268,7 +270,7 @@ def interleave(items: list[tuple[str, int]]) -> list[tuple[str, int]]:
     """Classes take turns (round robin in class order), each class's files in their sorted order."""
     rank: dict[int, int] = {}
     keyed = []
-    for i, (path, label) in enumerate(items):
+    for i, (_path, label) in enumerate(items):
         rank[label] = rank.get(label, -1) + 1
         keyed.append((rank[label], label, i))
     return [items[i] for _, _, i in sorted(keyed)]

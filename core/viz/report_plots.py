@@ -345,7 +345,8 @@ def plot_attention_maps(
             ax.set_title(f"h{hd}  1/α={la.inv_alpha[hd]:.2g}", fontsize=9, pad=3)
             ax.set_xlabel(f"σ(λ)={la.gate[hd]:.2f}", color="red", fontsize=10.5, labelpad=2)
     fig.suptitle(
-        title or "Attention of the centre query per GPSA layer and head ([TCNN21] Fig. 5); red: query, σ(λ_h)",
+        title
+        or "Attention of the centre query per GPSA layer and head ([TCNN21] Fig. 5); red: query, σ(λ_h)",
         fontsize=11,
     )
     return _finish(fig, path)

@@ -35,9 +35,7 @@ class StageError(RuntimeError):
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: stopped, run the same command again (core.training.loop)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: the shell's status for Ctrl-C
-RANK_STATUS_ENV = (
-    "TCNN_RANK_STATUS_DIR"  # where each torchrun rank records its exit status (stages._training)
-)
+RANK_STATUS_ENV = "TCNN_RANK_STATUS_DIR"  # where each torchrun rank records its exit status (stages.training)
 #: Signals that stop a stage process wherever it is: SIGINT (Ctrl-C), SIGTERM (kill, SLURM's time limit),
 #: SIGHUP (the terminal went away), SIGUSR1/SIGUSR2 (SLURM --signal, submitit). Inside the training loop
 #: its own handler (core.training.loop.StopSignals) takes SIGTERM/SIGHUP/SIGUSR* first and checkpoints.
@@ -200,7 +198,7 @@ def stage_main(
 ) -> int:
     """Parse, validate, run and track a stage. `check` (raising StageError) runs before anything is opened or
     written: what can be known to fail from the params and the inputs on disk fails there, not after the
-    MLflow runs were opened. `data_parallel` (the training stages pass stages._training.data_parallel) wraps
+    MLflow runs were opened. `data_parallel` (the training stages pass stages.training.data_parallel) wraps
     the run: it may relaunch the stage as several DDP processes."""
     parser = argparse.ArgumentParser(prog=f"python -m stages.{name}")
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
