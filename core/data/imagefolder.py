@@ -76,6 +76,10 @@ class _Tree:
     def read(self, rel: str) -> bytes:
         raise NotImplementedError
 
+    def identity(self, items: dict[str, list[tuple[str, int]]]) -> dict[str, Any]:
+        """What names this tree's content for the import fingerprint."""
+        raise NotImplementedError
+
 
 class _DirTree(_Tree):
     def __init__(self, root: Path) -> None:
@@ -114,13 +118,14 @@ class _ArchiveTree(_Tree):
         try:
             with tarfile.open(path, mode="r|*") as tar:
                 for member in tar:
+                    name = member.name.removeprefix("./").lstrip("/")
                     if member.isdir():
-                        files[member.name.lstrip("./").rstrip("/") + "/"] = b""
+                        files[name.rstrip("/") + "/"] = b""
                     if not member.isfile():
                         continue
                     fh = tar.extractfile(member)
                     if fh is not None:
-                        files[member.name.lstrip("./")] = fh.read()
+                        files[name] = fh.read()
         except (tarfile.TarError, EOFError, zlib.error, OSError) as err:
             raise DataError(
                 f"data.source: {path} is not a readable tar archive ({_first_line(err)})"
