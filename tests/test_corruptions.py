@@ -346,8 +346,12 @@ def _check_monotone(images: np.ndarray, band: str, monkeypatch: pytest.MonkeyPat
     """Strict growth of the mean change for every corruption not in NON_MONOTONE[band]. Every severity draws
     the same random numbers here (common random numbers: the generator ignores the severity), so the
     ordering reflects the constants, not the luck of the draw."""
+    from core.robustness import corruption_ops
+
     real = C.image_rng
-    monkeypatch.setattr(C, "image_rng", lambda seed, name, severity, index: real(seed, name, 0, index))
+    monkeypatch.setattr(
+        corruption_ops, "image_rng", lambda seed, name, severity, index: real(seed, name, 0, index)
+    )
     assert C.band_for_size(*images.shape[1:3]) == band
     for name in C.CORRUPTIONS:
         ch = _changes(images, name)

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import core.data.importers as importers
 from core.data import DataError, ShardDataset, import_dataset, load_split, read_manifest, verify_split
 
 CIFAR10_NAMES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
