@@ -102,10 +102,10 @@ def _tracked(params: Params, name: str) -> Iterator[Any]:
 
 def _one_writer(name: str) -> contextlib.AbstractContextManager:
     """The workspace lock (core.utils.workspace) for a stage process: a second stage process on this
-    workspace is refused with one line naming the holder. Data-parallel ranks other than 0 (started by the
-    rank-0 launcher, which already checked) do not take it."""
-    if int(os.environ.get("RANK", "0") or 0) != 0:
-        return contextlib.nullcontext()
+    workspace is refused with one line naming the holder. The ranks of a data-parallel stage (started by the
+    stage process, which holds the lock while they run) do not take it."""
+    if int(os.environ.get("RANK", "0") or 0) != 0 or os.environ.get(RANK_STATUS_ENV):
+        return contextlib.nullcontext()  # a rank of our own torchrun: the launching process holds the lock
     return workspace_lock(".", f"python -m stages.{name}")
 
 

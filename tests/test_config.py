@@ -120,8 +120,8 @@ def test_bad_configuration(tmp_path: Path, change: dict[str, Any], fragment: str
     "text,fragment",
     [
         ("- 1\n- 2\n", "expected a mapping at the top level, got list"),
-        ("data: {name: fashion_mnist\n", "not valid YAML (line"),
-        ("seed: 0\ndata:\n  name: [unclosed\n", "not valid YAML"),
+        ("data: {name: fashion_mnist\n", "not valid YAML at line 1: expected"),
+        ("seed: 0\ndata:\n  name: [unclosed\n", "not valid YAML at line 3"),
     ],
 )
 def test_malformed_files(tmp_path: Path, text: str, fragment: str) -> None:
