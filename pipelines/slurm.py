@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -97,7 +98,7 @@ def make_executor(
     *,
     nodes: int = 1,
     cpus_per_node: int = 1,
-    gpus_per_node: int = 0,
+    gpus_per_node: int | str = 0,
     mem_gb: float | None = None,
     timeout_min: int = 60,
     partition: str | None = None,
@@ -105,14 +106,21 @@ def make_executor(
     signal_delay_s: int = 120,
     additional: dict[str, Any] | None = None,
     max_num_timeout: int = 3,
+    no_kill: bool | None = None,
 ) -> SlurmExecutor:
     """A submitit executor for ``nodes`` nodes, one task per node with ``cpus_per_node`` CPUs and
-    ``gpus_per_node`` GPUs. ``folder`` must be on a filesystem every node sees (logs, pickles, rendezvous).
+    ``gpus_per_node`` GPUs (a count, or ``TYPE:COUNT`` such as ``a100:8``). ``folder`` must be on a filesystem
+    every node sees (logs, pickles, rendezvous). ``additional``: further sbatch options (``account``,
+    ``constraint``, ``qos``, ...; :func:`sbatch_options` parses them from ``KEY=VALUE`` text).
 
     ``signal_delay_s``: SLURM sends USR2 that long before the time limit; submitit then checkpoints and
     requeues (``max_num_timeout`` times at most).
+
+    ``no_kill`` (default: on for several nodes): ``sbatch --no-kill`` and ``srun --no-kill``, so that the loss
+    of a node ends only that node's task; the job and its other tasks (the Ray head, the driver) go on. Without
+    it SLURM ends the whole job step when one node fails. The job's other nodes keep their allocation.
     """
-    if nodes < 1 or cpus_per_node < 1 or gpus_per_node < 0:
+    if nodes < 1 or cpus_per_node < 1 or gpu_count(gpus_per_node) < 0:
         raise ValueError(
             f"make_executor: bad resources nodes={nodes} cpus={cpus_per_node} gpus={gpus_per_node}"
         )
@@ -125,16 +133,54 @@ def make_executor(
         "job_name": job_name,
         "signal_delay_s": signal_delay_s,
     }
-    if gpus_per_node:
+    if gpu_count(gpus_per_node):
         kwargs["gpus_per_node"] = gpus_per_node
     if mem_gb is not None:
         kwargs["mem"] = f"{int(mem_gb * 1024)}MB"
     if partition:
         kwargs["partition"] = partition
-    if additional:
-        kwargs["additional_parameters"] = dict(additional)
+    extra = dict(additional or {})
+    if no_kill if no_kill is not None else nodes > 1:
+        extra.setdefault("no_kill", True)
+        kwargs["srun_args"] = ["--no-kill"]
+    if extra:
+        kwargs["additional_parameters"] = extra
     executor.update_parameters(**kwargs)
     return executor
+
+
+#: sbatch options make_executor sets from its own arguments (tcnn sweep has an option for each)
+RESERVED_SBATCH = ("nodes", "ntasks-per-node", "cpus-per-task", "gpus-per-node", "time", "partition", "mem",
+                   "job-name", "signal", "output", "error", "open-mode", "array")  # fmt: skip
+_SBATCH_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")
+_GPUS = re.compile(r"^(?:([A-Za-z0-9_.-]+):)?(\d+)$")
+
+
+def gpu_count(gpus: int | str) -> int:
+    """The number in ``--gpus-per-node`` (``8`` or ``a100:8``); ValueError for anything else."""
+    if isinstance(gpus, int):
+        return gpus
+    m = _GPUS.match(gpus.strip())
+    if not m:
+        raise ValueError(f"GPUs per node {gpus!r}: expected COUNT or TYPE:COUNT (e.g. 4 or a100:4)")
+    return int(m.group(2))
+
+
+def sbatch_options(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` (or a bare ``KEY`` for a flag) -> submitit's ``additional_parameters``.
+
+    ``account=proj42 constraint=a100 qos=high exclusive`` -> ``--account=proj42 --constraint=a100 --qos=high
+    --exclusive``. Options with their own argument (:data:`RESERVED_SBATCH`) are refused, naming it."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip().lstrip("-")
+        if not _SBATCH_KEY.match(key) or (sep and not value):
+            raise ValueError(f"--sbatch {item!r}: expected KEY=VALUE or KEY (e.g. account=proj42)")
+        if key.replace("_", "-") in RESERVED_SBATCH:
+            raise ValueError(f"--sbatch {item!r}: {key} is set by tcnn (its own option, or the Ray layout)")
+        out[key.replace("-", "_")] = value if sep else True
+    return out
 
 
 def wait_result(
@@ -144,7 +190,8 @@ def wait_result(
 
     The result file is checked every ``poll_s``, the scheduler (sacct, else squeue) every ``state_every_s``.
     Raises ``TimeoutError`` after ``timeout_s`` (the job keeps running: cancel it yourself), and submitit's
-    ``FailedJobError`` / ``UncompletedJobError`` (with the job's stderr) when it failed or was killed.
+    ``FailedJobError`` / ``UncompletedJobError`` (with the job's stderr) when it failed or was killed. Only
+    task 0 has to leave a result: a worker node lost mid-job (``no_kill``) never writes one.
     """
     start = time.monotonic()
     last_state = start
@@ -158,7 +205,12 @@ def wait_result(
         if timeout_s is not None and now - start > timeout_s:
             raise TimeoutError(f"SLURM job {job.job_id} not done after {timeout_s:.0f}s (state {job.state})")
         time.sleep(poll_s)
-    return job.results()[0]
+    return head_result(job)
+
+
+def head_result(job: submitit.Job) -> Any:
+    """Task 0's result (the driver's); raises as ``job.results()`` would, but ignores the other tasks."""
+    return job.task(0).result()
 
 
 # ------------------------------------------------------------------------------------------ Ray ports
@@ -361,8 +413,11 @@ class RayClusterJob(submitit.helpers.Checkpointable):
         base = Path(self.rendezvous_dir)
         return base / f"ray-{tag}.json", base / f"ray-{tag}.done", base / "ray-logs"
 
-    def _temp_dir(self) -> Path:
-        temp = Path(self.config.temp_root) / f"tcnn-ray-{_job_tag().split('-')[0]}"
+    def _temp_dir(self, rank: int) -> Path:
+        """``<temp_root>/tcnn-ray-<jobid>`` on the head, ``...-<rank>`` on worker ``rank``: distinct even where
+        nodes share ``/tmp`` (one Ray per directory; `_clear_previous_run` kills by it)."""
+        name = f"tcnn-ray-{_job_tag().split('-')[0]}" + (f"-{rank}" if rank else "")
+        temp = Path(self.config.temp_root) / name
         if len(str(temp)) + _RAY_SOCKET_SUFFIX > RAY_SOCKET_LIMIT:
             raise SlurmLaunchError(
                 f"Ray temp dir {temp} is too long for unix sockets ({RAY_SOCKET_LIMIT} bytes); "
@@ -442,7 +497,7 @@ class RayClusterJob(submitit.helpers.Checkpointable):
     def _head(self) -> Any:
         cfg = self.config
         rendezvous, done, logs = self._paths()
-        temp = self._temp_dir()
+        temp = self._temp_dir(0)
         _clear_previous_run(temp)
         done.unlink(missing_ok=True)
         ip = self._node_ip()
@@ -511,7 +566,7 @@ class RayClusterJob(submitit.helpers.Checkpointable):
 
     def _worker(self, rank: int) -> None:
         rendezvous, done, logs = self._paths()
-        temp = self._temp_dir()
+        temp = self._temp_dir(rank)
         deadline = time.monotonic() + self.config.startup_timeout_s
         while not rendezvous.exists():
             if done.exists():
