@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from core.config import Params, validate_params
+from core.utils.atomic import append_json_line as append_line
 from core.utils.atomic import atomic_write_json
-from pipelines.ddp import run_stage
+from pipelines.ddp import node_name, run_stage
 
 LOCK = ".lock"
 COMPLETE = "complete.json"
@@ -58,17 +59,6 @@ def _say(log: Any, msg: str) -> None:
         log(msg)
     else:
         print(msg, file=sys.stderr, flush=True)
-
-
-def append_line(path: Path, record: dict[str, Any]) -> None:
-    """Append one JSON line (a single O_APPEND write, fsynced: concurrent appenders do not interleave)."""
-    data = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_lines(path: Path) -> list[dict[str, Any]]:
@@ -154,6 +144,7 @@ def ensure_pretraining(
             "trial": trial,
             "key": key,
             "host": socket.gethostname(),
+            "node": node_name(),
             "pid": os.getpid(),
             "started": t0,
             "finished": time.time(),
@@ -205,7 +196,7 @@ def ensure_control(
         metrics = run_stage("control", validate_params(entry["params"]), directory, spec)
         atomic_write_json(done, {"finished": time.time(), "metrics": metrics})
         record = {"sweep": spec["name"], "trial": trial, "key": key, "host": socket.gethostname(),
-                  "started": t0, "finished": time.time()}  # fmt: skip
+                  "node": node_name(), "started": t0, "finished": time.time()}  # fmt: skip
         append_line(directory / EXECUTIONS, record)
         return directory, True, metrics
 

@@ -17,6 +17,12 @@ Resume and exactly-once:
 
 Progress: ``tune.report`` after each stage and after each fine-tuning epoch (read from the finetune stage's
 resume state, which it writes at every epoch end), each with a small checkpoint holding the run id.
+
+Where it ran: ``trial.json`` lists the node of every attempt (``nodes``; SLURM's node name, else the host),
+``done.json`` the node that finished it, each ``stages.jsonl`` line its node, and the MLflow run carries
+``tcnn.node`` (this attempt's) and ``tcnn.attempt_nodes``; data-parallel stages add their ranks' nodes to
+``workers.jsonl`` (pipelines/ddp.py). A trial whose node was lost mid-stage resumes on another node from
+the stage's own partial state (``runs/.partial/``), as after any kill.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from typing import Any
 
 from core.config import Params
 from core.utils.atomic import atomic_write_json
-from pipelines.ddp import run_stage
+from pipelines.ddp import node_name, run_stage, worker_nodes
 from pipelines.sweep_plan import trial_label, trial_params
 from pipelines.sweep_shared import (
     SWEEP_PRETRAIN_RUNS,
@@ -54,6 +60,9 @@ LOG = "trial.log"
 #: The headline numbers every trial reports last (also the summary table's columns): the DVC path's summary
 #: metrics, under the same names (stages.catalogue.SUMMARY_METRICS).
 HEADLINE = tuple(SUMMARY_METRICS)
+NODE_TAG = "tcnn.node"  # MLflow tags of a trial's run: the node of its current attempt, and of every attempt
+ATTEMPT_NODES_TAG = "tcnn.attempt_nodes"
+WORKER_NODES_TAG = "tcnn.worker_nodes"  # nodes its data-parallel stages (its own and shared) had ranks on
 
 
 def trial_dir(spec: dict[str, Any], tid: str) -> Path:
@@ -80,8 +89,16 @@ def headline(root: Path) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------- tracking
 
 
-def open_run(spec: dict[str, Any], tid: str, params: Params, root: Path, known_id: str | None) -> Any:
-    """The trial's MLflow child run under the sweep's parent: reopened when the trial ran before."""
+def open_run(
+    spec: dict[str, Any],
+    tid: str,
+    params: Params,
+    root: Path,
+    known_id: str | None,
+    nodes: list[str] | None = None,
+) -> Any:
+    """The trial's MLflow child run under the sweep's parent: reopened when the trial ran before.
+    ``nodes``: the node of every attempt so far, this one last (tags ``tcnn.node``, ``tcnn.attempt_nodes``)."""
     from stages.tracking import Tracker, TrackingError
 
     cfg = spec["tracking"]
@@ -98,6 +115,8 @@ def open_run(spec: dict[str, Any], tid: str, params: Params, root: Path, known_i
         "tcnn.pretrain_key": t["pretrain_key"],
         **{f"grid.{k}": json.dumps(v) for k, v in t["overrides"].items()},
     }
+    if nodes:
+        tags.update({NODE_TAG: nodes[-1], ATTEMPT_NODES_TAG: ",".join(nodes)})
     if known_id:
         with contextlib.suppress(TrackingError):
             tracker.start_child(tid, params=params, tags=tags, run_id=known_id)
@@ -220,6 +239,7 @@ class TrialRunner:
         self.params = trial_params(spec, tid)
         self.report_enabled = report
         self.marks = self.root / ".sweep"
+        self.nodes: list[str] = []  # the node of every attempt, this one last
 
     def stage(self, name: str, fn: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], bool]:
         """Run a stage unless its done-mark exists; returns (its metrics, whether it ran now)."""
@@ -237,6 +257,7 @@ class TrialRunner:
                 "started": t0,
                 "finished": time.time(),
                 "host": socket.gethostname(),
+                "node": node_name(),
                 "pid": os.getpid(),
             },
         )
@@ -263,7 +284,8 @@ class TrialRunner:
             )
             return done
         known = state.get("mlflow_run_id") or checkpoint_state().get("mlflow_run_id")
-        tracker = open_run(self.spec, self.tid, self.params, self.root, known)
+        self.nodes = [*state.get("nodes", []), node_name()]
+        tracker = open_run(self.spec, self.tid, self.params, self.root, known, self.nodes)
         run_id = tracker.run_id
         attempts = int(state.get("attempts", 0)) + 1
         atomic_write_json(
@@ -272,6 +294,7 @@ class TrialRunner:
                 "tid": self.tid,
                 "mlflow_run_id": run_id,
                 "attempts": attempts,
+                "nodes": self.nodes,
                 "overrides": self.spec["trials"][self.tid]["overrides"],
             },
         )
@@ -306,6 +329,7 @@ class TrialRunner:
                         "sweep": self.spec["name"],
                         "trial": self.tid,
                         "host": socket.gethostname(),
+                        "node": node_name(),
                         "finished": time.time(),
                     },
                 )
@@ -382,10 +406,21 @@ class TrialRunner:
             "headline": headline(root),
             "pretrain_key": t["pretrain_key"] if self.spec["share_pretraining"] else None,
             "mlflow_run_id": tracker.run_id,
+            "node": node_name(),
+            "attempt_nodes": self.nodes,
+            "worker_nodes": worker_nodes(*_stage_roots(root)),
             "finished": time.time(),
         }
+        if done["worker_nodes"]:
+            tracker.set_tags({WORKER_NODES_TAG: ",".join(done["worker_nodes"])})
         atomic_write_json(root / DONE, done)
         return done
+
+
+def _stage_roots(root: Path) -> list[Path]:
+    """Where the trial's stages ran: its directory and the shared pretraining/control it links to."""
+    links = [root / "runs" / stage for stage in ("pretrain", "control")]
+    return [root, *(link.resolve().parents[1] for link in links if link.is_symlink())]
 
 
 def tune_trainable(config: dict[str, Any], spec: dict[str, Any]) -> None:

@@ -287,7 +287,9 @@ def test_tcnn_sweep_help_lists_the_options() -> None:
         "--slurm",
         "--nodes",
         "--gpus-per-node",
+        "--sbatch",
         "--time",
+        "--worker-placement",
     ):
         assert opt in out.stdout
 
