@@ -35,6 +35,7 @@ CTLD_PORT=${TCNN_SLURM_CTLD_PORT:-6817}
 SLURMD_PORT=${TCNN_SLURM_SLURMD_PORT:-6818}
 TIMEOUT=${TCNN_SLURM_TIMEOUT:-60}
 NODES=${TCNN_SLURM_NODES:-1}
+NODES_GIVEN=${TCNN_SLURM_NODES:-}
 NET=${TCNN_SLURM_NET:-10.77.0}
 NETNS=${TCNN_SLURM_NETNS:-tcnn}
 SLURMD_TIMEOUT=${TCNN_SLURM_SLURMD_TIMEOUT:-}
@@ -295,6 +296,7 @@ start() {
   if ctld_ok; then
     local running
     running=$(conf_setting nodes)
+    [ -n "$NODES_GIVEN" ] || NODES=${running:-1} # unset: whatever runs (e.g. `start` to bring a node back)
     [ "${running:-1}" = "$NODES" ] ||
       die "the cluster in $DIR runs ${running:-1} node(s), not $NODES: stop it first (or use another TCNN_SLURM_DIR)"
     use_running_nodes # its network, whatever the environment says now (a node brought back after kill-node)
