@@ -303,6 +303,7 @@ class RayClusterConfig:
     startup_timeout_s: float = 300.0
     keep_temp: bool = False
     ray_bin: str | None = None  # default: the `ray` next to this interpreter
+    head_check_s: float = 10.0  # how often a worker node checks that the head's GCS answers
 
 
 def _slurm_env(name: str, default: str = "") -> str:
@@ -514,6 +515,7 @@ class RayClusterJob(submitit.helpers.Checkpointable):
             info = {
                 "address": address,
                 "head_host": socket.gethostname(),
+                "head_node": _slurm_env("SLURMD_NODENAME"),
                 "job": _job_tag(),
                 "num_nodes": num_nodes,
                 "temp_dir": str(temp),
@@ -584,15 +586,82 @@ class RayClusterJob(submitit.helpers.Checkpointable):
         log = logs / f"{_job_tag()}-worker{rank}.log"
         proc = self._spawn(cmd, log)
         try:
-            while not done.exists():
-                if proc.poll() is not None and not done.exists():
-                    raise SlurmLaunchError(f"ray worker {rank} exited with {proc.returncode}; log {log}")
-                time.sleep(1.0)
+            self._serve(proc, info, done, f"ray worker {rank} exited; log {log}")
         finally:
             self._stop(proc)
             if not self.config.keep_temp:
                 shutil.rmtree(temp, ignore_errors=True)
         return None
+
+    def _serve(self, proc: subprocess.Popen, info: dict[str, Any], done: Path, failure: str) -> None:
+        """Keep this worker node in the cluster until the head's done mark; watch the head meanwhile.
+
+        A head that finishes (or fails) writes ``done``. A head whose node died writes nothing: with
+        ``--no-kill`` SLURM keeps such a job running on the other nodes until its time limit, so when the
+        head's GCS stops answering this task waits for SLURM to drop the head's node from the job and then
+        requeues the job (:func:`requeue_if_head_lost`); the requeued job starts over and the driver resumes.
+        """
+        host, port = info["address"].rsplit(":", 1)
+        next_check = time.monotonic() + self.config.head_check_s
+        while not done.exists():
+            gone = proc.poll() is not None
+            if gone or time.monotonic() >= next_check:
+                next_check = time.monotonic() + self.config.head_check_s
+                if not done.exists() and not _answers(host, int(port)):
+                    if requeue_if_head_lost(info.get("head_node"), done):
+                        return
+                elif gone and not done.exists():
+                    raise SlurmLaunchError(failure)
+            time.sleep(1.0)
+
+
+def _answers(host: str, port: int, timeout_s: float = 5.0) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=timeout_s):
+        return True
+    return False
+
+
+def job_state(job_id: str) -> tuple[str | None, int, list[str]]:
+    """(state, restarts, nodes) of a SLURM job now; (None, 0, []) when scontrol cannot tell."""
+    try:
+        out = subprocess.check_output(["scontrol", "-o", "show", "job", job_id], text=True, timeout=60,
+                                      stderr=subprocess.DEVNULL)  # fmt: skip
+        fields = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+        nodelist = fields.get("NodeList", "")
+        hosts = ""
+        if nodelist and nodelist != "(null)":
+            hosts = subprocess.check_output(
+                ["scontrol", "show", "hostnames", nodelist], text=True, timeout=60
+            )
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None, 0, []
+    return fields.get("JobState"), int(fields.get("Restarts", "0") or 0), hosts.split()
+
+
+def requeue_if_head_lost(head_node: str | None, done: Path, poll_s: float = 5.0) -> bool:
+    """Requeue this job once SLURM has dropped ``head_node`` from it (that node died); True when it did.
+
+    Returns False, without requeueing, as soon as the head's ``done`` mark appears, the job is no longer
+    RUNNING (SLURM is stopping or requeueing it anyway) or it was requeued already (a later run), or when
+    SLURM cannot tell. While the head's node is still in the job (SLURM has not noticed yet: up to its
+    SlurmdTimeout) it keeps asking."""
+    job = _slurm_env("SLURM_JOB_ID")
+    if not job or not head_node:
+        return False
+    restart = int(_slurm_env("SLURM_RESTART_COUNT", "0") or 0)
+    while not done.exists():
+        state, restarts, nodes = job_state(job)
+        if state != "RUNNING" or restarts != restart:
+            return False
+        if head_node not in nodes:
+            print(
+                f"tcnn: the head's node {head_node} left job {job}: requeueing it",
+                file=sys.stderr,
+                flush=True,
+            )
+            return subprocess.run(["scontrol", "requeue", job], timeout=60).returncode == 0
+        time.sleep(poll_s)
+    return False
 
 
 def launch_ray_cluster(
