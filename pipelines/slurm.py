@@ -10,7 +10,9 @@ Only ``pipelines/`` and ``infra/`` know SLURM (DESIGN section 2). The pieces:
   ``--temp-dir`` (unix socket paths must stay under 107 bytes), writes a rendezvous file with the head's
   address to a shared folder, waits for all nodes to join, then runs the driver function with
   ``ray.init(address=...)`` done and ``RAY_ADDRESS`` set. The other tasks poll the rendezvous file, join with
-  ``ray start --address=... --block`` and leave when the head writes its ``done`` marker.
+  ``ray start --address=... --block`` and leave when the head writes its ``done`` marker. Several nodes run
+  with ``--no-kill``: a lost worker node ends only its own task (Ray and the driver carry on without it),
+  and a lost head node is noticed by the worker tasks, which requeue the job (:func:`requeue_if_head_lost`).
   It is ``Checkpointable``: on the preemption/time-limit signal (USR2) submitit requeues the job and the
   driver runs again from the start, so drivers must resume from their own state (``Tuner.restore``).
 - :func:`launch_ray_cluster` submits it; :func:`wait_result` follows the job to its result.
