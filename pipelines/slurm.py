@@ -293,6 +293,10 @@ class RayClusterConfig:
     ``CUDA_VISIBLE_DEVICES``). ``object_store_memory`` in bytes (None = Ray's default, 30% of RAM).
     ``temp_root``: a short local directory; each node uses ``<temp_root>/tcnn-ray-<jobid>``.
     ``node_ip``: None = Ray's own choice of this node's address.
+    ``drain_s``: how long ``ray start`` drains its node on SIGTERM before it stops its processes (Ray's
+    ``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S``, 30 s by default there). SIGTERM here means the job is being
+    stopped (requeue, cancel, time limit), and draining only keeps the trials training into SLURM's SIGKILL,
+    past the checkpoint they will resume from; 0 stops them at once.
     """
 
     ports: RayPorts = field(default_factory=RayPorts)
@@ -306,6 +310,7 @@ class RayClusterConfig:
     keep_temp: bool = False
     ray_bin: str | None = None  # default: the `ray` next to this interpreter
     head_check_s: float = 10.0  # how often a worker node checks that the head's GCS answers
+    drain_s: float = 0.0
 
 
 def _slurm_env(name: str, default: str = "") -> str:
@@ -473,7 +478,11 @@ class RayClusterJob(submitit.helpers.Checkpointable):
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its own process group: stopped as a whole, never `ray stop`
-                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+                env={
+                    **os.environ,
+                    "RAY_USAGE_STATS_ENABLED": "0",
+                    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": str(self.config.drain_s),
+                },
             )
 
     @staticmethod
