@@ -10,7 +10,8 @@ Resume and exactly-once:
 - ``trial.json`` (and every Tune checkpoint) holds the trial's MLflow run id; a restarted trial (Tune retry,
   ``Tuner.restore``, SLURM requeue) reopens that run instead of creating another.
 - ``.sweep/<stage>.json`` marks a stage as done (its returned metrics); a restarted trial skips done stages,
-  and the stages resume their own partial state (runs/.partial/) exactly. ``stages.jsonl`` gets one line per
+  and the stages resume their own partial state (runs/.partial/) exactly. A training stage that published
+  its outputs before a kill took the mark with it is recorded, not trained again (sweep_shared.published). ``stages.jsonl`` gets one line per
   stage execution that completed, ``done.json`` is written last: a trial found done is not run again.
 - An flock on the trial directory keeps two attempts of the same trial from running at once (an orphan of a
   killed driver finishes or dies first).
@@ -50,6 +51,7 @@ from pipelines.sweep_shared import (
     ensure_pretraining,
     link_pretraining,
     locked,
+    published,
 )
 from stages.catalogue import SUMMARY_METRICS, epoch_metrics, numeric_metrics, summary_metrics
 
@@ -241,14 +243,20 @@ class TrialRunner:
         self.marks = self.root / ".sweep"
         self.nodes: list[str] = []  # the node of every attempt, this one last
 
-    def stage(self, name: str, fn: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], bool]:
-        """Run a stage unless its done-mark exists; returns (its metrics, whether it ran now)."""
+    def stage(
+        self, name: str, fn: Callable[[], dict[str, Any]], *, training: bool = False
+    ) -> tuple[dict[str, Any], bool]:
+        """Run a stage unless its done-mark exists; returns (its metrics, whether it ran now).
+
+        ``training``: a training stage whose published outputs count as done when a kill came between its
+        publication and the mark (pipelines.sweep_shared.published); its line says ``recovered``."""
         mark = self.marks / f"{name}.json"
         saved = read_json(mark)
         if saved is not None:
             return saved, False
         t0 = time.time()
-        metrics = fn()
+        done = published(self.root, name) if training else None
+        metrics = done if done is not None else fn()
         atomic_write_json(mark, metrics)
         append_line(
             self.root / STAGE_LOG,
@@ -259,9 +267,10 @@ class TrialRunner:
                 "host": socket.gethostname(),
                 "node": node_name(),
                 "pid": os.getpid(),
+                **({"recovered": True} if done is not None else {}),
             },
         )
-        return metrics, True
+        return metrics, done is None
 
     def run(self) -> dict[str, Any]:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -322,7 +331,8 @@ class TrialRunner:
         else:
 
             def own() -> dict[str, Any]:
-                m = run_stage("pretrain", p, root, self.spec)
+                recovered = published(root, "pretrain")  # a kill between publication and the mark
+                m = recovered if recovered is not None else run_stage("pretrain", p, root, self.spec)
                 append_line(
                     Path(self.spec["sweep_dir"]) / SWEEP_PRETRAIN_RUNS,
                     {
@@ -331,6 +341,7 @@ class TrialRunner:
                         "host": socket.gethostname(),
                         "node": node_name(),
                         "finished": time.time(),
+                        "recovered": recovered is not None,
                     },
                 )
                 return m
@@ -368,7 +379,7 @@ class TrialRunner:
             watcher.rows(history if isinstance(history, list) else [])  # epochs finished after the last poll
             return metrics
 
-        ft, _ = self.stage("finetune", tune_)
+        ft, _ = self.stage("finetune", tune_, training=True)
         if self.spec["share_pretraining"] and t.get("control_key"):
             cdir, executed, ctl = ensure_control(self.spec, t["control_key"], trial=self.tid)
             link_pretraining(root, cdir, "control")
@@ -378,7 +389,7 @@ class TrialRunner:
                     {"stage": "control", "shared": t["control_key"], "finished": time.time()},
                 )
         else:
-            ctl, _ = self.stage("control", lambda: run_stage("control", p, root, self.spec))
+            ctl, _ = self.stage("control", lambda: run_stage("control", p, root, self.spec), training=True)
         report({"stage": "control", "control_test_acc": ctl.get("test_acc", 0.0)})
         ev, _ = self.stage("evaluate", lambda: run_stage("evaluate", p, root, self.spec, workers=1))
 
