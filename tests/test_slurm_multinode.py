@@ -373,8 +373,14 @@ def test_sweep_on_two_nodes_through_a_requeue_and_a_lost_worker_node(
         )
         counts = stage_counts(sweep.dir / "trials" / tid)
         assert counts.get("reparam") == counts.get("finetune") == counts.get("evaluate") == 1, (tid, counts)
-    # shared pretraining once; the interrupted trials resumed from their last epoch checkpoint, not from scratch
+    # shared pretraining once, each shared control once; the interrupted trials resumed from their last
+    # checkpoint, not from scratch
     assert pretrain_epoch_lines(sweep.dir) == 1
+    shared = [
+        *sweep.dir.parent.glob("pretrain/*/executions.jsonl"),
+        *sweep.dir.parent.glob("control/*/executions.jsonl"),
+    ]
+    assert len(shared) == 3 and all(len(p.read_text().splitlines()) == 1 for p in shared), shared
     lost = resumes(sweep.dir / "trials" / killed)
     assert lost, f"{killed} fine-tuned from scratch after node2 died"
     # the trials fine-tuning at the requeue went on from a checkpoint in the restarted job
