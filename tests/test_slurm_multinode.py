@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import threading
@@ -351,6 +352,8 @@ def test_sweep_on_two_nodes_through_a_requeue_and_a_lost_worker_node(
         raise
     finally:
         revived = cluster.script("start")  # node2 comes back (a reboot) for the other tests
+        if sweep.job_id:  # what the killed node's Ray left in /tmp (a real node's /tmp would go with it)
+            shutil.rmtree(f"/tmp/tcnn-ray-{sweep.job_id}-1", ignore_errors=True)
     took = time.monotonic() - sweep.t0
     assert revived.returncode == 0, revived.stderr
     log = sweep.log
