@@ -10,7 +10,9 @@ Only ``pipelines/`` and ``infra/`` know SLURM (DESIGN section 2). The pieces:
   ``--temp-dir`` (unix socket paths must stay under 107 bytes), writes a rendezvous file with the head's
   address to a shared folder, waits for all nodes to join, then runs the driver function with
   ``ray.init(address=...)`` done and ``RAY_ADDRESS`` set. The other tasks poll the rendezvous file, join with
-  ``ray start --address=... --block`` and leave when the head writes its ``done`` marker.
+  ``ray start --address=... --block`` and leave when the head writes its ``done`` marker. Several nodes run
+  with ``--no-kill``: a lost worker node ends only its own task (Ray and the driver carry on without it),
+  and a lost head node is noticed by the worker tasks, which requeue the job (:func:`requeue_if_head_lost`).
   It is ``Checkpointable``: on the preemption/time-limit signal (USR2) submitit requeues the job and the
   driver runs again from the start, so drivers must resume from their own state (``Tuner.restore``).
 - :func:`launch_ray_cluster` submits it; :func:`wait_result` follows the job to its result.
@@ -24,6 +26,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -97,7 +100,7 @@ def make_executor(
     *,
     nodes: int = 1,
     cpus_per_node: int = 1,
-    gpus_per_node: int = 0,
+    gpus_per_node: int | str = 0,
     mem_gb: float | None = None,
     timeout_min: int = 60,
     partition: str | None = None,
@@ -105,14 +108,21 @@ def make_executor(
     signal_delay_s: int = 120,
     additional: dict[str, Any] | None = None,
     max_num_timeout: int = 3,
+    no_kill: bool | None = None,
 ) -> SlurmExecutor:
     """A submitit executor for ``nodes`` nodes, one task per node with ``cpus_per_node`` CPUs and
-    ``gpus_per_node`` GPUs. ``folder`` must be on a filesystem every node sees (logs, pickles, rendezvous).
+    ``gpus_per_node`` GPUs (a count, or ``TYPE:COUNT`` such as ``a100:8``). ``folder`` must be on a filesystem
+    every node sees (logs, pickles, rendezvous). ``additional``: further sbatch options (``account``,
+    ``constraint``, ``qos``, ...; :func:`sbatch_options` parses them from ``KEY=VALUE`` text).
 
     ``signal_delay_s``: SLURM sends USR2 that long before the time limit; submitit then checkpoints and
     requeues (``max_num_timeout`` times at most).
+
+    ``no_kill`` (default: on for several nodes): ``sbatch --no-kill`` and ``srun --no-kill``, so that the loss
+    of a node ends only that node's task; the job and its other tasks (the Ray head, the driver) go on. Without
+    it SLURM ends the whole job step when one node fails. The job's other nodes keep their allocation.
     """
-    if nodes < 1 or cpus_per_node < 1 or gpus_per_node < 0:
+    if nodes < 1 or cpus_per_node < 1 or gpu_count(gpus_per_node) < 0:
         raise ValueError(
             f"make_executor: bad resources nodes={nodes} cpus={cpus_per_node} gpus={gpus_per_node}"
         )
@@ -125,16 +135,54 @@ def make_executor(
         "job_name": job_name,
         "signal_delay_s": signal_delay_s,
     }
-    if gpus_per_node:
+    if gpu_count(gpus_per_node):
         kwargs["gpus_per_node"] = gpus_per_node
     if mem_gb is not None:
         kwargs["mem"] = f"{int(mem_gb * 1024)}MB"
     if partition:
         kwargs["partition"] = partition
-    if additional:
-        kwargs["additional_parameters"] = dict(additional)
+    extra = dict(additional or {})
+    if no_kill if no_kill is not None else nodes > 1:
+        extra.setdefault("no_kill", True)
+        kwargs["srun_args"] = ["--no-kill"]
+    if extra:
+        kwargs["additional_parameters"] = extra
     executor.update_parameters(**kwargs)
     return executor
+
+
+#: sbatch options make_executor sets from its own arguments (tcnn sweep has an option for each)
+RESERVED_SBATCH = ("nodes", "ntasks-per-node", "cpus-per-task", "gpus-per-node", "time", "partition", "mem",
+                   "job-name", "signal", "output", "error", "open-mode", "array")  # fmt: skip
+_SBATCH_KEY = re.compile(r"^[a-z][a-z0-9_-]*$")
+_GPUS = re.compile(r"^(?:([A-Za-z0-9_.-]+):)?(\d+)$")
+
+
+def gpu_count(gpus: int | str) -> int:
+    """The number in ``--gpus-per-node`` (``8`` or ``a100:8``); ValueError for anything else."""
+    if isinstance(gpus, int):
+        return gpus
+    m = _GPUS.match(gpus.strip())
+    if not m:
+        raise ValueError(f"GPUs per node {gpus!r}: expected COUNT or TYPE:COUNT (e.g. 4 or a100:4)")
+    return int(m.group(2))
+
+
+def sbatch_options(items: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` (or a bare ``KEY`` for a flag) -> submitit's ``additional_parameters``.
+
+    ``account=proj42 constraint=a100 qos=high exclusive`` -> ``--account=proj42 --constraint=a100 --qos=high
+    --exclusive``. Options with their own argument (:data:`RESERVED_SBATCH`) are refused, naming it."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip().lstrip("-")
+        if not _SBATCH_KEY.match(key) or (sep and not value):
+            raise ValueError(f"--sbatch {item!r}: expected KEY=VALUE or KEY (e.g. account=proj42)")
+        if key.replace("_", "-") in RESERVED_SBATCH:
+            raise ValueError(f"--sbatch {item!r}: {key} is set by tcnn (its own option, or the Ray layout)")
+        out[key.replace("-", "_")] = value if sep else True
+    return out
 
 
 def wait_result(
@@ -144,7 +192,8 @@ def wait_result(
 
     The result file is checked every ``poll_s``, the scheduler (sacct, else squeue) every ``state_every_s``.
     Raises ``TimeoutError`` after ``timeout_s`` (the job keeps running: cancel it yourself), and submitit's
-    ``FailedJobError`` / ``UncompletedJobError`` (with the job's stderr) when it failed or was killed.
+    ``FailedJobError`` / ``UncompletedJobError`` (with the job's stderr) when it failed or was killed. Only
+    task 0 has to leave a result: a worker node lost mid-job (``no_kill``) never writes one.
     """
     start = time.monotonic()
     last_state = start
@@ -158,7 +207,12 @@ def wait_result(
         if timeout_s is not None and now - start > timeout_s:
             raise TimeoutError(f"SLURM job {job.job_id} not done after {timeout_s:.0f}s (state {job.state})")
         time.sleep(poll_s)
-    return job.results()[0]
+    return head_result(job)
+
+
+def head_result(job: submitit.Job) -> Any:
+    """Task 0's result (the driver's); raises as ``job.results()`` would, but ignores the other tasks."""
+    return job.task(0).result()
 
 
 # ------------------------------------------------------------------------------------------ Ray ports
@@ -239,6 +293,10 @@ class RayClusterConfig:
     ``CUDA_VISIBLE_DEVICES``). ``object_store_memory`` in bytes (None = Ray's default, 30% of RAM).
     ``temp_root``: a short local directory; each node uses ``<temp_root>/tcnn-ray-<jobid>``.
     ``node_ip``: None = Ray's own choice of this node's address.
+    ``drain_s``: how long ``ray start`` drains its node on SIGTERM before it stops its processes (Ray's
+    ``RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S``, 30 s by default there). SIGTERM here means the job is being
+    stopped (requeue, cancel, time limit), and draining only keeps the trials training into SLURM's SIGKILL,
+    past the checkpoint they will resume from; 0 stops them at once.
     """
 
     ports: RayPorts = field(default_factory=RayPorts)
@@ -251,6 +309,8 @@ class RayClusterConfig:
     startup_timeout_s: float = 300.0
     keep_temp: bool = False
     ray_bin: str | None = None  # default: the `ray` next to this interpreter
+    head_check_s: float = 10.0  # how often a worker node checks that the head's GCS answers
+    drain_s: float = 0.0
 
 
 def _slurm_env(name: str, default: str = "") -> str:
@@ -361,8 +421,11 @@ class RayClusterJob(submitit.helpers.Checkpointable):
         base = Path(self.rendezvous_dir)
         return base / f"ray-{tag}.json", base / f"ray-{tag}.done", base / "ray-logs"
 
-    def _temp_dir(self) -> Path:
-        temp = Path(self.config.temp_root) / f"tcnn-ray-{_job_tag().split('-')[0]}"
+    def _temp_dir(self, rank: int) -> Path:
+        """``<temp_root>/tcnn-ray-<jobid>`` on the head, ``...-<rank>`` on worker ``rank``: distinct even where
+        nodes share ``/tmp`` (one Ray per directory; `_clear_previous_run` kills by it)."""
+        name = f"tcnn-ray-{_job_tag().split('-')[0]}" + (f"-{rank}" if rank else "")
+        temp = Path(self.config.temp_root) / name
         if len(str(temp)) + _RAY_SOCKET_SUFFIX > RAY_SOCKET_LIMIT:
             raise SlurmLaunchError(
                 f"Ray temp dir {temp} is too long for unix sockets ({RAY_SOCKET_LIMIT} bytes); "
@@ -415,7 +478,11 @@ class RayClusterJob(submitit.helpers.Checkpointable):
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # its own process group: stopped as a whole, never `ray stop`
-                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+                env={
+                    **os.environ,
+                    "RAY_USAGE_STATS_ENABLED": "0",
+                    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": str(self.config.drain_s),
+                },
             )
 
     @staticmethod
@@ -442,7 +509,7 @@ class RayClusterJob(submitit.helpers.Checkpointable):
     def _head(self) -> Any:
         cfg = self.config
         rendezvous, done, logs = self._paths()
-        temp = self._temp_dir()
+        temp = self._temp_dir(0)
         _clear_previous_run(temp)
         done.unlink(missing_ok=True)
         ip = self._node_ip()
@@ -459,6 +526,7 @@ class RayClusterJob(submitit.helpers.Checkpointable):
             info = {
                 "address": address,
                 "head_host": socket.gethostname(),
+                "head_node": _slurm_env("SLURMD_NODENAME"),
                 "job": _job_tag(),
                 "num_nodes": num_nodes,
                 "temp_dir": str(temp),
@@ -511,7 +579,7 @@ class RayClusterJob(submitit.helpers.Checkpointable):
 
     def _worker(self, rank: int) -> None:
         rendezvous, done, logs = self._paths()
-        temp = self._temp_dir()
+        temp = self._temp_dir(rank)
         deadline = time.monotonic() + self.config.startup_timeout_s
         while not rendezvous.exists():
             if done.exists():
@@ -529,15 +597,82 @@ class RayClusterJob(submitit.helpers.Checkpointable):
         log = logs / f"{_job_tag()}-worker{rank}.log"
         proc = self._spawn(cmd, log)
         try:
-            while not done.exists():
-                if proc.poll() is not None and not done.exists():
-                    raise SlurmLaunchError(f"ray worker {rank} exited with {proc.returncode}; log {log}")
-                time.sleep(1.0)
+            self._serve(proc, info, done, f"ray worker {rank} exited; log {log}")
         finally:
             self._stop(proc)
             if not self.config.keep_temp:
                 shutil.rmtree(temp, ignore_errors=True)
         return None
+
+    def _serve(self, proc: subprocess.Popen, info: dict[str, Any], done: Path, failure: str) -> None:
+        """Keep this worker node in the cluster until the head's done mark; watch the head meanwhile.
+
+        A head that finishes (or fails) writes ``done``. A head whose node died writes nothing: with
+        ``--no-kill`` SLURM keeps such a job running on the other nodes until its time limit, so when the
+        head's GCS stops answering this task waits for SLURM to drop the head's node from the job and then
+        requeues the job (:func:`requeue_if_head_lost`); the requeued job starts over and the driver resumes.
+        """
+        host, port = info["address"].rsplit(":", 1)
+        next_check = time.monotonic() + self.config.head_check_s
+        while not done.exists():
+            gone = proc.poll() is not None
+            if gone or time.monotonic() >= next_check:
+                next_check = time.monotonic() + self.config.head_check_s
+                if not done.exists() and not _answers(host, int(port)):
+                    if requeue_if_head_lost(info.get("head_node"), done):
+                        return
+                elif gone and not done.exists():
+                    raise SlurmLaunchError(failure)
+            time.sleep(1.0)
+
+
+def _answers(host: str, port: int, timeout_s: float = 5.0) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=timeout_s):
+        return True
+    return False
+
+
+def job_state(job_id: str) -> tuple[str | None, int, list[str]]:
+    """(state, restarts, nodes) of a SLURM job now; (None, 0, []) when scontrol cannot tell."""
+    try:
+        out = subprocess.check_output(["scontrol", "-o", "show", "job", job_id], text=True, timeout=60,
+                                      stderr=subprocess.DEVNULL)  # fmt: skip
+        fields = dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+        nodelist = fields.get("NodeList", "")
+        hosts = ""
+        if nodelist and nodelist != "(null)":
+            hosts = subprocess.check_output(
+                ["scontrol", "show", "hostnames", nodelist], text=True, timeout=60
+            )
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None, 0, []
+    return fields.get("JobState"), int(fields.get("Restarts", "0") or 0), hosts.split()
+
+
+def requeue_if_head_lost(head_node: str | None, done: Path, poll_s: float = 5.0) -> bool:
+    """Requeue this job once SLURM has dropped ``head_node`` from it (that node died); True when it did.
+
+    Returns False, without requeueing, as soon as the head's ``done`` mark appears, the job is no longer
+    RUNNING (SLURM is stopping or requeueing it anyway) or it was requeued already (a later run), or when
+    SLURM cannot tell. While the head's node is still in the job (SLURM has not noticed yet: up to its
+    SlurmdTimeout) it keeps asking."""
+    job = _slurm_env("SLURM_JOB_ID")
+    if not job or not head_node:
+        return False
+    restart = int(_slurm_env("SLURM_RESTART_COUNT", "0") or 0)
+    while not done.exists():
+        state, restarts, nodes = job_state(job)
+        if state != "RUNNING" or restarts != restart:
+            return False
+        if head_node not in nodes:
+            print(
+                f"tcnn: the head's node {head_node} left job {job}: requeueing it",
+                file=sys.stderr,
+                flush=True,
+            )
+            return subprocess.run(["scontrol", "requeue", job], timeout=60).returncode == 0
+        time.sleep(poll_s)
+    return False
 
 
 def launch_ray_cluster(

@@ -2,8 +2,9 @@
 
     tcnn sweep --params params.yaml [-S key=value ...] [--address local|auto|HOST:PORT] [--name NAME]
                [--resume | --auto-resume] [--num-cpus N]
-    tcnn sweep --params params.yaml --slurm [--nodes N] [--cpus-per-node C] [--gpus-per-node G]
-               [--partition P] [--time MIN] [--detach]
+    tcnn sweep --params params.yaml --slurm [--nodes N] [--cpus-per-node C] [--gpus-per-node [TYPE:]G]
+               [--partition P] [--sbatch KEY=VALUE ...] [--time MIN] [--detach]
+               [--worker-placement pack|spread|...]
 
 What happens (pieces in pipelines/sweep_*.py):
 1. The params are validated and the grid expanded into trials (sweep_plan): each trial is
@@ -22,7 +23,10 @@ What happens (pieces in pipelines/sweep_*.py):
    ``<kind>_clean_accuracy/_mca/_mce``.
 
 ``--slurm`` submits the same driver into a SLURM allocation through pipelines.slurm.launch_ray_cluster (Ray
-head on the first node, workers on the others); a requeue restarts the driver, which resumes.
+head on the first node, workers on the others); a requeue restarts the driver, which resumes. A lost worker
+node costs only its running trials: SLURM keeps the job (``--no-kill``), Ray declares the node dead, Tune
+retries those trials on the remaining nodes (``sweep.max_failures``) and they resume from their stages'
+partial state. Each trial's node is in summary.parquet (``node``, ``attempt_nodes``) and on its MLflow run.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from typing import Any
 
 from core.config import ConfigError, Params, load_params
 from core.utils.atomic import atomic_write_json
+from pipelines.ddp import PLACEMENTS
 from pipelines.sweep_plan import (
     SweepError,
     check_name,
@@ -71,8 +76,16 @@ def tracking_enabled(params: Params) -> bool:
     return params.tracking.enabled and os.environ.get("TCNN_TRACKING") != "0"
 
 
-def build_spec(params: Params, *, name: str | None, params_file: Path, cwd: Path | None = None) -> dict:
-    """Validate and plan the sweep; the returned spec is all a driver and its trials need (JSON-able)."""
+def build_spec(
+    params: Params,
+    *,
+    name: str | None,
+    params_file: Path,
+    cwd: Path | None = None,
+    placement: str = "pack",
+) -> dict:
+    """Validate and plan the sweep; the returned spec is all a driver and its trials need (JSON-able).
+    ``placement``: how Ray places a trial's data-parallel workers (pipelines.ddp.PLACEMENTS)."""
     from stages.tracking import resolve_uri
 
     cwd = Path(cwd or Path.cwd()).resolve()
@@ -93,6 +106,7 @@ def build_spec(params: Params, *, name: str | None, params_file: Path, cwd: Path
             **trial_resources(params),
             "select": sw.select.model_dump(mode="json"),
             "max_failures": sw.max_failures,
+            "placement": placement,
             "uid": None,
         }
     )
@@ -145,6 +159,7 @@ def reconcile(spec: dict, resume: str) -> dict:
         )
     merged = dict(saved)
     merged["tracking"] = {**spec["tracking"], "parent_run_id": saved.get("tracking", {}).get("parent_run_id")}
+    merged["placement"] = spec.get("placement", "pack")  # where workers go does not change results
     return merged
 
 
@@ -427,10 +442,23 @@ def slurm_driver(spec: dict, num_cpus: int | None = None) -> dict:
 
 
 def submit_slurm(spec: dict, args: argparse.Namespace) -> int:
-    from pipelines.slurm import RayClusterConfig, RayPorts, launch_ray_cluster, make_executor
+    from pipelines.slurm import (
+        RayClusterConfig,
+        RayPorts,
+        gpu_count,
+        launch_ray_cluster,
+        make_executor,
+        sbatch_options,
+    )
 
     if args.nodes < 1:
         raise SweepError(f"--nodes {args.nodes}: must be at least 1")
+    try:
+        extra = sbatch_options(args.sbatch)
+        count = gpu_count(args.gpus_per_node)
+        gpus = args.gpus_per_node if ":" in args.gpus_per_node else count  # TYPE:N as given
+    except ValueError as err:
+        raise SweepError(str(err)) from None
     check_multinode_tracking(spec, args.nodes)
     w = spec.get("workers", 1)
     cpus = args.cpus_per_node or max(1, math.ceil(spec["resources"]["cpu"] * (w + 1 if w > 1 else 1)))
@@ -444,11 +472,12 @@ def submit_slurm(spec: dict, args: argparse.Namespace) -> int:
         folder,
         nodes=args.nodes,
         cpus_per_node=cpus,
-        gpus_per_node=args.gpus_per_node,
+        gpus_per_node=gpus,
         mem_gb=args.mem_gb,
         timeout_min=args.time,
         partition=args.partition,
         job_name=f"tcnn-sweep-{spec['name']}"[:60],
+        additional=extra,
     )
     config = RayClusterConfig(
         ports=ports,
@@ -479,8 +508,10 @@ def follow(job: Any, spec: dict, poll_s: float = 5.0) -> int:
         if done:
             break
         time.sleep(poll_s)
+    from pipelines.slurm import head_result
+
     try:
-        result = job.results()[0]
+        result = head_result(job)  # a worker node lost mid-job leaves no result of its own
     except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         print(
@@ -522,14 +553,28 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     s.add_argument("--slurm", action="store_true", help="submit the sweep as a SLURM job (Ray on its nodes)")
     s.add_argument("--nodes", type=int, default=1)
     s.add_argument("--cpus-per-node", type=int, default=None, help="default: ceil(sweep.cpus_per_trial)")
-    s.add_argument("--gpus-per-node", type=int, default=0)
+    s.add_argument("--gpus-per-node", default="0", metavar="[TYPE:]N", help="GPUs per node, e.g. 4 or a100:4")
     s.add_argument("--partition", default=None)
+    s.add_argument(
+        "--sbatch",
+        action="append",
+        default=[],
+        metavar="KEY[=VALUE]",
+        help="another sbatch option, e.g. account=proj42, constraint=a100, qos=high (repeatable)",
+    )
     s.add_argument("--time", type=int, default=60, help="time limit in minutes (requeued with resume)")
     s.add_argument("--mem-gb", type=float, default=None)
     s.add_argument(
         "--ray-port", type=int, default=None, help="base port (default: a free block on 1 node, 6379)"
     )
     s.add_argument("--detach", action="store_true", help="submit and return without following the job")
+    p.add_argument(
+        "--worker-placement",
+        choices=PLACEMENTS,
+        default="pack",
+        help="where Ray puts a trial's data-parallel workers (workers_per_trial > 1): pack = as few nodes as "
+        "possible (default), spread / strict_spread = one per node where possible / always",
+    )
     p.set_defaults(func=main_sweep)
     return p
 
@@ -540,7 +585,9 @@ def main_sweep(args: argparse.Namespace) -> int:
         if args.slurm and args.address != "local":
             raise SweepError("--address: not with --slurm (the job starts its own Ray cluster)")
         address = check_address(args.address)
-        spec = build_spec(params, name=args.name, params_file=Path(args.params))
+        spec = build_spec(
+            params, name=args.name, params_file=Path(args.params), placement=args.worker_placement
+        )
         spec = reconcile(spec, args.resume)
         if args.slurm:
             return submit_slurm(spec, args)

@@ -58,6 +58,7 @@ def trials_table(rows: list[dict[str, Any]], grid_keys: list[str]) -> list[dict[
     recs = []
     for r in rows:
         rec = {"trial": r["trial"], **{k: fmt_plain(r.get(k)) for k in grid_keys}, "status": r["status"]}
+        rec["node"] = ", ".join(r.get("attempt_nodes") or []) or "-"  # every attempt's node, in order
         rec.update({k: fmt_plain(r.get(k)) for k in ("pretrain_epochs", "t1", "finetune_epochs")})
         rec.update({k: fmt_plain(r.get(k)) for k in TRIAL_COLUMNS})
         recs.append(rec)

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from core.config import Params, validate_params
+from core.utils.atomic import append_json_line as append_line
 from core.utils.atomic import atomic_write_json
-from pipelines.ddp import run_stage
+from pipelines.ddp import node_name, run_stage
 
 LOCK = ".lock"
 COMPLETE = "complete.json"
@@ -58,17 +59,6 @@ def _say(log: Any, msg: str) -> None:
         log(msg)
     else:
         print(msg, file=sys.stderr, flush=True)
-
-
-def append_line(path: Path, record: dict[str, Any]) -> None:
-    """Append one JSON line (a single O_APPEND write, fsynced: concurrent appenders do not interleave)."""
-    data = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_lines(path: Path) -> list[dict[str, Any]]:
@@ -135,15 +125,20 @@ def ensure_pretraining(
         params: Params = validate_params(group["params"])
         if have:  # an earlier sweep's run lacks some t1: rerun (deterministic) keeping old and new epochs
             params = params.with_overrides({"pretrain.checkpoint_epochs": sorted(need | have)})
-        atomic_write_json(directory / "inputs.json", group["identity"])
-        _say(
-            log, f"pretrain {key}: training {params.pretrain.epochs} epochs, keeping t1 {sorted(need | have)}"
-        )
-        t0 = time.time()
-        on_cpu = not (spec.get("resources") or {}).get("gpu")
-        threads = pretrain_threads(spec) if on_cpu else None
-        with torch_threads(threads) if threads else contextlib.nullcontext():
-            metrics = run_stage("pretrain", params, directory, spec)
+        metrics = published(directory, "pretrain")
+        recovered = metrics is not None and need <= {int(e) for e in metrics.get("checkpoint_epochs", [])}
+        t0, threads = time.time(), None
+        if recovered:
+            _say(log, f"pretrain {key}: finished by a process killed before it recorded that; recorded now")
+        else:
+            atomic_write_json(directory / "inputs.json", group["identity"])
+            epochs = sorted(need | have)
+            _say(log, f"pretrain {key}: training {params.pretrain.epochs} epochs, keeping t1 {epochs}")
+            on_cpu = not (spec.get("resources") or {}).get("gpu")
+            threads = pretrain_threads(spec) if on_cpu else None
+            with torch_threads(threads) if threads else contextlib.nullcontext():
+                metrics = run_stage("pretrain", params, directory, spec)
+        assert metrics is not None
         atomic_write_json(
             directory / COMPLETE,
             {"checkpoint_epochs": metrics["checkpoint_epochs"], "finished": time.time(), "metrics": metrics},
@@ -154,16 +149,34 @@ def ensure_pretraining(
             "trial": trial,
             "key": key,
             "host": socket.gethostname(),
+            "node": node_name(),
             "pid": os.getpid(),
             "started": t0,
             "finished": time.time(),
             "epochs": params.pretrain.epochs,
             "threads": threads,
             "checkpoint_epochs": metrics["checkpoint_epochs"],
+            "recovered": recovered,
         }
         append_line(directory / EXECUTIONS, record)
         append_line(Path(spec["sweep_dir"]) / SWEEP_PRETRAIN_RUNS, record)
         return directory, True, metrics
+
+
+def published(root: Path, stage: str) -> dict[str, Any] | None:
+    """The metrics of a training stage that completed in ``root``, else None.
+
+    A training stage publishes its outputs (``runs/<stage>/``, metrics.json last) and then removes its work
+    dir ``runs/.partial/<stage>``. A process killed after that but before its caller recorded the stage as
+    done (a requeue's SIGTERM, a lost node) would otherwise cost the stage a second run from scratch, since
+    there is no partial state left to resume from."""
+    if (root / "runs" / ".partial" / stage).exists():
+        return None
+    try:
+        metrics = json.loads((root / "runs" / stage / "metrics.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    return metrics if isinstance(metrics, dict) else None
 
 
 def link_pretraining(root: Path, group_dir: Path, stage: str = "pretrain") -> None:
@@ -199,13 +212,18 @@ def ensure_control(
         if done.is_file() and control.checkpoint_path(directory).is_file():
             return directory, False, json.loads(done.read_text())["metrics"]
         link_pretraining(directory, Path(spec["storage"]) / "pretrain" / entry["pretrain_key"])
-        atomic_write_json(directory / "inputs.json", entry["identity"])
-        _say(log, f"control {key}: fine-tuning the CNN without attention for trials {entry['trials']}")
         t0 = time.time()
-        metrics = run_stage("control", validate_params(entry["params"]), directory, spec)
+        metrics = published(directory, "control") if control.checkpoint_path(directory).is_file() else None
+        recovered = metrics is not None
+        if recovered:
+            _say(log, f"control {key}: finished by a process killed before it recorded that; recorded now")
+        else:
+            atomic_write_json(directory / "inputs.json", entry["identity"])
+            _say(log, f"control {key}: fine-tuning the CNN without attention for trials {entry['trials']}")
+            metrics = run_stage("control", validate_params(entry["params"]), directory, spec)
         atomic_write_json(done, {"finished": time.time(), "metrics": metrics})
         record = {"sweep": spec["name"], "trial": trial, "key": key, "host": socket.gethostname(),
-                  "started": t0, "finished": time.time()}  # fmt: skip
+                  "node": node_name(), "started": t0, "finished": time.time(), "recovered": recovered}  # fmt: skip
         append_line(directory / EXECUTIONS, record)
         return directory, True, metrics
 

@@ -4,7 +4,9 @@ One row per trial: the grid values (one column per grid key, named by its dotted
 epochs (after fraction scaling), clean accuracy of the CNN and the T-CNN, mean corruption accuracy (mCA),
 mCE and relative mCE ([TCNN21] Sec. 4 / Hendrycks & Dietterich; the CNN of the trial is the baseline by default,
 so its mCE is 1), the reparameterization's equivalence error (max |logit diff|), the trial's status,
-directory and MLflow run id.
+directory and MLflow run id, and where it ran: ``node`` (the node of the attempt that finished it),
+``attempts``, ``attempt_nodes`` (every attempt's node, in order) and ``worker_nodes`` (the nodes the
+data-parallel stage runs of the trial, its own and the shared ones, had ranks on; [] with one worker).
 
 Plots (each only when the grid varies what it shows; values averaged over the other grid keys, error bars
 min..max):
@@ -92,11 +94,25 @@ def summary_rows(spec: dict[str, Any], status: dict[str, str] | None = None) -> 
             row["equivalence_error"] = eq.get("max_abs_logit_diff")
         row["pretrain_key"] = t["pretrain_key"] if spec.get("share_pretraining", True) else None
         row["trial_dir"] = str(root)
-        row["mlflow_run_id"] = (done or {}).get("mlflow_run_id") or (_json(root / "trial.json") or {}).get(
-            "mlflow_run_id"
-        )
+        state = _json(root / "trial.json") or {}
+        row["mlflow_run_id"] = (done or {}).get("mlflow_run_id") or state.get("mlflow_run_id")
+        row.update(_placement(done or {}, state))
         rows.append(row)
     return rows
+
+
+NODE_LISTS = ("attempt_nodes", "worker_nodes")  # list<string> columns
+
+
+def _placement(done: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+    """Where a trial ran, from its done.json (finished) or trial.json (its attempts so far)."""
+    nodes = list(state.get("nodes") or done.get("attempt_nodes") or [])
+    return {
+        "node": done.get("node") or (nodes[-1] if nodes else None),
+        "attempts": state.get("attempts"),
+        "attempt_nodes": nodes,
+        "worker_nodes": list(done.get("worker_nodes") or []),
+    }
 
 
 def _column(values: list[Any]) -> pa.Array:
@@ -109,7 +125,14 @@ def _column(values: list[Any]) -> pa.Array:
 def write_table(rows: list[dict[str, Any]], path: Path) -> Path:
     """The rows as Parquet (atomic); a column whose values mix types is stored as JSON text."""
     names = list(rows[0]) if rows else ["trial"]
-    table = pa.table({n: _column([r.get(n) for r in rows]) for n in names})
+    table = pa.table(
+        {
+            n: pa.array([r.get(n) for r in rows], pa.list_(pa.string()))
+            if n in NODE_LISTS
+            else _column([r.get(n) for r in rows])
+            for n in names
+        }
+    )
     return atomic_write(path, lambda fh: pq.write_table(table, fh))
 
 

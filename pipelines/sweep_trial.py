@@ -10,13 +10,20 @@ Resume and exactly-once:
 - ``trial.json`` (and every Tune checkpoint) holds the trial's MLflow run id; a restarted trial (Tune retry,
   ``Tuner.restore``, SLURM requeue) reopens that run instead of creating another.
 - ``.sweep/<stage>.json`` marks a stage as done (its returned metrics); a restarted trial skips done stages,
-  and the stages resume their own partial state (runs/.partial/) exactly. ``stages.jsonl`` gets one line per
+  and the stages resume their own partial state (runs/.partial/) exactly. A training stage that published
+  its outputs before a kill took the mark with it is recorded, not trained again (sweep_shared.published). ``stages.jsonl`` gets one line per
   stage execution that completed, ``done.json`` is written last: a trial found done is not run again.
 - An flock on the trial directory keeps two attempts of the same trial from running at once (an orphan of a
   killed driver finishes or dies first).
 
 Progress: ``tune.report`` after each stage and after each fine-tuning epoch (read from the finetune stage's
 resume state, which it writes at every epoch end), each with a small checkpoint holding the run id.
+
+Where it ran: ``trial.json`` lists the node of every attempt (``nodes``; SLURM's node name, else the host),
+``done.json`` the node that finished it, each ``stages.jsonl`` line its node, and the MLflow run carries
+``tcnn.node`` (this attempt's) and ``tcnn.attempt_nodes``; data-parallel stages add their ranks' nodes to
+``workers.jsonl`` (pipelines/ddp.py). A trial whose node was lost mid-stage resumes on another node from
+the stage's own partial state (``runs/.partial/``), as after any kill.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from typing import Any
 
 from core.config import Params
 from core.utils.atomic import atomic_write_json
-from pipelines.ddp import run_stage
+from pipelines.ddp import node_name, run_stage, worker_nodes
 from pipelines.sweep_plan import trial_label, trial_params
 from pipelines.sweep_shared import (
     SWEEP_PRETRAIN_RUNS,
@@ -44,6 +51,7 @@ from pipelines.sweep_shared import (
     ensure_pretraining,
     link_pretraining,
     locked,
+    published,
 )
 from stages.catalogue import SUMMARY_METRICS, epoch_metrics, numeric_metrics, summary_metrics
 
@@ -54,6 +62,9 @@ LOG = "trial.log"
 #: The headline numbers every trial reports last (also the summary table's columns): the DVC path's summary
 #: metrics, under the same names (stages.catalogue.SUMMARY_METRICS).
 HEADLINE = tuple(SUMMARY_METRICS)
+NODE_TAG = "tcnn.node"  # MLflow tags of a trial's run: the node of its current attempt, and of every attempt
+ATTEMPT_NODES_TAG = "tcnn.attempt_nodes"
+WORKER_NODES_TAG = "tcnn.worker_nodes"  # nodes its data-parallel stages (its own and shared) had ranks on
 
 
 def trial_dir(spec: dict[str, Any], tid: str) -> Path:
@@ -80,8 +91,16 @@ def headline(root: Path) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------- tracking
 
 
-def open_run(spec: dict[str, Any], tid: str, params: Params, root: Path, known_id: str | None) -> Any:
-    """The trial's MLflow child run under the sweep's parent: reopened when the trial ran before."""
+def open_run(
+    spec: dict[str, Any],
+    tid: str,
+    params: Params,
+    root: Path,
+    known_id: str | None,
+    nodes: list[str] | None = None,
+) -> Any:
+    """The trial's MLflow child run under the sweep's parent: reopened when the trial ran before.
+    ``nodes``: the node of every attempt so far, this one last (tags ``tcnn.node``, ``tcnn.attempt_nodes``)."""
     from stages.tracking import Tracker, TrackingError
 
     cfg = spec["tracking"]
@@ -98,6 +117,8 @@ def open_run(spec: dict[str, Any], tid: str, params: Params, root: Path, known_i
         "tcnn.pretrain_key": t["pretrain_key"],
         **{f"grid.{k}": json.dumps(v) for k, v in t["overrides"].items()},
     }
+    if nodes:
+        tags.update({NODE_TAG: nodes[-1], ATTEMPT_NODES_TAG: ",".join(nodes)})
     if known_id:
         with contextlib.suppress(TrackingError):
             tracker.start_child(tid, params=params, tags=tags, run_id=known_id)
@@ -220,15 +241,22 @@ class TrialRunner:
         self.params = trial_params(spec, tid)
         self.report_enabled = report
         self.marks = self.root / ".sweep"
+        self.nodes: list[str] = []  # the node of every attempt, this one last
 
-    def stage(self, name: str, fn: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], bool]:
-        """Run a stage unless its done-mark exists; returns (its metrics, whether it ran now)."""
+    def stage(
+        self, name: str, fn: Callable[[], dict[str, Any]], *, training: bool = False
+    ) -> tuple[dict[str, Any], bool]:
+        """Run a stage unless its done-mark exists; returns (its metrics, whether it ran now).
+
+        ``training``: a training stage whose published outputs count as done when a kill came between its
+        publication and the mark (pipelines.sweep_shared.published); its line says ``recovered``."""
         mark = self.marks / f"{name}.json"
         saved = read_json(mark)
         if saved is not None:
             return saved, False
         t0 = time.time()
-        metrics = fn()
+        done = published(self.root, name) if training else None
+        metrics = done if done is not None else fn()
         atomic_write_json(mark, metrics)
         append_line(
             self.root / STAGE_LOG,
@@ -237,10 +265,12 @@ class TrialRunner:
                 "started": t0,
                 "finished": time.time(),
                 "host": socket.gethostname(),
+                "node": node_name(),
                 "pid": os.getpid(),
+                **({"recovered": True} if done is not None else {}),
             },
         )
-        return metrics, True
+        return metrics, done is None
 
     def run(self) -> dict[str, Any]:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -263,7 +293,8 @@ class TrialRunner:
             )
             return done
         known = state.get("mlflow_run_id") or checkpoint_state().get("mlflow_run_id")
-        tracker = open_run(self.spec, self.tid, self.params, self.root, known)
+        self.nodes = [*state.get("nodes", []), node_name()]
+        tracker = open_run(self.spec, self.tid, self.params, self.root, known, self.nodes)
         run_id = tracker.run_id
         attempts = int(state.get("attempts", 0)) + 1
         atomic_write_json(
@@ -272,6 +303,7 @@ class TrialRunner:
                 "tid": self.tid,
                 "mlflow_run_id": run_id,
                 "attempts": attempts,
+                "nodes": self.nodes,
                 "overrides": self.spec["trials"][self.tid]["overrides"],
             },
         )
@@ -299,14 +331,17 @@ class TrialRunner:
         else:
 
             def own() -> dict[str, Any]:
-                m = run_stage("pretrain", p, root, self.spec)
+                recovered = published(root, "pretrain")  # a kill between publication and the mark
+                m = recovered if recovered is not None else run_stage("pretrain", p, root, self.spec)
                 append_line(
                     Path(self.spec["sweep_dir"]) / SWEEP_PRETRAIN_RUNS,
                     {
                         "sweep": self.spec["name"],
                         "trial": self.tid,
                         "host": socket.gethostname(),
+                        "node": node_name(),
                         "finished": time.time(),
+                        "recovered": recovered is not None,
                     },
                 )
                 return m
@@ -344,7 +379,7 @@ class TrialRunner:
             watcher.rows(history if isinstance(history, list) else [])  # epochs finished after the last poll
             return metrics
 
-        ft, _ = self.stage("finetune", tune_)
+        ft, _ = self.stage("finetune", tune_, training=True)
         if self.spec["share_pretraining"] and t.get("control_key"):
             cdir, executed, ctl = ensure_control(self.spec, t["control_key"], trial=self.tid)
             link_pretraining(root, cdir, "control")
@@ -354,7 +389,7 @@ class TrialRunner:
                     {"stage": "control", "shared": t["control_key"], "finished": time.time()},
                 )
         else:
-            ctl, _ = self.stage("control", lambda: run_stage("control", p, root, self.spec))
+            ctl, _ = self.stage("control", lambda: run_stage("control", p, root, self.spec), training=True)
         report({"stage": "control", "control_test_acc": ctl.get("test_acc", 0.0)})
         ev, _ = self.stage("evaluate", lambda: run_stage("evaluate", p, root, self.spec, workers=1))
 
@@ -382,10 +417,21 @@ class TrialRunner:
             "headline": headline(root),
             "pretrain_key": t["pretrain_key"] if self.spec["share_pretraining"] else None,
             "mlflow_run_id": tracker.run_id,
+            "node": node_name(),
+            "attempt_nodes": self.nodes,
+            "worker_nodes": worker_nodes(*_stage_roots(root)),
             "finished": time.time(),
         }
+        if done["worker_nodes"]:
+            tracker.set_tags({WORKER_NODES_TAG: ",".join(done["worker_nodes"])})
         atomic_write_json(root / DONE, done)
         return done
+
+
+def _stage_roots(root: Path) -> list[Path]:
+    """Where the trial's stages ran: its directory and the shared pretraining/control it links to."""
+    links = [root / "runs" / stage for stage in ("pretrain", "control")]
+    return [root, *(link.resolve().parents[1] for link in links if link.is_symlink())]
 
 
 def tune_trainable(config: dict[str, Any], spec: dict[str, Any]) -> None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh machine: system pieces, then .venv exactly as uv.lock pins it (the project
 # installed editable).
-# Usage: scripts/setup.sh [--test]     (--test adds what the test suite needs: SLURM + munge, chromium)
+# Usage: scripts/setup.sh [--test]     (--test adds what the test suite needs: SLURM + munge, chromium, iproute2)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 want_test=0
@@ -13,7 +13,8 @@ if [ "$(id -u)" != 0 ]; then command -v sudo >/dev/null && SUDO="sudo -n" || SUD
 apt_missing=()
 need_pkg() { dpkg -s "$1" >/dev/null 2>&1 || apt_missing+=("$1"); }
 need_pkg dataset-fashion-mnist
-if [ "$want_test" = 1 ]; then need_pkg slurm-wlm; need_pkg munge; need_pkg chromium; fi
+# iproute2: the network namespaces of the multi-node test cluster (infra/slurm/local_cluster.sh)
+if [ "$want_test" = 1 ]; then need_pkg slurm-wlm; need_pkg munge; need_pkg chromium; need_pkg iproute2; fi
 if [ "${#apt_missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] || [ -n "$SUDO" ]; then
     echo "setup: installing Debian packages: ${apt_missing[*]}"

@@ -1,11 +1,16 @@
-"""Session fixture: a real single-node SLURM cluster (infra/slurm/local_cluster.sh) for `@pytest.mark.slurm` tests.
+"""Session fixture: a real single-node SLURM cluster (infra/slurm/local_cluster.sh) for `@pytest.mark.slurm` tests,
+and :func:`start_cluster` ``(nodes=N)`` for a multi-node one (N slurmd, each in its own network namespace).
 
 Import the fixture in tests/conftest.py (``from slurm_cluster import slurm_cluster  # noqa: F401``).
 
 The cluster is started once (idempotent: an already running one is reused, also across pytest sessions and
 by concurrent sessions) and left running afterwards, so that another session's jobs are never killed; stop
-it with ``infra/slurm/local_cluster.sh stop``. ``SLURM_CONF`` is exported into ``os.environ`` for the session
-so sbatch/srun/squeue and submitit (in this process and in subprocesses) talk to it.
+it with ``infra/slurm/local_cluster.sh stop``. ``SLURM_CONF`` of the one-node cluster is exported into
+``os.environ`` for the session so sbatch/srun/squeue and submitit (in this process and in subprocesses) talk
+to it; a multi-node cluster is only reached through its own ``SlurmCluster.env`` (``SLURM_CONF``), so the
+one-node tests never land on it. Its state lives next to the one-node cluster's (``<TCNN_SLURM_DIR>-<N>n``),
+with its own slurmctld port (``TCNN_SLURM_CTLD_PORT`` + 10 (N-1)), test network (``10.77.N``; the first two
+octets from ``TCNN_SLURM_NET``) and namespace names (``<TCNN_SLURM_NETNS>Nn``).
 
 Skips, with the reason, only where it cannot work: slurm-wlm/munge not installed, or not root and no cluster
 running. ``TCNN_REQUIRE_SLURM=1`` turns those skips into failures (for CI, which runs as root).
@@ -33,14 +38,36 @@ STATE_DIR = Path(os.environ.get("TCNN_SLURM_DIR", "/tmp/tcnn-slurm"))
 class SlurmCluster:
     conf: Path  # slurm.conf (exported as SLURM_CONF)
     partition: str
-    node: str
-    cpus: int
+    node: str  # the first node
+    cpus: int  # CPUs of the first node
     start_s: float  # seconds `local_cluster.sh start` took (0 when it was already up)
+    nodes: tuple[str, ...] = ()  # every node, in order
+    script_env: tuple[tuple[str, str], ...] = ()  # TCNN_SLURM_* settings of local_cluster.sh for this cluster
+    gateway: str = "127.0.0.1"  # this host's address as the nodes see it (multi-node: the bridge)
+
+    @property
+    def settings(self) -> dict[str, str]:
+        """What points a process at this cluster: SLURM_CONF and the local_cluster.sh settings."""
+        return {**dict(self.script_env), "SLURM_CONF": str(self.conf)}
+
+    @property
+    def env(self) -> dict[str, str]:
+        """os.environ with :attr:`settings` (for clients, submitit and `tcnn sweep` subprocesses)."""
+        return {**os.environ, **self.settings}
 
     def run(self, *cmd: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
         """Run a SLURM client command against this cluster."""
-        env = {**os.environ, "SLURM_CONF": str(self.conf)}
-        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=check)
+        return subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout, check=check)
+
+    def script(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        """``infra/slurm/local_cluster.sh ARGS`` for this cluster."""
+        return subprocess.run(
+            [str(SCRIPT), *args], env=self.env, capture_output=True, text=True, timeout=timeout
+        )
+
+    def node_states(self) -> dict[str, str]:
+        out = self.run("sinfo", "-h", "-N", "-o", "%N %T", check=False).stdout
+        return dict(line.split() for line in out.splitlines() if len(line.split()) == 2)
 
     def job_field(self, job_id: str, name: str) -> str | None:
         """One field of `scontrol show job` (e.g. JobState, Restarts); None once the job is gone."""
@@ -107,15 +134,31 @@ def _skip_or_fail(reason: str) -> None:
     pytest.skip(reason)
 
 
-def start_cluster() -> SlurmCluster:
-    """Start (or reuse) the local cluster; skip the requesting tests where that cannot work."""
+def cluster_settings(nodes: int) -> dict[str, str]:
+    """The local_cluster.sh settings of the ``nodes``-node test cluster (module docstring)."""
+    if nodes == 1:
+        return {"TCNN_SLURM_DIR": str(STATE_DIR)}
+    port = int(os.environ.get("TCNN_SLURM_CTLD_PORT", "6817")) + 10 * (nodes - 1)
+    net = ".".join(os.environ.get("TCNN_SLURM_NET", "10.77.0").split(".")[:2])
+    return {
+        "TCNN_SLURM_DIR": f"{STATE_DIR}-{nodes}n",
+        "TCNN_SLURM_NODES": str(nodes),
+        "TCNN_SLURM_CTLD_PORT": str(port),
+        "TCNN_SLURM_NET": f"{net}.{nodes}",
+        "TCNN_SLURM_NETNS": f"{os.environ.get('TCNN_SLURM_NETNS', 'tcnn')[:6]}{nodes}n",
+    }
+
+
+def start_cluster(nodes: int = 1) -> SlurmCluster:
+    """Start (or reuse) the local cluster of ``nodes`` nodes; skip the requesting tests where that cannot work."""
     missing = [b for b in ("slurmctld", "slurmd", "sbatch", "munged") if shutil.which(b) is None]
     if missing:
         _skip_or_fail(
             f"slurm-wlm/munge not installed (missing {', '.join(missing)}; scripts/setup.sh --test)"
         )
-    conf = STATE_DIR / "slurm.conf"
-    env = {**os.environ, "TCNN_SLURM_DIR": str(STATE_DIR)}
+    settings = cluster_settings(nodes)
+    conf = Path(settings["TCNN_SLURM_DIR"]) / "slurm.conf"
+    env = {**os.environ, **settings}
     if os.geteuid() != 0:
         status = subprocess.run([str(SCRIPT), "status"], env=env, capture_output=True, text=True)
         if status.returncode != 0:
@@ -129,12 +172,27 @@ def start_cluster() -> SlurmCluster:
             pytest.fail(f"infra/slurm/local_cluster.sh start failed:\n{res.stderr[-3000:]}")
         if "already running" in res.stderr:
             took = 0.0
-    os.environ["SLURM_CONF"] = str(conf)
+    if nodes == 1:
+        os.environ["SLURM_CONF"] = str(conf)
     out = subprocess.run(
-        ["sinfo", "-h", "-N", "-o", "%P|%N|%c|%T"], capture_output=True, text=True, check=True
+        ["sinfo", "-h", "-N", "-o", "%P|%N|%c|%T"],
+        env={**os.environ, "SLURM_CONF": str(conf)},
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
-    partition, node, cpus, _state = out.splitlines()[0].split("|")
-    return SlurmCluster(conf=conf, partition=partition.rstrip("*"), node=node, cpus=int(cpus), start_s=took)
+    rows = [line.split("|") for line in out.splitlines()]
+    partition, node, cpus, _state = rows[0]
+    return SlurmCluster(
+        conf=conf,
+        partition=partition.rstrip("*"),
+        node=node,
+        cpus=int(cpus),
+        start_s=took,
+        nodes=tuple(sorted({r[1] for r in rows})),
+        script_env=tuple(settings.items()),
+        gateway=f"{settings['TCNN_SLURM_NET']}.1" if nodes > 1 else "127.0.0.1",
+    )
 
 
 @pytest.fixture(scope="session")

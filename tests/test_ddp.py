@@ -7,7 +7,8 @@
 - torchrun (what `dvc repro` uses for `workers_per_trial: 2`): a 2-worker pretraining stopped by SIGTERM and
   killed by SIGKILL resumes to outputs bitwise equal to an unbroken 2-worker run, and its checkpoints load
   in a single process (the reparam stage).
-- A sweep with `workers_per_trial: 2` on the local SLURM cluster (tests/test_sweep_slurm.py's set-up).
+A sweep with `workers_per_trial: 2` on the one-node SLURM cluster, and the same sweep with the workers on two
+nodes, are in tests/test_slurm_multinode.py.
 """
 
 from __future__ import annotations
@@ -260,31 +261,3 @@ def test_killed_two_worker_pretraining_resumes_exactly(tmp_path: Path) -> None:
     eq = json.loads((ref / "runs" / "reparam" / "equivalence.json").read_text())
     (large,) = [i for i in eq["inits"] if i["init"] == "large"]  # the function-preserving init
     assert large["max_abs_logit_diff"] < 1e-4 and large["prediction_agreement"] == 1.0
-
-
-# ------------------------------------------------------------------------------------- a sweep on SLURM
-
-
-@pytest.mark.slow
-@pytest.mark.slurm
-def test_sweep_with_two_workers_per_trial_on_slurm(tmp_path: Path) -> None:
-    from slurm_cluster import start_cluster
-    from test_sweep import TCNN, make_project, sweep_env
-    from test_sweep_ray import sweep_runs
-
-    cluster = start_cluster()
-    make_project(tmp_path, {"reparam.alpha_init": [1.0]}, finetune={"epochs": 1})
-    raw = (tmp_path / "params.yaml").read_text()
-    (tmp_path / "params.yaml").write_text("workers_per_trial: 2\n" + raw)
-    cmd = [TCNN, "sweep", "--params", "params.yaml", "--name", "ddp", "--slurm", "--cpus-per-node",
-           str(min(2, cluster.cpus)), "--partition", cluster.partition, "--time", "30",
-           "--object-store-mb", "200"]  # fmt: skip
-    done = subprocess.run(cmd, cwd=tmp_path, env=sweep_env(), capture_output=True, text=True, timeout=1500)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    (trial,) = (tmp_path / "sweeps" / "ddp" / "trials").iterdir()
-    for stage in ("pretrain", "finetune", "control"):
-        metrics = json.loads((trial / "runs" / stage / "metrics.json").read_text())
-        assert metrics["workers"] == 2, stage
-    parent, children = sweep_runs(tmp_path, "ddp")
-    assert parent.info.status == "FINISHED" and len(children) == 1
-    assert children[0].data.metrics["finetune_workers"] == 2

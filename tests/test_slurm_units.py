@@ -19,6 +19,9 @@ from pipelines.slurm import (
     SlurmLaunchError,
     SqueueFallbackWatcher,
     _clear_previous_run,
+    gpu_count,
+    make_executor,
+    sbatch_options,
 )
 
 
@@ -75,9 +78,30 @@ def test_ray_cli_knows_every_flag_we_pass() -> None:
 def test_long_temp_root_is_refused() -> None:
     job = RayClusterJob(print, rendezvous_dir="/tmp", config=RayClusterConfig(temp_root="/tmp/" + "x" * 60))
     with pytest.raises(SlurmLaunchError, match="too long for unix sockets"):
-        job._temp_dir()
+        job._temp_dir(0)
     ok = RayClusterJob(print, rendezvous_dir="/tmp", config=RayClusterConfig())
-    assert len(str(ok._temp_dir())) + 70 <= RAY_SOCKET_LIMIT
+    assert len(str(ok._temp_dir(12))) + 70 <= RAY_SOCKET_LIMIT
+
+
+def test_each_node_has_its_own_temp_dir(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nodes that share /tmp (the namespace nodes of the local cluster, or a shared scratch) must not share a
+    Ray temp dir: `_clear_previous_run` on one would kill the other's Ray."""
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    job = RayClusterJob(print, rendezvous_dir="/tmp")
+    dirs = [job._temp_dir(rank) for rank in range(3)]
+    assert [d.name for d in dirs] == ["tcnn-ray-4242", "tcnn-ray-4242-1", "tcnn-ray-4242-2"]
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_a_multi_node_job_survives_the_loss_of_a_node(tmp_path: Path, nodes: int) -> None:
+    """Several nodes: sbatch and srun get --no-kill, so SLURM ends only the lost node's task, not the job."""
+    executor = make_executor(tmp_path, nodes=nodes, cpus_per_node=1)
+    text = executor._make_submission_file_text("python -m x", "uid")
+    srun = [ln for ln in text.splitlines() if ln.startswith("srun ")]
+    assert len(srun) == 1
+    assert ("#SBATCH --no-kill" in text.splitlines()) == (nodes > 1)
+    assert (" --no-kill " in srun[0]) == (nodes > 1)
 
 
 def test_spawned_ray_processes_ignore_usr2_and_keep_their_pid(tmp_path: Path) -> None:
@@ -123,3 +147,20 @@ def test_squeue_output_parsed_like_sacct() -> None:
     assert info["12"]["State"] == "RUNNING" and info["12"]["NodeList"] == "vm"
     assert info["13_1"]["State"] == info["13_2"]["State"] == "PENDING"
     assert info["14_0"]["State"] == "CANCELLED"
+
+
+def test_site_options_reach_the_sbatch_script(tmp_path: Path) -> None:
+    """What a site changes (infra/slurm/README.md): account, constraint, QoS, a GPU type, any sbatch flag."""
+    extra = sbatch_options(["account=proj42", "constraint=a100", "qos=high", "exclusive"])
+    executor = make_executor(tmp_path, nodes=2, gpus_per_node="a100:4", partition="gpu", additional=extra)
+    lines = executor._make_submission_file_text("python -m x", "uid").splitlines()
+    for flag in ("--account=proj42", "--constraint=a100", "--qos=high", "--exclusive", "--gpus-per-node=a100:4",
+                 "--partition=gpu", "--nodes=2"):  # fmt: skip
+        assert f"#SBATCH {flag}" in lines
+    assert gpu_count("a100:4") == gpu_count("4") == 4 and gpu_count(0) == 0
+    with pytest.raises(ValueError, match="TYPE:COUNT"):
+        gpu_count("a100")
+    with pytest.raises(ValueError, match="set by tcnn"):
+        sbatch_options(["time=5"])
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        sbatch_options(["account="])

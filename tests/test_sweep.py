@@ -287,7 +287,9 @@ def test_tcnn_sweep_help_lists_the_options() -> None:
         "--slurm",
         "--nodes",
         "--gpus-per-node",
+        "--sbatch",
         "--time",
+        "--worker-placement",
     ):
         assert opt in out.stdout
 
@@ -400,3 +402,35 @@ def test_kind_table_uses_one_common_baseline(tmp_path: Path) -> None:
     page = write_report(spec, rows, krows, plots, tmp_path).read_text()
     assert "<td>convit</td>" in page and "<td>125.00</td>" in page and "pretrained CNN of t0" in page
     assert page.count("data:image/png;base64,") == 1 and page.count("<tr") == 1 + 3 + 1 + 2  # heads + rows
+
+
+def test_a_stage_published_before_a_kill_is_not_trained_again(tmp_path: Path) -> None:
+    """A kill between a training stage's publication (outputs, metrics.json last, then its work dir removed) and
+    the trial's done-mark: the next attempt records the published stage instead of training it again from
+    scratch (there is no partial state left to resume from). While the work dir exists, it trains (resumes)."""
+    from pipelines.sweep import build_spec
+    from pipelines.sweep_trial import STAGE_LOG, TrialRunner
+
+    path = make_project(tmp_path, {"reparam.alpha_init": [0.5]})
+    spec = build_spec(load_params(path), name="s", params_file=path, cwd=tmp_path)
+    (tid,) = spec["trials"]
+    runner = TrialRunner(spec, tid, report=False)
+    runner.marks.mkdir(parents=True)
+    partial, out = runner.root / "runs" / ".partial" / "finetune", runner.root / "runs" / "finetune"
+    partial.mkdir(parents=True)
+    out.mkdir(parents=True)
+    (out / "metrics.json").write_text(json.dumps({"test_acc": 0.25}))
+    trained: list[str] = []
+
+    def train() -> dict:
+        trained.append("finetune")
+        return {"test_acc": 0.5}
+
+    assert runner.stage("finetune", train, training=True) == ({"test_acc": 0.5}, True)  # mid-run: trains
+    (runner.marks / "finetune.json").unlink()
+    partial.rmdir()  # published, then killed before the mark
+    assert runner.stage("finetune", train, training=True) == ({"test_acc": 0.25}, False)
+    assert trained == ["finetune"]
+    lines = [json.loads(ln) for ln in (runner.root / STAGE_LOG).read_text().splitlines()]
+    assert [ln.get("recovered", False) for ln in lines] == [False, True]
+    assert runner.stage("finetune", train, training=True) == ({"test_acc": 0.25}, False)  # the mark now

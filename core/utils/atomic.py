@@ -91,3 +91,14 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 
 def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int = 2) -> Path:
     return atomic_write_text(path, json.dumps(obj, indent=indent, allow_nan=True) + "\n")
+
+
+def append_json_line(path: str | os.PathLike, record: dict[str, Any]) -> None:
+    """Append one JSON line (a single O_APPEND write, fsynced: concurrent appenders do not interleave)."""
+    data = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, file_mode())
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
