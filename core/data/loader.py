@@ -244,7 +244,7 @@ class BatchLoader:
             seeds = _rng(self.seed, _RANDAUG, epoch, step).integers(0, 1 << 63, size=b)
             x = self._apply_randaugment(x, seeds[mine])
         # uint8 -> normalized float32 in NumPy: single-threaded and predictable, it leaves torch's threads
-        # to the training step (torch's 2-thread elementwise ops were ~10x slower here under contention).
+        # to the training step (torch's threaded elementwise ops slow down under contention; benchmarks/loader.py).
         xf = x.transpose(0, 3, 1, 2).astype(np.float32)
         xf *= self._scale
         xf += self._shift

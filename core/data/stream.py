@@ -231,7 +231,7 @@ class StreamLoader:
         out = torch.empty(x.shape, dtype=torch.float32)
         if torch.utils.data.get_worker_info() is not None:
             out.share_memory_()  # as default_collate does: sent to the main process without another copy
-        xf = out.numpy()  # NumPy: 2x faster than torch's float().mul_().add_() on one thread
+        xf = out.numpy()  # NumPy: faster than torch's float().mul_().add_() on one thread
         np.multiply(x.numpy(), self._scale, out=xf)
         xf += self._shift
         return out, y

@@ -17,8 +17,8 @@ PROJECT_ARCHS: dict[str, dict[str, Any]] = {
     # The default: a dilated last stage (timm's output_stride=16: layer4 keeps layer3's resolution, its second
     # 3x3 conv gets dilation 2), so at 28 px the T-CNN's GPSA layers work on 7x7 maps (4x4 on resnet10_cifar);
     # the conversion of dilated convs is exact (core.nn.gpsa: centres at dilation * tap). The last stage keeps
-    # layer3's 64 channels: at 7x7 a 128-wide one trains 1.6x slower as a T-CNN (and 1.55x as a CNN; measured
-    # on 2 cores, AVX-512 EPYC), which the default chain's 10-minute budget cannot pay.
+    # layer3's 64 channels: a 128-wide one trains markedly slower at 7x7 (benchmarks/train.py), which the
+    # default chain's budget cannot pay.
     "resnet10_cifar_os16": dict(
         block=BasicBlock, layers=(1, 1, 1, 1), channels=(16, 32, 64, 64), output_stride=16
     ),

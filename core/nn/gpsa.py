@@ -102,7 +102,7 @@ def _flush_tiny(p: torch.Tensor) -> torch.Tensor:
     """Zero the (non-negative) probabilities below sqrt(smallest normal): 1e-19 in float32.
 
     Softmaxes underflow into subnormal numbers far from the attention center, and matmuls with subnormal
-    operands run 10-45x slower on x86 CPUs (measured on the benchmark's 14x14 case). Products of two kept
+    operands run many times slower on x86 CPUs (benchmarks/gpsa.py measures it). Products of two kept
     factors stay normal. The change is below 1e-19 absolute, far under float precision. Only for float32/64
     (the positional softmaxes are always computed in one of them).
     """
@@ -643,8 +643,8 @@ class GPSA(nn.Module):
     def _project(x: torch.Tensor, wgt: torch.Tensor, bias: torch.Tensor | None, stride: int) -> torch.Tensor:
         """``wgt @ x + bias`` at every ``stride``-th pixel of the NCHW map x: [B, rows, L'], as a 1x1
         convolution (oneDNN on CPU; the weight gradient is one GEMM).
-        Measured faster than a batched matmul against the weight expanded over the batch, in eval too, on an
-        AMD EPYC (64 x 504 x 7 x 7 -> 1008 rows: 21 vs 25 ms; 128 x 128 x 4 x 4 -> 270: 0.56 vs 1.04 ms).
+        Faster than a batched matmul against the weight expanded over the batch, in eval too
+        (benchmarks/gpsa.py).
         """
         return F.conv2d(x, wgt[:, :, None, None], bias, stride=stride).flatten(2)
 

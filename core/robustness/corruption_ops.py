@@ -185,7 +185,7 @@ def _zoom_taps(h: int, w: int, zoom_factor: float) -> tuple[np.ndarray, ...]:
 def _clipped_zoom(x: np.ndarray, zoom_factor: float) -> np.ndarray:
     """The reference scripts' centred ``clipped_zoom`` (crop the centre, ``scipy.ndimage.zoom(order=1)``,
     trim back to H x W) as separable bilinear interpolation on [H, W, K]: the same sample positions and
-    weights as scipy's zoom, ~20x faster at 28 px; values agree to ~1e-6 (tested against scipy). Works on
+    weights as scipy's zoom, faster (benchmarks/corruptions.py); values agree to ~1e-6 (tested against scipy). Works on
     non-square images (the package's version crops the top-left corner, the scripts' assume squares)."""
     y0, y1, fy, x0, x1, fx = _zoom_taps(x.shape[0], x.shape[1], float(zoom_factor))
     fy = fy.astype(x.dtype)[:, None, None]
@@ -198,7 +198,7 @@ def _motion_blur(x: np.ndarray, radius: int, sigma: float, angle: float) -> np.n
     """The package's ``_motion_blur`` (its numpy emulation of ImageMagick's one-sided motion blur): a sum of
     edge-clamped shifts along `angle` weighted by a half-Gaussian. Computed from one edge-padded copy by a
     compiled loop instead of two np.roll per tap; identical floats (same products, summed in the same tap
-    order; tested), ~3x faster at 28 px."""
+    order; tested), faster (benchmarks/corruptions.py)."""
     width = 2 * radius + 1
     kernel = _package().getMotionBlurKernel(width, sigma)
     # numpy's sin/cos (as the package), then plain floats: the same IEEE doubles, faster scalar arithmetic
@@ -661,9 +661,8 @@ def corrupt_batch(
 
     batched = _BATCH_FUNCS.get(corruption)
     if batched is not None:
-        # sub-batches small enough for the stacked float copies to stay in cache (zoom_blur at 28 px is
-        # 3x slower on 1000-image stacks than on 64-image ones); images are independent, so this changes
-        # no byte
+        # sub-batches small enough for the stacked float copies to stay in cache (zoom_blur slows down on
+        # large stacks); images are independent, so this changes no byte
         step = max(1, _SUB_BATCH_PIXELS // (h * w * c))
         out = np.empty_like(images)
         for a in range(0, n, step):

@@ -87,7 +87,7 @@ def write_set(
 
     Columns: ``index`` (int64, position in the source split), ``label`` (int64), ``image`` (fixed-size
     binary of H*W*C bytes, row-major HWC uint8, as the prepared data shards); `meta` is stored as JSON in
-    the schema metadata. zstd, no dictionary (~40 ms per 10k 28 px images). The bytes depend only on the
+    the schema metadata. zstd, no dictionary. The bytes depend only on the
     arguments, so two processes writing the same set produce identical files.
     """
     import pyarrow as pa  # noqa: PLC0415

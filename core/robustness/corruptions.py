@@ -52,8 +52,7 @@ one, is never drawn there), and among all six in the tiny and imagenet bands (:d
 integer (the scripts truncate with ``np.uint8``, which darkens every image by half a gray level and turns
 exact no-ops into off-by-one changes).
 
-Speed (Fashion-MNIST, 28 px, one core): ~0.12 ms per corrupted image averaged over the 19 x 5 sets, ~12x
-faster than calling the package per image. Deterministic corruptions run on whole batches (stacked along
+Speed (benchmarks/corruptions.py measures it against the package called per image): deterministic corruptions run on whole batches (stacked along
 the channel axis), fog's fractal is vectorised over images, zoom is separable bilinear interpolation,
 motion blur a compiled loop, Gaussian kernels are cached -- each checked against the package or scipy in
 tests/test_corruptions.py. Generating with ``workers > 1`` spawns processes: call it under
