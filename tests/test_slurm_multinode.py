@@ -37,6 +37,18 @@ from test_sweep_ray import GRID, pretrain_epoch_lines, stage_counts
 
 from pipelines.slurm import RayClusterConfig, RayPorts, launch_ray_cluster, make_executor, wait_result
 
+
+def _say(line: str) -> None:
+    """What a run measured (node per trial, resume points, wall times): printed, and appended to
+    $TCNN_TEST_ARTIFACTS/slurm_multinode.txt when set (CI keeps that directory)."""
+    print(line)
+    keep = os.environ.get("TCNN_TEST_ARTIFACTS")
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        with open(Path(keep) / "slurm_multinode.txt", "a") as f:
+            f.write(line + "\n")
+
+
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -305,7 +317,7 @@ def test_lost_head_node_requeues_the_job_which_resumes(
     assert rows[0][2] == "0" and rows[-1][2] == "1"
     worker_log = (tmp_path / "submitit" / f"{job.job_id}_1_log.err").read_text()
     assert f"the head's node node1 left job {job.job_id}: requeueing it" in worker_log
-    print(f"head node lost: job {job.job_id} requeued by its worker task {requeued_after:.0f}s later")
+    _say(f"head node lost: job {job.job_id} requeued by its worker task {requeued_after:.0f}s later")
 
 
 # ------------------------------------------------------------------------------ the sweep across nodes
@@ -405,7 +417,7 @@ def test_sweep_on_two_nodes_through_a_requeue_and_a_lost_worker_node(
         assert c.data.tags["tcnn.attempt_nodes"] == ",".join(rows[tid]["attempt_nodes"])
         assert c.data.tags["tcnn.attempt"] == str(rows[tid]["attempts"])
     assert _ray_processes(f"/tmp/tcnn-ray-{job}") == []
-    print(
+    _say(
         f"2-node sweep: {took:.0f}s; requeued while {requeued_in} fine-tuned (resumed at (epoch, step) "
         f"{ {t: resumes(sweep.dir / 'trials' / t) for t in after} }); node2 killed during {killed}, "
         f"which resumed at {lost[-1]}; nodes "
@@ -478,7 +490,7 @@ def test_two_worker_trial_across_nodes_equals_the_one_node_run(
         raise
     for name, s in runs.items():
         assert rcs[name] == 0, (name, s.log[-4000:])
-        print(f"{name}-node DDP sweep: {time.monotonic() - s.t0:.0f}s")
+        _say(f"{name}-node DDP sweep: {time.monotonic() - s.t0:.0f}s")
 
     one_dir, two_dir = runs["one"].dir, runs["two"].dir
     w_one, w_two = _worker_nodes(one_dir), _worker_nodes(two_dir)
@@ -498,7 +510,7 @@ def test_two_worker_trial_across_nodes_equals_the_one_node_run(
     ]
     a, b = _outputs(one_dir), _outputs(two_dir)
     diffs = {k: max_weight_diff(a[k], b[k]) for k in a}
-    print(
+    _say(
         "cross-node vs one-node 2-worker DDP, max |weight diff|: "
         + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items())
     )
