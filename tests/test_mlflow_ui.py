@@ -101,7 +101,12 @@ def test_compare_page_shows_runs_params_metrics(
         names = sorted(parent.data.metrics)
         shown = [w for w in metrics_part.split() if w in parent.data.metrics]
         assert len(shown) >= 12 and shown == names[: len(shown)], (shown, names)
-        for name in ("cnn_clean_accuracy", "control_clean_accuracy", "tcnn_clean_accuracy", "equivalence_error"):
+        for name in (
+            "cnn_clean_accuracy",
+            "control_clean_accuracy",
+            "tcnn_clean_accuracy",
+            "equivalence_error",
+        ):
             assert f" {name} " in metrics_part, name
         _chromium(
             compare([parent.info.run_id]), tmp_path, f"--screenshot={tmp_path / 'mlflow-compare-parent.png'}"
