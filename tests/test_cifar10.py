@@ -321,12 +321,20 @@ def test_select_over_must_be_a_grid_key() -> None:
 # ----------------------------------------------------------------------------------------- the network
 
 
-def test_study_network_gives_every_gpsa_layer_an_8x8_map_at_32px() -> None:
+def _study_params(tmp_path: Path):
+    """The shipped preset, its data.source pointed at a file of the test's own (the preset names the copy in
+    ../shared/datasets, which the tests never need)."""
     from core.config import load_params
+
+    (tmp_path / "cifar10.tar.gz").write_bytes(b"")
+    return load_params(STUDY, [f"data.source={tmp_path / 'cifar10.tar.gz'}"])
+
+
+def test_study_network_gives_every_gpsa_layer_an_8x8_map_at_32px(tmp_path: Path) -> None:
     from core.models import build
     from core.reparam import gpsa_modules
 
-    p = load_params(STUDY)
+    p = _study_params(tmp_path)
     assert p.data.image_size == 32
     model = build(p.model.kind, p.model.arch, 10).eval()
     layers = gpsa_modules(model)
@@ -342,10 +350,8 @@ def test_study_network_gives_every_gpsa_layer_an_8x8_map_at_32px() -> None:
     assert all(h >= 8 and w >= 8 for h, w in seen.values()), seen
 
 
-def test_study_preset_selects_the_lr_on_validation_over_a_30x_grid() -> None:
-    from core.config import load_params
-
-    p = load_params(STUDY)
+def test_study_preset_selects_the_lr_on_validation_over_a_30x_grid(tmp_path: Path) -> None:
+    p = _study_params(tmp_path)
     lrs = p.sweep.grid["finetune.lr"]
     assert len(lrs) >= 3 and max(lrs) / min(lrs) >= 30 and 1e-4 in lrs  # the paper's 1e-4 at batch 1024
     assert len(p.sweep.grid["seed"]) >= 3
