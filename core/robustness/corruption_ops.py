@@ -185,8 +185,9 @@ def _zoom_taps(h: int, w: int, zoom_factor: float) -> tuple[np.ndarray, ...]:
 def _clipped_zoom(x: np.ndarray, zoom_factor: float) -> np.ndarray:
     """The reference scripts' centred ``clipped_zoom`` (crop the centre, ``scipy.ndimage.zoom(order=1)``,
     trim back to H x W) as separable bilinear interpolation on [H, W, K]: the same sample positions and
-    weights as scipy's zoom, faster (benchmarks/corruptions.py); values agree to ~1e-6 (tested against scipy). Works on
-    non-square images (the package's version crops the top-left corner, the scripts' assume squares)."""
+    weights as scipy's zoom, faster (benchmarks/corruptions.py); values agree to ~1e-6 (tested against
+    scipy). Works on non-square images (the package's version crops the top-left corner, the scripts' assume
+    squares)."""
     y0, y1, fy, x0, x1, fx = _zoom_taps(x.shape[0], x.shape[1], float(zoom_factor))
     fy = fy.astype(x.dtype)[:, None, None]
     fx = fx.astype(x.dtype)[None, :, None]

@@ -52,10 +52,10 @@ one, is never drawn there), and among all six in the tiny and imagenet bands (:d
 integer (the scripts truncate with ``np.uint8``, which darkens every image by half a gray level and turns
 exact no-ops into off-by-one changes).
 
-Speed (benchmarks/corruptions.py measures it against the package called per image): deterministic corruptions run on whole batches (stacked along
-the channel axis), fog's fractal is vectorised over images, zoom is separable bilinear interpolation,
-motion blur a compiled loop, Gaussian kernels are cached -- each checked against the package or scipy in
-tests/test_corruptions.py. Generating with ``workers > 1`` spawns processes: call it under
+Speed (benchmarks/corruptions.py measures it against the package called per image): deterministic
+corruptions run on whole batches (stacked along the channel axis), fog's fractal is vectorised over images,
+zoom is separable bilinear interpolation, motion blur a compiled loop, Gaussian kernels are cached -- each
+checked against the package or scipy in tests/test_corruptions.py. Generating with ``workers > 1`` spawns processes: call it under
 ``if __name__ == "__main__":`` in scripts.
 
 Layout (one job per module; this one re-exports their public names, the import path every caller uses):
