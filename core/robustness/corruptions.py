@@ -41,22 +41,22 @@ batch sizes (on the same NumPy/SciPy/OpenCV versions).
 Other fixes of the package's pitfalls: frost textures are read once per process (cached); spatter's
 division by zero when no liquid pixel passes its threshold (an all-black image in the package) yields the
 uncorrupted image instead; glass_blur's numba kernel is compiled with ``cache=True`` (once per machine and
-source version, then loaded in ~0.5 s) and loaded once per worker (:func:`warm_up`).
+source version) and loaded once per worker (:func:`warm_up`).
 
-Where the package and the reference scripts differ, this module follows the scripts that made the public
-sets: zoom_blur and snow zoom into the image centre (the package crops the top-left corner), pixelate
-resamples with BOX both ways (the package upsamples with NEAREST), elastic_transform is the scripts'
-affine + displacement-field version (the package's has another parameterisation). Frost picks among the
-first five textures in the cifar band, as make_cifar_c.py does (``randint(5)``: the sixth, a dark and dense
-one, is never drawn there), and among all six in the tiny and imagenet bands (:data:`FROST_TEXTURES`). Outputs are rounded to the nearest
+Where the package and the reference scripts differ, this module follows the scripts that made the public sets:
+zoom_blur and snow zoom into the image centre (the package crops the top-left corner), pixelate resamples with
+BOX both ways (the package upsamples with NEAREST), elastic_transform is the scripts' affine + displacement-
+field version (the package's has another parameterisation). Frost picks among the first five textures in the
+cifar band, as make_cifar_c.py does (``randint(5)``: the sixth, a dark and dense one, is never drawn there),
+and among all six in the tiny and imagenet bands (:data:`FROST_TEXTURES`). Outputs are rounded to the nearest
 integer (the scripts truncate with ``np.uint8``, which darkens every image by half a gray level and turns
 exact no-ops into off-by-one changes).
 
-Speed (benchmarks/corruptions.py measures it against the package called per image): deterministic
-corruptions run on whole batches (stacked along the channel axis), fog's fractal is vectorised over images,
-zoom is separable bilinear interpolation, motion blur a compiled loop, Gaussian kernels are cached -- each
-checked against the package or scipy in tests/test_corruptions.py. Generating with ``workers > 1`` spawns processes: call it under
-``if __name__ == "__main__":`` in scripts.
+Speed (benchmarks/corruptions.py measures it against the package called per image): deterministic corruptions
+run on whole batches (stacked along the channel axis), fog's fractal is vectorised over images, zoom is
+separable bilinear interpolation, motion blur a compiled loop, Gaussian kernels are cached -- each checked
+against the package or scipy in tests/test_corruptions.py. Generating with ``workers > 1`` spawns processes:
+call it under ``if __name__ == "__main__":`` in scripts.
 
 Layout (one job per module; this one re-exports their public names, the import path every caller uses):
 ``corruption_tables`` (names, bands, constant tables), ``corruption_ops`` (the algorithms and the seeded entry
