@@ -7,6 +7,7 @@ Errors are raised as :class:`ConfigError` with a single line that names the offe
 from __future__ import annotations
 
 import copy
+import importlib
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -22,14 +23,6 @@ from pydantic import (
     model_validator,
 )
 
-from core.data.importers import DATASETS
-from core.models import CONVIT_CONFIGS, KINDS, check_options, is_known_arch
-from core.nn.cmhsa import CMHSA_ARCHS
-from core.nn.gpsa import STRIDE_MODES
-from core.nn.psa import QK_INITS
-from core.robustness.suite import CORRUPTIONS
-from core.training.precision import PRECISIONS
-
 FINETUNE_MODES = ("fresh", "continue")  # [TCNN21] Sec. 3 ("fresh") and Table 3 ("continue")
 
 
@@ -37,6 +30,40 @@ FINETUNE_MODES = ("fresh", "continue")  # [TCNN21] Sec. 3 ("fresh") and Table 3 
 # so at 28 px its last stage -- the one the T-CNN converts -- works on a 7x7 map, as the paper's last stage
 # does at 224 px; on the plain resnet10_cifar it is 4x4, where a 3x3 conv already sees most of the map.
 DEFAULT_ARCH = "resnet10_cifar_os16"
+
+
+# Allowed names live in the registries of the layers above; config sits at the bottom of core/ and imports none
+# of them (so no stage depends on science code only for its names). Each is looked up here, by module and
+# attribute, when a value is validated: (module, attribute; a callable attribute is called).
+REGISTRIES: dict[str, tuple[str, str]] = {
+    "datasets": ("core.data.importers", "DATASETS"),
+    "model_kinds": ("core.models.kinds", "kind_names"),
+    "stride_modes": ("core.nn.positional", "STRIDE_MODES"),
+    "corruptions": ("core.robustness.suite", "CORRUPTIONS"),
+    "public_sets": ("core.robustness.public_sets", "PUBLIC_KINDS"),
+    "precisions": ("core.training.precision", "PRECISIONS"),
+}
+
+
+def allowed(registry: str) -> tuple[str, ...]:
+    """The names of ``registry`` (a key of `REGISTRIES`), from the module where they are defined."""
+    module, attr = REGISTRIES[registry]
+    names = getattr(importlib.import_module(module), attr)
+    return tuple(names() if callable(names) else names)
+
+
+def _one_of(value: Any, registry: str) -> Any:
+    names = allowed(registry)
+    if value not in names:
+        quoted = [repr(n) for n in names]
+        choices = f"{', '.join(quoted[:-1])} or {quoted[-1]}" if len(quoted) > 1 else quoted[0]
+        raise ValueError(f"Input should be {choices}, got {value!r}")
+    return value
+
+
+def _models() -> Any:
+    """`core.models` (the model factory and its kind registry), for the model section's checks."""
+    return importlib.import_module("core.models")
 
 
 class ConfigError(ValueError):
@@ -61,7 +88,7 @@ class _Strict(BaseModel):
 
 
 class DataConfig(_Strict):
-    name: Literal[DATASETS] = "fashion_mnist"
+    name: str = "fashion_mnist"  # a key of core.data.importers.DATASETS
     source: Path | None = None  # raw files; None = the dataset's default location (or a download)
     dir: Path = Path("data/fashion_mnist")  # Parquet shards + manifest.json
     sample_fraction: float = Field(1.0, gt=0.0, le=1.0)
@@ -77,6 +104,11 @@ class DataConfig(_Strict):
     # as the full-data run (`plan_epochs`; the DVC path and the sweeps apply the same function).
     fraction_scales_epochs: bool = True
 
+    @field_validator("name")
+    @classmethod
+    def _known_dataset(cls, v: str) -> str:
+        return _one_of(v, "datasets")
+
     @field_validator("source")
     @classmethod
     def _readable(cls, v: Path | None) -> Path | None:
@@ -86,67 +118,35 @@ class DataConfig(_Strict):
 
 
 class ModelConfig(_Strict):
-    kind: Literal[KINDS] = "tcnn"
+    kind: str = "tcnn"  # a kind of the registry, core.models.kinds
     arch: str = DEFAULT_ARCH
     drop_path: float = Field(0.0, ge=0.0, lt=1.0)
     options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, v: str) -> str:
+        return _one_of(v, "model_kinds")
 
     @field_validator("arch")
     @classmethod
     def _known_arch(cls, v: str, info: ValidationInfo) -> str:
         kind = info.data.get("kind")
-        if kind == "convit" and v not in CONVIT_CONFIGS:
-            raise ValueError(f"unknown arch {v!r} for kind 'convit' (choose from {sorted(CONVIT_CONFIGS)})")
-        if kind == "cmhsa" and v not in CMHSA_ARCHS:
-            raise ValueError(f"unknown arch {v!r} for kind 'cmhsa' (choose from {sorted(CMHSA_ARCHS)})")
-        if kind not in ("convit", "cmhsa") and not is_known_arch(v, "cnn"):
-            raise ValueError(f"unknown arch {v!r} (not a timm model name nor a project-registered net)")
+        if kind is not None:
+            _models().check_arch(kind, v)
         return v
 
     @field_validator("options")
     @classmethod
     def _kind_options(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
-        """Kind-specific options: the ablation switches ([ConViT21] Table 3), the conversion of hybrid_scratch and
-        psa's qk_init; tcnn / psa convert with the `reparam` section, cmhsa's phase is set by the stages."""
+        """The kind's options as its registry record allows them (`core.models.check_model_options`): the
+        ablation switches ([ConViT21] Table 3), a conversion that lives in the options, the kind's own checks."""
         kind = info.data.get("kind")
-        if kind is None:
-            return v
-        try:
-            check_options(kind, v)
-        except ValueError as err:
-            raise ValueError(str(err).removeprefix("options.")) from None
-        conv_keys = ("alpha_init", "lambda_init", "stages", "stride_mode")
-        if kind in ("tcnn", "psa"):
-            bad = [k for k in conv_keys if k in v]
-            if bad:
-                raise ValueError(f"{bad[0]}: kind {kind!r} converts with reparam.{bad[0]}; set that instead")
-        if "qk_init" in v:
-            if kind != "psa":
-                raise ValueError(f"qk_init: applies to kind 'psa', not {kind!r}")
-            if v["qk_init"] not in QK_INITS:
-                raise ValueError(f"qk_init: must be one of {list(QK_INITS)}, got {v['qk_init']!r}")
-        if kind == "cmhsa" and "phase" in v:
-            raise ValueError(
-                "phase: set by the stages (pretrain: conv, reparam onwards: mhsa), not an option"
-            )
-        if kind == "hybrid_scratch":
-            a = v.get("alpha_init", 1.0)
-            if isinstance(a, bool) or not isinstance(a, int | float) or not a > 0:
-                raise ValueError(f"alpha_init: must be a number > 0, got {a!r}")
-            lam = v.get("lambda_init", 1.0)
-            if isinstance(lam, bool) or not isinstance(lam, int | float):
-                raise ValueError(f"lambda_init: must be a number, got {lam!r}")
-            st = v.get("stages", [-1])
-            if (
-                not isinstance(st, list)
-                or not st
-                or not all(isinstance(i, int) and not isinstance(i, bool) for i in st)
-            ):
-                raise ValueError(f"stages: must be a non-empty list of stage indices, got {st!r}")
-            if v.get("stride_mode", "exact") not in STRIDE_MODES:
-                raise ValueError(
-                    f"stride_mode: must be one of {list(STRIDE_MODES)}, got {v['stride_mode']!r}"
-                )
+        if kind is not None:
+            try:
+                _models().check_model_options(kind, v)
+            except ValueError as err:
+                raise ValueError(str(err).removeprefix("options.")) from None
         return v
 
 
@@ -191,8 +191,13 @@ class ReparamConfig(_Strict):
     epoch: int = Field(2, ge=0)  # t1; 0 = reparameterize the untrained CNN
     alpha_init: float = Field(1.0, gt=0.0)
     lambda_init: float = 1.0
-    stride_mode: Literal[STRIDE_MODES] = "exact"
+    stride_mode: str = "exact"  # core.nn.positional.STRIDE_MODES
     stages: list[int] = Field(default_factory=lambda: [-1])
+
+    @field_validator("stride_mode")
+    @classmethod
+    def _known_stride_mode(cls, v: str) -> str:
+        return _one_of(v, "stride_modes")
 
 
 class FinetuneConfig(_Strict):
@@ -225,10 +230,15 @@ class PublicSetsConfig(_Strict):
     generated sets (``use: add``: results/public/, metrics.json "public", ``public_*`` summary metrics) or
     instead of them (``use: replace``: the main results are the published sets')."""
 
-    kind: Literal["cifar10_c", "cifar100_c", "imagenet_c", "tiny_imagenet_c"]
+    kind: str  # a key of core.robustness.public_sets.PUBLIC_KINDS
     dir: Path  # CIFAR-10-C: <dir>/<corruption>.npy + labels.npy; ImageNet-C: <dir>/<corruption>/<severity>/<wnid>/
     use: Literal["add", "replace"] = "add"
     n_images: int | None = Field(None, gt=0)  # images per set (evenly spaced); None = robustness.n_images
+
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, v: str) -> str:
+        return _one_of(v, "public_sets")
 
     @field_validator("dir")
     @classmethod
@@ -240,7 +250,7 @@ class PublicSetsConfig(_Strict):
 
 class RobustnessConfig(_Strict):
     n_images: int = Field(500, gt=0)
-    corruptions: list[str] = Field(default_factory=lambda: list(CORRUPTIONS))
+    corruptions: list[str] = Field(default_factory=lambda: list(allowed("corruptions")))
     severities: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5])
     dir: Path = Path("data/fashion_mnist-c")
     batch_size: int = Field(500, gt=0)
@@ -254,9 +264,10 @@ class RobustnessConfig(_Strict):
     @field_validator("corruptions")
     @classmethod
     def _known_corruptions(cls, v: list[str]) -> list[str]:
-        bad = [c for c in v if c not in CORRUPTIONS]
+        known = allowed("corruptions")
+        bad = [c for c in v if c not in known]
         if bad:
-            raise ValueError(f"unknown corruption(s) {bad}; choose from {list(CORRUPTIONS)}")
+            raise ValueError(f"unknown corruption(s) {bad}; choose from {list(known)}")
         if not v:
             raise ValueError("must name at least one corruption")
         return v
@@ -298,7 +309,7 @@ class TrackingConfig(_Strict):
 
 class Params(_Strict):
     seed: int = Field(0, ge=0)
-    precision: Literal[PRECISIONS] = "auto"  # core.training.precision: auto | fp32 | bf16 | fp16
+    precision: str = "auto"  # core.training.precision.PRECISIONS: auto | fp32 | bf16 | fp16
     # Data-parallel (DDP) processes per training run: torchrun under `dvc repro`, Ray Train workers in a sweep
     # trial (core.training.distributed). batch sizes stay global and must divide by it.
     workers_per_trial: int = Field(1, ge=1)
@@ -311,6 +322,11 @@ class Params(_Strict):
     robustness: RobustnessConfig = Field(default_factory=RobustnessConfig)
     sweep: SweepConfig = Field(default_factory=SweepConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @field_validator("precision")
+    @classmethod
+    def _known_precision(cls, v: str) -> str:
+        return _one_of(v, "precisions")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Params:
@@ -403,19 +419,23 @@ def _set_grid(raw: dict[str, Any], key: str, value: Any) -> bool:
     return True
 
 
-def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+def set_dotted(raw: dict[str, Any], key: str, value: Any, *, create: bool = False) -> None:
+    """Set the dotted ``key`` of the raw params mapping (the one override path: `-S key=value`, sweep grid
+    values). ``create``: a key params.yaml leaves at its default may be named (its sections are created; the
+    model still rejects unknown keys); otherwise only existing keys, keys of an optional section left at
+    null, and grid / options entries."""
     if _set_grid(raw, key, value):
         return
     node = raw
     *parents, leaf = key.split(".")
     opened = False  # an optional section left at null (e.g. pretrain.augment): its keys come from the model
     for part in parents:
-        if part in node and node[part] is None:
+        if node.get(part) is None and (part in node or create):
             node[part], opened = {}, True
         if not isinstance(node.get(part), dict):
             raise ConfigError(f"{key}: unknown key")
         node = node[part]
-    if leaf not in node and not opened and not (parents and parents[-1] in ("grid", "options")):
+    if leaf not in node and not (opened or create) and not (parents and parents[-1] in ("grid", "options")):
         raise ConfigError(f"{key}: unknown key")
     node[leaf] = value
 
@@ -526,31 +546,8 @@ def load_params(path: str | os.PathLike = "params.yaml", overrides: list[str] | 
             raise ConfigError(f"{path}: expected a mapping at the top level")
         for text in overrides:
             key, value = parse_override(text)
-            if not _set_grid(raw, key, value):
-                set_dotted(raw, key, value) if _has_path(raw, key) else _set_new(raw, key, value)
+            set_dotted(raw, key, value, create=True)
     try:
         return validate_params(raw)
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
-
-
-def _has_path(raw: dict, key: str) -> bool:
-    node: Any = raw
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
-    return True
-
-
-def _set_new(raw: dict, key: str, value: Any) -> None:
-    """Overrides may name keys that params.yaml leaves at their defaults; the model still rejects unknowns."""
-    node = raw
-    *parents, leaf = key.split(".")
-    for part in parents:
-        if node.get(part) is None:
-            node[part] = {}
-        node = node[part]
-        if not isinstance(node, dict):
-            raise ConfigError(f"{key}: unknown key")
-    node[leaf] = value

@@ -61,7 +61,13 @@ SWEEP_JSON = "sweep.json"
 TUNE_DIR = "tune"
 ADDRESS_RE = re.compile(r"^(local|auto|ray://[^\s:/]+:\d{1,5}|[^\s:/]+:\d{1,5})$")
 LOCAL_OBJECT_STORE_MB = 256
-_TCNN_KINDS = ("tcnn", "hybrid_scratch")  # kinds whose final model is a T-CNN
+
+
+def _final_is_tcnn(kind: str | None) -> bool:
+    """A trial of a kind whose final model is a T-CNN (no kind in the row: a sweep of the default kind)."""
+    from core.models import kinds
+
+    return kind is None or kinds.get(kind).final_is_tcnn
 
 
 def say(msg: str) -> None:
@@ -379,7 +385,7 @@ def run_sweep(
             accs = [  # the fine-tuned model's accuracy; in a kind grid only T-CNN-architecture trials count
                 r["tcnn_clean_accuracy"]
                 for r in rows
-                if r["tcnn_clean_accuracy"] is not None and r.get("model_kind") in (None, *_TCNN_KINDS)
+                if r["tcnn_clean_accuracy"] is not None and _final_is_tcnn(r.get("model_kind"))
             ]
             if accs:
                 metrics["best_tcnn_clean_accuracy"] = max(accs)

@@ -8,12 +8,7 @@ directory and MLflow run id, and where it ran: ``node`` (the node of the attempt
 ``attempts``, ``attempt_nodes`` (every attempt's node, in order) and ``worker_nodes`` (the nodes the
 data-parallel stage runs of the trial, its own and the shared ones, had ranks on; [] with one worker).
 
-Plots (each only when the grid varies what it shows; values averaged over the other grid keys, error bars
-min..max):
-- ``accuracy_vs_t1.png``: T-CNN clean accuracy and mCA vs the reparameterization epoch t1 ([TCNN21] Table 3);
-- ``accuracy_vs_fraction.png``: CNN and T-CNN clean accuracy vs training-sample fraction ([ConViT21] Table 2);
-- ``alpha_lambda_heatmap.png``: T-CNN clean accuracy and mCA over alpha_init x lambda_init;
-- ``accuracy_by_kind.png``: clean accuracy and mCE per model.kind (:func:`kind_rows`).
+Plots: `core.viz.sweep_plots` (each only when the grid varies what it shows).
 
 Model-kind comparisons (issue 8): :func:`kind_rows` re-normalises every trial's corruption errors by ONE
 baseline, the pretrained CNN of the first finished ``kind=cnn`` trial, because a trial's own mCE is relative
@@ -24,7 +19,6 @@ kinds on different scales. Written as ``kinds.parquet`` and ``kinds.md`` and log
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +29,6 @@ from core.utils.atomic import atomic_write
 from pipelines.sweep_plan import SHORT
 from pipelines.sweep_trial import HEADLINE
 
-T1, ALPHA, LAMBDA, FRACTION = (
-    "reparam.epoch",
-    "reparam.alpha_init",
-    "reparam.lambda_init",
-    "data.sample_fraction",
-)
 METRIC_COLUMNS = HEADLINE  # the numbers every trial reports last
 SEED = "seed"
 #: Column suffixes of a seed aggregate: mean over seeds and Student's 95% t-interval. Not "_ci_low" alone:
@@ -243,111 +231,15 @@ def _finished(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if r["status"] == "finished"]
 
 
-def _aggregate(rows: list[dict[str, Any]], keys: tuple[str, ...], metric: str) -> dict[tuple, list[float]]:
-    out: dict[tuple, list[float]] = defaultdict(list)
-    for r in rows:
-        if r.get(metric) is not None:
-            out[tuple(r[k] for k in keys)].append(float(r[metric]))
-    return out
-
-
-def _line(ax: Any, agg: dict[tuple, list[float]], label: str, **kw: Any) -> None:
-    xs = sorted(agg)
-    if not xs:
-        return
-    means = [sum(agg[x]) / len(agg[x]) for x in xs]
-    lo = [max(0.0, m - min(agg[x])) for m, x in zip(means, xs)]  # rounding: mean of equal values
-    hi = [max(0.0, max(agg[x]) - m) for m, x in zip(means, xs)]
-    ax.errorbar([x[0] for x in xs], means, yerr=[lo, hi], marker="o", capsize=3, label=label, **kw)
-
-
-def _save(fig: Any, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    try:
-        return atomic_write(path, lambda fh: fig.savefig(fh, format="png", dpi=110))
-    finally:
-        plt.close(fig)
-
-
 def make_plots(spec: dict[str, Any], rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """The plots the grid supports (see the module docstring); returns the files written."""
-    import matplotlib
+    """The plots the grid supports (`core.viz.sweep_plots`); returns the files written."""
+    from core.viz.sweep_plots import sweep_plots
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = _finished(rows)
-    written: list[Path] = []
-    if not rows:
-        return written
-    name = spec["name"]
-    if _varies(spec, T1):
-        fig, ax = plt.subplots(figsize=(5.5, 4))
-        _line(ax, _aggregate(rows, (T1,), "tcnn_clean_accuracy"), "T-CNN clean")
-        _line(ax, _aggregate(rows, (T1,), "tcnn_mca"), "T-CNN corrupted (mCA)", linestyle="--")
-        cnn = [r["cnn_clean_accuracy"] for r in rows if r["cnn_clean_accuracy"] is not None]
-        if cnn:
-            ax.axhline(sum(cnn) / len(cnn), color="gray", linestyle=":", label="CNN (end of pretraining)")
-        ax.set_xlabel("reparameterization epoch t1 (grid value)")
-        ax.set_ylabel("test accuracy")
-        ax.set_title(f"{name}: accuracy vs t1 ([TCNN21] Table 3)")
-        ax.legend(fontsize=8)
-        written.append(_save(fig, out_dir / "accuracy_vs_t1.png"))
-    if _varies(spec, FRACTION):
-        fig, ax = plt.subplots(figsize=(5.5, 4))
-        _line(ax, _aggregate(rows, (FRACTION,), "cnn_clean_accuracy"), "CNN")
-        _line(ax, _aggregate(rows, (FRACTION,), "tcnn_clean_accuracy"), "T-CNN")
-        ax.set_xscale("log")
-        ax.set_xlabel(
-            "training-sample fraction f (epochs x 1/f)" if _scales(spec) else "training-sample fraction f"
-        )
-        ax.set_ylabel("clean test accuracy")
-        ax.set_title(f"{name}: CNN vs T-CNN by sample fraction ([ConViT21] Table 2)")
-        ax.legend(fontsize=8)
-        written.append(_save(fig, out_dir / "accuracy_vs_fraction.png"))
-    if _varies(spec, ALPHA) and _varies(spec, LAMBDA):
-        alphas, lambdas = sorted(spec["grid"][ALPHA]), sorted(spec["grid"][LAMBDA])
-        fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
-        for ax, metric, title in zip(axes, ("tcnn_clean_accuracy", "tcnn_mca"), ("clean accuracy", "mCA")):
-            agg = _aggregate(rows, (ALPHA, LAMBDA), metric)
-            grid = [
-                [
-                    sum(agg[(a, lam)]) / len(agg[(a, lam)]) if agg.get((a, lam)) else float("nan")
-                    for lam in lambdas
-                ]
-                for a in alphas
-            ]
-            im = ax.imshow(grid, origin="lower", cmap="viridis", aspect="auto")
-            ax.set_xticks(range(len(lambdas)), [str(v) for v in lambdas])
-            ax.set_yticks(range(len(alphas)), [str(v) for v in alphas])
-            ax.set_xlabel("lambda_init")
-            ax.set_ylabel("alpha_init")
-            ax.set_title(f"T-CNN {title}")
-            for i, line in enumerate(grid):
-                for j, v in enumerate(line):
-                    if v == v:
-                        ax.text(j, i, f"{v:.3f}", ha="center", va="center", color="w", fontsize=8)
-            fig.colorbar(im, ax=ax)
-        fig.suptitle(f"{name}: alpha_init x lambda_init")
-        fig.tight_layout()
-        written.append(_save(fig, out_dir / "alpha_lambda_heatmap.png"))
-    krows = [k for k in kind_rows(spec, rows) if not k["kind"].startswith("cnn (")]
-    if krows:
-        labels = [f"{k['kind']}\n{k['arch']}" for k in krows]
-        fig, axes = plt.subplots(1, 2, figsize=(10, 3.9))
-        for ax, key, title in zip(axes, ("clean_accuracy", "mce"), ("clean accuracy", "mCE")):
-            vals = [k[key] if k[key] is not None else float("nan") for k in krows]
-            ax.bar(range(len(krows)), vals)
-            ax.set_xticks(range(len(krows)), labels, rotation=20, fontsize=8)
-            ax.set_title(title)
-            for i, v in enumerate(vals):
-                if v == v:
-                    ax.text(i, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
-        fig.suptitle(f"{name}: by model.kind (mCE vs {krows[0]['baseline']})", fontsize=10)
-        fig.tight_layout()
-        written.append(_save(fig, out_dir / "accuracy_by_kind.png"))
-    return written
+    finished = _finished(rows)
+    krows = kind_rows(spec, finished) if finished else []
+    return sweep_plots(
+        spec["name"], spec["grid"], finished, krows, out_dir, fraction_scales_epochs=_scales(spec)
+    )
 
 
 # ------------------------------------------------------------------------------------- kind comparison
@@ -452,7 +344,7 @@ def write_kinds(krows: list[dict[str, Any]], sweep_dir: Path) -> list[Path]:
 
 
 def _scales(spec: dict[str, Any]) -> bool:
-    return bool(spec["base"]["data"].get("fraction_scales_epochs", True))
+    return bool(spec.get("base", {}).get("data", {}).get("fraction_scales_epochs", True))
 
 
 def format_table(rows: list[dict[str, Any]], grid_keys: list[str]) -> str:

@@ -11,7 +11,7 @@ CNN run continued for the same t2 epochs ([TCNN21] Table 3's CNN row). Names in 
 does not have (the GPSA's attention-only parameters) are skipped.
 
 The control exists for the kinds whose fine-tuned model is a reparameterized pretrained network
-(`core.models.REPARAMETERIZED_KINDS`) and when ``finetune.control`` is true. Otherwise the stage writes its
+(their registry record says so: `core.models.kinds.ModelKind.has_control`) and when ``finetune.control`` is true. Otherwise the stage writes its
 outputs empty and says why in metrics.json (``enabled: false``), so the DVC graph stays the same.
 
 Outputs (``root/runs/control/``): ``model/control-final.pt``, ``history.json`` / ``history.csv`` (one row per
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import Params
-from core.models import REPARAMETERIZED_KINDS
+from core.models import kinds
 from core.training.optim import named_state
 from core.utils.atomic import atomic_write_json, atomic_write_text
 from stages import finetune, reparam
@@ -46,7 +46,7 @@ def disabled_reason(params: Params) -> str | None:
     """Why this config has no control (None: it has one)."""
     if not params.finetune.control:
         return "finetune.control is false"
-    if params.model.kind not in REPARAMETERIZED_KINDS:
+    if not kinds.get(params.model.kind).has_control:
         return (
             f"model.kind={params.model.kind!r} fine-tunes without reparameterization: its fine-tuned model is "
             "already the control"

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from core.config import Params
-from core.models import set_stochastic_depth
+from core.models import kinds, set_stochastic_depth
 from core.models.spec import build_from_spec, pretraining_spec
 from core.training import distributed as D
 from core.training.loop import (
@@ -53,9 +53,9 @@ def model_spec(params: Params, num_classes: int, in_chans: int) -> dict[str, Any
 
 
 def gate_lr(params: Params) -> float | None:
-    """hybrid_scratch trains its gates at finetune.gate_lr (the fine-tuning recipe's gate lr, [TCNN21] Sec. 3);
-    other kinds: one lr for every parameter."""
-    return params.finetune.gate_lr if params.model.kind == "hybrid_scratch" else None
+    """A kind that pretrains gated attention (hybrid_scratch) trains its gates at finetune.gate_lr (the
+    fine-tuning recipe's gate lr, [TCNN21] Sec. 3); other kinds: one lr for every parameter."""
+    return params.finetune.gate_lr if kinds.get(params.model.kind).pretrains_attention else None
 
 
 def run_hash(params: Params, data_fingerprint: str, device: str) -> str:

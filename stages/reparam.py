@@ -11,15 +11,11 @@ Reads `root/runs/pretrain/ckpt/ckpt-epoch-{t1:03d}.pt`, applies `core.reparam.to
   equivalence.json   max / mean |logit diff| T-CNN vs CNN on a validation batch (eval mode), the same for
                      the other stride mode, and the accuracy of both networks on the validation and test sets.
 
-Dispatch on `model.kind`:
-- "tcnn": GPSA ([TCNN21] Sec. 2); "psa": ungated positional self-attention (`core.nn.psa`, [Cordonnier20] / [ConViT21] App. A), with
-  `reparam.alpha_init`, `reparam.stages`, `reparam.stride_mode` (and `model.options.qk_init`); both followed by
-  the ablation switches of `model.options` (gating, freeze_gpsa; `core.models`).
-- "cmhsa": the convolution phase becomes the self-attention phase by [Li21] Theorem 1 (`core.nn.cmhsa.to_mhsa`);
-  the optimizer state of parameters that keep their name and shape is carried, the rest starts empty.
-- "cnn" (Table 1's fine-tuning "without SA" baseline), "convit", "aa_resnet" and "hybrid_scratch" (the T-CNN
-  architecture trained from scratch, t1 = 0 of [TCNN21] Table 3): the network passes through unconverted, with
-  the same files.
+What happens to the network is the kind's registry record's business (`core.models.reparameterize`): a
+converting kind ("tcnn": GPSA, [TCNN21] Sec. 2; "psa": [Cordonnier20]) converts with the reparam section's
+settings and the ablation switches of `model.options`; a two-phase kind ("cmhsa", [Li21] Theorem 1) maps its
+first phase onto its second, carrying the optimizer state of parameters that keep their name and shape; every
+other kind passes through unconverted, with the same files.
 """
 
 from __future__ import annotations
@@ -34,9 +30,10 @@ import torch
 from core.analysis.equivalence import LARGE_INIT, PAPER_INIT, agreement
 from core.config import Params
 from core.data import first_batch
+from core.models import kinds
 from core.models.reparam import attention_modules, gpsa_modules
-from core.models.spec import build_from_spec, make_model_spec, pretraining_kind
-from core.nn.cmhsa import to_mhsa
+from core.models.reparameterize import convert_cnn, reparameterize, source_mismatch
+from core.models.spec import build_from_spec
 from core.training.checkpoint import atomic_save
 from core.training.loop import evaluate, predict, seed_everything, select_device
 from core.training.optim import map_state_to_tcnn, named_state
@@ -54,37 +51,9 @@ def source_path(params: Params, root: Path) -> Path:
     return root / "runs" / "pretrain" / "ckpt" / f"ckpt-epoch-{params.reparam.epoch:03d}.pt"
 
 
-CONVERTING = ("tcnn", "psa")
-
-
 def convert(cnn: torch.nn.Module, params: Params, stride_mode: str | None = None) -> torch.nn.Module:
-    """The T-CNN (or PSA network, for model.kind "psa") of ``cnn`` with the reparam section's settings."""
-    from core.models import convert as convert_kind
-
-    kind = "psa" if params.model.kind == "psa" else "tcnn"
-    return convert_kind(cnn, kind, **_conversion(params, stride_mode), **_switches(params, kind))
-
-
-def _conversion(params: Params, stride_mode: str | None = None) -> dict[str, Any]:
-    r = params.reparam
-    conv: dict[str, Any] = {
-        "alpha_init": r.alpha_init,
-        "stages": list(r.stages),
-        "stride_mode": stride_mode or r.stride_mode,
-    }
-    if params.model.kind != "psa":
-        conv["lambda_init"] = r.lambda_init
-    return conv
-
-
-def _switches(params: Params, kind: str) -> dict[str, Any]:
-    """The model.options that act on the converted network: ablation switches (and psa's qk_init)."""
-    from core.models import ABLATION_OPTIONS
-
-    keys = [k for k, kinds in ABLATION_OPTIONS.items() if kind in kinds] + (
-        ["qk_init"] if kind == "psa" else []
-    )
-    return {k: params.model.options[k] for k in keys if k in params.model.options}
+    """The converted network of ``cnn`` for a converting model.kind, with the reparam section's settings."""
+    return convert_cnn(cnn, params.model.kind, params.reparam, params.model.options, stride_mode)
 
 
 def _carry_by_name(state: dict[str, dict[str, Any]], model: torch.nn.Module) -> dict[str, dict[str, Any]]:
@@ -114,46 +83,24 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         raise StageError(f"{src}: cannot rebuild the CNN from this checkpoint ({first})") from None
     kind = params.model.kind
     spec_cnn = ckpt["model_spec"]
-    if spec_cnn["kind"] != pretraining_kind(params.model.kind) or (
-        kind in CONVERTING and spec_cnn.get("tcnn") is not None
-    ):
-        held = "a T-CNN" if spec_cnn.get("tcnn") is not None else f"a {spec_cnn['kind']!r} model"
-        raise StageError(
-            f"{src}: holds {held} already; model.kind={kind!r} expects a {pretraining_kind(params.model.kind)!r} "
-            "pretraining checkpoint (rerun pretrain)"
-        )
+    mismatch = source_mismatch(spec_cnn, kind)
+    if mismatch is not None:
+        raise StageError(f"{src}: {mismatch} (rerun pretrain)")
     ds = T.datasets(params, root)
     device = select_device()
     cnn.eval()
 
     seed_everything(derive_seed(params.seed, NAME))  # the new W_qry, W_key (and such) draw from this stream
     state_in = named_state(ckpt["optimizer"], ckpt["param_names"])
-    note = None
-    if kind in CONVERTING:
-        try:
-            tcnn = convert(cnn, params)
-        except ValueError as err:
-            raise StageError(
-                f"reparam: cannot convert {spec_cnn['arch']!r} to kind {kind!r} ({err})"
-            ) from None
-        conv = {**_conversion(params), "lambda_init": params.reparam.lambda_init}
-        conv["attention"] = "psa" if kind == "psa" else "gpsa"
-        options = {**spec_cnn["options"], **_switches(params, kind)}
-        spec = make_model_spec(
-            kind, spec_cnn["arch"], spec_cnn["num_classes"], spec_cnn["in_chans"], options, conv
-        )
-    elif kind == "cmhsa":
-        tcnn = to_mhsa(cnn)
-        spec = make_model_spec(kind, spec_cnn["arch"], spec_cnn["num_classes"], spec_cnn["in_chans"],
-                               spec_cnn["options"], phase="mhsa")  # fmt: skip
+    try:
+        made = reparameterize(cnn, spec_cnn, kind, params.reparam, params.model.options)
+    except ValueError as err:
+        raise StageError(f"reparam: cannot convert {spec_cnn['arch']!r} to kind {kind!r} ({err})") from None
+    tcnn, spec, note = made.model, made.spec, made.note
+    if made.carry_by_name:
         dropped = sorted(set(state_in) - set(_carry_by_name(state_in, tcnn)))
         state_in = _carry_by_name(state_in, tcnn)
-        note = f"cmhsa: convolution phase -> self-attention phase ([Li21] Theorem 1); no optimizer state for {dropped}"
-    else:
-        tcnn = build_from_spec(spec_cnn)
-        tcnn.load_state_dict(cnn.state_dict())
-        spec = spec_cnn
-        note = f"model.kind={kind!r}: no reparameterization, the network passes through"
+        note = f"{note}; no optimizer state for {dropped}"
     tcnn.eval()
 
     # Optimizer state for "continue" fine-tuning, keyed by the new network's parameter names.
@@ -177,7 +124,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         "stride_mode": params.reparam.stride_mode,
         "stages": list(params.reparam.stages),
         "kind": kind,
-        "converted": kind in CONVERTING or kind == "cmhsa",
+        "converted": made.converted,
         "probe_images": int(probe.shape[0]),
         **agreement(logits_cnn, predict(tcnn, probe)),
         "gpsa_layers": [name for name, _ in gpsa_modules(tcnn)],
@@ -186,7 +133,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         "params_tcnn": sum(p.numel() for p in tcnn.parameters()),
         "optimizer_state_renamed": {k: v for k, v in moved.items() if k != v},
     }
-    if kind in CONVERTING:
+    if made.converted and kinds.get(kind).attention is not None:
         other = "s1" if params.reparam.stride_mode == "exact" else "exact"
         try:
             alt = convert(cnn, params, other).to(device)

@@ -146,17 +146,6 @@ def log_corrupted_sets(tracker: Any, params: Params, root: Path) -> None:
                             context="test-corrupted", profile=profile)  # fmt: skip
 
 
-def log_model(tracker: Any, checkpoint: Path, name: str) -> None:
-    """The model of a checkpoint through ``mlflow.pytorch.log_model`` (loadable with
-    ``mlflow.pytorch.load_model``; it gives the logits of ``core.training.checkpoint.load_model``)."""
-    if not checkpoint.is_file():
-        return
-    from core.training.checkpoint import load_model
-
-    model = load_model(checkpoint)
-    tracker.log_torch_model(model, name=name)
-
-
 def _log_outputs(tracker: Any, params: Params, name: str, metrics: Any, root: Path = Path(".")) -> None:
     """Everything a finished stage leaves for MLflow: metrics, per-epoch metrics, artifacts, datasets, models;
     the last stage also logs the summary metrics on the parent run."""
@@ -179,7 +168,7 @@ def _log_outputs(tracker: Any, params: Params, name: str, metrics: Any, root: Pa
             tracker.log_artifact(path, where)
     if name in STAGE_MODELS:
         ckpt, model_name = STAGE_MODELS[name]
-        log_model(tracker, root / ckpt, model_name)
+        tracker.log_checkpoint_model(root / ckpt, model_name)
     if name == LAST_STAGE:
         parent = tracker.parent_run_id
         tracker.log_metrics(summary_metrics(root), run_id=parent)

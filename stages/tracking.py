@@ -150,13 +150,14 @@ def params_hash(params: Any) -> str:
 def run_label(params: Any) -> str:
     """A parent run's name from what distinguishes pipeline executions at a glance: model kind and arch, t1
     and the alpha / lambda init (for the kinds that use them), the training-sample fraction and the seed."""
-    from core.models import CONVERSION_OPTIONS, REPARAMETERIZED_KINDS
+    from core.models import kinds
 
     kind, r = params.model.kind, params.reparam
+    record = kinds.get(kind)
     parts = [kind, params.model.arch]
-    if kind in REPARAMETERIZED_KINDS:
+    if record.reparameterizes:
         parts.append(f"t1={r.epoch}")
-    conversion = CONVERSION_OPTIONS.get(kind, ())
+    conversion = record.conversion
     if "alpha_init" in conversion:
         parts.append(f"alpha={r.alpha_init:g}")
     if "lambda_init" in conversion:
@@ -637,6 +638,15 @@ class Tracker:
             with contextlib.suppress(Exception):
                 self._client.update_run(target, status="RUNNING")
             mlflow.set_tracking_uri(previous)
+
+    def log_checkpoint_model(self, checkpoint: Path, name: str) -> None:
+        """The model of a checkpoint through ``mlflow.pytorch.log_model`` (loadable with
+        ``mlflow.pytorch.load_model``; it gives the logits of ``core.training.checkpoint.load_model``)."""
+        if not self.enabled or not checkpoint.is_file():
+            return
+        from core.training.checkpoint import load_model
+
+        self.log_torch_model(load_model(checkpoint), name=name)
 
     def log_torch_model(self, model: Any, name: str = "model", **kwargs: Any) -> None:
         """``mlflow.pytorch.log_model`` on the active run; pins torch instead of inferring requirements

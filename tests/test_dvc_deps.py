@@ -18,7 +18,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("core", "stages")  # science and stage code; pipelines/ (sweeps, SLURM) is not a stage input
 #: Stage code that reports a run to MLflow and never changes what a stage writes: not a DVC input (editing the
-#: tracking adapter must not invalidate every cached stage).
+#: tracking adapter must not invalidate every cached stage), and neither is what only it imports (loading a
+#: checkpoint's model to log it to MLflow).
 REPORTING_ONLY = {"stages/tracking.py", "stages/catalogue.py"}
 
 
@@ -28,7 +29,11 @@ def _stages() -> dict[str, dict]:
 
 @cache
 def _graph() -> grimp.ImportGraph:
-    return grimp.build_graph(*PACKAGES, include_external_packages=False, cache_dir=None)
+    """The static import graph of core/ and stages/ without the reporting-only modules."""
+    graph = grimp.build_graph(*PACKAGES, include_external_packages=False, cache_dir=None)
+    for rel in REPORTING_ONLY:
+        graph.remove_module(rel.removesuffix(".py").replace("/", "."))
+    return graph
 
 
 def _file(module: str) -> str:
@@ -48,7 +53,6 @@ def imported_files(stage: str) -> set[str]:
     modules = g.find_upstream_modules(f"stages.{stage}") | {f"stages.{stage}"}
     files = {_file(m) for m in modules if m.split(".")[0] in PACKAGES}
     files |= {f"{p}/__init__.py" for p in PACKAGES}
-    files -= REPORTING_ONLY
     return {f for f in files if not (f.endswith("__init__.py") and _docstring_only(f))}
 
 
@@ -65,6 +69,24 @@ def test_stage_deps_cover_every_imported_file(stage: str) -> None:
     assert f"stages/{stage}.py" in files and "core/config.py" in files
     missing = sorted(f for f in files if not _covered(f, deps))
     assert not missing, f"dvc.yaml stage {stage!r} lacks deps for {missing}"
+
+
+def test_attention_code_is_an_input_only_of_the_stages_that_import_it() -> None:
+    """core/ is layered with config at the bottom (it imports no science), so the data import and the
+    corrupted sets do not depend on the attention code; every stage that lists core/nn/gpsa.py imports it.
+    pretrain and control still do: pretraining builds any kind's network (hybrid_scratch and convit pretrain
+    GPSA layers) and the control rebuilds the pretrained one through the same registry, and a DVC dep
+    cannot depend on a param (model.kind)."""
+    gpsa = "core/nn/gpsa.py"
+    users = {s for s in _stages() if gpsa in imported_files(s)}
+    listing = {
+        s for s, spec in _stages().items() if _covered(gpsa, [d for d in spec["deps"] if isinstance(d, str)])
+    }
+    assert listing == users
+    assert users == {"pretrain", "reparam", "finetune", "control", "evaluate", "report"}
+    assert "core/config.py" in imported_files("prepare") and not any(
+        f.startswith(("core/nn/", "core/models/", "core/training/")) for f in imported_files("prepare")
+    )
 
 
 def test_package_roots_hold_no_code_but_the_stages_startup_handler() -> None:
@@ -100,6 +122,8 @@ def test_editing_any_imported_file_makes_dvc_status_report_the_stage(tmp_path_fa
         assert stages <= set(status), (
             f"editing {rel}: dvc status reports {sorted(status)}, expected {sorted(stages)}"
         )
+        if rel == "core/nn/gpsa.py":  # and only those: not prepare nor corrupt
+            assert set(status) == stages, f"editing {rel}: dvc status reports {sorted(status)}"
 
 
 def _outs(stage: dict) -> list[tuple[str, bool]]:

@@ -12,7 +12,7 @@ from _train_helpers import tiny_params, write_dataset
 
 from core.config import ConfigError, validate_params
 from core.data import load_datasets, make_loader
-from core.models import KINDS, build
+from core.models import build, kinds
 from core.models.spec import pretraining_kind
 from core.reparam import gpsa_modules
 from core.training.checkpoint import load, load_model
@@ -76,7 +76,7 @@ def _reloaded_matches(path: Path, loader, loss: float, acc: float) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", kinds.kind_names())
 def test_every_kind_runs_the_same_stages(kind: str, shared: dict[str, Path], tmp_path: Path) -> None:
     params = validate_params(_raw(shared, kind))
     m_pre = pretrain.run(params, root=tmp_path)

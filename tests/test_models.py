@@ -110,7 +110,7 @@ def test_spec_errors() -> None:
     conv = {"alpha_init": 1.0, "lambda_init": 1.0, "stages": [-1], "stride_mode": "exact", "attention": "psa"}
     with pytest.raises(ValueError, match="does not fit kind 'tcnn'"):
         make_model_spec("tcnn", "resnet10_cifar", 10, 1, {}, conv)
-    with pytest.raises(ValueError, match="phase applies to kind 'cmhsa' only"):
+    with pytest.raises(ValueError, match="phase applies to two-phase kinds only"):
         make_model_spec("cnn", "resnet10_cifar", 10, 1, {}, phase="conv")
     # an old T-CNN spec (kind "tcnn", section without "attention") still rebuilds a GPSA model
     old = {"kind": "tcnn", "arch": "resnet10_cifar", "num_classes": 10, "in_chans": 1, "options": {},

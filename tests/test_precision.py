@@ -17,7 +17,7 @@ import torch.nn as nn
 from core.analysis.equivalence import LARGE_INIT, PAPER_INIT
 from core.config import AugmentConfig, validate_params
 from core.data import BatchLoader
-from core.models import KINDS, build
+from core.models import build, kinds
 from core.reparam import to_tcnn
 from core.training.checkpoint import load
 from core.training.loop import RESUME_FILE, TIMING_KEYS, Preempted, TrainLoss, evaluate, fit
@@ -71,7 +71,7 @@ def test_the_setting_is_one_list_and_resolves_per_device() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", kinds.kind_names())
 def test_every_kind_trains_and_evaluates_under_bf16(kind: str, tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = build(kind, ARCH.get(kind, "resnet10_cifar"), 10, in_chans=1, **(

@@ -1,30 +1,19 @@
-"""Model factory: `build(kind, arch, num_classes, **options)` for every model kind the project knows.
+"""Model factory: `build(kind, arch, num_classes, **options)` for every kind of the registry
+(`core.models.kinds`; the project's kinds and what each means: `core.models.builtin_kinds`).
 
-Kinds
-- "cnn": any timm model name or a project-registered small net (below).
-- "tcnn": the CNN above reparameterized by `core.reparam.to_tcnn` ([TCNN21], Sec. 2). Options ``alpha_init``,
-  ``lambda_init``, ``stages``, ``stride_mode`` go to `to_tcnn`; the rest to the CNN.
-- "psa": the CNN converted like "tcnn" but to ungated positional self-attention (`core.nn.psa.PSA`; [Cordonnier20],
-  [ConViT21] Appendix A): ``alpha_init``, ``stages``, ``stride_mode``, ``qk_init``.
-- "hybrid_scratch": the T-CNN architecture of a randomly initialised CNN, trained from scratch (t1 = 0 in
-  [TCNN21] Table 3); built exactly as "tcnn" (the stages treat it differently: pretraining trains it directly).
-- "convit": the project's ConViT ([ConViT21]): timm's ConViT architecture (``convit_tiny``, ``convit_small``,
-  ``convit_base`` configs, and ``convit_fmnist``, a small one for 28 px single-channel inputs) running on the
-  ConViT-mode `core.nn.gpsa.GPSA`. It loads a timm ConViT state_dict with plain ``load_state_dict`` (the GPSA
-  converts timm's keys), after which its logits equal timm's.
-- "aa_resnet": Attention Augmented ResNet ([Bello19]), `core.models.aa_resnet.build_aa_resnet`.
-- "cmhsa": the two-phase model of [Li21], `core.nn.cmhsa.build_cmhsa` (option ``phase``: "conv" or "mhsa").
+Converting kinds (a record with ``attention``: "tcnn", "psa", "hybrid_scratch") build the CNN with timm and
+convert it with `core.reparam.to_tcnn` ([TCNN21] Sec. 2); their conversion options go to `to_tcnn`, the rest
+to the CNN. Every other kind's record builds its network directly.
 
-Ablation switches ([ConViT21] Table 3), options of "convit" and, where they mean something, of the T-CNN kinds:
+Ablation switches ([ConViT21] Table 3; `core.models.kinds.ABLATION_SWITCHES`), options of the kinds whose
+record lists them:
 - ``gating``: "train" (default) or "freeze0": every gating parameter lambda is set to 0 and frozen, so each
   head pays the same attention to content and position ([ConViT21] Table 3 footnote 4: "no gating").
-  convit, tcnn, hybrid_scratch.
 - ``conv_init``: true (default) or false: false drops the convolutional (locality) init of [ConViT21] Eq. 5: W_val
   and the positional embedding v_pos get timm's ViT init (truncated normal, std 0.02) like every other
   linear layer; v_pos is then stored raw (``positional="linear"``) since a random one may be anti-local.
-  convit only (the T-CNN kinds are convolutional by construction).
 - ``freeze_gpsa``: false (default) or true: every parameter of every GPSA (PSA) layer is frozen
-  (requires_grad False; the optimizers skip them). convit, tcnn, psa, hybrid_scratch.
+  (requires_grad False; the optimizers skip them).
 The switches act at build time, so a model rebuilt from its checkpoint spec is frozen the same way.
 
 Small CIFAR-style ResNets (3x3 stride-1 stem, no max-pool; for 28-64 px inputs) are registered in timm's
@@ -40,89 +29,93 @@ import torch
 import torch.nn as nn
 from timm.layers import DropPath
 
-from core.models.aa_resnet import build_aa_resnet
-from core.models.convit import CONVIT_CONFIGS, ConViT, build_convit
+from core.models import builtin_kinds, kinds
+from core.models.convit import CONVIT_CONFIGS, ConViT
+from core.models.kinds import ABLATION_SWITCHES, GATING_MODES, REPARAM_KEYS, ModelKind
 from core.models.reparam import gpsa_modules, to_tcnn
 from core.models.resnets import PROJECT_ARCHS
-from core.nn.cmhsa import CMHSA_ARCHS, build_cmhsa
 
 __all__ = [
-    "ABLATION_OPTIONS",
-    "CONVERSION_OPTIONS",
+    "builtin_kinds",
     "CONVIT_CONFIGS",
-    "KINDS",
     "PROJECT_ARCHS",
-    "REPARAMETERIZED_KINDS",
     "ConViT",
     "apply_ablations",
     "backbone_options",
     "build",
+    "check_arch",
     "check_options",
+    "convert",
     "is_known_arch",
     "set_drop_path",
     "set_stochastic_depth",
 ]
 
-KINDS = ("cnn", "tcnn", "convit", "psa", "hybrid_scratch", "aa_resnet", "cmhsa")
-# Kinds whose fine-tuned model is a reparameterized pretrained network: they have a matched control (the same
-# pretrained checkpoint fine-tuned with the same recipe, unconverted; stages/control.py).
-REPARAMETERIZED_KINDS = ("tcnn", "psa", "cmhsa")
-
-# Options of the conv -> attention conversion (`core.reparam.to_tcnn`), per converting kind.
-CONVERSION_OPTIONS: dict[str, tuple[str, ...]] = {
-    "tcnn": ("alpha_init", "lambda_init", "stages", "stride_mode"),
-    "hybrid_scratch": ("alpha_init", "lambda_init", "stages", "stride_mode"),
-    "psa": ("alpha_init", "stages", "stride_mode", "qk_init"),
-}
-# Ablation switches ([ConViT21] Table 3) and the kinds they apply to.
-ABLATION_OPTIONS: dict[str, tuple[str, ...]] = {
-    "gating": ("convit", "tcnn", "hybrid_scratch"),
-    "conv_init": ("convit",),
-    "freeze_gpsa": ("convit", "tcnn", "psa", "hybrid_scratch"),
-}
-GATING_MODES = ("train", "freeze0")
-_TCNN_OPTIONS = CONVERSION_OPTIONS["tcnn"]
-
 
 def is_known_arch(arch: str, kind: str | None = None) -> bool:
-    """Whether ``arch`` names a model of ``kind``; None: of any kind (a CNN, a ConViT config, a cmhsa arch).
+    """Whether ``arch`` names a model of ``kind`` (its record's closed set, else timm's registry, which holds
+    the project's small nets); None: of any kind."""
+    if kind is None:
+        return any(is_known_arch(arch, k.name) for k in kinds.all_kinds())
+    archs = kinds.get(kind).archs
+    return arch in archs if archs is not None else (arch in PROJECT_ARCHS or timm.is_model(arch))
 
-    CNN-based kinds (cnn, tcnn, psa, hybrid_scratch) take timm names and the project's small nets; "convit"
-    its configs; "cmhsa" `core.nn.cmhsa.CMHSA_ARCHS`; "aa_resnet" is checked by `core.models.aa_resnet.build_aa_resnet`."""
-    if kind == "convit":
-        return arch in CONVIT_CONFIGS
-    if kind == "cmhsa":
-        return arch in CMHSA_ARCHS
-    if kind == "aa_resnet":
-        return True
-    if kind is None and (arch in CONVIT_CONFIGS or arch in CMHSA_ARCHS):
-        return True
-    return arch in PROJECT_ARCHS or timm.is_model(arch)
+
+def check_arch(kind: str, arch: str) -> None:
+    """One-line ValueError unless ``arch`` is a model of ``kind``."""
+    if not is_known_arch(arch, kind):
+        archs = kinds.get(kind).archs
+        if archs is not None:
+            raise ValueError(f"unknown arch {arch!r} for kind {kind!r} (choose from {sorted(archs)})")
+        raise ValueError(f"unknown arch {arch!r} (not a timm model name nor a project-registered net)")
 
 
 def check_options(kind: str, options: dict[str, Any]) -> None:
     """Validate the ablation switches and conversion options of ``kind`` (one-line ValueError naming the key).
 
     Options the switches do not know are left to the constructors (timm kwargs etc.)."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown model kind {kind!r} (choose from {list(KINDS)})")
-    for key, kinds in ABLATION_OPTIONS.items():
-        if key in options and kind not in kinds:
-            raise ValueError(f"options.{key}: applies to kinds {list(kinds)}, not {kind!r}")
+    record = kinds.get(kind)
+    for key in ABLATION_SWITCHES:
+        if key in options and key not in record.ablations:
+            takers = [k.name for k in kinds.all_kinds() if key in k.ablations]
+            raise ValueError(f"options.{key}: applies to kinds {takers}, not {kind!r}")
     if "gating" in options and options["gating"] not in GATING_MODES:
         raise ValueError(f"options.gating: must be one of {list(GATING_MODES)}, got {options['gating']!r}")
     for key in ("conv_init", "freeze_gpsa"):
         if key in options and not isinstance(options[key], bool):
             raise ValueError(f"options.{key}: must be true or false, got {options[key]!r}")
-    if kind == "psa" and "lambda_init" in options:
-        raise ValueError("options.lambda_init: kind 'psa' has no gate (no lambda)")
-    if kind == "cmhsa" and options.get("phase", "conv") not in ("conv", "mhsa"):
-        raise ValueError(f"options.phase: must be 'conv' or 'mhsa', got {options['phase']!r}")
+    if record.check_options is not None:
+        record.check_options(options)
+
+
+def check_model_options(kind: str, options: dict[str, Any]) -> None:
+    """`check_options` for ``model.options`` of params.yaml: a converting kind whose conversion follows
+    pretraining takes the `reparam` section's keys from there, never from the options."""
+    check_options(kind, options)
+    record = kinds.get(kind)
+    for key in sorted(set(options) & _conversion_keys() - set(REPARAM_KEYS) - set(record.conversion)):
+        takers = [k.name for k in kinds.all_kinds() if key in k.conversion]
+        raise ValueError(f"options.{key}: applies to kinds {takers}, not {kind!r}")
+    if record.conversion_in == "reparam":
+        bad = [k for k in REPARAM_KEYS if k in options and k in record.conversion]
+        if bad:
+            raise ValueError(
+                f"options.{bad[0]}: kind {kind!r} converts with reparam.{bad[0]}; set that instead"
+            )
+    if record.phases is not None and "phase" in options:
+        raise ValueError(
+            f"options.phase: set by the stages (pretrain: {record.phases[0]}, reparam onwards: "
+            f"{record.phases[1]}), not an option"
+        )
+
+
+def _conversion_keys() -> set[str]:
+    return {key for k in kinds.all_kinds() for key in k.conversion}
 
 
 def backbone_options(kind: str, options: dict[str, Any]) -> dict[str, Any]:
     """The options of ``kind`` that the underlying CNN takes (ablation and conversion keys removed)."""
-    drop = set(ABLATION_OPTIONS) | set(CONVERSION_OPTIONS.get(kind, ()))
+    drop = set(ABLATION_SWITCHES) | set(kinds.get(kind).conversion)
     return {k: v for k, v in options.items() if k not in drop}
 
 
@@ -175,51 +168,36 @@ def set_stochastic_depth(model: nn.Module, rate: float) -> int:
 
 
 def convert(cnn: nn.Module, kind: str, **options: Any) -> nn.Module:
-    """The conversion step of the converting kinds ("tcnn", "hybrid_scratch": GPSA; "psa": PSA) followed by
+    """The conversion of a converting kind (its record's ``attention``: GPSA or PSA, `to_tcnn`) followed by
     the ablation switches: a NEW module (``cnn`` untouched). ``options``: conversion keys and switches."""
+    record = kinds.get(kind)
+    if record.attention is None:
+        raise ValueError(f"kind {kind!r} does not convert a CNN")
     check_options(kind, options)
-    conv = {k: options.pop(k) for k in CONVERSION_OPTIONS[kind] if k in options}
+    conv = {k: options.pop(k) for k in record.conversion if k in options}
     ablate = {k: options.pop(k) for k in ("gating", "freeze_gpsa") if k in options}
     if options:
         raise ValueError(f"kind {kind!r}: unknown conversion option(s) {sorted(options)}")
     if "stages" in conv:
         conv["stages"] = tuple(conv["stages"])
-    model = to_tcnn(cnn, attention="psa" if kind == "psa" else "gpsa", **conv)
-    return apply_ablations(model, **ablate)
+    return apply_ablations(to_tcnn(cnn, attention=record.attention, **conv), **ablate)
 
 
 def build(kind: str, arch: str, num_classes: int, **options: Any) -> nn.Module:
-    """Build a model of ``kind`` (see the module docstring) on architecture ``arch`` with ``num_classes``.
+    """Build a model of ``kind`` (its registry record, `core.models.kinds`) on ``arch`` with ``num_classes``.
 
-    ``options`` go to the timm constructor (e.g. ``in_chans``, ``drop_path_rate`` (alias ``drop_path``),
-    ``img_size``); for "tcnn" / "hybrid_scratch" also ``alpha_init``, ``lambda_init``, ``stages``,
-    ``stride_mode`` (see `core.reparam.to_tcnn`), for "psa" ``alpha_init``, ``stages``, ``stride_mode``,
-    ``qk_init``; for "convit" also ``positional``, ``attn_impl`` (see `ConViT`); the ablation switches
-    ``gating``, ``conv_init``, ``freeze_gpsa``; for "aa_resnet" / "cmhsa" whatever `core.models.aa_resnet.build_aa_resnet`
-    / `core.nn.cmhsa.build_cmhsa` take (cmhsa: ``phase``).
+    ``options`` go to the kind's builder (timm kwargs such as ``in_chans``, ``drop_path_rate`` (alias
+    ``drop_path``), ``img_size``; convit's ``positional``, ``attn_impl``; aa_resnet's and cmhsa's own), except
+    a converting kind's conversion keys (to `to_tcnn`) and the ablation switches.
     """
     options = dict(options)
-    if kind not in KINDS:
-        raise ValueError(f"unknown model kind {kind!r} (choose from {list(KINDS)})")
+    record: ModelKind = kinds.get(kind)
     check_options(kind, options)
-    if not is_known_arch(arch, kind):
-        if kind == "convit":
-            raise ValueError(f"kind 'convit': unknown arch {arch!r} (choose from {sorted(CONVIT_CONFIGS)})")
-        if kind == "cmhsa":
-            raise ValueError(f"kind 'cmhsa': unknown arch {arch!r} (choose from {sorted(CMHSA_ARCHS)})")
-        raise ValueError(f"unknown arch {arch!r}")
+    check_arch(kind, arch)
     if "drop_path" in options:  # params.yaml's model.drop_path is timm's drop_path_rate
         options["drop_path_rate"] = options.pop("drop_path")
-    if kind == "cnn":
-        return timm.create_model(arch, num_classes=num_classes, **options)
-    if kind in CONVERSION_OPTIONS:
-        cnn = timm.create_model(arch, num_classes=num_classes, **backbone_options(kind, options))
-        rest = {k: v for k, v in options.items() if k in CONVERSION_OPTIONS[kind] or k in ABLATION_OPTIONS}
-        return convert(cnn, kind, **rest)
-    if kind == "convit":
-        ablate = {k: options.pop(k) for k in ("gating", "freeze_gpsa") if k in options}
-        return apply_ablations(build_convit(arch, num_classes, **options), **ablate)
-    if kind == "aa_resnet":
-        return build_aa_resnet(arch, num_classes, **options)
-    phase = options.pop("phase", "conv")
-    return build_cmhsa(arch, num_classes, phase=phase, **options)
+    ablate = {k: options.pop(k) for k in ("gating", "freeze_gpsa") if k in options}
+    if record.attention is not None:
+        conv = {k: options.pop(k) for k in record.conversion if k in options}
+        return convert(record.build(arch, num_classes, **options), kind, **conv, **ablate)
+    return apply_ablations(record.build(arch, num_classes, **options), **ablate)

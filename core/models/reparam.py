@@ -19,7 +19,8 @@ from collections.abc import Sequence
 
 import torch.nn as nn
 
-from core.nn.gpsa import GPSA, STRIDE_MODES
+from core.nn.gpsa import GPSA
+from core.nn.positional import STRIDE_MODES
 from core.nn.psa import PSA
 
 __all__ = ["ATTENTIONS", "attention_modules", "gpsa_modules", "model_stages", "to_psa", "to_tcnn"]

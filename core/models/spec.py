@@ -16,13 +16,10 @@ from typing import Any
 
 import torch.nn as nn
 
-from core.models import CONVERSION_OPTIONS, backbone_options, build
+from core.models import backbone_options, build, kinds
 
 MODEL_SPEC_KEYS = ("kind", "arch", "num_classes", "in_chans", "options", "tcnn")
 TCNN_SPEC_KEYS = ("alpha_init", "lambda_init", "stages", "stride_mode")
-CONVERTED_KINDS = ("tcnn", "psa", "hybrid_scratch")
-# Kinds whose pretraining trains a plain CNN that the reparam stage converts afterwards.
-CONVERTED_LATER = ("cnn", "tcnn", "psa")
 
 
 def make_model_spec(
@@ -35,12 +32,13 @@ def make_model_spec(
     phase: str | None = None,
 ) -> dict[str, Any]:
     """The `model_spec` dict of the checkpoint contract (INTERFACES.md; module docstring)."""
+    record = kinds.get(kind)
     if tcnn is not None:
         missing = [k for k in TCNN_SPEC_KEYS if k not in tcnn]
         if missing:
             raise ValueError(f"model_spec.tcnn lacks {missing}")
-        attention = str(tcnn.get("attention", "psa" if kind == "psa" else "gpsa"))
-        if attention not in ("gpsa", "psa") or (attention == "psa") != (kind == "psa"):
+        attention = str(tcnn.get("attention", record.attention or "gpsa"))
+        if attention != (record.attention or "gpsa"):
             raise ValueError(f"model_spec.tcnn.attention {attention!r} does not fit kind {kind!r}")
         tcnn = {
             "alpha_init": float(tcnn["alpha_init"]),
@@ -49,8 +47,8 @@ def make_model_spec(
             "stride_mode": str(tcnn["stride_mode"]),
             "attention": attention,
         }
-    if phase is not None and kind != "cmhsa":
-        raise ValueError(f"model_spec.phase applies to kind 'cmhsa' only, not {kind!r}")
+    if phase is not None and record.phases is None:
+        raise ValueError(f"model_spec.phase applies to two-phase kinds only, not {kind!r}")
     spec = {
         "kind": kind,
         "arch": arch,
@@ -59,8 +57,8 @@ def make_model_spec(
         "options": dict(options or {}),
         "tcnn": tcnn,
     }
-    if kind == "cmhsa":
-        spec["phase"] = str(phase or "conv")
+    if record.phases is not None:
+        spec["phase"] = str(phase or record.phases[0])
     return spec
 
 
@@ -68,8 +66,8 @@ def build_from_spec(spec: dict[str, Any]) -> nn.Module:
     """Build the (untrained) module a `model_spec` describes, of any kind (`core.models.build`).
 
     A spec with a ``tcnn`` section builds the CNN of its options and converts it (``to_tcnn`` with the
-    section's settings, GPSA or PSA) - kind "tcnn", "psa" or "hybrid_scratch" (an old spec of kind "cnn" with
-    a section reads as "tcnn"); a "cmhsa" spec builds its ``phase``.
+    section's settings, GPSA or PSA); an old spec of a non-converting kind with a section reads as "tcnn" (or
+    "psa" for attention "psa"); a two-phase spec builds its ``phase``.
     """
 
     missing = [k for k in MODEL_SPEC_KEYS if k not in spec]
@@ -80,28 +78,24 @@ def build_from_spec(spec: dict[str, Any]) -> nn.Module:
     options.setdefault("in_chans", spec["in_chans"])
     tcnn = spec.get("tcnn")
     if tcnn is not None:
-        if kind not in CONVERTED_KINDS:
-            kind = "tcnn"
-        section = {
-            "alpha_init": tcnn["alpha_init"],
-            "lambda_init": tcnn["lambda_init"],
-            "stages": tuple(tcnn["stages"]),
-            "stride_mode": tcnn["stride_mode"],
-        }
-        if tcnn.get("attention", "gpsa") == "psa":
-            kind = "psa"
-            section.pop("lambda_init")
+        attention = tcnn.get("attention", "gpsa")
+        if kinds.get(kind).attention != attention:
+            kind = "psa" if attention == "psa" else "tcnn"
+        record = kinds.get(kind)
+        section = {k: tcnn[k] for k in TCNN_SPEC_KEYS if k in record.conversion}
+        section["stages"] = tuple(section["stages"])
         options.update(section)  # the section wins over option copies of the same keys
-    if kind == "cmhsa":
-        options["phase"] = spec.get("phase") or options.get("phase", "conv")
+    record = kinds.get(kind)
+    if record.phases is not None:
+        options["phase"] = spec.get("phase") or options.get("phase", record.phases[0])
     return build(kind, spec["arch"], spec["num_classes"], **options)
 
 
 def pretraining_kind(kind: str) -> str:
-    """The network pretraining trains for model kind `kind`: the CNN for kinds cnn/tcnn/psa (converted after
-    pretraining), the model itself otherwise: convit, aa_resnet and hybrid_scratch (the T-CNN architecture
-    from scratch, t1 = 0 of [TCNN21] Table 3) from scratch, cmhsa in its convolution phase ([Li21])."""
-    return "cnn" if kind in CONVERTED_LATER else kind
+    """The kind of the network pretraining trains for model kind ``kind`` (its record's `pretraining_kind`):
+    the CNN for kinds that convert it afterwards, the model itself otherwise (hybrid_scratch: the T-CNN
+    architecture from scratch, t1 = 0 of [TCNN21] Table 3; a two-phase model in its first phase, [Li21])."""
+    return kinds.get(kind).pretraining_kind
 
 
 def pretraining_spec(
@@ -109,25 +103,23 @@ def pretraining_spec(
 ) -> dict[str, Any]:
     """The spec of the network pretraining trains (see :func:`pretraining_kind`).
 
-    - cnn / tcnn / psa: the CNN, with the backbone options only (the ablation switches act after conversion);
-    - hybrid_scratch: the converted random CNN: ``options`` alpha_init, lambda_init, stages, stride_mode
-      (defaults 1, 1, [-1], exact: the paper's init) form the spec's conversion section;
-    - convit: ``img_size`` defaults to `image_size`;
-    - cmhsa: phase "conv".
+    - kinds that convert after pretraining: the CNN, with the backbone options only (the ablation switches act
+      after conversion);
+    - kinds converted before pretraining (hybrid_scratch): the converted random CNN; the record's conversion
+      keys of ``options`` (defaults: its `conversion_defaults`, the paper's init) form the spec's section;
+    - a kind whose builder is sized by an option (convit's ``img_size``): it defaults to `image_size`;
+    - two-phase kinds: their first phase.
     """
     options = dict(options)
-    if kind in CONVERTED_LATER:
+    record = kinds.get(kind)
+    if record.pretrains_cnn:
         return make_model_spec("cnn", arch, num_classes, in_chans, backbone_options(kind, options))
-    if kind == "hybrid_scratch":
+    if record.attention is not None:
         conv = {
-            "alpha_init": 1.0,
-            "lambda_init": 1.0,
-            "stages": [-1],
-            "stride_mode": "exact",
-            **{k: options.pop(k) for k in CONVERSION_OPTIONS[kind] if k in options},
+            **record.conversion_defaults,
+            **{k: options.pop(k) for k in record.conversion if k in options},
         }
         return make_model_spec(kind, arch, num_classes, in_chans, options, tcnn=conv)
-    if kind == "convit":
-        options.setdefault("img_size", image_size)
-    phase = "conv" if kind == "cmhsa" else None
-    return make_model_spec(kind, arch, num_classes, in_chans, options, phase=phase)
+    if record.image_size_option is not None:
+        options.setdefault(record.image_size_option, image_size)
+    return make_model_spec(kind, arch, num_classes, in_chans, options)

@@ -39,16 +39,28 @@ mode on maps of at most `_DENSE_MAX_TOKENS` tokens, where it is measured faster.
 path (`_forward_tcnn_dense`) reads the NCHW map in place, folds W_val into the output weight and ends in the
 conv's own im2col-shaped GEMM (heads * D_in -> D_out). Probabilities below 1e-19 are flushed to zero (see
 `_flush_tiny`): subnormal operands slow CPU matmuls 10-45x.
+
+What GPSA shares with the ungated `core.nn.psa.PSA` (conv-tap centres, the softplus-rectified alpha, the query
+grid of the stride modes, ``from_conv``) is `core.nn.positional.PositionalHeads`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from core.nn.positional import (
+    ALPHA_BETA,
+    ALPHA_MIN,
+    STRIDE_MODES,
+    PositionalHeads,
+    relative_encodings,
+    softplus_inverse,
+)
 
 __all__ = [
     "STRIDE_MODES",
@@ -59,43 +71,13 @@ __all__ = [
     "relative_encodings",
 ]
 
-ALPHA_BETA = 5.0  # softplus sharpness for the locality strength ([TCNN21], footnote 1)
-ALPHA_MIN = 1e-6  # floor added to the softplus: in fp32 softplus(x) underflows to exactly 0 for x < ~-18
 _MODES = ("convit", "tcnn")
-STRIDE_MODES = ("exact", "s1")  # the one list: exact (function-preserving) and s1 (BoTNet-style)
 _POSITIONAL = ("softplus", "linear")
 _ATTN_IMPLS = ("auto", "sdpa", "dense")
 # ConViT mode on CPU, attn_impl="auto": the dense path up to this many keys. benchmarks/gpsa.py shapes and
 # others, forward+backward time SDPA / dense on a 2-core AVX2 EPYC: 4x4 1.08, 7x7 1.13-1.24, 8x8 1.16,
 # 10x10 1.26; 12x12 0.91, 14x14 0.85; the benchmark's 14x14, 16x16 and 28x28 shapes 0.63, 0.72 and 0.39.
 _DENSE_MAX_TOKENS = 100
-
-
-def softplus_inverse(alpha: torch.Tensor | float, beta: float = ALPHA_BETA) -> torch.Tensor:
-    """Inverse of ``softplus(x, beta) = log(1 + exp(beta x)) / beta`` for alpha > 0.
-
-    x = alpha + log(1 - exp(-beta alpha)) / beta, computed with expm1 so that it is exact for large alpha
-    (where x = alpha to float precision) and finite for tiny alpha.
-    """
-    a = torch.as_tensor(alpha, dtype=torch.float64)
-    if bool((a <= 0).any()):
-        raise ValueError(f"softplus_inverse needs alpha > 0, got min {float(a.min())}")
-    return a + torch.log(-torch.expm1(-beta * a)) / beta
-
-
-def relative_encodings(
-    height: int, width: int, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """Dense relative encodings r_ij = (|delta|^2, delta_1, delta_2) on a height x width grid, [L, L, 3].
-
-    delta = position(j) - position(i) with delta_1 the row and delta_2 the column offset; tokens are in
-    row-major order. For analysis and tests; the layer itself uses the separable form (module docstring).
-    """
-    rows = torch.arange(height, device=device, dtype=dtype).repeat_interleave(width)
-    cols = torch.arange(width, device=device, dtype=dtype).repeat(height)
-    d1 = rows[None, :] - rows[:, None]
-    d2 = cols[None, :] - cols[:, None]
-    return torch.stack([d1**2 + d2**2, d1, d2], dim=-1)
 
 
 def _flush_tiny(p: torch.Tensor) -> torch.Tensor:
@@ -158,57 +140,7 @@ def _gated_mix(
     return _GatedMix.apply(con, pos, g_con, perm, probs)
 
 
-def conv_geometry(conv: nn.Conv2d, who: str) -> tuple[int, int, int]:
-    """(kernel, stride, dilation) of a conv that attention can reproduce exactly (plain nn.Conv2d, square odd
-    kernel, equal strides / dilations, no groups, zero padding of dilation * (k - 1) / 2); else one clear error
-    naming ``who``."""
-    if type(conv) is not nn.Conv2d:
-        raise TypeError(f"{who}: unsupported conv type {type(conv).__name__} (need nn.Conv2d)")
-    kh, kw = conv.kernel_size
-    (sh, sw), (dh, dw) = conv.stride, conv.dilation
-    if kh != kw or kh % 2 == 0:
-        raise ValueError(f"{who}: kernel must be square and odd, got {conv.kernel_size}")
-    if sh != sw or dh != dw:
-        raise ValueError(f"{who}: stride/dilation must be equal on both axes, got {conv}")
-    if conv.groups != 1:
-        raise ValueError(f"{who}: grouped convolutions are not supported (groups={conv.groups})")
-    if conv.padding_mode != "zeros":
-        raise ValueError(f"{who}: padding_mode must be 'zeros', got {conv.padding_mode!r}")
-    want = dh * (kh - 1) // 2
-    pad = conv.padding
-    if isinstance(pad, str):
-        if pad != "same" or sh != 1:
-            raise ValueError(f"{who}: padding {pad!r} with stride {sh} is not supported")
-    elif tuple(pad) != (want, want):
-        raise ValueError(f"{who}: padding must be {want} (got {pad}) for kernel {kh}, dilation {dh}")
-    return kh, sh, dh
-
-
-M = TypeVar("M", bound=nn.Module)
-
-
-def conv_kwargs(conv: nn.Conv2d, who: str) -> dict[str, Any]:
-    """The constructor arguments that give a GPSA / PSA ``conv``'s geometry, bias, device and dtype."""
-    kh, sh, dh = conv_geometry(conv, who)
-    w = conv.weight
-    return {
-        "in_dim": conv.in_channels, "out_dim": conv.out_channels, "kernel_size": kh, "stride": sh,
-        "dilation": dh, "bias": conv.bias is not None, "device": w.device, "dtype": w.dtype,
-    }  # fmt: skip
-
-
-def load_conv(m: M, conv: nn.Conv2d) -> M:
-    """Copy ``conv``'s filter and bias into ``m`` (the T-CNN layout: ``weight`` IS the filter) and its
-    train/eval mode; returns ``m``."""
-    with torch.no_grad():
-        m.weight.copy_(conv.weight)
-        if conv.bias is not None:
-            m.bias.copy_(conv.bias)
-    m.train(conv.training)
-    return m
-
-
-class GPSA(nn.Module):
+class GPSA(PositionalHeads, nn.Module):
     """Gated positional self-attention; see the module docstring for the two modes.
 
     Args:
@@ -321,14 +253,12 @@ class GPSA(nn.Module):
     def tap_offsets(self) -> torch.Tensor:
         """Conv-like centers [heads, 2] (row, col): T-CNN head h <-> tap (h // k, h % k), row-major."""
         if self.mode == "tcnn":
-            k, c, d = self.kernel_size, self.kernel_size // 2, self.dilation
-        else:  # ConViT: a sqrt(heads) x sqrt(heads) kernel, even sizes centred like timm's local_init
-            k = int(round(self.num_heads**0.5))
-            if k * k != self.num_heads:
-                raise ValueError(
-                    f"GPSA(convit): local init needs a square number of heads, got {self.num_heads}"
-                )
-            c, d = (k - 1) / 2 if k % 2 == 0 else k // 2, 1
+            return self.conv_tap_offsets()
+        # ConViT: a sqrt(heads) x sqrt(heads) kernel, even sizes centred like timm's local_init
+        k = int(round(self.num_heads**0.5))
+        if k * k != self.num_heads:
+            raise ValueError(f"GPSA(convit): local init needs a square number of heads, got {self.num_heads}")
+        c, d = (k - 1) / 2 if k % 2 == 0 else k // 2, 1
         idx = torch.arange(self.num_heads)
         return torch.stack([(idx // k - c) * d, (idx % k - c) * d], dim=1).to(torch.float64)
 
@@ -357,10 +287,7 @@ class GPSA(nn.Module):
         alpha = torch.as_tensor(alpha, dtype=torch.float64).reshape(self.num_heads)
         centers = torch.as_tensor(centers, dtype=torch.float64).reshape(self.num_heads, 2)
         if self.positional == "softplus":
-            if bool((alpha <= ALPHA_MIN).any()):
-                raise ValueError(f"GPSA: alpha must be > {ALPHA_MIN}, got {alpha.tolist()}")
-            self.pos_alpha.copy_(softplus_inverse(alpha - ALPHA_MIN))
-            self.pos_center.copy_(centers)
+            self._set_softplus_positional(alpha, centers)
         else:  # v_pos = -alpha (1, -2 Delta_1, -2 Delta_2)
             self.pos_weight.copy_(torch.cat([-alpha[:, None], 2 * alpha[:, None] * centers], dim=1))
 
@@ -375,11 +302,14 @@ class GPSA(nn.Module):
         **kwargs: Any,
     ) -> GPSA:
         """T-CNN GPSA computing ``conv`` ([TCNN21] Sec. 2): weight = filter, bias = conv bias, W_val = I."""
-        m = cls(
-            **conv_kwargs(conv, "GPSA.from_conv"), mode="tcnn", stride_mode=stride_mode, alpha_init=alpha_init,
-            lambda_init=lambda_init, **kwargs,
-        )  # fmt: skip
-        return load_conv(m, conv)
+        return super().from_conv(
+            conv,
+            alpha_init=alpha_init,
+            stride_mode=stride_mode,
+            mode="tcnn",
+            lambda_init=lambda_init,
+            **kwargs,
+        )
 
     def _load_timm_keys(self, state_dict: dict, prefix: str, *args: Any) -> None:
         """Accept timm ConViT GPSA keys (qk, v, proj, pos_proj, gating_param) in ``load_state_dict``.
@@ -439,7 +369,7 @@ class GPSA(nn.Module):
     def alpha(self) -> torch.Tensor:
         """Rectified locality strength alpha [heads] (softplus(alpha~, beta=5) + ALPHA_MIN; or -v_pos[0])."""
         if self.positional == "softplus":
-            return F.softplus(self.pos_alpha, beta=ALPHA_BETA) + ALPHA_MIN
+            return self._softplus_alpha()
         return -self.pos_weight[:, 0]
 
     def gate(self) -> torch.Tensor:
@@ -453,11 +383,6 @@ class GPSA(nn.Module):
         return self.pos_weight[:, 1:] / (2 * self.alpha()[:, None])
 
     # -------------------------------------------------------------------------------- geometry
-    def _query_size(self, h: int, w: int) -> tuple[int, int, int]:
-        """(query rows, query cols, query stride) for an h x w input."""
-        s = self.stride if self.stride_mode == "exact" else 1
-        return -(-h // s), -(-w // s), s
-
     def _offsets(self, n: int, nq: int, s: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """1-D offsets key - query [nq, n + 2 pad] over the zero-padded key axis (cached)."""
         key = ("off", n, nq, s, device, dtype)

@@ -46,15 +46,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core.nn.gpsa import ALPHA_BETA, ALPHA_MIN, STRIDE_MODES, conv_kwargs, load_conv, softplus_inverse
 from core.nn.locality import grid_distances
+from core.nn.positional import STRIDE_MODES, PositionalHeads
 
 __all__ = ["PSA", "QK_INITS"]
 
 QK_INITS = ("zero_key", "zero", "random")
 
 
-class PSA(nn.Module):
+class PSA(PositionalHeads, nn.Module):
     """Ungated positional self-attention with the quadratic encoding, T-CNN head layout (module docstring).
 
     Args:
@@ -123,9 +123,7 @@ class PSA(nn.Module):
     # ----------------------------------------------------------------------------------------- init
     def tap_offsets(self) -> torch.Tensor:
         """Conv-like centres [heads, 2] (row, col): head h <-> tap (h // k, h % k), row-major."""
-        k, c, d = self.kernel_size, self.kernel_size // 2, self.dilation
-        idx = torch.arange(self.num_heads)
-        return torch.stack([(idx // k - c) * d, (idx % k - c) * d], dim=1).to(torch.float64)
+        return self.conv_tap_offsets()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -150,20 +148,9 @@ class PSA(nn.Module):
     def set_positional(self, *, alpha: torch.Tensor, centers: torch.Tensor) -> None:
         """Set rectified alpha [heads] (> ALPHA_MIN) and centres [heads, 2] (row, col)."""
         alpha = torch.as_tensor(alpha, dtype=torch.float64).reshape(self.num_heads)
-        if bool((alpha <= ALPHA_MIN).any()):
-            raise ValueError(f"PSA: alpha must be > {ALPHA_MIN}, got {alpha.tolist()}")
-        self.pos_alpha.copy_(softplus_inverse(alpha - ALPHA_MIN))
-        self.pos_center.copy_(torch.as_tensor(centers, dtype=torch.float64).reshape(self.num_heads, 2))
-
-    @classmethod
-    def from_conv(
-        cls, conv: nn.Conv2d, *, alpha_init: float = 1.0, stride_mode: str = "exact", **kwargs: Any
-    ) -> PSA:
-        """PSA computing ``conv`` at large alpha: weight = filter, bias = conv bias, W_val = I ([Cordonnier20] Lemma 1)."""
-        m = cls(
-            **conv_kwargs(conv, "PSA.from_conv"), stride_mode=stride_mode, alpha_init=alpha_init, **kwargs
+        self._set_softplus_positional(
+            alpha, torch.as_tensor(centers, dtype=torch.float64).reshape(self.num_heads, 2)
         )
-        return load_conv(m, conv)
 
     def _apply(self, fn: Any, recurse: bool = True) -> PSA:
         self._cache = {}
@@ -182,7 +169,7 @@ class PSA(nn.Module):
 
     def alpha(self) -> torch.Tensor:
         """Rectified locality strength alpha [heads] = softplus(alpha~, beta=5) + ALPHA_MIN."""
-        return F.softplus(self.pos_alpha, beta=ALPHA_BETA) + ALPHA_MIN
+        return self._softplus_alpha()
 
     def centers(self) -> torch.Tensor:
         """Attention centres Delta [heads, 2] as (row, col) offsets in input pixels."""
@@ -193,10 +180,6 @@ class PSA(nn.Module):
         return torch.full((self.num_heads,), float("nan"), device=self.pos_alpha.device)
 
     # -------------------------------------------------------------------------------- geometry
-    def _query_size(self, h: int, w: int) -> tuple[int, int, int]:
-        s = self.stride if self.stride_mode == "exact" else 1
-        return -(-h // s), -(-w // s), s
-
     def positional_logits(self, h: int, w: int) -> torch.Tensor:
         """-alpha_h |delta - Delta^h|^2 over the zero-padded key grid: [heads, Lq, (h + 2p)(w + 2p)], float32+.
 

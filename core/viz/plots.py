@@ -22,7 +22,8 @@ import numpy as np  # noqa: E402
 from core.robustness.corruptions import CATEGORIES, CORRUPTIONS, SEVERITIES  # noqa: E402
 
 
-def _save(fig: Any, path: Path, dpi: int) -> Path:
+def save_png(fig: Any, path: Path, dpi: int) -> Path:
+    """Write ``fig`` as a PNG atomically and close it."""
     try:
         return atomic_write(path, lambda fh: fig.savefig(fh, format="png", dpi=dpi))
     finally:
@@ -101,7 +102,7 @@ def contact_sheet(
         side.set_visible(False)
     if title:
         fig.suptitle(title, fontsize=11, y=1 - 0.15 / fig.get_figheight(), va="top")
-    return _save(fig, Path(path), dpi)
+    return save_png(fig, Path(path), dpi)
 
 
 def plot_gains(
@@ -143,4 +144,4 @@ def plot_gains(
         fontsize=9,
     )
     fig.tight_layout()
-    return _save(fig, Path(path), 120)
+    return save_png(fig, Path(path), 120)

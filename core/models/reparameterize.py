@@ -1,0 +1,83 @@
+"""The reparameterization step of every model kind, as its registry record says (`core.models.kinds`).
+
+- a kind that converts its pretrained CNN (``pretrains_cnn`` and ``attention``): `core.reparam.to_tcnn` with
+  the conversion settings ([TCNN21] Sec. 2: GPSA; [Cordonnier20]: PSA), then the ablation switches;
+- a two-phase kind (``reparameterize``): its own map, e.g. [Li21] Theorem 1's convolution -> self-attention;
+- every other kind: the pretrained network passes through unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn as nn
+
+from core.models import convert, kinds
+from core.models.kinds import ABLATION_SWITCHES, REPARAM_KEYS
+from core.models.spec import build_from_spec, make_model_spec
+
+
+@dataclass
+class Reparameterized:
+    """The network the reparam stage hands to fine-tuning, its checkpoint spec and how it came about."""
+
+    model: nn.Module
+    spec: dict[str, Any]
+    converted: bool
+    #: The optimizer state of the pretraining run carries over by name and shape only (a two-phase model's
+    #: new parameters start without state); a GPSA conversion maps each conv's state onto its GPSA.
+    carry_by_name: bool
+    note: str | None = None
+
+
+def source_mismatch(spec_cnn: dict[str, Any], kind: str) -> str | None:
+    """Why a pretraining checkpoint of ``spec_cnn`` cannot be reparameterized to ``kind`` (None: it can)."""
+    record = kinds.get(kind)
+    converted_already = record.reparameterizes and record.attention is not None and spec_cnn.get("tcnn")
+    if spec_cnn["kind"] == record.pretraining_kind and not converted_already:
+        return None
+    held = "a T-CNN" if spec_cnn.get("tcnn") is not None else f"a {spec_cnn['kind']!r} model"
+    return f"holds {held} already; model.kind={kind!r} expects a {record.pretraining_kind!r} pretraining checkpoint"
+
+
+def switches(kind: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The ablation switches of ``options`` that act on the converted network of ``kind``."""
+    record = kinds.get(kind)
+    return {k: options[k] for k in ABLATION_SWITCHES if k in record.ablations and k in options}
+
+
+def convert_cnn(
+    cnn: nn.Module, kind: str, reparam: Any, options: dict[str, Any], stride_mode: str | None = None
+) -> nn.Module:
+    """``cnn`` converted as ``kind``'s record says, with the ``reparam`` section's settings (``stride_mode``
+    overrides its stride mode) and the switches of ``options``: a new module."""
+    conv = kinds.get(kind).conversion_from(reparam, options)
+    if stride_mode is not None:
+        conv["stride_mode"] = stride_mode
+    return convert(cnn, kind, **conv, **switches(kind, options))
+
+
+def reparameterize(
+    cnn: nn.Module, spec_cnn: dict[str, Any], kind: str, reparam: Any, options: dict[str, Any]
+) -> Reparameterized:
+    """The network of ``kind`` made from the pretrained ``cnn`` (rebuilt from ``spec_cnn``) and its spec."""
+    record = kinds.get(kind)
+    arch, n, chans = spec_cnn["arch"], spec_cnn["num_classes"], spec_cnn["in_chans"]
+    if record.reparameterizes and record.attention is not None:
+        model = convert_cnn(cnn, kind, reparam, options)
+        conv = record.conversion_from(reparam, options)
+        section = {**{k: getattr(reparam, k) for k in REPARAM_KEYS}, **conv, "attention": record.attention}
+        extra = {k: v for k, v in conv.items() if k not in REPARAM_KEYS}  # e.g. psa's qk_init
+        spec_options = {**spec_cnn["options"], **switches(kind, options), **extra}
+        spec = make_model_spec(kind, arch, n, chans, spec_options, section)
+        return Reparameterized(model, spec, converted=True, carry_by_name=False)
+    if record.reparameterize is not None and record.phases is not None:
+        model = record.reparameterize(cnn)
+        spec = make_model_spec(kind, arch, n, chans, spec_cnn["options"], phase=record.phases[1])
+        note = f"{kind}: {record.phases[0]} phase -> {record.phases[1]} phase ({record.summary})"
+        return Reparameterized(model, spec, converted=True, carry_by_name=True, note=note)
+    model = build_from_spec(spec_cnn)
+    model.load_state_dict(cnn.state_dict())
+    note = f"model.kind={kind!r}: no reparameterization, the network passes through"
+    return Reparameterized(model, spec_cnn, converted=False, carry_by_name=False, note=note)
