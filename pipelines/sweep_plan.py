@@ -102,20 +102,10 @@ def trial_label(overrides: dict[str, Any]) -> str:
 
 
 def stage_code_files(stage: str, repo: Path = REPO) -> list[str]:
-    """The code files (under core/ and stages/) that dvc.yaml lists as deps of ``stage``, folders expanded to
-    their .py files: the code part of DVC's own identity of the stage (tests/test_dvc_deps.py keeps those
-    deps complete)."""
-    import yaml
+    """The code files dvc.yaml lists as deps of ``stage`` (`stages.chain.code_files`)."""
+    from stages.chain import code_files
 
-    deps = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"][stage]["deps"]
-    files: set[str] = set()
-    for d in deps:
-        if not isinstance(d, str) or not d.startswith(("core/", "stages/")):
-            continue
-        path = repo / d
-        found = path.rglob("*.py") if path.is_dir() else [path]
-        files |= {str(p.relative_to(repo)) for p in found if "__pycache__" not in p.parts}
-    return sorted(files)
+    return code_files(stage, repo)
 
 
 def code_digest(stage: str, repo: Path = REPO) -> str:

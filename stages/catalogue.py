@@ -106,7 +106,6 @@ STAGE_METRIC_ALIASES: dict[str, dict[str, str]] = {"reparam": {"max_abs_logit_di
 
 #: What the last stage puts on the parent run besides :data:`SUMMARY_METRICS`.
 PARENT_ARTIFACTS = ("results/report.html", "results/metrics.json")
-LAST_STAGE = "report"
 
 #: Models logged with ``mlflow.pytorch.log_model`` (stage -> (checkpoint, MLflow model name)).
 STAGE_MODELS: dict[str, tuple[str, str]] = {

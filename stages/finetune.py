@@ -1,6 +1,6 @@
 """Stage `finetune`: train the reparameterized network from `root/runs/reparam/tcnn.pt`.
 
-`finetune.mode`:
+`finetune.mode` picks the recipe (`core.training.recipes`):
 - "fresh" ([TCNN21] Sec. 3): AdamW, linear warmup over `finetune.warmup_epochs` to
   lr = finetune.lr x finetune.batch_size / 1024, then per-step cosine decay over `finetune.epochs`; the
   gating parameters lambda (Eq. 7) use finetune.gate_lr x finetune.batch_size / 1024 (the paper gives both
@@ -50,6 +50,7 @@ from core.data import first_batch
 from core.models import set_stochastic_depth
 from core.models.spec import build_from_spec
 from core.training import distributed as D
+from core.training import recipes
 from core.training.checkpoint import restore_rng
 from core.training.history import summarize_gpsa
 from core.training.loop import (
@@ -58,7 +59,7 @@ from core.training.loop import (
     fit,
     seed_everything,
 )
-from core.training.optim import WarmupCosine, build_adamw, build_sgd, freeze_parameters, load_named_state
+from core.training.optim import freeze_parameters
 from core.utils.hashing import derive_seed, file_digest, stable_hash
 from stages import training as T
 from stages.runner import StageError, stage_main
@@ -159,51 +160,29 @@ def train(
         raise StageError(f"finetune.freeze: no parameter of the model is named {freeze}")
 
     if mode == "fresh":
-        size = f.image_size or params.data.image_size
-        set_stochastic_depth(model, f.drop_path)
-        augment = params.augment_for("finetune")
-        loaders = T.loaders(params, ds, batch_size=f.batch_size, seed=seed, augment=augment, size=size)
-        spe = _steps(loaders, f.batch_size, ds, "finetune.batch_size")
-        peak_lr, gate_lr = f.scaled_lrs()
-        optimizer = build_adamw(model, lr=peak_lr, gate_lr=gate_lr, weight_decay=f.weight_decay)
-        scheduler = WarmupCosine(
-            optimizer, total_steps=f.epochs * spe, warmup_steps=round(f.warmup_epochs * spe)
-        )
-        epochs = range(0, f.epochs)
-        info: dict[str, Any] = {"peak_lr": peak_lr, "gate_lr": gate_lr}
+        size, batch, drop_path = f.image_size or params.data.image_size, f.batch_size, f.drop_path
+        augment, order_seed, key = params.augment_for("finetune"), seed, "finetune.batch_size"
     else:
         carry = ckpt["carry"]
-        t1 = int(carry["epoch"])
-        if t1 != params.reparam.epoch:
+        if int(carry["epoch"]) != params.reparam.epoch:
             raise StageError(
-                f"{src}: was converted at epoch {t1} but reparam.epoch={params.reparam.epoch}; rerun the reparam stage"
+                f"{src}: was converted at epoch {int(carry['epoch'])} but reparam.epoch={params.reparam.epoch}; "
+                "rerun the reparam stage"
             )
-        size = int(ckpt.get("image_size") or params.data.image_size)
-        set_stochastic_depth(model, params.model.drop_path)
-        augment = params.augment_for("pretrain")
-        loaders = T.loaders(params, ds, batch_size=p.batch_size, seed=params.seed, augment=augment, size=size)
-        spe = _steps(loaders, p.batch_size, ds, "pretrain.batch_size")
-        total = p.epochs * spe
-        saved = carry["scheduler"]
-        if carry.get("steps_per_epoch") not in (0, spe) or saved.get("total_steps") != total:
-            raise StageError(
-                f"{src}: its schedule ({saved.get('total_steps')} steps) does not match pretrain.* now "
-                f"({p.epochs} epochs x {spe} steps); rerun pretrain and reparam"
-            )
-        optimizer = build_sgd(model, lr=p.lr, momentum=p.momentum, weight_decay=p.weight_decay)
-        try:
-            load_named_state(optimizer, model, carry["optimizer_state"])
-        except KeyError as err:
-            raise StageError(f"{src}: carried optimizer state does not fit the model ({err})") from None
-        scheduler = WarmupCosine(
-            optimizer,
-            total_steps=total,
-            warmup_steps=int(saved["warmup_steps"]),
-            min_factor=float(saved.get("min_factor", 0.0)),
-            start_step=int(carry["global_step"]),
+        size, batch, drop_path = (
+            int(ckpt.get("image_size") or params.data.image_size),
+            p.batch_size,
+            params.model.drop_path,
         )
-        epochs = range(t1, p.epochs)
-        info = {"t1": t1, "t2": p.epochs - t1, "peak_lr": p.lr}
+        augment, order_seed, key = params.augment_for("pretrain"), params.seed, "pretrain.batch_size"
+    set_stochastic_depth(model, drop_path)
+    loaders = T.loaders(params, ds, batch_size=batch, seed=order_seed, augment=augment, size=size)
+    spe = _steps(loaders, batch, ds, key)
+    try:
+        recipe = recipes.fresh(model, f, spe) if mode == "fresh" else recipes.continued(model, p, carry, spe)
+    except ValueError as err:
+        raise StageError(f"{src}: {err}") from None
+    optimizer, scheduler, epochs, info = recipe.optimizer, recipe.scheduler, recipe.epochs, recipe.info
 
     channels_last = T.use_channels_last(device)
     extra = T.extra_state(spec, ds, size)

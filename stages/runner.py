@@ -15,8 +15,8 @@ from core.config import ConfigError, Params, load_params, plan_epochs
 from core.data.importers import DataError
 from core.utils.hashing import file_digest
 from core.utils.workspace import WorkspaceBusy, workspace_lock
+from stages import chain
 from stages.catalogue import (
-    LAST_STAGE,
     PARENT_ARTIFACTS,
     STAGE_ARTIFACTS,
     STAGE_DATASETS,
@@ -96,7 +96,9 @@ def _tracked(params: Params, name: str) -> Iterator[Any]:
         return
     from stages.tracking import stage_run  # the one tracking adapter; stages work without it
 
-    with stage_run(params, name, root=".", end_parent=name == LAST_STAGE, system_metrics=True) as tracker:
+    with stage_run(
+        params, name, root=".", end_parent=name == chain.last_stage(), system_metrics=True
+    ) as tracker:
         yield tracker
 
 
@@ -169,7 +171,7 @@ def _log_outputs(tracker: Any, params: Params, name: str, metrics: Any, root: Pa
     if name in STAGE_MODELS:
         ckpt, model_name = STAGE_MODELS[name]
         tracker.log_checkpoint_model(root / ckpt, model_name)
-    if name == LAST_STAGE:
+    if name == chain.last_stage():
         parent = tracker.parent_run_id
         tracker.log_metrics(summary_metrics(root), run_id=parent)
         for rel in PARENT_ARTIFACTS:

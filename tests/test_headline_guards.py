@@ -96,7 +96,7 @@ def test_the_bootstrap_redraws_the_ce_baseline_with_every_replicate() -> None:
 
 
 def test_the_report_sentence_for_a_worse_mce_says_worse() -> None:
-    from stages.report import verdict
+    from core.viz.report_html import verdict
 
     worse = {"diff": 0.03, "low": 0.01, "high": 0.05, "excludes_zero": True}
     assert "the T-CNN is worse" in verdict("mCE (T-CNN − control)", worse, higher_is_better=False)

@@ -29,6 +29,7 @@ from core.robustness.metrics import Baseline, comparisons, flat_metrics, summari
 from core.training.checkpoint import atomic_save
 from core.utils.atomic import atomic_write_json
 from core.viz.plots import plot_gains
+from core.viz.report_html import section_runs
 from stages import report
 from stages import training as T
 from stages.runner import StageError
@@ -404,7 +405,7 @@ def test_run_ids_file_written_by_the_tracking_layer(tmp_path) -> None:
     assert report.read_run_meta(tmp_path)["dvc_exp_name"] == "fun-cat"
     record_run_ids(f, "P2", "reparam", "r3", meta)  # another execution: the file starts over
     assert report.read_run_ids(tmp_path) == ({"parent": "P2", "reparam": "r3"}, None)
-    html = report._section_runs({"parent": "P2"}, {"tracking": {}}, None, report.read_run_meta(tmp_path))
+    html = section_runs({"parent": "P2"}, {"tracking": {}}, None, report.read_run_meta(tmp_path))
     assert "#/experiments/7/runs/P2" in html and "fun-cat" in html
 
 
