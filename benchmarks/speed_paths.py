@@ -6,7 +6,7 @@ and off, measured side by side (interleaved rounds; the ratio is the median of t
 Paths (each "off" variant swaps one path for the plain PyTorch call it replaces, all else as by default):
 - ``dense_attention``: the T-CNN GPSA's dense attention path (``attn_impl="auto"``) vs ``"sdpa"``;
 - ``channels_last``: channels-last models and inputs vs NCHW;
-- ``torchscript_eval``: evaluate's traced, frozen CNN (stages/evaluate.py ``inference_model``) vs eager.
+- ``torchscript_eval``: evaluate's traced, frozen CNN (core/training/inference.py ``inference_model``) vs eager.
 A ratio > 1 means the path is faster by that factor. Compare ratios from one run on one machine.
 
 Paths that bought less than 5% here were removed: GPSA GEMM routes chosen by CPU vendor (oneDNN forward,
@@ -77,7 +77,7 @@ def main() -> None:
         return m
 
     xc, xec = x.contiguous(memory_format=cl), xe.contiguous(memory_format=cl)
-    from stages.evaluate import inference_model
+    from core.training.inference import inference_model
 
     cnn_eval = copy.deepcopy(cnn).eval()
     scripted, kind = inference_model(cnn_eval, xe)

@@ -5,7 +5,7 @@ ratios), and training img/s in fp32 against bf16 autocast.
     .venv/bin/python benchmarks/tcnn_eval.py [--arch resnet12_cifar_os16] [--size 32] [--rounds 5]
 
 Evaluation candidates (all channels-last, fp32 unless named): TorchScript trace + freeze (what evaluate uses
-for the CNN: stages/evaluate.py ``inference_model``), ``torch.compile`` (inductor; its compile time is printed,
+for the CNN: core/training/inference.py ``inference_model``), ``torch.compile`` (inductor; its compile time is printed,
 it is paid once per model and process), and bf16 autocast (not used by evaluate, which measures robustness in
 fp32; shown for scale). Compare ratios from one run on one machine, and say which CPU.
 """
