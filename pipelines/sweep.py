@@ -357,12 +357,12 @@ def run_sweep(
             summary = sweep_summary.write_table(
                 sweep_summary.with_seed_columns(rows, srows, spec), sweep_dir / "summary.parquet"
             )
+            krows = sweep_summary.kind_rows(spec, rows)
             try:
-                plots = sweep_summary.make_plots(spec, rows, sweep_dir / "plots")
+                plots = sweep_summary.make_plots(spec, rows, sweep_dir / "plots", krows)
             except Exception as err:  # a plot must not cost the sweep its summary and parent run
                 say(f"warning: plots failed ({type(err).__name__}: {err})")
                 plots = []
-            krows = sweep_summary.kind_rows(spec, rows)
             kind_files = sweep_summary.write_kinds(krows, sweep_dir) if krows else []
             kind_files += sweep_summary.write_seeds(srows, sweep_dir) if srows else []
             chosen = sweep_select.selected_rows(spec, rows)

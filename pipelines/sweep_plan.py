@@ -101,17 +101,13 @@ def trial_label(overrides: dict[str, Any]) -> str:
     return " ".join(f"{SHORT.get(k, k)}={v}" for k, v in overrides.items()) or "(base config)"
 
 
-def stage_code_files(stage: str, repo: Path = REPO) -> list[str]:
-    """The code files dvc.yaml lists as deps of ``stage`` (`stages.chain.code_files`)."""
+def code_digest(stage: str, repo: Path = REPO) -> str:
+    """sha256 over the contents of the code files dvc.yaml lists as deps of ``stage``
+    (`stages.chain.code_files`; path and bytes of each file, in order)."""
     from stages.chain import code_files
 
-    return code_files(stage, repo)
-
-
-def code_digest(stage: str, repo: Path = REPO) -> str:
-    """sha256 over the contents of :func:`stage_code_files` (path and bytes of each file, in order)."""
     h = hashlib.sha256()
-    for rel in stage_code_files(stage, repo):
+    for rel in code_files(stage, repo):
         h.update(rel.encode())
         h.update((repo / rel).read_bytes())
     return h.hexdigest()

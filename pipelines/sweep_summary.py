@@ -223,20 +223,20 @@ def seeds_markdown(srows: list[dict[str, Any]]) -> str:
 # ----------------------------------------------------------------------------------------------- plots
 
 
-def _varies(spec: dict[str, Any], key: str) -> bool:
-    return len(spec["grid"].get(key, [])) > 1
-
-
 def _finished(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if r["status"] == "finished"]
 
 
-def make_plots(spec: dict[str, Any], rows: list[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """The plots the grid supports (`core.viz.sweep_plots`); returns the files written."""
+def make_plots(
+    spec: dict[str, Any], rows: list[dict[str, Any]], out_dir: Path, krows: list[dict[str, Any]] | None = None
+) -> list[Path]:
+    """The plots the grid supports (`core.viz.sweep_plots`); returns the files written. ``krows``: the sweep's
+    :func:`kind_rows` when the caller has them already (they read every trial's robustness table)."""
     from core.viz.sweep_plots import sweep_plots
 
     finished = _finished(rows)
-    krows = kind_rows(spec, finished) if finished else []
+    if krows is None:
+        krows = kind_rows(spec, finished) if finished else []
     return sweep_plots(
         spec["name"], spec["grid"], finished, krows, out_dir, fraction_scales_epochs=_scales(spec)
     )

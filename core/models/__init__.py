@@ -29,14 +29,13 @@ import torch
 import torch.nn as nn
 from timm.layers import DropPath
 
-from core.models import builtin_kinds, kinds
+from core.models import builtin_kinds, kinds  # noqa: F401 (builtin_kinds registers the project's kinds)
 from core.models.convit import CONVIT_CONFIGS, ConViT
 from core.models.kinds import ABLATION_SWITCHES, GATING_MODES, REPARAM_KEYS, ModelKind
 from core.models.reparam import gpsa_modules, to_tcnn
 from core.models.resnets import PROJECT_ARCHS
 
 __all__ = [
-    "builtin_kinds",
     "CONVIT_CONFIGS",
     "PROJECT_ARCHS",
     "ConViT",
@@ -93,9 +92,10 @@ def check_model_options(kind: str, options: dict[str, Any]) -> None:
     pretraining takes the `reparam` section's keys from there, never from the options."""
     check_options(kind, options)
     record = kinds.get(kind)
-    for key in sorted(set(options) & _conversion_keys() - set(REPARAM_KEYS) - set(record.conversion)):
-        takers = [k.name for k in kinds.all_kinds() if key in k.conversion]
-        raise ValueError(f"options.{key}: applies to kinds {takers}, not {kind!r}")
+    foreign = sorted(set(options) & _conversion_keys() - set(REPARAM_KEYS) - set(record.conversion))
+    if foreign:
+        takers = [k.name for k in kinds.all_kinds() if foreign[0] in k.conversion]
+        raise ValueError(f"options.{foreign[0]}: applies to kinds {takers}, not {kind!r}")
     if record.conversion_in == "reparam":
         bad = [k for k in REPARAM_KEYS if k in options and k in record.conversion]
         if bad:
@@ -107,6 +107,10 @@ def check_model_options(kind: str, options: dict[str, Any]) -> None:
             f"options.phase: set by the stages (pretrain: {record.phases[0]}, reparam onwards: "
             f"{record.phases[1]}), not an option"
         )
+
+
+#: The switches `apply_ablations` applies to a built model (``conv_init`` acts inside the builder).
+POST_BUILD_SWITCHES = ("gating", "freeze_gpsa")
 
 
 def _conversion_keys() -> set[str]:
@@ -175,7 +179,7 @@ def convert(cnn: nn.Module, kind: str, **options: Any) -> nn.Module:
         raise ValueError(f"kind {kind!r} does not convert a CNN")
     check_options(kind, options)
     conv = {k: options.pop(k) for k in record.conversion if k in options}
-    ablate = {k: options.pop(k) for k in ("gating", "freeze_gpsa") if k in options}
+    ablate = {k: options.pop(k) for k in POST_BUILD_SWITCHES if k in options}
     if options:
         raise ValueError(f"kind {kind!r}: unknown conversion option(s) {sorted(options)}")
     if "stages" in conv:
@@ -196,7 +200,7 @@ def build(kind: str, arch: str, num_classes: int, **options: Any) -> nn.Module:
     check_arch(kind, arch)
     if "drop_path" in options:  # params.yaml's model.drop_path is timm's drop_path_rate
         options["drop_path_rate"] = options.pop("drop_path")
-    ablate = {k: options.pop(k) for k in ("gating", "freeze_gpsa") if k in options}
+    ablate = {k: options.pop(k) for k in POST_BUILD_SWITCHES if k in options}
     if record.attention is not None:
         conv = {k: options.pop(k) for k in record.conversion if k in options}
         return convert(record.build(arch, num_classes, **options), kind, **conv, **ablate)

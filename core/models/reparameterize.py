@@ -65,8 +65,8 @@ def reparameterize(
     record = kinds.get(kind)
     arch, n, chans = spec_cnn["arch"], spec_cnn["num_classes"], spec_cnn["in_chans"]
     if record.reparameterizes and record.attention is not None:
-        model = convert_cnn(cnn, kind, reparam, options)
         conv = record.conversion_from(reparam, options)
+        model = convert(cnn, kind, **conv, **switches(kind, options))
         section = {**{k: getattr(reparam, k) for k in REPARAM_KEYS}, **conv, "attention": record.attention}
         extra = {k: v for k, v in conv.items() if k not in REPARAM_KEYS}  # e.g. psa's qk_init
         spec_options = {**spec_cnn["options"], **switches(kind, options), **extra}

@@ -18,16 +18,13 @@ from core.viz.plots import save_png
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+DPI = 110
 T1, ALPHA, LAMBDA, FRACTION = (
     "reparam.epoch",
     "reparam.alpha_init",
     "reparam.lambda_init",
     "data.sample_fraction",
 )
-
-
-def _save(fig: Any, path: Path) -> Path:
-    return save_png(fig, path, dpi=110)
 
 
 def _aggregate(rows: list[dict[str, Any]], keys: tuple[str, ...], metric: str) -> dict[tuple, list[float]]:
@@ -77,7 +74,7 @@ def sweep_plots(
         ax.set_ylabel("test accuracy")
         ax.set_title(f"{name}: accuracy vs t1 ([TCNN21] Table 3)")
         ax.legend(fontsize=8)
-        written.append(_save(fig, out_dir / "accuracy_vs_t1.png"))
+        written.append(save_png(fig, out_dir / "accuracy_vs_t1.png", DPI))
     if varies(FRACTION):
         fig, ax = plt.subplots(figsize=(5.5, 4))
         _line(ax, _aggregate(rows, (FRACTION,), "cnn_clean_accuracy"), "CNN")
@@ -91,7 +88,7 @@ def sweep_plots(
         ax.set_ylabel("clean test accuracy")
         ax.set_title(f"{name}: CNN vs T-CNN by sample fraction ([ConViT21] Table 2)")
         ax.legend(fontsize=8)
-        written.append(_save(fig, out_dir / "accuracy_vs_fraction.png"))
+        written.append(save_png(fig, out_dir / "accuracy_vs_fraction.png", DPI))
     if varies(ALPHA) and varies(LAMBDA):
         alphas, lambdas = sorted(grid[ALPHA]), sorted(grid[LAMBDA])
         fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
@@ -117,7 +114,7 @@ def sweep_plots(
             fig.colorbar(im, ax=ax)
         fig.suptitle(f"{name}: alpha_init x lambda_init")
         fig.tight_layout()
-        written.append(_save(fig, out_dir / "alpha_lambda_heatmap.png"))
+        written.append(save_png(fig, out_dir / "alpha_lambda_heatmap.png", DPI))
     krows = [k for k in kind_rows if not k["kind"].startswith("cnn (")]
     if krows:
         labels = [f"{k['kind']}\n{k['arch']}" for k in krows]
@@ -132,5 +129,5 @@ def sweep_plots(
                     ax.text(i, v, f"{v:.3f}", ha="center", va="bottom", fontsize=8)
         fig.suptitle(f"{name}: by model.kind (mCE vs {krows[0]['baseline']})", fontsize=10)
         fig.tight_layout()
-        written.append(_save(fig, out_dir / "accuracy_by_kind.png"))
+        written.append(save_png(fig, out_dir / "accuracy_by_kind.png", DPI))
     return written
