@@ -3,13 +3,13 @@
 Pure functions (no Ray, no MLflow): the driver plans the whole sweep before anything runs, so bad input
 fails with one line and nothing written, and every trial (on any node) finds its plan in the spec.
 
-Shared pretraining (issue 7): trials whose pretraining inputs are equal -- seed, data content (manifest
-fingerprint), data.sample_fraction / val_size / image_size, the network pretraining trains (model.arch,
-options, drop_path and ``core.models.spec.pretraining_kind``), the pretrain section (minus which epochs are
-kept), the device kind and the pretraining code (the files dvc.yaml lists as the pretrain stage's deps) --
-form one *group*. A group pretrains once, in the
-content-addressed directory ``<storage>/pretrain/<key>/`` (key = sha256 of those inputs), keeping a
-checkpoint at every t1 its trials ask for; later sweeps with the same inputs reuse it.
+Shared work (issue 7): trials whose pretraining has the same identity -- the pretrain stage's own
+(`stages.pretrain.identity`: seed, data content and meaning, the network pretraining builds, the pretrain
+section minus which epochs are kept, the device, the stage's code) -- form one *group*. A group pretrains
+once, in the content-addressed directory ``<storage>/pretrain/<key>/`` (`stages.identity.key`), keeping a
+checkpoint at every t1 its trials ask for; later sweeps with the same identity reuse it. Matched controls
+(`stages.finetune.identity`) and corrupted sets (`stages.corrupt.identity`) are shared the same way: the
+identity a stage's DVC-path resume checks is the one that names its shared directory.
 
 Fraction sweeps ([ConViT21] Table 2): with ``data.fraction_scales_epochs`` a trial at sample fraction f < 1
 trains E' = max(1, round(E / f)) epochs in every phase, so it sees as many images as the f = 1 run; t1 keeps
@@ -19,7 +19,6 @@ table shows the grid value and the effective epochs.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import re
 from dataclasses import dataclass, field
@@ -27,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from core.config import ConfigError, Params, plan_epochs, validate_params
+from core.data import manifest_fingerprint
 from core.utils.hashing import stable_hash
+from stages.identity import key as identity_key
 
 PLAN_VERSION = 1
-REPO = Path(__file__).resolve().parents[1]
 SHORT = {
     "reparam.epoch": "t1",
     "reparam.alpha_init": "alpha",
@@ -101,18 +101,6 @@ def trial_label(overrides: dict[str, Any]) -> str:
     return " ".join(f"{SHORT.get(k, k)}={v}" for k, v in overrides.items()) or "(base config)"
 
 
-def code_digest(stage: str, repo: Path = REPO) -> str:
-    """sha256 over the contents of the code files dvc.yaml lists as deps of ``stage``
-    (`stages.chain.code_files`; path and bytes of each file, in order)."""
-    from stages.chain import code_files
-
-    h = hashlib.sha256()
-    for rel in code_files(stage, repo):
-        h.update(rel.encode())
-        h.update((repo / rel).read_bytes())
-    return h.hexdigest()
-
-
 def read_manifest(data_dir: Path) -> dict[str, Any]:
     from core.data import read_manifest as _read
 
@@ -120,11 +108,6 @@ def read_manifest(data_dir: Path) -> dict[str, Any]:
         return _read(data_dir)
     except Exception as err:  # DataError, OSError: one line naming the file
         raise SweepError(f"data.dir: {err}") from None
-
-
-def data_fingerprint(manifest: dict[str, Any]) -> str:
-    """The hash of the prepared dataset's manifest (which lists every shard's sha256), as the stages use it."""
-    return stable_hash({k: v for k, v in manifest.items() if k != "source"})
 
 
 def planned(params: Params, what: str) -> Params:
@@ -135,81 +118,33 @@ def planned(params: Params, what: str) -> Params:
         raise SweepError(f"{what}: {err}") from None
 
 
-def pretrain_identity(params: Params, manifest: dict[str, Any], device: str, code: str) -> dict[str, Any]:
-    """Everything pretraining's result depends on; its hash names the shared pretraining directory.
-
-    The network is identified by the spec the pretrain stage itself builds (``stages.pretrain.model_spec``:
-    e.g. kinds cnn, tcnn and psa all pretrain the same CNN), plus its drop_path and any extra optimizer
-    setting the stage derives (``stages.pretrain.gate_lr``)."""
+def pretrain_identity(params: Params, manifest: dict[str, Any], device: str) -> dict[str, Any]:
+    """The shared pretraining's identity: the pretrain stage's own (`stages.pretrain.identity`), for the
+    network the stage builds from this config and the data ``manifest`` names."""
     from stages import pretrain
-    from stages import training as T
 
-    d = params.data
-    pre = params.pretrain.model_dump(mode="json")
-    for k in ("checkpoint_epochs", "checkpoint_every_steps"):
-        pre.pop(k, None)
-    pre["augment"] = params.augment_for("pretrain").model_dump(mode="json")
-    model: dict[str, Any] = {"drop_path": params.model.drop_path}
     num_classes, in_chans = int(manifest["num_classes"]), int(manifest["image_shape"][-1])
-    model["spec"] = pretrain.model_spec(params, num_classes, in_chans)
-    ident = {
-        "version": PLAN_VERSION,
-        "seed": params.seed,
-        "data": {
-            "name": d.name,
-            "sample_fraction": d.sample_fraction,
-            "val_size": d.val_size,
-            "image_size": d.image_size,
-        },
-        "data_fingerprint": data_fingerprint(manifest),
-        "model": model,
-        "pretrain": pre,
-        "device": device,
-        "code": code,
-        **T.execution_identity(params, params.workers_per_trial),
-    }
-    gate_lr = pretrain.gate_lr(params)
-    if gate_lr is not None:
-        ident["gate_lr"] = gate_lr
-    return ident
+    spec = pretrain.model_spec(params, num_classes, in_chans)
+    fingerprint = manifest_fingerprint(manifest)
+    return pretrain.identity(params, spec, fingerprint, device, workers=params.workers_per_trial)
 
 
-def control_identity(params: Params, pretrain_key: str, device: str, code: str) -> dict[str, Any]:
-    """Everything the matched control's result depends on: its pretraining (by key), t1, the fine-tuning
-    recipe (the whole finetune section but its operational keys, the effective augmentation), the device and
-    the code. Trials that differ only in the reparameterization (alpha/lambda init, stride mode, tcnn vs psa on
-    the same CNN) share one control."""
-    from stages import training as T
+def control_identity(params: Params, pretrain_key: str, device: str) -> dict[str, Any]:
+    """The shared matched control's identity: the control stage's own (`stages.finetune.identity`, variant
+    control), starting from its pretraining (by key) at t1. Trials that differ only in the
+    reparameterization (alpha/lambda init, stride mode, tcnn vs psa on the same CNN) share one control."""
+    from stages import control, finetune
 
-    mode = params.finetune.mode
-    return {
-        "version": PLAN_VERSION,
-        "pretrain_key": pretrain_key,
-        "t1": params.reparam.epoch,
-        "finetune": T.section_identity(params.finetune),
-        "augment": params.augment_for("finetune" if mode == "fresh" else "pretrain").model_dump(mode="json"),
-        "device": device,
-        "code": code,
-        **T.execution_identity(params, params.workers_per_trial),
-    }
+    inputs = {"pretrain": pretrain_key, "t1": params.reparam.epoch}
+    return finetune.identity(params, inputs, device, freeze=params.finetune.freeze,
+                             variant=control.VARIANT.name, workers=params.workers_per_trial)  # fmt: skip
 
 
 def corrupt_identity(params: Params, manifest: dict[str, Any]) -> dict[str, Any]:
-    """What the corrupt stage's output depends on (its own per-set metadata check covers code versions)."""
-    r = params.robustness
-    return {
-        "version": PLAN_VERSION,
-        "data_fingerprint": data_fingerprint(manifest),
-        "image_size": params.data.image_size,
-        "seed": params.seed,
-        "n_images": r.n_images,
-        "corruptions": list(r.corruptions),
-        "severities": list(r.severities),
-    }
+    """The shared corrupted sets' identity: the corrupt stage's own (`stages.corrupt.identity`)."""
+    from stages import corrupt
 
-
-def short_key(identity: dict[str, Any]) -> str:
-    return stable_hash(identity)[:16]
+    return corrupt.identity(params, manifest)
 
 
 def _override(params: Params, overrides: dict[str, Any], what: str) -> Params:
@@ -243,8 +178,6 @@ def make_plan(
     if bad:
         raise SweepError(f"sweep.grid.{bad[0]}: sweep.* and tracking.* settings cannot vary within a sweep")
     storage = (cwd / base.sweep.storage).resolve()
-    code = code_digest("pretrain")  # the same code DVC hashes for its pretrain and control stages
-    control_code = code_digest("control")
     # A trial is one point of the grid: no grid of its own, nothing to select.
     fixed: dict[str, Any] = {"sweep.grid": {}, "sweep.select.over": [], "sweep.storage": str(storage)}
     if tracking_uri is not None:
@@ -264,21 +197,21 @@ def make_plan(
         manifest = manifests[data_dir]
         p = _override(p, {**fixed, "data.dir": str(data_dir)}, label)
         p = planned(p, label)
-        ident = pretrain_identity(p, manifest, device, code)
-        pkey = short_key(ident)
-        ckey = short_key(corrupt_identity(p, manifest))
+        ident = pretrain_identity(p, manifest, device)
+        pkey = identity_key(ident)
+        ckey = identity_key(corrupt_identity(p, manifest))
         p = _override(p, {"robustness.dir": str(storage / "corrupt" / ckey)}, label)
         xkey = None
         if has_control(p):
-            xident = control_identity(p, pkey, device, control_code)
-            xkey = short_key(xident)
+            xident = control_identity(p, pkey, device)
+            xkey = identity_key(xident)
             controls.setdefault(xkey, {"params": p, "pretrain_key": pkey, "identity": xident, "trials": []})
             controls[xkey]["trials"].append(trial_id(i, combo))
         t = TrialPlan(i, trial_id(i, combo), combo, p, pkey, ckey, xkey)
         trials.append(t)
         members.setdefault(pkey, []).append(t)
         identities[pkey] = ident
-        corrupt.setdefault(ckey, p)
+        corrupt[ckey] = _all_sets(corrupt.get(ckey), p)
     groups = {}
     for key, ts in members.items():
         # The group pretrains with its first trial's params, keeping a checkpoint at every t1 of its trials
@@ -288,6 +221,17 @@ def make_plan(
         gp = _override(ts[0].params, norm, f"pretraining group {key}")
         groups[key] = PretrainGroup(key, gp, epochs, [t.tid for t in ts], identities[key])
     return SweepPlan(base, grid, storage, trials, groups, corrupt, controls)
+
+
+def _all_sets(have: Params | None, params: Params) -> Params:
+    """The corrupt params of a shared directory: the first trial's, asking for every corruption and severity
+    any of its trials evaluates (the sets do not depend on the list: `stages.corrupt.identity`)."""
+    if have is None:
+        return params
+    r, q = have.robustness, params.robustness
+    union = {"robustness.corruptions": list(dict.fromkeys([*r.corruptions, *q.corruptions])),
+             "robustness.severities": sorted({*r.severities, *q.severities})}  # fmt: skip
+    return _override(have, union, "robustness (shared corrupted sets)")
 
 
 def has_control(params: Params) -> bool:

@@ -27,14 +27,14 @@ class SweepProgress(tune.Callback):
         stage, tid = result.get("stage"), trial.config.get("tid")
         if stage == "start":
             text = f"started (attempt {result.get('attempt')})"
+        elif "finetune_epoch" in result:
+            text = f"{stage} epoch {result.get('finetune_epoch')} val_acc {_f(result, 'val_acc'):.4f}"
         elif stage == "pretrain":
-            text = "pretrained" if result.get("pretrain_executed") else "pretraining reused"
-        elif stage == "reparam":
-            text = f"reparameterized (max |logit diff| {_f(result, 'max_abs_logit_diff'):.2e})"
-        elif stage == "finetune":
-            text = f"finetune epoch {result.get('finetune_epoch')} val_acc {_f(result, 'val_acc'):.4f}"
-        elif stage == "control":
-            text = f"control fine-tuned (test acc {_f(result, 'control_test_acc'):.4f})"
+            text = "pretrained" if result.get("executed") else "pretraining reused"
+        elif f"{stage}_max_abs_logit_diff" in result:
+            text = f"reparameterized (max |logit diff| {_f(result, f'{stage}_max_abs_logit_diff'):.2e})"
+        elif f"{stage}_test_acc" in result:
+            text = f"{stage} {'trained' if result.get('executed') else 'reused'} (test acc {_f(result, f'{stage}_test_acc'):.4f})"
         elif stage == "done":
             d = "tcnn_minus_control_clean_accuracy"
             vs = (
@@ -48,7 +48,7 @@ class SweepProgress(tune.Callback):
                 f"{vs} mCA {_f(result, 'tcnn_mca'):.4f} mCE {_f(result, 'tcnn_mce'):.3f}"
             )
         else:
-            return
+            text = f"{stage} done"
         self._say(trials, tid, text)
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:

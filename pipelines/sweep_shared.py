@@ -33,7 +33,14 @@ from pipelines.ddp import node_name, run_stage
 LOCK = ".lock"
 COMPLETE = "complete.json"
 EXECUTIONS = "executions.jsonl"
-SWEEP_PRETRAIN_RUNS = "pretrain_runs.jsonl"  # in the sweep directory: pretraining executed by this sweep
+
+
+def runs_log(stage: str) -> str:
+    """The file in the sweep directory with one line per execution of a shared stage by this sweep."""
+    return f"{stage}_runs.jsonl"
+
+
+SWEEP_PRETRAIN_RUNS = runs_log("pretrain")  # pretraining executed by this sweep
 
 
 @contextlib.contextmanager
@@ -225,7 +232,12 @@ def ensure_control(
         record = {"sweep": spec["name"], "trial": trial, "key": key, "host": socket.gethostname(),
                   "node": node_name(), "started": t0, "finished": time.time(), "recovered": recovered}  # fmt: skip
         append_line(directory / EXECUTIONS, record)
+        append_line(Path(spec["sweep_dir"]) / runs_log("control"), record)
         return directory, True, metrics
+
+
+#: How a trial makes sure a shared (dvc.yaml ``meta.sweep: group``) stage's result exists, by stage.
+ENSURE = {"pretrain": ensure_pretraining, "control": ensure_control}
 
 
 def ensure_corrupted(storage: Path, key: str, params: Params, log: Any = None) -> dict[str, Any]:

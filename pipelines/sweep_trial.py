@@ -1,5 +1,5 @@
-"""One sweep trial: the DVC chain's stage functions (reparam -> finetune -> control -> evaluate) in the trial's
-directory.
+"""One sweep trial: the DVC chain's stage functions in the trial's directory, the stages and their order read
+from dvc.yaml (`stages.chain.trial_stages`: pretrain -> reparam -> finetune -> control -> evaluate by default).
 
 Runs inside a Ray Tune function trainable. Its directory ``<sweep>/trials/<tid>/`` is the ``root`` of every
 stage call (runs/..., results/...), with ``runs/pretrain`` a link to the shared pretraining of its group,
@@ -44,16 +44,9 @@ from core.config import Params
 from core.utils.atomic import atomic_write_json
 from pipelines.ddp import node_name, run_stage, worker_nodes
 from pipelines.sweep_plan import trial_label, trial_params
-from pipelines.sweep_shared import (
-    SWEEP_PRETRAIN_RUNS,
-    append_line,
-    ensure_control,
-    ensure_pretraining,
-    link_pretraining,
-    locked,
-    published,
-)
-from stages.catalogue import SUMMARY_METRICS, epoch_metrics, numeric_metrics, summary_metrics
+from pipelines.sweep_shared import ENSURE, append_line, link_pretraining, locked, published, runs_log
+from stages.catalogue import SUMMARY_METRICS, epoch_metrics, numeric_metrics, stage_artifacts, summary_metrics
+from stages.chain import sweep_role, trains, trial_stages
 
 STATE = "trial.json"
 DONE = "done.json"
@@ -319,118 +312,129 @@ class TrialRunner:
         return done
 
     def _stages(self, tracker: Any, report: Reporter) -> dict:
-        p, root, t = self.params, self.root, self.spec["trials"][self.tid]
-        if self.spec["share_pretraining"]:
-            group_dir, executed, pre = ensure_pretraining(self.spec, t["pretrain_key"], trial=self.tid)
-            link_pretraining(root, group_dir)
+        """The stages dvc.yaml gives a trial (`stages.chain.trial_stages`), in the chain's order: a shared one
+        (``group``) from its shared directory, the others in the trial's directory."""
+        results: dict[str, dict[str, Any]] = {}
+        for name in trial_stages():
+            metrics, executed = self._run_stage(name, tracker, report)
+            results[name] = metrics
+            report({"stage": name, "executed": executed, **progress(name, metrics)})
+        for name, metrics in results.items():
+            tracker.log_metrics(numeric(metrics, "" if name == last_trial_stage() else f"{name}_"))
+        tracker.log_metrics(headline(self.root))  # the names the DVC path logs on its parent run
+        for path, folder in trial_artifacts(tuple(results), self.params, self.root):
+            tracker.log_artifact(path, folder)
+        t = self.spec["trials"][self.tid]
+        done = {
+            "tid": self.tid,
+            "label": trial_label(t["overrides"]),
+            "overrides": t["overrides"],
+            "headline": headline(self.root),
+            "pretrain_key": t["pretrain_key"] if self.spec["share_pretraining"] else None,
+            "mlflow_run_id": tracker.run_id,
+            "node": node_name(),
+            "attempt_nodes": self.nodes,
+            "worker_nodes": worker_nodes(*_stage_roots(self.root)),
+            "finished": time.time(),
+        }
+        if done["worker_nodes"]:
+            tracker.set_tags({WORKER_NODES_TAG: ",".join(done["worker_nodes"])})
+        atomic_write_json(self.root / DONE, done)
+        return done
+
+    def _run_stage(self, name: str, tracker: Any, report: Reporter) -> tuple[dict[str, Any], bool]:
+        """One stage of the trial; returns (its metrics, whether this call executed it)."""
+        t = self.spec["trials"][self.tid]
+        key = t.get(f"{name}_key")
+        if sweep_role(name) == "group" and self.spec["share_pretraining"] and key:
+            directory, executed, metrics = ENSURE[name](self.spec, key, trial=self.tid)
+            link_pretraining(self.root, directory, name)
             if executed:
-                append_line(
-                    root / STAGE_LOG,
-                    {"stage": "pretrain", "shared": t["pretrain_key"], "finished": time.time()},
-                )
-        else:
+                append_line(self.root / STAGE_LOG, {"stage": name, "shared": key, "finished": time.time()})
+            return metrics, executed
+        fn = self._own(name)
+        if sweep_role(name) == "group":  # run in the trial (sharing off): counted as the sweep's execution
+            return self.stage(name, self._counted(name, fn))
+        if trains(name):
+            fn = self._watched(name, fn, tracker, report)
+        return self.stage(name, fn, training=trains(name))
 
-            def own() -> dict[str, Any]:
-                recovered = published(root, "pretrain")  # a kill between publication and the mark
-                m = recovered if recovered is not None else run_stage("pretrain", p, root, self.spec)
-                append_line(
-                    Path(self.spec["sweep_dir"]) / SWEEP_PRETRAIN_RUNS,
-                    {
-                        "sweep": self.spec["name"],
-                        "trial": self.tid,
-                        "host": socket.gethostname(),
-                        "node": node_name(),
-                        "finished": time.time(),
-                        "recovered": recovered is not None,
-                    },
-                )
-                return m
+    def _own(self, name: str) -> Callable[[], dict[str, Any]]:
+        workers = None if trains(name) else 1  # only training stages run data parallel
+        return lambda: run_stage(name, self.params, self.root, self.spec, workers=workers)
 
-            pre, executed = self.stage("pretrain", own)
-        report(
-            {
-                "stage": "pretrain",
-                "pretrain_executed": executed,
-                "pretrain_test_acc": pre.get("test_acc", 0.0),
-            }
-        )
-        rep, _ = self.stage("reparam", lambda: run_stage("reparam", p, root, self.spec, workers=1))
-        report({"stage": "reparam", "max_abs_logit_diff": rep.get("max_abs_logit_diff") or 0.0})
+    def _counted(self, name: str, fn: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+        def run() -> dict[str, Any]:
+            recovered = published(self.root, name)  # a kill between publication and the mark
+            metrics = recovered if recovered is not None else fn()
+            record = {"sweep": self.spec["name"], "trial": self.tid, "host": socket.gethostname(),
+                      "node": node_name(), "finished": time.time(), "recovered": recovered is not None}  # fmt: skip
+            append_line(Path(self.spec["sweep_dir"]) / runs_log(name), record)
+            return metrics
+
+        return run
+
+    def _watched(
+        self, name: str, fn: Callable[[], dict[str, Any]], tracker: Any, report: Reporter
+    ) -> Callable[[], dict[str, Any]]:
+        """A trial's own training stage, its epochs logged and reported as they finish (read from the resume
+        state the stage rewrites at every epoch end)."""
 
         def emit(row: dict[str, Any]) -> None:
             m = epoch_metrics(row)  # the DVC path's per-epoch names (stages.catalogue)
             epoch = int(row.get("finetune_epoch", 0))
             tracker.log_metrics(m, step=epoch)
-            progress = {
-                k: m[f"epoch/{k}"]
-                for k in ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
-                if f"epoch/{k}" in m
-            }
-            report({"stage": "finetune", "finetune_epoch": epoch, **progress})
+            keys = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
+            report(
+                {
+                    "stage": name,
+                    "finetune_epoch": epoch,
+                    **{k: m[f"epoch/{k}"] for k in keys if f"epoch/{k}" in m},
+                }
+            )
 
-        def tune_() -> dict[str, Any]:
-            watcher = EpochWatcher(root / "runs" / ".partial" / "finetune" / "resume.pt", emit)
+        def run() -> dict[str, Any]:
+            watcher = EpochWatcher(self.root / "runs" / ".partial" / name / "resume.pt", emit)
             watcher.start()
             try:
-                metrics = run_stage("finetune", p, root, self.spec)
+                metrics = fn()
             finally:
                 watcher.stop()
-            history = read_json(root / "runs" / "finetune" / "history.json")
+            history = read_json(self.root / "runs" / name / "history.json")
             watcher.rows(history if isinstance(history, list) else [])  # epochs finished after the last poll
             return metrics
 
-        ft, _ = self.stage("finetune", tune_, training=True)
-        if self.spec["share_pretraining"] and t.get("control_key"):
-            cdir, executed, ctl = ensure_control(self.spec, t["control_key"], trial=self.tid)
-            link_pretraining(root, cdir, "control")
-            if executed:
-                append_line(
-                    root / STAGE_LOG,
-                    {"stage": "control", "shared": t["control_key"], "finished": time.time()},
-                )
-        else:
-            ctl, _ = self.stage("control", lambda: run_stage("control", p, root, self.spec), training=True)
-        report({"stage": "control", "control_test_acc": ctl.get("test_acc", 0.0)})
-        ev, _ = self.stage("evaluate", lambda: run_stage("evaluate", p, root, self.spec, workers=1))
+        return run
 
-        tracker.log_metrics(numeric(pre, "pretrain_"))
-        tracker.log_metrics(numeric(rep, "reparam_"))
-        tracker.log_metrics(numeric(ft, "finetune_"))
-        tracker.log_metrics(numeric(ctl, "control_"))
-        tracker.log_metrics(numeric(ev))
-        tracker.log_metrics(headline(root))  # the names the DVC path logs on its parent run
-        for rel in (
-            "runs/reparam/equivalence.json",
-            "runs/finetune/metrics.json",
-            "runs/finetune/history.csv",
-            "runs/control/metrics.json",
-            "runs/control/history.csv",
-            "results/metrics.json",
-            "results/robustness.parquet",
-        ):
-            if (root / rel).is_file():
-                tracker.log_artifact(root / rel, os.path.dirname(rel))
-        done = {
-            "tid": self.tid,
-            "label": trial_label(t["overrides"]),
-            "overrides": t["overrides"],
-            "headline": headline(root),
-            "pretrain_key": t["pretrain_key"] if self.spec["share_pretraining"] else None,
-            "mlflow_run_id": tracker.run_id,
-            "node": node_name(),
-            "attempt_nodes": self.nodes,
-            "worker_nodes": worker_nodes(*_stage_roots(root)),
-            "finished": time.time(),
-        }
-        if done["worker_nodes"]:
-            tracker.set_tags({WORKER_NODES_TAG: ",".join(done["worker_nodes"])})
-        atomic_write_json(root / DONE, done)
-        return done
+
+def progress(stage: str, metrics: dict[str, Any]) -> dict[str, float]:
+    """What a trial reports after a stage (the driver's progress line): its test accuracy or its equivalence
+    error, as ``<stage>_<name>``."""
+    return {f"{stage}_{k}": float(metrics[k]) for k in ("test_acc", "max_abs_logit_diff")
+            if isinstance(metrics.get(k), (int, float))}  # fmt: skip
+
+
+def last_trial_stage() -> str:
+    """The trial's last stage: its metrics are logged under their own names (the DVC path's evaluate run)."""
+    return trial_stages()[-1]
+
+
+def trial_artifacts(stages: tuple[str, ...], params: Params, root: Path) -> list[tuple[Path, str]]:
+    """The files a trial logs on its run: what its stages log on the DVC path
+    (`stages.catalogue.stage_artifacts`) but checkpoints, which stay in the trial's directory, each under its
+    folder relative to ``root`` (runs/finetune/metrics.json -> runs/finetune)."""
+    values = params.model_dump(mode="json")
+    out = []
+    for stage in stages:
+        for path, folder in stage_artifacts(stage, values, root):
+            if path.is_file() and not (folder or "").startswith("checkpoints"):
+                out.append((path, os.path.dirname(os.path.relpath(path, root))))
+    return out
 
 
 def _stage_roots(root: Path) -> list[Path]:
     """Where the trial's stages ran: its directory and the shared pretraining/control it links to."""
-    links = [root / "runs" / stage for stage in ("pretrain", "control")]
+    links = [root / "runs" / stage for stage in trial_stages() if sweep_role(stage) == "group"]
     return [root, *(link.resolve().parents[1] for link in links if link.is_symlink())]
 
 

@@ -1,6 +1,7 @@
 """The one catalogue of what a run reports, used by the DVC path (stages/runner.py) and the Ray path
 (pipelines/sweep_trial.py) alike, so MLflow's compare view lines every run up: the artifacts and models each
-stage logs, and the summary metrics with their stable names, read from the stages' output files."""
+stage logs, and the summary metrics with their stable names, read from the stages' output files. Which files
+a stage writes is dvc.yaml's to say (`stages.chain.outputs`); this module only says how each is logged."""
 
 from __future__ import annotations
 
@@ -9,49 +10,68 @@ import math
 from pathlib import Path
 from typing import Any
 
-#: Files (or directories) each stage logs to MLflow as artifacts when they exist (relative to the repo
-#: root), as ``path`` or ``(path, artifact_dir)``.
-STAGE_ARTIFACTS: dict[str, tuple[str | tuple[str, str], ...]] = {
-    "prepare": ("{data_dir}/manifest.json",),
-    "pretrain": (
-        "runs/pretrain/metrics.json", "runs/pretrain/history.json", "runs/pretrain/history.csv",
-        ("runs/pretrain/cnn-final.pt", "checkpoints"), ("runs/pretrain/ckpt", "checkpoints/ckpt"),
-    ),
-    "reparam": ("runs/reparam/equivalence.json", ("runs/reparam/tcnn.pt", "checkpoints")),
-    "finetune": (
-        "runs/finetune/metrics.json", "runs/finetune/history.json", "runs/finetune/history.csv",
-        "runs/finetune/gpsa.csv", ("runs/finetune/tcnn-final.pt", "checkpoints"),
-    ),
-    "control": (
-        "runs/control/metrics.json", "runs/control/history.json", "runs/control/history.csv",
-        ("runs/control/model/control-final.pt", "checkpoints"),
-    ),
-    "corrupt": ("{robustness_dir}/index.json", "{robustness_dir}/contact_sheet.png"),
-    "evaluate": (
-        "results/robustness.parquet", "results/per_image.parquet", "results/metrics.json",
-        ("results/public", "public"),
-        "results/summary.json", "results/baseline.json",
-        "results/robustness_by_category.csv", "results/robustness_by_severity.csv",
-        ("results/plots/robustness_gain.png", "plots"),
-    ),
-    "report": ("results/report.html", ("results/plots", "plots")),
-}  # fmt: skip
+from stages import chain
+
+#: Where an output file of a stage (dvc.yaml outs and metrics) goes among its run's artifacts, by suffix
+#: (others: the run's top level); a file in an output directory goes under ``<folder>/<directory name>``.
+FOLDER_BY_SUFFIX = {".pt": "checkpoints", ".png": "plots"}
+#: The files of an output *directory* that are logged: a directory out holds data too (the prepared shards,
+#: the corrupted sets), which stays with DVC.
+DIR_FILE_SUFFIXES = (".json", ".png", ".pt")
+#: Files a stage writes only in some configurations (a dvc.yaml out must always exist): stage -> (path, folder).
+OPTIONAL_ARTIFACTS: dict[str, tuple[tuple[str, str], ...]] = {"evaluate": (("results/public", "public"),)}
+
+
+def stage_artifacts(stage: str, params: dict[str, Any], root: Path) -> list[tuple[Path, str | None]]:
+    """The files a finished stage logs to MLflow as (path, artifact folder): its dvc.yaml outs and metrics
+    (`stages.chain.outputs`, ``${...}`` filled from ``params``, a params.yaml mapping) that exist under
+    ``root``, output directories by their :data:`DIR_FILE_SUFFIXES` files, and its optional extras."""
+    out: list[tuple[Path, str | None]] = []
+    for rel in chain.outputs(stage):
+        path = root / chain.resolve(rel, params)
+        if path.is_file():
+            out.append((path, FOLDER_BY_SUFFIX.get(path.suffix)))
+        elif path.is_dir():
+            for f in sorted(path.iterdir()):
+                if f.is_file() and f.suffix in DIR_FILE_SUFFIXES:
+                    folder = FOLDER_BY_SUFFIX.get(f.suffix)
+                    out.append((f, f"{folder}/{path.name}" if folder else None))
+    out += [
+        (root / rel, folder) for rel, folder in OPTIONAL_ARTIFACTS.get(stage, ()) if (root / rel).exists()
+    ]
+    return out
+
+
+FINAL_SUFFIX = "-final.pt"
+
+
+def final_model(stage: str, params: dict[str, Any], root: Path) -> Path | None:
+    """The stage's final model checkpoint (its ``*-final.pt`` output, or one inside an output directory)."""
+    for rel in chain.outputs(stage):
+        path = root / chain.resolve(rel, params)
+        found = sorted(path.glob(f"*{FINAL_SUFFIX}")) if path.is_dir() else [path]
+        found = [f for f in found if f.name.endswith(FINAL_SUFFIX) and f.is_file()]
+        if found:
+            return found[0]
+    return None
+
 
 #: Final metrics with stable names, logged on the parent run at the end of the chain so that the compare
-#: view of pipeline executions lines them up: name -> (file relative to the root, key path in its JSON).
+#: view of pipeline executions lines them up: name -> (the stage whose metrics file holds it, key path in that
+#: JSON; the file is the stage's dvc.yaml ``metrics:`` entry, `stages.chain.metrics_file`).
 SUMMARY_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "cnn_test_acc": ("runs/pretrain/metrics.json", ("test_acc",)),
-    "tcnn_test_acc": ("runs/finetune/metrics.json", ("test_acc",)),
-    "equivalence_error": ("runs/reparam/equivalence.json", ("max_abs_logit_diff",)),
-    "equivalence_mean_abs_logit_diff": ("runs/reparam/equivalence.json", ("mean_abs_logit_diff",)),
-    "equivalence_prediction_agreement": ("runs/reparam/equivalence.json", ("prediction_agreement",)),
-    "control_test_acc": ("runs/control/metrics.json", ("test_acc",)),
+    "cnn_test_acc": ("pretrain", ("test_acc",)),
+    "tcnn_test_acc": ("finetune", ("test_acc",)),
+    "equivalence_error": ("reparam", ("max_abs_logit_diff",)),
+    "equivalence_mean_abs_logit_diff": ("reparam", ("mean_abs_logit_diff",)),
+    "equivalence_prediction_agreement": ("reparam", ("prediction_agreement",)),
+    "control_test_acc": ("control", ("test_acc",)),
     # Validation accuracy of each final model (the split hyperparameters are chosen on: sweep.select)
-    "cnn_val_accuracy": ("runs/pretrain/metrics.json", ("val_acc",)),
-    "tcnn_val_accuracy": ("runs/finetune/metrics.json", ("val_acc",)),
-    "control_val_accuracy": ("runs/control/metrics.json", ("val_acc",)),
+    "cnn_val_accuracy": ("pretrain", ("val_acc",)),
+    "tcnn_val_accuracy": ("finetune", ("val_acc",)),
+    "control_val_accuracy": ("control", ("val_acc",)),
     **{
-        f"{model}_{name}": ("results/metrics.json", (model, name))
+        f"{model}_{name}": ("evaluate", (model, name))
         for model in ("cnn", "control", "tcnn")
         for name in ("clean_accuracy", "mca", "mce", "relative_mce")
     },
@@ -59,20 +79,20 @@ SUMMARY_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     # (control - pretrained CNN stays in results/metrics.json and the evaluate run: the parent keeps the two
     # differences a reader compares runs by).
     **{
-        f"{b}_minus_{a}_{name}{end}": ("results/metrics.json", ("comparisons", f"{b}-{a}", name, field))
+        f"{b}_minus_{a}_{name}{end}": ("evaluate", ("comparisons", f"{b}-{a}", name, field))
         for a, b in (("control", "tcnn"), ("cnn", "tcnn"))
         for name in ("clean_accuracy", "mca", "mce", "relative_mce")
         for end, field in (("", "diff"), ("_ci_low", "low"), ("_ci_high", "high"))
     },
     # The same on a published benchmark evaluated next to the generated sets (robustness.public, use: add).
     **{
-        f"public_{model}_{name}": ("results/metrics.json", ("public", model, name))
+        f"public_{model}_{name}": ("evaluate", ("public", model, name))
         for model in ("cnn", "control", "tcnn")
         for name in ("mca", "mce", "relative_mce")
     },
     **{
         f"public_tcnn_minus_{a}_{name}{end}": (
-            "results/metrics.json",
+            "evaluate",
             ("public", "comparisons", f"tcnn-{a}", name, field),
         )
         for a in ("control", "cnn")
@@ -81,11 +101,12 @@ SUMMARY_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     },
 }
 
-#: Training histories each stage logs as per-epoch metrics: stage -> (history.json, the row's step key).
-STAGE_HISTORIES: dict[str, tuple[str, str]] = {
-    "pretrain": ("runs/pretrain/history.json", "epoch"),
-    "finetune": ("runs/finetune/history.json", "finetune_epoch"),
-    "control": ("runs/control/history.json", "finetune_epoch"),
+#: Training histories each stage logs as per-epoch metrics (its ``history.json`` output): stage -> the rows'
+#: step key.
+STAGE_HISTORIES: dict[str, str] = {
+    "pretrain": "epoch",
+    "finetune": "finetune_epoch",
+    "control": "finetune_epoch",
 }
 
 #: Datasets each stage logs as MLflow inputs, by context ("test-corrupted": the corrupted sets).
@@ -104,15 +125,12 @@ ECHOED_PARAMS = ("alpha_init", "lambda_init", "reparam_epoch", "sample_fraction"
 #: A stage metric also logged under the summary name (the same number in every view).
 STAGE_METRIC_ALIASES: dict[str, dict[str, str]] = {"reparam": {"max_abs_logit_diff": "equivalence_error"}}
 
-#: What the last stage puts on the parent run besides :data:`SUMMARY_METRICS`.
-PARENT_ARTIFACTS = ("results/report.html", "results/metrics.json")
+#: What the last stage puts on the parent run besides :data:`SUMMARY_METRICS`: (stage, output file name).
+PARENT_ARTIFACTS = (("report", "report.html"), ("evaluate", "metrics.json"))
 
-#: Models logged with ``mlflow.pytorch.log_model`` (stage -> (checkpoint, MLflow model name)).
-STAGE_MODELS: dict[str, tuple[str, str]] = {
-    "pretrain": ("runs/pretrain/cnn-final.pt", "cnn"),
-    "finetune": ("runs/finetune/tcnn-final.pt", "tcnn"),
-    "control": ("runs/control/model/control-final.pt", "control"),
-}
+#: Models logged with ``mlflow.pytorch.log_model`` (stage -> MLflow model name; the checkpoint is the
+#: stage's :func:`final_model`).
+STAGE_MODELS: dict[str, str] = {"pretrain": "cnn", "finetune": "tcnn", "control": "control"}
 
 
 def numeric_metrics(obj: Any, prefix: str = "") -> dict[str, float]:
@@ -148,8 +166,8 @@ def summary_metrics(root: Path) -> dict[str, float]:
     """:data:`SUMMARY_METRICS` read from the chain's outputs (missing ones are left out)."""
     out: dict[str, float] = {}
     cache: dict[str, Any] = {}
-    for name, (rel, keys) in SUMMARY_METRICS.items():
-        node = cache.setdefault(rel, read_json(root / rel))
+    for name, (stage, keys) in SUMMARY_METRICS.items():
+        node = cache.setdefault(stage, read_json(root / chain.metrics_file(stage)))
         for k in keys:
             node = node.get(k) if isinstance(node, dict) else None
         if isinstance(node, (int, float)) and not isinstance(node, bool) and math.isfinite(node):

@@ -1,10 +1,11 @@
 """The chain of stages as `dvc.yaml` states it, the one place the graph is written down: the stage order, the
-last stage, and the code each stage depends on. The report, the MLflow adapter and the sweep read it here
-instead of restating it.
+last stage, the code each stage depends on, and (in each stage's ``meta``, which DVC ignores) how a sweep runs
+it and whether it trains. The report, the MLflow adapter and the sweep read it here instead of restating it.
 """
 
 from __future__ import annotations
 
+import re
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -42,3 +43,60 @@ def code_files(stage: str, repo: Path = REPO) -> list[str]:
         found = path.rglob("*.py") if path.is_dir() else [path]
         files |= {str(p.relative_to(repo)) for p in found if "__pycache__" not in p.parts}
     return sorted(files)
+
+
+def outputs(stage: str, repo: Path = REPO) -> tuple[str, ...]:
+    """The stage's outs and metrics files as dvc.yaml writes them (``${...}`` left for :func:`resolve`)."""
+    spec = _stages(repo)[stage]
+    entries = [*spec.get("outs", []), *spec.get("metrics", [])]
+    return tuple(next(iter(e)) if isinstance(e, dict) else e for e in entries)
+
+
+def metrics_file(stage: str, repo: Path = REPO) -> str:
+    """The stage's metrics file (its one dvc.yaml ``metrics:`` entry)."""
+    (entry,) = _stages(repo)[stage]["metrics"]
+    return next(iter(entry)) if isinstance(entry, dict) else entry
+
+
+def output(stage: str, name: str, repo: Path = REPO) -> str:
+    """The stage's output whose file name is ``name`` (``history.json``...)."""
+    (found,) = [o for o in outputs(stage, repo) if Path(o).name == name]
+    return found
+
+
+def resolve(path: str, params: dict[str, Any]) -> str:
+    """``path`` with DVC's ``${section.key}`` placeholders filled from ``params`` (a params.yaml mapping)."""
+
+    def value(match: re.Match[str]) -> str:
+        node: Any = params
+        for part in match.group(1).split("."):
+            node = node[part]
+        return str(node)
+
+    return re.sub(r"\$\{([^}]+)\}", value, path)
+
+
+#: How a sweep treats a stage (dvc.yaml ``meta.sweep``): ``input`` must exist before the sweep (the prepared
+#: data); ``sweep``: the driver builds it once per identity before any trial; ``group``: once per identity,
+#: by the first trial that needs it, shared by the others; ``trial``: in every trial's directory;
+#: ``summary``: the sweep's own summary takes its place.
+SWEEP_ROLES = ("input", "sweep", "group", "trial", "summary")
+
+
+def sweep_role(stage: str, repo: Path = REPO) -> str:
+    role = (_stages(repo)[stage].get("meta") or {}).get("sweep")
+    if role not in SWEEP_ROLES:
+        raise ValueError(f"dvc.yaml: stage {stage!r} has meta.sweep {role!r}, expected one of {SWEEP_ROLES}")
+    return role
+
+
+def trains(stage: str, repo: Path = REPO) -> bool:
+    """A training stage (dvc.yaml ``meta.trains``): it resumes from ``runs/.partial/<stage>`` and runs data
+    parallel under Ray Train; the others run in the trial's own process."""
+    return bool((_stages(repo)[stage].get("meta") or {}).get("trains"))
+
+
+def trial_stages(repo: Path = REPO) -> tuple[str, ...]:
+    """The stages a sweep trial runs, in the chain's order: its own (``trial``) and the shared ones it needs
+    (``group``)."""
+    return tuple(s for s in stage_names(repo) if sweep_role(s, repo) in ("group", "trial"))

@@ -30,9 +30,11 @@ from typing import Any
 import numpy as np
 
 from core.config import Params
+from core.data import manifest_fingerprint
 from core.robustness import corruptions as C
 from core.utils.atomic import atomic_write_json
 from core.utils.hashing import file_digest
+from stages.identity import key, stage_identity
 from stages.runner import StageError, stage_main
 
 CONTACT_SHEET = "contact_sheet.png"
@@ -40,15 +42,36 @@ INDEX = "index.json"
 SELECTION = "stratified"
 
 
-def _load_test(params: Params, data_dir: Path) -> tuple[np.ndarray, np.ndarray]:
+def _load_test(params: Params, data_dir: Path) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """The test split's images and labels, and the manifest they come from."""
     from core.data import DataError, load_split, read_manifest
 
     try:
         manifest = read_manifest(data_dir)
-        size = None if manifest.get("image_shape") else params.data.image_size
-        return load_split(data_dir, "test", image_size=size)
+        images, labels = load_split(data_dir, "test", image_size=_decode_size(params, manifest))
     except (DataError, FileNotFoundError, ValueError) as err:
         raise StageError(f"data.dir: {err}") from None
+    return images, labels, manifest
+
+
+def _decode_size(params: Params, manifest: dict[str, Any]) -> int | None:
+    """The size encoded images are decoded at (data.image_size); None for stored arrays."""
+    return None if manifest.get("image_shape") else params.data.image_size
+
+
+def identity(params: Params, manifest: dict[str, Any]) -> dict[str, Any]:
+    """What the corrupted sets depend on (`stages.identity`): the test split's content (``manifest``), which
+    images are chosen (n_images, the selection), the seed, the decode size of encoded images, and the
+    corruption algorithms' version (``core.robustness.corruptions.CORRUPTION_VERSION``). That version stands
+    for the code, not the stage's files: the sets take minutes, and an edit of the contact sheet or of
+    this module must not regenerate them. Which corruptions and severities are asked for is not part of it:
+    each stored set names its own, and a set is kept when its metadata and this identity's key match."""
+    rb = params.robustness
+    parts = {"seed": params.seed, "n_images": rb.n_images, "selection": SELECTION,
+             "decode_size": _decode_size(params, manifest)}  # fmt: skip
+    inputs = {"data": manifest_fingerprint(manifest)}
+    code = f"corruptions-v{C.CORRUPTION_VERSION}"
+    return stage_identity("corrupt", parts, inputs=inputs, code=code)
 
 
 def check(params: Params, root: Path = Path(".")) -> None:
@@ -82,7 +105,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     rb = params.robustness
     data_dir = Path(root) / params.data.dir
     out_dir = Path(root) / rb.dir
-    images, labels = _load_test(params, data_dir)
+    images, labels, manifest = _load_test(params, data_dir)
     if len(images) == 0:
         raise StageError(f"data.dir: {data_dir} has an empty test split")
     if rb.n_images > len(images):
@@ -98,9 +121,10 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     band = C.band_for_size(*images.shape[1:3])
     source = C.fingerprint(images, labels, idx)
     common = {"seed": params.seed, "band": band, "image_shape": list(images.shape[1:]), "n": len(images)}
+    ident = key(identity(params, manifest))
 
     def expected(c: str, s: int) -> dict[str, Any]:
-        return C.set_meta(c, s, source=source, **common)
+        return {**C.set_meta(c, s, source=source, **common), "identity": ident}
 
     pairs = [(c, s) for c in rb.corruptions for s in rb.severities]
     todo = [(c, s) for c, s in pairs if not C.set_is_valid(C.set_path(out_dir, c, s), expected(c, s))]
@@ -148,6 +172,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         "data_dir": str(params.data.dir),
         "selection": SELECTION,
         "source": source,
+        "identity": ident,
         "excluded_from_summaries": sorted({c for c, _ in pairs if not C.is_meaningful(c, images.shape[3])}),
         "grayscale": grayscale,
         **common,

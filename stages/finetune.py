@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,7 @@ from core.training.loop import (
 from core.training.optim import freeze_parameters
 from core.utils.hashing import derive_seed, file_digest, stable_hash
 from stages import training as T
+from stages.identity import stage_identity
 from stages.runner import StageError, stage_main
 
 NAME = "finetune"
@@ -89,27 +90,35 @@ def source_path(root: Path) -> Path:
     return root / "runs" / "reparam" / "tcnn.pt"
 
 
-def run_hash(
-    params: Params, input_sha: str, device: str, freeze: Sequence[str] = (), variant: str = NAME
-) -> str:
-    ident: dict[str, Any] = {
-        "stage": variant,
+def identity(
+    params: Params,
+    inputs: Mapping[str, Any],
+    device: str,
+    *,
+    freeze: Sequence[str] = (),
+    variant: str = NAME,
+    workers: int | None = None,
+) -> dict[str, Any]:
+    """What a fine-tuning run's result depends on (`stages.identity`), for the T-CNN (``variant`` finetune) and
+    its matched control (control): the seed, the data's meaning, the recipe (`finetune.mode`: fresh takes the
+    finetune section and its augmentation, continue the pretraining's), the frozen names, and ``inputs``: the
+    network it starts from (the DVC path: the checkpoint's sha256; a sweep's control: its pretraining's key
+    and t1)."""
+    parts: dict[str, Any] = {
         "seed": params.seed,
         "data": T.data_identity(params),
         "mode": params.finetune.mode,
-        "input": input_sha,
-        "device": device,
-        **T.execution_identity(params),
         "freeze": sorted(freeze),
     }
     if params.finetune.mode == "fresh":
-        ident["finetune"] = T.section_identity(params.finetune)
-        ident["augment"] = params.augment_for("finetune").model_dump(mode="json")
+        parts["finetune"] = T.section_identity(params.finetune)
+        parts["augment"] = params.augment_for("finetune").model_dump(mode="json")
     else:
-        ident["pretrain"] = T.section_identity(params.pretrain)
-        ident["augment"] = params.augment_for("pretrain").model_dump(mode="json")
-        ident["drop_path"] = params.model.drop_path
-    return stable_hash(ident)
+        parts["pretrain"] = T.section_identity(params.pretrain)
+        parts["augment"] = params.augment_for("pretrain").model_dump(mode="json")
+        parts["drop_path"] = params.model.drop_path
+    execution = T.execution_identity(params, workers)
+    return stage_identity(variant, parts, inputs=inputs, device=device, execution=execution)
 
 
 def run(params: Params, *, root: Path = Path("."), freeze: Sequence[str] = ()) -> dict[str, Any]:
@@ -212,7 +221,11 @@ def train(
             loaders.train,
             epochs=epochs,
             work_dir=work_dir,
-            run_hash=run_hash(params, file_digest(src), device.type, freeze, variant.name),
+            run_hash=stable_hash(
+                identity(
+                    params, {"checkpoint": file_digest(src)}, device.type, freeze=freeze, variant=variant.name
+                )
+            ),
             loss_fn=TrainLoss(augment.label_smoothing),
             val_loader=loaders.val,
             device=device,

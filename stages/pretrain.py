@@ -33,6 +33,7 @@ from core.training.loop import (
 from core.training.optim import WarmupCosine, build_sgd, param_groups
 from core.utils.hashing import stable_hash
 from stages import training as T
+from stages.identity import stage_identity
 from stages.runner import StageError, stage_main
 
 NAME = "pretrain"
@@ -58,22 +59,34 @@ def gate_lr(params: Params) -> float | None:
     return params.finetune.gate_lr if kinds.get(params.model.kind).pretrains_attention else None
 
 
-def run_hash(params: Params, data_fingerprint: str, device: str) -> str:
-    ident = {
-        "stage": NAME,
+def identity(
+    params: Params, spec: dict[str, Any], data_fingerprint: str, device: str, workers: int | None = None
+) -> dict[str, Any]:
+    """What pretraining's result depends on (`stages.identity`): the seed, the data's meaning and content, the
+    network it trains (``spec``, `model_spec`: kinds cnn, tcnn and psa pretrain the same CNN) with its
+    drop_path, the pretrain section and its effective augmentation, and the gate lr the stage derives. Which
+    epochs are kept is not part of it (a sweep's group keeps every t1 its trials need); the resume hash
+    adds it."""
+    pre = {k: v for k, v in T.section_identity(params.pretrain).items() if k != "checkpoint_epochs"}
+    parts: dict[str, Any] = {
         "seed": params.seed,
         "data": T.data_identity(params),
-        "model": params.model.model_dump(mode="json"),
-        "pretrain": T.section_identity(params.pretrain),
-        "augment": params.augment_for("pretrain").model_dump(mode="json"),
-        "keep": checkpoint_epochs(params),
-        "input": data_fingerprint,
-        "device": device,
-        **T.execution_identity(params),
+        "model": {"spec": spec, "drop_path": params.model.drop_path},
+        "pretrain": pre,
+        "augment": params.augment_for(NAME).model_dump(mode="json"),
     }
     if gate_lr(params) is not None:
-        ident["gate_lr"] = gate_lr(params)
-    return stable_hash(ident)
+        parts["gate_lr"] = gate_lr(params)
+    inputs = {"data": data_fingerprint}
+    execution = T.execution_identity(params, workers)
+    return stage_identity(NAME, parts, inputs=inputs, device=device, execution=execution)
+
+
+def run_hash(params: Params, spec: dict[str, Any], data_fingerprint: str, device: str) -> str:
+    """The resume identity of a run: :func:`identity` and the epochs it keeps."""
+    return stable_hash(
+        {**identity(params, spec, data_fingerprint, device), "keep": checkpoint_epochs(params)}
+    )
 
 
 def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
@@ -120,7 +133,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
             loaders.train,
             epochs=range(0, p.epochs),
             work_dir=work_dir,
-            run_hash=run_hash(params, ds.fingerprint, device.type),
+            run_hash=run_hash(params, spec, ds.fingerprint, device.type),
             loss_fn=TrainLoss(augment.label_smoothing),
             val_loader=loaders.val,
             device=device,

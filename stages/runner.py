@@ -18,12 +18,13 @@ from core.utils.workspace import WorkspaceBusy, workspace_lock
 from stages import chain
 from stages.catalogue import (
     PARENT_ARTIFACTS,
-    STAGE_ARTIFACTS,
     STAGE_DATASETS,
     STAGE_HISTORIES,
     STAGE_MODELS,
     epoch_metrics,
+    final_model,
     read_json,
+    stage_artifacts,
     stage_metrics,
     summary_metrics,
 )
@@ -155,28 +156,23 @@ def _log_outputs(tracker: Any, params: Params, name: str, metrics: Any, root: Pa
         return
     tracker.log_metrics(stage_metrics(name, metrics))
     if name in STAGE_HISTORIES:
-        rel, step_key = STAGE_HISTORIES[name]
-        log_history(tracker, root / rel, step_key)
+        log_history(tracker, root / chain.output(name, "history.json"), STAGE_HISTORIES[name])
     for context in STAGE_DATASETS.get(name, ()):
         if context == "test-corrupted":
             log_corrupted_sets(tracker, params, root)
         else:
             log_dataset_dir(tracker, params.data.name, root / params.data.dir, context)
-    fmt = {"data_dir": str(params.data.dir), "robustness_dir": str(params.robustness.dir)}
-    for entry in STAGE_ARTIFACTS.get(name, ()):
-        pattern, where = (entry, None) if isinstance(entry, str) else entry
-        path = root / pattern.format(**fmt)
-        if path.exists():
-            tracker.log_artifact(path, where)
-    if name in STAGE_MODELS:
-        ckpt, model_name = STAGE_MODELS[name]
-        tracker.log_checkpoint_model(root / ckpt, model_name)
+    values = params.model_dump(mode="json")
+    for path, folder in stage_artifacts(name, values, root):
+        tracker.log_artifact(path, folder)
+    if name in STAGE_MODELS and (ckpt := final_model(name, values, root)) is not None:
+        tracker.log_checkpoint_model(ckpt, STAGE_MODELS[name])
     if name == chain.last_stage():
         parent = tracker.parent_run_id
         tracker.log_metrics(summary_metrics(root), run_id=parent)
-        for rel in PARENT_ARTIFACTS:
-            if (root / rel).is_file():
-                tracker.log_artifact(root / rel, run_id=parent)
+        for stage, file_name in PARENT_ARTIFACTS:
+            if (path := root / chain.output(stage, file_name)).is_file():
+                tracker.log_artifact(path, run_id=parent)
 
 
 def stage_main(

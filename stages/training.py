@@ -38,8 +38,14 @@ def section_identity(section: BaseModel) -> dict[str, Any]:
     return {k: v for k, v in section.model_dump(mode="json").items() if k not in OPERATIONAL_KEYS}
 
 
+# Where the data lives and how it is sharded: its content is an input of the identity (the manifest's hash),
+# so a moved or re-sharded copy of the same images names the same result.
+DATA_LOCATION_KEYS = ("dir", "source", "shard_rows")
+
+
 def data_identity(params: Params) -> dict[str, Any]:
-    return section_identity(params.data)
+    """What the data section means for a training run (stages.identity): no location, no operational keys."""
+    return {k: v for k, v in section_identity(params.data).items() if k not in DATA_LOCATION_KEYS}
 
 
 def datasets(params: Params, root: Path = Path(".")) -> Datasets:

@@ -3,7 +3,7 @@
 Layer: imports ``core.utils`` only. Public API (re-exported here): what the stages and tools call.
 """
 
-from core.data.datasets import Datasets, first_batch, load_datasets, make_loader
+from core.data.datasets import Datasets, first_batch, load_datasets, make_loader, manifest_fingerprint
 from core.data.imagefolder import import_imagefolder
 from core.data.importers import (
     DATASETS,
@@ -36,5 +36,5 @@ __all__ = [
     "Mixing", "StreamLoader", "load_labels",
     "atomic_output_dir", "first_batch", "fraction_indices", "import_cifar", "import_dataset",
     "import_fashion_mnist", "import_imagefolder", "load_datasets", "load_split", "load_splits", "make_loader",
-    "parse_idx", "read_manifest", "split_train_val", "train_val_indices", "verify_split",
+    "manifest_fingerprint", "parse_idx", "read_manifest", "split_train_val", "train_val_indices", "verify_split",
 ]  # fmt: skip

@@ -63,8 +63,14 @@ def load_datasets(
         num_classes=int(s.manifest["num_classes"]),
         in_chans=int(c),
         image_size=int(h),
-        fingerprint=stable_hash({k: v for k, v in s.manifest.items() if k != "source"}),
+        fingerprint=manifest_fingerprint(s.manifest),
     )
+
+
+def manifest_fingerprint(manifest: dict[str, Any]) -> str:
+    """The prepared dataset's content identity: the hash of its manifest (which lists every shard's sha256),
+    leaving out where it was imported from."""
+    return stable_hash({k: v for k, v in manifest.items() if k != "source"})
 
 
 def _streamed(data_dir: Path, val_size: int, fraction: float, seed: int, size: int) -> Datasets:
@@ -82,7 +88,7 @@ def _streamed(data_dir: Path, val_size: int, fraction: float, seed: int, size: i
         test_y=load_labels(data_dir, "test"), mean=[float(v) for v in manifest["mean"]],
         std=[float(v) for v in manifest["std"]], num_classes=int(manifest["num_classes"]),
         in_chans=1 if manifest.get("image_mode") == "L" else 3, image_size=int(size),
-        fingerprint=stable_hash({k: v for k, v in manifest.items() if k != "source"}),
+        fingerprint=manifest_fingerprint(manifest),
         stream_dir=data_dir, train_idx=tr, val_idx=va,
     )  # fmt: skip
 
