@@ -92,7 +92,7 @@ def build_spec(
 ) -> dict:
     """Validate and plan the sweep; the returned spec is all a driver and its trials need (JSON-able).
     ``placement``: how Ray places a trial's data-parallel workers (pipelines.ddp.PLACEMENTS)."""
-    from stages.tracking import resolve_uri
+    from stages.tracking_names import resolve_uri
 
     cwd = Path(cwd or Path.cwd()).resolve()
     sw = params.sweep
@@ -287,7 +287,8 @@ def driver_lock(sweep_dir: Path) -> Any:
 
 
 def _open_parent(spec: dict) -> Any:
-    from stages.tracking import UV_LOCK_FILE, UV_LOCK_TAG, Tracker, digest_if_present
+    from stages.tracking import Tracker
+    from stages.tracking_names import UV_LOCK_FILE, UV_LOCK_TAG, digest_if_present
 
     t = spec["tracking"]
     tracker = Tracker(enabled=t["enabled"], uri=t["uri"], experiment=t["experiment"])

@@ -95,7 +95,7 @@ def _tracked(params: Params, name: str) -> Iterator[Any]:
     if not tracking_on(params) or int(os.environ.get("RANK", "0") or 0) != 0:  # one run: DDP rank 0's
         yield None
         return
-    from stages.tracking import stage_run  # the one tracking adapter; stages work without it
+    from stages.stage_run import stage_run  # the tracking adapter's stage protocol; stages work without it
 
     with stage_run(
         params, name, root=".", end_parent=name == chain.last_stage(), system_metrics=True

@@ -1,4 +1,5 @@
-"""The one tracking adapter: stages and sweeps log through it, and it works without MLflow.
+"""The one tracking adapter: stages and sweeps log through it, and it works without MLflow. What runs are
+called and keyed by is stages/tracking_names.py; the DVC path's per-stage protocol is stages/stage_run.py.
 
 Modes (``Tracker.mode``):
 
@@ -39,131 +40,31 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from core.utils.hashing import file_digest, stable_hash
-
-PARENT_TAG = "mlflow.parentRunId"
-RUN_NAME_TAG = "mlflow.runName"
-KIND_TAG = "tcnn.kind"  # "parent" | "stage"
-STAGE_TAG = "tcnn.stage"
-KEY_TAG = "tcnn.parent_key"
-ATTEMPT_TAG = "tcnn.attempt"
-HOST_TAG = "tcnn.host"
-PID_TAG = "tcnn.pid"
-RESUMES_TAG = "tcnn.resumes"  # parent: how often an interrupted (FAILED/KILLED) execution was continued
-DVC_LOCK_TAG = "tcnn.dvc_lock_sha256"  # parent: sha256 of dvc.lock (updated by every stage; final at report)
-DVC_EXP_TAG = "tcnn.dvc_exp_name"  # parent: the DVC experiment name under `dvc exp run`
-UV_LOCK_TAG = "tcnn.uv_lock_sha256"  # parent: sha256 of uv.lock (the lock itself: an artifact)
-UV_LOCK_FILE = "uv.lock"
-PARAMS_HASH_TAG = "tcnn.params_hash"  # parent: sha256 of its params (tracking section excluded)
-# Parent of a DVC chain: "open" until its last stage ran, then "complete" (or "superseded").
-CHAIN_TAG = "tcnn.chain"
-# MLflow 3's UI opens an experiment of this kind on its training runs (not on the GenAI traces overview).
-EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
-RUN_IDS_FILE = Path("runs") / "mlflow_runs.json"  # the run ids of the current execution, for the report
-
-#: Dotted params keys that get a short, stable MLflow name (identical in every run: DVC stages and sweep trials).
-PARAM_ALIASES: dict[str, str] = {
-    "reparam.alpha_init": "alpha_init",
-    "reparam.lambda_init": "lambda_init",
-    "reparam.epoch": "reparam_epoch",
-    "data.sample_fraction": "sample_fraction",
-}
-
-RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
-_TERMINAL = ("FINISHED", "FAILED", "KILLED")
-_MAX_PARAM_LEN = 6000  # MLflow's limit for a param value
+from stages.tracking_names import (
+    ATTEMPT_TAG,
+    CHAIN_TAG,
+    EXPERIMENT_KIND,
+    EXPERIMENT_KIND_TAG,
+    HOST_TAG,
+    KEY_TAG,
+    KIND_TAG,
+    PARENT_TAG,
+    PID_TAG,
+    RESUMES_TAG,
+    STAGE_TAG,
+    TERMINAL_STATUSES,
+    UV_LOCK_FILE,
+    RunStatus,
+    compatible_params,
+    flatten_params,
+    is_flat_str,
+    resolve_uri,
+    str_tags,
+)
 
 
 class TrackingError(RuntimeError):
     """Tracking is enabled but cannot work (server down, unknown run id): one line naming the thing."""
-
-
-# ----------------------------------------------------------------------------------------------- params
-
-
-def _param_value(value: Any) -> str:
-    if isinstance(value, (list, tuple, dict)):
-        text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-    else:
-        text = str(value)
-    return text if len(text) <= _MAX_PARAM_LEN else text[: _MAX_PARAM_LEN - 3] + "..."
-
-
-def flatten_params(params: Any, prefix: str = "") -> dict[str, str]:
-    """Flatten a ``Params`` (or a nested mapping) to MLflow params with stable names.
-
-    Nested keys join with dots (``pretrain.augment.hflip``); the keys in :data:`PARAM_ALIASES` get their
-    short names (``reparam.alpha_init`` -> ``alpha_init``); lists become compact JSON; empty mappings are kept
-    as ``{}`` so every run carries the same set of names.
-    """
-    if hasattr(params, "model_dump"):
-        params = params.model_dump(mode="json")
-    if not isinstance(params, Mapping):
-        raise TypeError(f"flatten_params: expected Params or a mapping, got {type(params).__name__}")
-    flat: dict[str, str] = {}
-
-    def walk(key: str, node: Any) -> None:
-        if isinstance(node, Mapping) and node:
-            for sub, value in node.items():
-                walk(f"{key}.{sub}" if key else str(sub), value)
-        else:
-            flat[PARAM_ALIASES.get(key, key)] = _param_value(node)
-
-    walk(prefix, params)
-    return flat
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-
-
-def resolve_uri(uri: str, base_dir: str | os.PathLike = ".") -> str:
-    """``sqlite:///rel.db`` -> ``sqlite:////abs/base/rel.db``; other URIs unchanged.
-
-    Resolve once in the process that reads params.yaml and hand the absolute URI to others (Ray trials run in
-    their own working directories).
-    """
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not uri.startswith(prefix + "/") and ":memory:" not in uri:
-        return prefix + str((Path(base_dir) / uri[len(prefix) :]).resolve())
-    return uri
-
-
-def digest_if_present(path: str | os.PathLike) -> str | None:
-    """sha256 of a file (e.g. dvc.lock for the parent run's tag); None when it does not exist."""
-    try:
-        return file_digest(path)
-    except FileNotFoundError:
-        return None
-
-
-def workspace_key(root: str | os.PathLike = ".") -> str:
-    """A key naming one workspace (host + absolute path): stages under one `dvc repro` share a parent by it."""
-    return f"{socket.gethostname()}:{Path(root).resolve()}"
-
-
-def params_hash(params: Any) -> str:
-    """sha256 of a run's params as MLflow logs them, without the ``tracking`` section (where runs are logged
-    does not change what they compute)."""
-    return stable_hash({k: v for k, v in flatten_params(params).items() if not k.startswith("tracking.")})
-
-
-def run_label(params: Any) -> str:
-    """A parent run's name from what distinguishes pipeline executions at a glance: model kind and arch, t1
-    and the alpha / lambda init (for the kinds that use them), the training-sample fraction and the seed."""
-    from core.models import kinds
-
-    kind, r = params.model.kind, params.reparam
-    record = kinds.get(kind)
-    parts = [kind, params.model.arch]
-    if record.reparameterizes:
-        parts.append(f"t1={r.epoch}")
-    conversion = record.conversion
-    if "alpha_init" in conversion:
-        parts.append(f"alpha={r.alpha_init:g}")
-    if "lambda_init" in conversion:
-        parts.append(f"lambda={r.lambda_init:g}")
-    parts += [f"f={params.data.sample_fraction:g}", f"seed={params.seed}"]
-    return " ".join(parts)
 
 
 def _http_alive(uri: str, timeout_s: float = 5.0) -> bool:
@@ -353,7 +254,7 @@ class Tracker:
             all_tags = {KIND_TAG: "parent", ATTEMPT_TAG: "1", **self._process_tags(), **(tags or {})}
             if key is not None:
                 all_tags.update({KEY_TAG: key, CHAIN_TAG: "open"})
-            all_tags = resolve_tags(_str_tags(all_tags))  # MLflow's git, source and user tags
+            all_tags = resolve_tags(str_tags(all_tags))  # MLflow's git, source and user tags
             run = self._client.create_run(self._experiment_id, run_name=name, tags=all_tags)
             found = run.info.run_id
         self.parent_run_id = found
@@ -366,7 +267,7 @@ class Tracker:
         base = f"tags.`{KIND_TAG}` = 'parent' and tags.`{KEY_TAG}` = {_quote(key)} and tags.`{CHAIN_TAG}` = 'open'"
         found: str | None = None
         for run in self._search(base, max_results=20):  # newest first
-            if found is None and _compatible(run.data.params, flat):
+            if found is None and compatible_params(run.data.params, flat):
                 found = run.info.run_id
                 continue
             # An execution with other params (or an older duplicate): it will not be continued.
@@ -432,7 +333,7 @@ class Tracker:
         )
         resume_id: str | None = None
         for run in stale:  # newest first
-            compatible = _compatible(run.data.params, flat)
+            compatible = compatible_params(run.data.params, flat)
             if on_stale == "resume" and resume_id is None and compatible:
                 resume_id = run.info.run_id
             else:
@@ -450,7 +351,7 @@ class Tracker:
                 **(tags or {}),
             }
             run = self._client.create_run(
-                self._experiment_id, run_name=run_name or stage, tags=_str_tags(all_tags)
+                self._experiment_id, run_name=run_name or stage, tags=str_tags(all_tags)
             )
             resume_id = run.info.run_id
         self.run_id = resume_id
@@ -473,8 +374,8 @@ class Tracker:
         """End the active child run, or the parent when no child is open."""
         if not self.enabled:
             return
-        if status not in _TERMINAL:
-            raise ValueError(f"end: status must be one of {_TERMINAL}, got {status!r}")
+        if status not in TERMINAL_STATUSES:
+            raise ValueError(f"end: status must be one of {TERMINAL_STATUSES}, got {status!r}")
         if self.run_id is not None:
             if self._fluent:  # MLflow stops its system metrics monitor and ends the run
                 import mlflow
@@ -519,7 +420,7 @@ class Tracker:
         from mlflow.entities import Param
 
         target = self._run(run_id)
-        flat = params if _is_flat_str(params) else flatten_params(params)
+        flat = params if is_flat_str(params) else flatten_params(params)
         existing = self._client.get_run(target).data.params
         items = [Param(k, v) for k, v in flat.items() if existing.get(k) != v]
         self._client.log_batch(target, params=items)  # MLflow splits it into batches of its limits
@@ -551,7 +452,7 @@ class Tracker:
     def _set_tags(self, run_id: str, tags: Mapping[str, Any]) -> None:
         from mlflow.entities import RunTag
 
-        self._client.log_batch(run_id, tags=[RunTag(k, v) for k, v in _str_tags(tags).items()])
+        self._client.log_batch(run_id, tags=[RunTag(k, v) for k, v in str_tags(tags).items()])
 
     def log_artifact(
         self, path: str | os.PathLike, artifact_path: str | None = None, *, run_id: str | None = None
@@ -697,32 +598,6 @@ def _store_creation_lock(uri: str) -> Iterator[None]:
         yield
 
 
-def _compatible(logged: Mapping[str, str], flat: Mapping[str, str]) -> bool:
-    """True when no param already logged on a run differs from ``flat`` (MLflow params are write-once)."""
-    return all(logged.get(k, v) == v for k, v in flat.items())
-
-
-def _str_tags(tags: Mapping[str, Any]) -> dict[str, str]:
-    return {str(k): str(v) for k, v in tags.items() if v is not None}
-
-
-def _is_flat_str(params: Any) -> bool:
-    return isinstance(params, Mapping) and all(
-        isinstance(k, str) and isinstance(v, str) for k, v in params.items()
-    )
-
-
-def git_dirty(root: str | os.PathLike = ".") -> bool | None:
-    """Whether tracked files differ from the checked-out commit (GitPython, MLflow's own git dependency;
-    None outside git). MLflow's context tags name the commit, not whether the tree matched it."""
-    try:
-        import git
-
-        return git.Repo(root, search_parent_directories=True).is_dirty(untracked_files=False)
-    except Exception:  # no git executable, not a repository
-        return None
-
-
 def resolved_environment() -> str:
     """The resolved Python environment as ``pip freeze``-style lines (from the installed distributions'
     metadata: the same set pip reports, without starting pip), headed by the interpreter and platform."""
@@ -736,121 +611,3 @@ def resolved_environment() -> str:
             seen[name.lower()] = f"{name}=={dist.version}"
     head = f"# python {platform.python_version()} ({sys.executable}) on {platform.platform()}\n"
     return head + "\n".join(sorted(seen.values(), key=str.lower)) + "\n"
-
-
-def record_run_ids(
-    path: str | os.PathLike, parent: str, stage: str, run_id: str, meta: Mapping[str, Any] | None = None
-) -> None:
-    """Add ``stage``'s run id to the run-ids file of the current execution (atomically).
-
-    Format: ``{"parent": id, "stages": {stage: id}, "meta": {...}}``; a file of another parent is replaced,
-    so the file always describes one pipeline execution (read by the report stage)."""
-    from core.utils.atomic import atomic_write_json
-
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = None
-    if not isinstance(data, dict) or data.get("parent") != parent or not isinstance(data.get("stages"), dict):
-        data = {"parent": parent, "stages": {}}
-    data["stages"][stage] = run_id
-    data["meta"] = {k: v for k, v in dict(meta or {}).items() if v is not None}
-    atomic_write_json(path, data)
-
-
-def _end_status(err: BaseException) -> RunStatus:
-    """KILLED for an interruption the stage can resume from (Ctrl-C, a stop signal), else FAILED."""
-    if isinstance(err, KeyboardInterrupt) or type(err).__name__ in ("Preempted", "Stopped"):
-        return "KILLED"
-    return "FAILED"
-
-
-@contextlib.contextmanager
-def stage_run(
-    params: Any,
-    stage: str,
-    *,
-    root: str | os.PathLike = ".",
-    parent_name: str | None = None,
-    parent_tags: Mapping[str, Any] | None = None,
-    end_parent: bool = False,
-    base_dir: str | os.PathLike | None = None,
-    run_ids_file: str | os.PathLike | None = RUN_IDS_FILE,
-    **child_kwargs: Any,
-) -> Iterator[Tracker]:
-    """The whole stage protocol in one call, for ``stages/<name>.py``::
-
-        with stage_run(params, "finetune", root=root) as tracker:
-            ...  # tracker.log_metrics(...), tracker.log_artifact(...)
-
-    Parent: the *open* parent of this workspace (a chain whose last stage has not run: the earlier stages
-    closed it, a failed or preempted stage interrupted it, or a SIGKILL left it RUNNING) when its params
-    match; else a new one, named ``parent_name`` or the DVC experiment's name or :func:`run_label`. It
-    carries all params, :data:`PARAMS_HASH_TAG`, MLflow's context tags (git commit, branch, source) and ``tcnn.git_dirty``, the sha256 of ``dvc.lock``
-    (:data:`DVC_LOCK_TAG`, updated at every stage; at the end of the chain it is the lock of every stage but
-    the last, which DVC records after the process exits), and under ``dvc exp run`` the experiment's name
-    (:data:`DVC_EXP_TAG`). The stage's child run logs all params, resumes a killed attempt, and ends
-    FINISHED, and so does the parent: a process closes what it opened, whichever stage it ran (also one run
-    by hand); on an exception the child and the parent end FAILED (KILLED when preempted), and the next run of
-    the chain continues that parent. ``end_parent=True`` (the last stage) logs ``dvc.lock`` and
-    ``params.yaml`` on the parent and marks the chain complete (:data:`CHAIN_TAG`), so the next execution
-    opens a new parent. The ids go to ``run_ids_file``
-    (relative to ``root``; None: not written). The sqlite store resolves against ``base_dir``, default
-    ``$DVC_ROOT`` (the main repository, also for ``dvc exp run --temp``) or ``root``.
-    """
-    root = Path(root)
-    base = base_dir if base_dir is not None else (os.environ.get("DVC_ROOT") or root)
-    tracker = Tracker.from_params(params, base_dir=base)
-    if not tracker.enabled:
-        yield tracker
-        return
-    exp_name = os.environ.get("DVC_EXP_NAME") or None
-    name = parent_name or exp_name or run_label(params)
-    tags = {
-        RUN_NAME_TAG: name,
-        "tcnn.git_dirty": git_dirty(root),
-        DVC_LOCK_TAG: digest_if_present(root / "dvc.lock"),
-        UV_LOCK_TAG: digest_if_present(root / UV_LOCK_FILE),
-        DVC_EXP_TAG: exp_name,
-        PARAMS_HASH_TAG: params_hash(params),
-        **(parent_tags or {}),
-    }
-    tracker.start_parent(name, tags, key=workspace_key(root), params=params)
-    parent = tracker.parent_run_id
-    assert parent is not None
-    if tracker.parent_created:
-        tracker.log_environment(root, run_id=parent)
-    child_kwargs.setdefault("params", params)
-    child = tracker.start_child(stage, **child_kwargs)
-    if run_ids_file is not None and child is not None:
-        meta = {"experiment": tracker.experiment, "experiment_id": tracker.experiment_id,
-                "tracking_uri": tracker.uri, "dvc_exp_name": exp_name}  # fmt: skip
-        record_run_ids(root / run_ids_file, parent, stage, child, meta)
-    try:
-        yield tracker
-    except BaseException as err:
-        status = _end_status(err)
-        with contextlib.suppress(Exception):
-            tracker.set_tags({"tcnn.failed_stage": stage, "tcnn.error": str(err)[:500]}, run_id=parent)
-        tracker.end(status)
-        tracker.end_parent(status)
-        raise
-    try:
-        tracker.end("FINISHED")
-        if end_parent:
-            tracker.set_tags(
-                {DVC_LOCK_TAG: digest_if_present(root / "dvc.lock"), CHAIN_TAG: "complete"}, run_id=parent
-            )
-            for tag in ("tcnn.failed_stage", "tcnn.error"):  # an earlier interruption, since continued
-                with contextlib.suppress(Exception):
-                    tracker.client.delete_tag(parent, tag)
-            for name in ("dvc.lock", "params.yaml"):
-                if (root / name).is_file():
-                    tracker.log_artifact(root / name, run_id=parent)
-        tracker.end_parent("FINISHED")  # every stage closes what it opened; the chain's next stage reopens it
-    except BaseException as err:  # a stop signal (or an error) while closing: nothing is left RUNNING
-        with contextlib.suppress(Exception):
-            tracker.end(_end_status(err))
-            tracker.end_parent(_end_status(err))
-        raise

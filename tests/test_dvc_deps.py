@@ -20,7 +20,12 @@ PACKAGES = ("core", "stages")  # science and stage code; pipelines/ (sweeps, SLU
 #: Stage code that reports a run to MLflow and never changes what a stage writes: not a DVC input (editing the
 #: tracking adapter must not invalidate every cached stage), and neither is what only it imports (loading a
 #: checkpoint's model to log it to MLflow).
-REPORTING_ONLY = {"stages/tracking.py", "stages/catalogue.py"}
+REPORTING_ONLY = {
+    "stages/tracking.py",
+    "stages/tracking_names.py",
+    "stages/stage_run.py",
+    "stages/catalogue.py",
+}
 
 
 def _stages() -> dict[str, dict]:

@@ -389,8 +389,8 @@ def test_read_run_ids(tmp_path) -> None:
 
 
 def test_run_ids_file_written_by_the_tracking_layer(tmp_path) -> None:
-    """stages.tracking.record_run_ids writes what the report reads; its meta shows as the UI location."""
-    from stages.tracking import record_run_ids
+    """stages.stage_run.record_run_ids writes what the report reads; its meta shows as the UI location."""
+    from stages.stage_run import record_run_ids
 
     f = tmp_path / "runs" / "mlflow_runs.json"
     meta = {

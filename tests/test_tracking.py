@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from core.config import Params
-from stages.tracking import (
+from stages.stage_run import stage_run
+from stages.tracking import Tracker, TrackingError
+from stages.tracking_names import (
     ATTEMPT_TAG,
     CHAIN_TAG,
     EXPERIMENT_KIND,
@@ -24,13 +26,10 @@ from stages.tracking import (
     PARAMS_HASH_TAG,
     PARENT_TAG,
     STAGE_TAG,
-    Tracker,
-    TrackingError,
     flatten_params,
     params_hash,
     resolve_uri,
     run_label,
-    stage_run,
 )
 
 REPO = Path(__file__).resolve().parents[1]

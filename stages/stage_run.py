@@ -1,0 +1,157 @@
+"""The DVC path's run protocol (:func:`stage_run`): every stage opens its workspace's parent run and its own
+child, records the ids for the report, and closes both with the right status whatever ends it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from stages.tracking import Tracker
+from stages.tracking_names import (
+    CHAIN_TAG,
+    DVC_EXP_TAG,
+    DVC_LOCK_TAG,
+    PARAMS_HASH_TAG,
+    RUN_IDS_FILE,
+    RUN_NAME_TAG,
+    UV_LOCK_FILE,
+    UV_LOCK_TAG,
+    RunStatus,
+    digest_if_present,
+    params_hash,
+    run_label,
+    workspace_key,
+)
+
+
+def git_dirty(root: str | os.PathLike = ".") -> bool | None:
+    """Whether tracked files differ from the checked-out commit (GitPython, MLflow's own git dependency;
+    None outside git). MLflow's context tags name the commit, not whether the tree matched it."""
+    try:
+        import git
+
+        return git.Repo(root, search_parent_directories=True).is_dirty(untracked_files=False)
+    except Exception:  # no git executable, not a repository
+        return None
+
+
+def record_run_ids(
+    path: str | os.PathLike, parent: str, stage: str, run_id: str, meta: Mapping[str, Any] | None = None
+) -> None:
+    """Add ``stage``'s run id to the run-ids file of the current execution (atomically).
+
+    Format: ``{"parent": id, "stages": {stage: id}, "meta": {...}}``; a file of another parent is replaced,
+    so the file always describes one pipeline execution (read by the report stage)."""
+    from core.utils.atomic import atomic_write_json
+
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = None
+    if not isinstance(data, dict) or data.get("parent") != parent or not isinstance(data.get("stages"), dict):
+        data = {"parent": parent, "stages": {}}
+    data["stages"][stage] = run_id
+    data["meta"] = {k: v for k, v in dict(meta or {}).items() if v is not None}
+    atomic_write_json(path, data)
+
+
+def _end_status(err: BaseException) -> RunStatus:
+    """KILLED for an interruption the stage can resume from (Ctrl-C, a stop signal), else FAILED."""
+    if isinstance(err, KeyboardInterrupt) or type(err).__name__ in ("Preempted", "Stopped"):
+        return "KILLED"
+    return "FAILED"
+
+
+@contextlib.contextmanager
+def stage_run(
+    params: Any,
+    stage: str,
+    *,
+    root: str | os.PathLike = ".",
+    parent_name: str | None = None,
+    parent_tags: Mapping[str, Any] | None = None,
+    end_parent: bool = False,
+    base_dir: str | os.PathLike | None = None,
+    run_ids_file: str | os.PathLike | None = RUN_IDS_FILE,
+    **child_kwargs: Any,
+) -> Iterator[Tracker]:
+    """The whole stage protocol in one call, for ``stages/<name>.py``::
+
+        with stage_run(params, "finetune", root=root) as tracker:
+            ...  # tracker.log_metrics(...), tracker.log_artifact(...)
+
+    Parent: the *open* parent of this workspace (a chain whose last stage has not run: the earlier stages
+    closed it, a failed or preempted stage interrupted it, or a SIGKILL left it RUNNING) when its params
+    match; else a new one, named ``parent_name`` or the DVC experiment's name or :func:`run_label`. It
+    carries all params, :data:`PARAMS_HASH_TAG`, MLflow's context tags (git commit, branch, source) and ``tcnn.git_dirty``, the sha256 of ``dvc.lock``
+    (:data:`DVC_LOCK_TAG`, updated at every stage; at the end of the chain it is the lock of every stage but
+    the last, which DVC records after the process exits), and under ``dvc exp run`` the experiment's name
+    (:data:`DVC_EXP_TAG`). The stage's child run logs all params, resumes a killed attempt, and ends
+    FINISHED, and so does the parent: a process closes what it opened, whichever stage it ran (also one run
+    by hand); on an exception the child and the parent end FAILED (KILLED when preempted), and the next run of
+    the chain continues that parent. ``end_parent=True`` (the last stage) logs ``dvc.lock`` and
+    ``params.yaml`` on the parent and marks the chain complete (:data:`CHAIN_TAG`), so the next execution
+    opens a new parent. The ids go to ``run_ids_file``
+    (relative to ``root``; None: not written). The sqlite store resolves against ``base_dir``, default
+    ``$DVC_ROOT`` (the main repository, also for ``dvc exp run --temp``) or ``root``.
+    """
+    root = Path(root)
+    base = base_dir if base_dir is not None else (os.environ.get("DVC_ROOT") or root)
+    tracker = Tracker.from_params(params, base_dir=base)
+    if not tracker.enabled:
+        yield tracker
+        return
+    exp_name = os.environ.get("DVC_EXP_NAME") or None
+    name = parent_name or exp_name or run_label(params)
+    tags = {
+        RUN_NAME_TAG: name,
+        "tcnn.git_dirty": git_dirty(root),
+        DVC_LOCK_TAG: digest_if_present(root / "dvc.lock"),
+        UV_LOCK_TAG: digest_if_present(root / UV_LOCK_FILE),
+        DVC_EXP_TAG: exp_name,
+        PARAMS_HASH_TAG: params_hash(params),
+        **(parent_tags or {}),
+    }
+    tracker.start_parent(name, tags, key=workspace_key(root), params=params)
+    parent = tracker.parent_run_id
+    assert parent is not None
+    if tracker.parent_created:
+        tracker.log_environment(root, run_id=parent)
+    child_kwargs.setdefault("params", params)
+    child = tracker.start_child(stage, **child_kwargs)
+    if run_ids_file is not None and child is not None:
+        meta = {"experiment": tracker.experiment, "experiment_id": tracker.experiment_id,
+                "tracking_uri": tracker.uri, "dvc_exp_name": exp_name}  # fmt: skip
+        record_run_ids(root / run_ids_file, parent, stage, child, meta)
+    try:
+        yield tracker
+    except BaseException as err:
+        status = _end_status(err)
+        with contextlib.suppress(Exception):
+            tracker.set_tags({"tcnn.failed_stage": stage, "tcnn.error": str(err)[:500]}, run_id=parent)
+        tracker.end(status)
+        tracker.end_parent(status)
+        raise
+    try:
+        tracker.end("FINISHED")
+        if end_parent:
+            tracker.set_tags(
+                {DVC_LOCK_TAG: digest_if_present(root / "dvc.lock"), CHAIN_TAG: "complete"}, run_id=parent
+            )
+            for tag in ("tcnn.failed_stage", "tcnn.error"):  # an earlier interruption, since continued
+                with contextlib.suppress(Exception):
+                    tracker.client.delete_tag(parent, tag)
+            for name in ("dvc.lock", "params.yaml"):
+                if (root / name).is_file():
+                    tracker.log_artifact(root / name, run_id=parent)
+        tracker.end_parent("FINISHED")  # every stage closes what it opened; the chain's next stage reopens it
+    except BaseException as err:  # a stop signal (or an error) while closing: nothing is left RUNNING
+        with contextlib.suppress(Exception):
+            tracker.end(_end_status(err))
+            tracker.end_parent(_end_status(err))
+        raise
