@@ -27,6 +27,7 @@ from typing import Any
 
 from core.config import Params
 from core.utils.atomic import append_json_line, atomic_write_json
+from stages import chain
 
 RESULT = "result-{}.json"  # rank 0's return value, handed to the trial through the trial directory
 NODES = "nodes-{}.json"  # the ranks' nodes, gathered by rank 0
@@ -53,7 +54,7 @@ def run_stage(
     share = spec.get("worker_resources") or {"cpu": 1.0, "gpu": 0.0}
     use_gpu = share["gpu"] > 0
     resources = {"CPU": share["cpu"], **({"GPU": share["gpu"]} if use_gpu else {})}
-    partial = Path(root) / "runs" / ".partial"
+    partial = Path(root) / chain.PARTIAL
     out, nodes = partial / RESULT.format(stage), partial / NODES.format(stage)
     out.unlink(missing_ok=True)
     nodes.unlink(missing_ok=True)

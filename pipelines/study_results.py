@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from core.utils.atomic import atomic_write_text
+from stages import chain
 
 ARMS = ("tcnn", "control")
 MODELS = ("cnn", "tcnn", "control")
@@ -109,13 +110,14 @@ def export(sweep_dir: Path, out: Path) -> list[Path]:
         row |= pair_metrics(root, root, replicates=int(p["robustness"]["bootstrap"]),
                             seed=derive_seed(int(seed), "bootstrap"))  # fmt: skip
         rows.append(row)
-        for arm, rel in (("tcnn", "runs/finetune/history.json"), ("control", "runs/control/history.json")):
-            for h in _json(root / rel):
+        for arm, stage in (("tcnn", "finetune"), ("control", "control")):
+            for h in _json(root / chain.output(stage, "history.json")):
                 history.append({"seed": seed, "arm": arm, "value": value, "epoch": int(h.get("finetune_epoch", 0)),
                                 "val_accuracy": h.get("val_acc"),
                                 **{k: h.get(k) for k in ("val_loss", "train_loss", "train_acc", "lr")}})  # fmt: skip
-        if picks.get((seed, "tcnn")) == tid and (root / "runs/finetune/gpsa.csv").is_file():
-            with open(root / "runs/finetune/gpsa.csv") as fh:
+        gpsa = root / chain.output("finetune", "gpsa.csv")
+        if picks.get((seed, "tcnn")) == tid and gpsa.is_file():
+            with open(gpsa) as fh:
                 attention += [{"seed": seed, **r} for r in csv.DictReader(fh)]
     for c in chosen:
         row = {"row": "selected", "seed": c["seed"], "tcnn_selected": True, "control_selected": True}

@@ -26,6 +26,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from stages import chain
+
 ARMS = ("tcnn", "control")
 SEED = "seed"
 #: The headline metrics of a selected pair (fractions; mCE normalised by the seed's pretrained CNN).
@@ -69,7 +71,7 @@ def choose(
 
 
 def _read(trial_dir: Path, name: str) -> pa.Table:
-    return pq.read_table(trial_dir / "results" / name)
+    return pq.read_table(trial_dir / chain.output("evaluate", name))
 
 
 def _models(table: pa.Table, keep: dict[str, str]) -> pa.Table:

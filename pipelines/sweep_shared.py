@@ -29,6 +29,7 @@ from core.config import Params, validate_params
 from core.utils.atomic import append_json_line as append_line
 from core.utils.atomic import atomic_write_json
 from pipelines.ddp import node_name, run_stage
+from stages import chain
 
 LOCK = ".lock"
 COMPLETE = "complete.json"
@@ -86,7 +87,7 @@ def _complete_epochs(group_dir: Path) -> set[int]:
         info = json.loads((group_dir / COMPLETE).read_text())
     except (FileNotFoundError, ValueError):
         return set()
-    out = group_dir / "runs" / "pretrain"
+    out = group_dir / chain.run_dir("pretrain")
     if not (out / "cnn-final.pt").is_file() or not (out / "metrics.json").is_file():
         return set()
     kept = {int(e) for e in info.get("checkpoint_epochs", [])}
@@ -127,7 +128,7 @@ def ensure_pretraining(
     with locked(directory, f"pretrain {key}", log):
         have = _complete_epochs(directory)
         if need <= have:
-            metrics = json.loads((directory / "runs" / "pretrain" / "metrics.json").read_text())
+            metrics = json.loads((directory / chain.metrics_file("pretrain")).read_text())
             return directory, False, metrics
         params: Params = validate_params(group["params"])
         if have:  # an earlier sweep's run lacks some t1: rerun (deterministic) keeping old and new epochs
@@ -177,10 +178,10 @@ def published(root: Path, stage: str) -> dict[str, Any] | None:
     dir ``runs/.partial/<stage>``. A process killed after that but before its caller recorded the stage as
     done (a requeue's SIGTERM, a lost node) would otherwise cost the stage a second run from scratch, since
     there is no partial state left to resume from."""
-    if (root / "runs" / ".partial" / stage).exists():
+    if (root / chain.partial_dir(stage)).exists():
         return None
     try:
-        metrics = json.loads((root / "runs" / stage / "metrics.json").read_text())
+        metrics = json.loads((root / chain.metrics_file(stage)).read_text())
     except (FileNotFoundError, ValueError):
         return None
     return metrics if isinstance(metrics, dict) else None
@@ -189,10 +190,10 @@ def published(root: Path, stage: str) -> dict[str, Any] | None:
 def link_pretraining(root: Path, group_dir: Path, stage: str = "pretrain") -> None:
     """``root/runs/<stage>`` -> the shared ``<group_dir>/runs/<stage>`` (a relative symlink, replaced
     atomically): the shared pretraining, or the shared control."""
-    runs = root / "runs"
+    link = root / chain.run_dir(stage)
+    runs = link.parent
     runs.mkdir(parents=True, exist_ok=True)
-    target = os.path.relpath(group_dir / "runs" / stage, runs)
-    link = runs / stage
+    target = os.path.relpath(group_dir / chain.run_dir(stage), runs)
     if link.is_symlink() and os.readlink(link) == target:
         return
     if link.exists() and not link.is_symlink():

@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 from core.utils.atomic import atomic_write
 from pipelines.sweep_plan import SHORT
 from pipelines.sweep_trial import HEADLINE
+from stages import chain
 
 METRIC_COLUMNS = HEADLINE  # the numbers every trial reports last
 SEED = "seed"
@@ -60,7 +61,7 @@ def summary_rows(spec: dict[str, Any], status: dict[str, str] | None = None) -> 
     for tid, t in spec["trials"].items():
         root = Path(spec["sweep_dir"]) / "trials" / tid
         done = _json(root / "done.json")
-        eq = _json(root / "runs" / "reparam" / "equivalence.json") or {}
+        eq = _json(root / chain.metrics_file("reparam")) or {}
         p = t["params"]
         row: dict[str, Any] = {"trial": tid}
         for key in spec["grid"]:
@@ -259,7 +260,7 @@ def kind_rows(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str
         return []
 
     def table(r: dict[str, Any]) -> Any:
-        path = Path(r["trial_dir"]) / "results" / "robustness.parquet"
+        path = Path(r["trial_dir"]) / chain.output("evaluate", "robustness.parquet")
         return pq.read_table(path) if path.is_file() else None
 
     ref = next((r for r in done if r["model_kind"] == "cnn" and table(r) is not None), None)

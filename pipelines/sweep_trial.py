@@ -45,6 +45,7 @@ from core.utils.atomic import atomic_write_json
 from pipelines.ddp import node_name, run_stage, worker_nodes
 from pipelines.sweep_plan import trial_label, trial_params
 from pipelines.sweep_shared import ENSURE, append_line, link_pretraining, locked, published, runs_log
+from stages import chain
 from stages.catalogue import SUMMARY_METRICS, epoch_metrics, numeric_metrics, stage_artifacts, summary_metrics
 from stages.chain import sweep_role, trains, trial_stages
 
@@ -394,13 +395,13 @@ class TrialRunner:
             )
 
         def run() -> dict[str, Any]:
-            watcher = EpochWatcher(self.root / "runs" / ".partial" / name / "resume.pt", emit)
+            watcher = EpochWatcher(self.root / chain.partial_dir(name) / "resume.pt", emit)
             watcher.start()
             try:
                 metrics = fn()
             finally:
                 watcher.stop()
-            history = read_json(self.root / "runs" / name / "history.json")
+            history = read_json(self.root / chain.output(name, "history.json"))
             watcher.rows(history if isinstance(history, list) else [])  # epochs finished after the last poll
             return metrics
 
@@ -434,7 +435,7 @@ def trial_artifacts(stages: tuple[str, ...], params: Params, root: Path) -> list
 
 def _stage_roots(root: Path) -> list[Path]:
     """Where the trial's stages ran: its directory and the shared pretraining/control it links to."""
-    links = [root / "runs" / stage for stage in trial_stages() if sweep_role(stage) == "group"]
+    links = [root / chain.run_dir(stage) for stage in trial_stages() if sweep_role(stage) == "group"]
     return [root, *(link.resolve().parents[1] for link in links if link.is_symlink())]
 
 

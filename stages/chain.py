@@ -5,6 +5,7 @@ it and whether it trains. The report, the MLflow adapter and the sweep read it h
 
 from __future__ import annotations
 
+import os
 import re
 from functools import cache
 from pathlib import Path
@@ -62,6 +63,24 @@ def output(stage: str, name: str, repo: Path = REPO) -> str:
     """The stage's output whose file name is ``name`` (``history.json``...)."""
     (found,) = [o for o in outputs(stage, repo) if Path(o).name == name]
     return found
+
+
+#: Where a training stage keeps its partial state while it runs (outside DVC's outs, which DVC deletes before
+#: a stage runs): ``<PARTIAL>/<stage>``.
+PARTIAL = "runs/.partial"
+#: The run ids of the current pipeline execution (git-ignored, no stage's dep or out), for the report.
+RUN_IDS_FILE = "runs/mlflow_runs.json"
+
+
+def run_dir(stage: str, repo: Path = REPO) -> str:
+    """The folder that holds the stage's outputs (``runs/pretrain``, ``results``...)."""
+    parents = [str(Path(o).parent) for o in outputs(stage, repo) if "${" not in o]
+    return os.path.commonpath(parents)
+
+
+def partial_dir(stage: str) -> str:
+    """Where the stage keeps its partial state while it runs (:data:`PARTIAL`)."""
+    return f"{PARTIAL}/{stage}"
 
 
 def resolve(path: str, params: dict[str, Any]) -> str:

@@ -57,6 +57,7 @@ from core.training.inference import inference_model
 from core.utils.atomic import atomic_write, atomic_write_json, atomic_write_text
 from core.utils.hashing import derive_seed
 from core.viz.plots import plot_gains
+from stages import chain
 from stages.runner import StageError, stage_main
 
 NAME = "evaluate"
@@ -72,9 +73,9 @@ def model_paths(params: Params, root: Path) -> dict[str, Path]:
     from stages import control
 
     paths = {
-        "cnn": root / "runs" / "pretrain" / "cnn-final.pt",
+        "cnn": root / chain.output("pretrain", "cnn-final.pt"),
         "control": control.checkpoint_path(root),
-        "tcnn": root / "runs" / "finetune" / "tcnn-final.pt",
+        "tcnn": root / chain.output("finetune", "tcnn-final.pt"),
     }
     if control.disabled_reason(params) is not None:
         del paths["control"]
@@ -244,7 +245,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         f"evaluate: paired bootstrap, {rob.bootstrap} replicates over test images, in {time.perf_counter() - t0:.1f} s"
     )
 
-    out = root / "results"
+    out = root / chain.run_dir(NAME)
     (out / "plots").mkdir(parents=True, exist_ok=True)
     write_parquet(table, out / "robustness.parquet")
     write_parquet(per_image, out / "per_image.parquet")

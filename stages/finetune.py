@@ -61,6 +61,7 @@ from core.training.loop import (
 )
 from core.training.optim import freeze_parameters
 from core.utils.hashing import derive_seed, file_digest, stable_hash
+from stages import chain
 from stages import training as T
 from stages.identity import stage_identity
 from stages.runner import StageError, stage_main
@@ -77,17 +78,17 @@ class Variant:
     final: str  # the final model checkpoint, relative to runs/<name>/
 
     def out_dir(self, root: Path) -> Path:
-        return root / "runs" / self.name
+        return root / chain.run_dir(self.name)
 
     def work_dir(self, root: Path) -> Path:
-        return root / "runs" / ".partial" / self.name
+        return root / chain.partial_dir(self.name)
 
 
 TCNN = Variant(NAME, "tcnn-final.pt")
 
 
 def source_path(root: Path) -> Path:
-    return root / "runs" / "reparam" / "tcnn.pt"
+    return root / chain.output("reparam", "tcnn.pt")
 
 
 def identity(

@@ -32,6 +32,7 @@ from core.training.loop import (
 )
 from core.training.optim import WarmupCosine, build_sgd, param_groups
 from core.utils.hashing import stable_hash
+from stages import chain
 from stages import training as T
 from stages.identity import stage_identity
 from stages.runner import StageError, stage_main
@@ -92,7 +93,7 @@ def run_hash(params: Params, spec: dict[str, Any], data_fingerprint: str, device
 def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     t_wall = time.perf_counter()
     root = Path(root)
-    out_dir, work_dir = root / "runs" / NAME, root / "runs" / ".partial" / NAME
+    out_dir, work_dir = root / chain.run_dir(NAME), root / chain.partial_dir(NAME)
     p = params.pretrain
     device = T.training_device()
     ds = T.datasets(params, root)

@@ -39,6 +39,7 @@ from core.training.loop import evaluate, predict, seed_everything, select_device
 from core.training.optim import map_state_to_tcnn, named_state
 from core.utils.atomic import atomic_write_json
 from core.utils.hashing import derive_seed, file_digest
+from stages import chain
 from stages import training as T
 from stages.runner import StageError, stage_main
 
@@ -48,7 +49,7 @@ REQUIRED = ("model", "model_spec", "optimizer", "param_names", "scheduler", "rng
 
 
 def source_path(params: Params, root: Path) -> Path:
-    return root / "runs" / "pretrain" / "ckpt" / f"ckpt-epoch-{params.reparam.epoch:03d}.pt"
+    return root / chain.output("pretrain", "ckpt") / f"ckpt-epoch-{params.reparam.epoch:03d}.pt"
 
 
 def convert(cnn: torch.nn.Module, params: Params, stride_mode: str | None = None) -> torch.nn.Module:
@@ -72,7 +73,7 @@ def _carry_by_name(state: dict[str, dict[str, Any]], model: torch.nn.Module) -> 
 def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     t_wall = time.perf_counter()
     root = Path(root)
-    out_dir = root / "runs" / NAME
+    out_dir = root / chain.run_dir(NAME)
     src = source_path(params, root)
     ckpt = T.load_checkpoint(src, REQUIRED, f"pretraining checkpoint at reparam.epoch={params.reparam.epoch}")
     try:

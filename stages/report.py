@@ -39,27 +39,31 @@ from stages import chain
 from stages.runner import StageError, stage_main
 
 NAME = "report"
-RUN_IDS_FILE = Path("runs") / "mlflow_runs.json"
+RUN_IDS_FILE = Path(chain.RUN_IDS_FILE)
 
 
 def input_paths(params: Params, root: Path) -> dict[str, Path]:
-    """Every file the report reads, by role (the DVC deps of the stage)."""
-    runs, res = root / "runs", root / "results"
+    """Every file the report reads, by role (the DVC deps of the stage: other stages' outputs, named where
+    dvc.yaml names them)."""
+
+    def out(stage: str, name: str) -> Path:
+        return root / chain.output(stage, name)
+
     return {
-        "cnn": runs / "pretrain" / "cnn-final.pt",
-        "tcnn": runs / "finetune" / "tcnn-final.pt",
-        "metrics": res / "metrics.json",
-        "equivalence": runs / "reparam" / "equivalence.json",
-        "pretrain_history": runs / "pretrain" / "history.json",
-        "pretrain_metrics": runs / "pretrain" / "metrics.json",
-        "finetune_history": runs / "finetune" / "history.json",
-        "finetune_metrics": runs / "finetune" / "metrics.json",
-        "control_history": runs / "control" / "history.json",
-        "control_metrics": runs / "control" / "metrics.json",
-        "gpsa": runs / "finetune" / "gpsa.csv",
-        "summary": res / "summary.json",
-        "gain_png": res / "plots" / "robustness_gain.png",
-        "robustness": res / "robustness.parquet",
+        "cnn": out("pretrain", "cnn-final.pt"),
+        "tcnn": out("finetune", "tcnn-final.pt"),
+        "metrics": root / chain.metrics_file("evaluate"),
+        "equivalence": root / chain.metrics_file("reparam"),
+        "pretrain_history": out("pretrain", "history.json"),
+        "pretrain_metrics": root / chain.metrics_file("pretrain"),
+        "finetune_history": out("finetune", "history.json"),
+        "finetune_metrics": root / chain.metrics_file("finetune"),
+        "control_history": out("control", "history.json"),
+        "control_metrics": root / chain.metrics_file("control"),
+        "gpsa": out("finetune", "gpsa.csv"),
+        "summary": out("evaluate", "summary.json"),
+        "gain_png": out("evaluate", "robustness_gain.png"),
+        "robustness": out("evaluate", "robustness.parquet"),
         "clean_set": root / params.robustness.dir / "clean.parquet",
         "data_dir": root / params.data.dir,
         "run_ids": root / RUN_IDS_FILE,
@@ -67,8 +71,9 @@ def input_paths(params: Params, root: Path) -> dict[str, Path]:
 
 
 def output_paths(root: Path) -> dict[str, Path]:
-    plots = root / "results" / "plots"
-    return {"html": root / "results" / "report.html", **{k: plots / v for k, v in FIGURES.items()}}
+    """The report's outputs, where dvc.yaml names them (a figure dvc.yaml does not list is an error here)."""
+    names = {"html": "report.html", **FIGURES}
+    return {k: root / chain.output(NAME, v) for k, v in names.items()}
 
 
 # ------------------------------------------------------------------------------------------------ run ids

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from core.utils.hashing import file_digest, stable_hash
+from stages import chain
 
 PARENT_TAG = "mlflow.parentRunId"
 RUN_NAME_TAG = "mlflow.runName"
@@ -32,7 +33,7 @@ PARAMS_HASH_TAG = "tcnn.params_hash"  # parent: sha256 of its params (tracking s
 CHAIN_TAG = "tcnn.chain"
 # MLflow 3's UI opens an experiment of this kind on its training runs (not on the GenAI traces overview).
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
-RUN_IDS_FILE = Path("runs") / "mlflow_runs.json"  # the run ids of the current execution, for the report
+RUN_IDS_FILE = Path(chain.RUN_IDS_FILE)  # the run ids of the current execution, for the report
 
 #: Dotted params keys that get a short, stable MLflow name (identical in every run: DVC stages and sweep trials).
 PARAM_ALIASES: dict[str, str] = {
