@@ -2,10 +2,11 @@
 
     .venv/bin/python benchmarks/gpsa.py [--quick] [--device cpu|cuda] [--threads 2] [--sections convit,tcnn,model]
 
-1. ConViT-mode GPSA (core.nn.gpsa) vs timm's GPSA, forward and forward+backward, at (batch, tokens, dim, heads) =
-   (64, 14x14, 252, 9), (32, 16x16, 378, 9), (8, 28x28, 252, 9), (64, 7x7, 504, 9); and peak memory of one
-   forward+backward.
-2. T-CNN-mode GPSA vs the 3x3 conv it replaces (dim -> dim, padding 1) at the same shapes (NCHW maps).
+1. The ConViT GPSA (core.nn.gpsa_convit) vs timm's GPSA, forward and forward+backward, at
+   (batch, tokens, dim, heads) = (64, 14x14, 252, 9), (32, 16x16, 378, 9), (8, 28x28, 252, 9), (64, 7x7, 504, 9);
+   and peak memory of one forward+backward.
+2. The T-CNN GPSA (core.nn.gpsa_tcnn) vs the 3x3 conv it replaces (dim -> dim, padding 1) at the same shapes
+   (NCHW maps).
 3. Whole models, T-CNN (to_tcnn, paper init alpha = lambda = 1) vs its CNN: resnet10_cifar at 28 px and
    resnet50 at 224 px, images/s in eval forward and in a training step.
 
@@ -50,7 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.models import build  # noqa: E402
 from core.models.reparam import to_tcnn  # noqa: E402
-from core.nn.gpsa import GPSA  # noqa: E402
+from core.nn.gpsa_convit import ConvitGPSA  # noqa: E402
+from core.nn.gpsa_tcnn import TcnnGPSA  # noqa: E402
 
 SHAPES = [(64, 14, 252, 9), (32, 16, 378, 9), (8, 28, 252, 9), (64, 7, 504, 9)]
 GOALS = {14: 3.5, 16: 3.5, 28: 7.0, 7: 1.1}
@@ -208,7 +210,7 @@ def section_convit(device: torch.device, reps: int) -> list[dict]:
         ref.local_init()
         with torch.no_grad():
             ref.gating_param.normal_()
-        ours = GPSA(d, num_heads=h, mode="convit").to(device)
+        ours = ConvitGPSA(d, num_heads=h).to(device)
         ours.load_state_dict(ref.state_dict())
         x = torch.randn(b, s * s, d, device=device, requires_grad=True)
         with torch.no_grad():
@@ -247,7 +249,7 @@ def section_tcnn(device: torch.device, reps: int) -> list[dict]:
     for b, s, d, _ in SHAPES:
         torch.manual_seed(0)
         conv = nn.Conv2d(d, d, 3, padding=1, bias=False).to(device)
-        gpsa = GPSA.from_conv(conv)
+        gpsa = TcnnGPSA.from_conv(conv)
         x = torch.randn(b, d, s, s, device=device, requires_grad=True)
         gy = _upstream(conv, x)
         f = bench({"conv": _fwd(conv, x), "gpsa": _fwd(gpsa, x)}, device, reps)
@@ -388,13 +390,11 @@ def main(argv: list[str] | None = None) -> int:
     report = []
     if "convit" in sections:
         report.append(
-            _table("ConViT-mode GPSA vs timm GPSA (speedup = timm time / ours)", section_convit(device, reps))
+            _table("ConViT GPSA vs timm GPSA (speedup = timm time / ours)", section_convit(device, reps))
         )
     if "tcnn" in sections:
         report.append(
-            _table(
-                "T-CNN-mode GPSA vs conv3x3 (cost ratio = GPSA time / conv time)", section_tcnn(device, reps)
-            )
+            _table("T-CNN GPSA vs conv3x3 (cost ratio = GPSA time / conv time)", section_tcnn(device, reps))
         )
     if "model" in sections:
         report.append(

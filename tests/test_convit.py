@@ -1,4 +1,4 @@
-"""ConViT mode and the project's ConViT against timm's implementation (outputs and gradients)."""
+"""The ConViT GPSA and the project's ConViT against timm's implementation (outputs and gradients)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 from timm.models.convit import GPSA as TimmGPSA
 
 from core.models import ConViT, build
-from core.nn.gpsa import ALPHA_BETA, GPSA
+from core.nn.gpsa import ALPHA_BETA
+from core.nn.gpsa_convit import ConvitGPSA
 
 
 def _random_timm_gpsa(dim: int, heads: int, seed: int) -> TimmGPSA:
@@ -26,7 +27,7 @@ def _random_timm_gpsa(dim: int, heads: int, seed: int) -> TimmGPSA:
     return t
 
 
-def _expected_positional_grads(t: TimmGPSA, ours: GPSA) -> tuple[torch.Tensor, torch.Tensor]:
+def _expected_positional_grads(t: TimmGPSA, ours: ConvitGPSA) -> tuple[torch.Tensor, torch.Tensor]:
     """Chain rule from timm's pos_proj gradient to (alpha~, Delta).
 
     timm's score: w_x dx + w_y dy + w_d2 |d|^2 (+ b). Ours: -alpha |d - Delta|^2 = w_d2 |d|^2 + w_y dy + w_x dx
@@ -51,7 +52,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 2e-5) -> None:
 @pytest.mark.parametrize("impl", ["sdpa", "dense"])
 def test_gpsa_matches_timm_outputs_and_gradients(dim: int, heads: int, grid: tuple, impl: str) -> None:
     t = _random_timm_gpsa(dim, heads, seed=0)
-    ours = GPSA(dim, num_heads=heads, attn_impl=impl)
+    ours = ConvitGPSA(dim, num_heads=heads, attn_impl=impl)
     ours.load_state_dict(t.state_dict())
     n = grid[0] * grid[1]
     x1 = torch.randn(3, n, dim, requires_grad=True)
@@ -74,7 +75,7 @@ def test_gpsa_matches_timm_outputs_and_gradients(dim: int, heads: int, grid: tup
 
 def test_linear_positional_grads_equal_timm_pos_proj() -> None:
     t = _random_timm_gpsa(36, 9, seed=1)
-    ours = GPSA(36, num_heads=9, positional="linear")
+    ours = ConvitGPSA(36, num_heads=9, positional="linear")
     ours.load_state_dict(t.state_dict())
     x = torch.randn(2, 36, 36)
     r = torch.randn(2, 36, 36)
@@ -86,7 +87,7 @@ def test_linear_positional_grads_equal_timm_pos_proj() -> None:
 
 def test_nonlocality_matches_timm_attention_map_distance() -> None:
     t = _random_timm_gpsa(36, 9, seed=2)
-    ours = GPSA(36, num_heads=9)
+    ours = ConvitGPSA(36, num_heads=9)
     ours.load_state_dict(t.state_dict())
     x = torch.randn(4, 49, 36)
     with torch.no_grad():
@@ -101,8 +102,8 @@ def test_anti_local_heads_need_the_linear_parameterisation() -> None:
     with torch.no_grad():
         t.pos_proj.weight[4, 2] = 0.2  # alpha = -0.2: an anti-local head
     with pytest.raises(ValueError, match="positional='linear'"):
-        GPSA(36, num_heads=9).load_state_dict(t.state_dict())
-    ours = GPSA(36, num_heads=9, positional="linear")
+        ConvitGPSA(36, num_heads=9).load_state_dict(t.state_dict())
+    ours = ConvitGPSA(36, num_heads=9, positional="linear")
     ours.load_state_dict(t.state_dict())
     x = torch.randn(2, 36, 36)
     with torch.no_grad():

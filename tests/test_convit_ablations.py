@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from core.models import build
 from core.models.spec import build_from_spec, make_model_spec
 from core.nn.gpsa import GPSA
+from core.nn.gpsa_convit import ConvitGPSA
 from core.reparam import gpsa_modules
 from core.training.optim import build_adamw
 
@@ -33,7 +34,7 @@ def test_convit_fmnist_is_small_and_runs_on_28px() -> None:
     m = build("convit", "convit_fmnist", 10, in_chans=1)
     assert tuple(m.patch_embed.grid_size) == (7, 7)
     layers = gpsa_modules(m)
-    assert len(layers) == 3 and all(g.mode == "convit" and g.grid_size == (7, 7) for _, g in layers)
+    assert len(layers) == 3 and all(isinstance(g, ConvitGPSA) and g.grid_size == (7, 7) for _, g in layers)
     assert sum(p.numel() for p in m.parameters()) < 300_000
     assert m(torch.randn(2, 1, 28, 28)).shape == (2, 10)
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from core.analysis.dissect import centre_query_maps, dynamics_table, layer_stats, long_rows, mass_contours
-from core.nn.gpsa import GPSA
+from core.nn.gpsa_tcnn import TcnnGPSA
 from core.nn.locality import grid_distances, nonlocality
 from core.nn.psa import PSA
 from core.viz.report_plots import plot_attention_contours, plot_nonlocality, to_png
@@ -19,7 +19,7 @@ from core.viz.report_plots import plot_attention_contours, plot_nonlocality, to_
 def _gpsa_net(stride: int = 1) -> nn.Sequential:
     torch.manual_seed(0)
     pre = nn.Conv2d(1, 4, 1)
-    g = GPSA.from_conv(nn.Conv2d(4, 4, 3, stride=stride, padding=1), alpha_init=50.0, lambda_init=50.0)
+    g = TcnnGPSA.from_conv(nn.Conv2d(4, 4, 3, stride=stride, padding=1), alpha_init=50.0, lambda_init=50.0)
     return nn.Sequential(pre, g)
 
 
@@ -89,10 +89,10 @@ def test_nonlocality_matches_a_hand_computation_of_eq8() -> None:
 
 def test_layer_stats_use_each_layers_real_input() -> None:
     """The nonlocality is computed on what the layer receives inside the network (a forward pre-hook), not
-    on the network input: it equals GPSA.nonlocality(pre(x)) and differs from the value on another input."""
+    on the network input: it equals TcnnGPSA.nonlocality(pre(x)) and differs from the value on another input."""
     torch.manual_seed(3)
     pre = nn.Conv2d(4, 4, 1)
-    g = GPSA.from_conv(nn.Conv2d(4, 4, 3, padding=1), alpha_init=0.5, lambda_init=-3.0)  # mostly content
+    g = TcnnGPSA.from_conv(nn.Conv2d(4, 4, 3, padding=1), alpha_init=0.5, lambda_init=-3.0)  # mostly content
     with torch.no_grad():
         g.qkv_weight.normal_(0, 1.0)
         pre.weight.mul_(5)

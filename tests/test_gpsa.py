@@ -11,6 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from core.nn.gpsa import ALPHA_MIN, GPSA, relative_encodings, softplus_inverse
+from core.nn.gpsa_convit import ConvitGPSA
+from core.nn.gpsa_tcnn import TcnnGPSA
 
 
 def _randomize(g: GPSA, *, lam_scale: float = 1.5, qk_std: float = 0.5) -> GPSA:
@@ -118,7 +120,7 @@ def test_relative_encodings_by_hand() -> None:
 @pytest.mark.parametrize("positional", ["softplus", "linear"])
 def test_positional_factors_equal_dense_softmax(positional: str) -> None:
     torch.manual_seed(0)
-    g = _randomize(GPSA(16, num_heads=4, positional=positional)).double()
+    g = _randomize(ConvitGPSA(16, num_heads=4, positional=positional)).double()
     h, w = 3, 5
     r = relative_encodings(h, w, dtype=torch.float64)
     if positional == "softplus":
@@ -132,13 +134,13 @@ def test_positional_factors_equal_dense_softmax(positional: str) -> None:
 
 def test_softplus_alpha_init_is_exact_and_positive() -> None:
     for a in [1e-3, 0.5, 1.0, 50.0, 1e3]:
-        g = GPSA(8, num_heads=4, alpha_init=a)
+        g = ConvitGPSA(8, num_heads=4, alpha_init=a)
         torch.testing.assert_close(g.alpha(), torch.full((4,), a), rtol=1e-6, atol=0.0)
         assert float(softplus_inverse(a)) == pytest.approx(
             a + math.log(-math.expm1(-5 * a)) / 5, rel=1e-12
         )  # x = a + log(1 - e^{-5a}) / 5
     # footnote 1 of [TCNN21] writes softplus(-alpha~); ours is softplus(+alpha~): increasing in alpha~
-    g = GPSA(8, num_heads=4)
+    g = ConvitGPSA(8, num_heads=4)
     a0 = g.alpha().detach().clone()
     with torch.no_grad():
         g.pos_alpha.add_(1.0)
@@ -147,7 +149,7 @@ def test_softplus_alpha_init_is_exact_and_positive() -> None:
 
 def test_alpha_stays_positive_after_large_lr_steps() -> None:
     torch.manual_seed(0)
-    g = GPSA(8, num_heads=4)
+    g = ConvitGPSA(8, num_heads=4)
     opt = torch.optim.Adam([g.pos_alpha], lr=10.0)
     for _ in range(30):  # push alpha~ far negative: Adam's step does not shrink with the softplus slope
         opt.zero_grad()
@@ -160,7 +162,7 @@ def test_alpha_stays_positive_after_large_lr_steps() -> None:
     y = g(torch.randn(2, 9, 8))
     assert torch.isfinite(y).all()
     # and plain SGD at a huge learning rate on the positional parameters of a real loss
-    g2 = _randomize(GPSA(8, num_heads=4, lambda_init=3.0))
+    g2 = _randomize(ConvitGPSA(8, num_heads=4, lambda_init=3.0))
     opt2 = torch.optim.SGD([g2.pos_alpha, g2.pos_center], lr=1e4)
     x = torch.randn(2, 16, 8)
     for _ in range(5):
@@ -176,7 +178,7 @@ def test_alpha_stays_positive_after_large_lr_steps() -> None:
 def test_convit_mode_matches_reference(impl: str, positional: str) -> None:
     torch.manual_seed(1)
     for qk_head_dim in (None, 5):  # timm's D / heads, and a different q/k width
-        g = GPSA(
+        g = ConvitGPSA(
             12, num_heads=4, positional=positional, qkv_bias=True, attn_impl=impl, qk_head_dim=qk_head_dim
         )
         g = _randomize(g)
@@ -197,7 +199,7 @@ def test_tcnn_mode_matches_reference(
 ) -> None:
     torch.manual_seed(2)
     conv = nn.Conv2d(6, 5, 3, stride=stride, padding=dilation, dilation=dilation, bias=True)
-    g = _randomize(GPSA.from_conv(conv, stride_mode=stride_mode, attn_impl=impl))
+    g = _randomize(TcnnGPSA.from_conv(conv, stride_mode=stride_mode, attn_impl=impl))
     x = torch.randn(2, 6, *hw)
     with torch.no_grad():
         y = g(x)
@@ -216,7 +218,7 @@ def test_head_to_tap_mapping_with_asymmetric_kernel() -> None:
             with torch.no_grad():
                 conv.weight.zero_()
                 conv.weight[:, :, ky, kx] = torch.randn(4, 3)
-            g = GPSA.from_conv(conv, alpha_init=50.0, lambda_init=50.0)
+            g = TcnnGPSA.from_conv(conv, alpha_init=50.0, lambda_init=50.0)
             h = 3 * ky + kx
             assert g.centers()[h].tolist() == [ky - 1, kx - 1]
             with torch.no_grad():
@@ -227,7 +229,7 @@ def test_head_to_tap_mapping_with_asymmetric_kernel() -> None:
     # a fully asymmetric kernel; its transpose gives a different function, so an ordering bug shows
     with torch.no_grad():
         conv.weight.copy_(torch.randn_like(conv.weight))
-    g = GPSA.from_conv(conv, alpha_init=50.0, lambda_init=50.0)
+    g = TcnnGPSA.from_conv(conv, alpha_init=50.0, lambda_init=50.0)
     with torch.no_grad():
         y = g(x)
         torch.testing.assert_close(y, conv(x), rtol=0, atol=1e-5)
@@ -243,7 +245,7 @@ def test_tcnn_equals_conv_at_large_alpha_lambda(hw: tuple, stride: int, dilation
     if bias:
         with torch.no_grad():
             conv.bias.normal_()
-    g = GPSA.from_conv(conv, alpha_init=50.0, lambda_init=50.0)
+    g = TcnnGPSA.from_conv(conv, alpha_init=50.0, lambda_init=50.0)
     assert g.weight.shape == conv.weight.shape and torch.equal(g.weight, conv.weight)
     x = torch.randn(3, 8, *hw)
     with torch.no_grad():
@@ -255,7 +257,7 @@ def test_tcnn_equals_conv_at_large_alpha_lambda(hw: tuple, stride: int, dilation
 def test_s1_mode_is_stride1_conv_then_avg_pool() -> None:
     torch.manual_seed(5)
     conv = nn.Conv2d(4, 6, 3, stride=2, padding=1, bias=False)
-    g = GPSA.from_conv(conv, alpha_init=50.0, lambda_init=50.0, stride_mode="s1")
+    g = TcnnGPSA.from_conv(conv, alpha_init=50.0, lambda_init=50.0, stride_mode="s1")
     for hw in [(8, 8), (7, 5)]:
         x = torch.randn(2, 4, *hw)
         with torch.no_grad():
@@ -274,7 +276,7 @@ def test_paper_init_is_not_exact_but_large_init_is() -> None:
     x = torch.randn(2, 8, 6, 6)
     errs = {}
     for a in (1.0, 5.0, 50.0):
-        g = GPSA.from_conv(conv, alpha_init=a, lambda_init=a)
+        g = TcnnGPSA.from_conv(conv, alpha_init=a, lambda_init=a)
         with torch.no_grad():
             errs[a] = (g(x) - conv(x)).abs().max().item()
     assert errs[1.0] > errs[5.0] > errs[50.0]
@@ -286,14 +288,14 @@ def test_paper_init_is_not_exact_but_large_init_is() -> None:
 def test_sdpa_and_dense_paths_agree(mode: str) -> None:
     torch.manual_seed(7)
     if mode == "convit":
-        a = _randomize(GPSA(18, num_heads=9, attn_impl="sdpa"))
+        a = _randomize(ConvitGPSA(18, num_heads=9, attn_impl="sdpa"))
         x = torch.randn(3, 40, 18)
         args: tuple = (x, (5, 8))
     else:
-        a = _randomize(GPSA.from_conv(nn.Conv2d(10, 7, 3, padding=1), attn_impl="sdpa"))
+        a = _randomize(TcnnGPSA.from_conv(nn.Conv2d(10, 7, 3, padding=1), attn_impl="sdpa"))
         x = torch.randn(3, 10, 9, 10)  # 9 x 10 takes the factorised positional path, 5 x 5 the dense one
         args = (x,)
-    b = GPSA(**_init_kwargs(a), attn_impl="dense")
+    b = type(a)(**_init_kwargs(a), attn_impl="dense")
     b.load_state_dict(a.state_dict())
     for xx in (args, (torch.randn(3, 10, 5, 5),) if mode == "tcnn" else (torch.randn(2, 25, 18),)):
         with torch.no_grad():
@@ -303,21 +305,21 @@ def test_sdpa_and_dense_paths_agree(mode: str) -> None:
 def test_auto_attention_path_by_mode_and_map_size() -> None:
     """attn_impl="auto" on CPU: the dense path for the T-CNN mode at any size and for the ConViT mode up to
     `_DENSE_MAX_TOKENS` tokens; SDPA above; an explicit choice always wins; never dense on another device."""
-    from core.nn.gpsa import _DENSE_MAX_TOKENS
+    from core.nn.gpsa_convit import _DENSE_MAX_TOKENS
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    convit, tcnn = GPSA(18, num_heads=9), GPSA.from_conv(nn.Conv2d(4, 4, 3, padding=1))
+    convit, tcnn = ConvitGPSA(18, num_heads=9), TcnnGPSA.from_conv(nn.Conv2d(4, 4, 3, padding=1))
     assert convit._use_dense(cpu, 49) and convit._use_dense(cpu, _DENSE_MAX_TOKENS)
     assert not convit._use_dense(cpu, _DENSE_MAX_TOKENS + 1) and not convit._use_dense(cpu, 196)
     assert tcnn._use_dense(cpu, 49) and tcnn._use_dense(cpu, 3136)
     assert not convit._use_dense(cuda, 49) and not tcnn._use_dense(cuda, 49)
-    assert not GPSA(18, num_heads=9, attn_impl="sdpa")._use_dense(cpu, 49)
-    assert GPSA(18, num_heads=9, attn_impl="dense")._use_dense(cpu, 196)
+    assert not ConvitGPSA(18, num_heads=9, attn_impl="sdpa")._use_dense(cpu, 49)
+    assert ConvitGPSA(18, num_heads=9, attn_impl="dense")._use_dense(cpu, 196)
     # the auto module computes what both explicit paths compute, on either side of the threshold
     torch.manual_seed(3)
-    a = _randomize(GPSA(18, num_heads=9))
+    a = _randomize(ConvitGPSA(18, num_heads=9))
     for impl in ("sdpa", "dense"):
-        b = GPSA(**_init_kwargs(a), attn_impl=impl)
+        b = type(a)(**_init_kwargs(a), attn_impl=impl)
         b.load_state_dict(a.state_dict())
         for n in (49, 121):
             x = torch.randn(2, n, 18)
@@ -335,7 +337,7 @@ def test_tcnn_dense_forms_match_reference(stride: int, out_dim: int, layout: str
     weight and cached) and an autograd-on form (1x1 convs, W_val folded only when cheaper); both, for NCHW and
     channels_last inputs, equal the formula; the cached folded weight follows in-place updates of W_val."""
     torch.manual_seed(21)
-    g = _randomize(GPSA.from_conv(nn.Conv2d(5, out_dim, 3, stride=stride, padding=1, bias=True)))
+    g = _randomize(TcnnGPSA.from_conv(nn.Conv2d(5, out_dim, 3, stride=stride, padding=1, bias=True)))
     x = torch.randn(2, 5, 5, 6)
     if layout == "channels_last":
         x = x.contiguous(memory_format=torch.channels_last)
@@ -361,7 +363,7 @@ def test_tcnn_dense_forms_match_reference(stride: int, out_dim: int, layout: str
 
 
 def _init_kwargs(g: GPSA) -> dict:
-    kw = dict(in_dim=g.in_dim, out_dim=g.out_dim, mode=g.mode, positional=g.positional)
+    kw = dict(in_dim=g.in_dim, out_dim=g.out_dim, positional=g.positional)
     kw["qkv_bias"] = g.qkv_bias is not None
     kw["bias"] = g.bias is not None
     if g.mode == "tcnn":
@@ -385,11 +387,11 @@ def _init_kwargs(g: GPSA) -> dict:
 def test_gradcheck(mode: str, impl: str, stride: int) -> None:
     torch.manual_seed(8)
     if mode == "convit":
-        g = GPSA(8, num_heads=4, attn_impl=impl, qkv_bias=True)
+        g = ConvitGPSA(8, num_heads=4, attn_impl=impl, qkv_bias=True)
         x = torch.randn(2, 12, 8, dtype=torch.float64)
         extra: tuple = ((3, 4),)
     else:  # "tcnn-fold": B * L >= heads * D_out, W_val folded into the output weight with autograd on
-        g = GPSA(4, 2 if mode == "tcnn-fold" else 6, mode="tcnn", stride=stride, attn_impl=impl)
+        g = TcnnGPSA(4, 2 if mode == "tcnn-fold" else 6, stride=stride, attn_impl=impl)
         x = torch.randn(2, 4, 5, 3, dtype=torch.float64)
         extra = ()
     g = _randomize(g).double()
@@ -409,9 +411,9 @@ def test_float32_gradients_match_float64(mode: str) -> None:
     and every parameter."""
     torch.manual_seed(9)
     if mode == "convit":
-        g, x, extra = GPSA(24, num_heads=4, qkv_bias=True), torch.randn(3, 20, 24), ((4, 5),)
+        g, x, extra = ConvitGPSA(24, num_heads=4, qkv_bias=True), torch.randn(3, 20, 24), ((4, 5),)
     else:
-        g = GPSA(12, 10, mode="tcnn", stride=2 if mode == "tcnn-s2" else 1)
+        g = TcnnGPSA(12, 10, stride=2 if mode == "tcnn-s2" else 1)
         x, extra = torch.randn(3, 12, 7, 6), ()
     g = _randomize(g)
     g64 = copy.deepcopy(g).double()
@@ -430,10 +432,10 @@ def test_float32_gradients_match_float64(mode: str) -> None:
 def test_gradients_reach_every_parameter(mode: str) -> None:
     torch.manual_seed(9)
     if mode == "convit":
-        g = GPSA(12, num_heads=4, lambda_init=0.0)
+        g = ConvitGPSA(12, num_heads=4, lambda_init=0.0)
         y = g(torch.randn(2, 16, 12))
     else:
-        g = GPSA.from_conv(nn.Conv2d(6, 6, 3, padding=1, bias=True), lambda_init=0.0)
+        g = TcnnGPSA.from_conv(nn.Conv2d(6, 6, 3, padding=1, bias=True), lambda_init=0.0)
         with torch.no_grad():
             g.qkv_weight[: 2 * g.num_heads * g.qk_head_dim].normal_(0, 0.3)
         y = g(torch.randn(2, 6, 5, 5))
@@ -456,7 +458,7 @@ def test_gradients_reach_every_parameter(mode: str) -> None:
 
 # -------------------------------------------------------------------------------- cache, dtype, device
 def test_encoding_cache_per_size_and_follows_to() -> None:
-    g = GPSA(8, num_heads=4)
+    g = ConvitGPSA(8, num_heads=4)
     g(torch.randn(1, 15, 8), (3, 5))
     g(torch.randn(1, 16, 8))
     keys = {(k[1], k[2], str(k[4]), k[5]) for k in g._enc_cache}
@@ -474,10 +476,10 @@ def test_encoding_cache_per_size_and_follows_to() -> None:
 def test_positional_reuse_without_grad_tracks_parameter_updates(mode: str) -> None:
     torch.manual_seed(13)
     if mode == "convit":
-        g, x = _randomize(GPSA(12, num_heads=4)), torch.randn(2, 20, 12)
+        g, x = _randomize(ConvitGPSA(12, num_heads=4)), torch.randn(2, 20, 12)
         args: tuple = ((4, 5),)
     else:
-        g, x = _randomize(GPSA.from_conv(nn.Conv2d(4, 4, 3, padding=1))), torch.randn(2, 4, 5, 6)
+        g, x = _randomize(TcnnGPSA.from_conv(nn.Conv2d(4, 4, 3, padding=1))), torch.randn(2, 4, 5, 6)
         args = ()
     with torch.no_grad():
         y0 = g(x, *args)
@@ -493,28 +495,44 @@ def test_positional_reuse_without_grad_tracks_parameter_updates(mode: str) -> No
 
 
 def test_convit_grid_size_and_errors() -> None:
-    g = GPSA(8, num_heads=4)
+    g = ConvitGPSA(8, num_heads=4)
     with pytest.raises(ValueError, match="not a square grid"):
         g(torch.randn(1, 15, 8))
     g.grid_size = (3, 5)
     assert g(torch.randn(1, 15, 8)).shape == (1, 15, 8)
     with pytest.raises(ValueError, match="odd"):
-        GPSA(8, mode="tcnn", kernel_size=2)
+        TcnnGPSA(8, kernel_size=2)
     with pytest.raises(ValueError, match="grouped"):
-        GPSA.from_conv(nn.Conv2d(4, 4, 3, padding=1, groups=2))
+        TcnnGPSA.from_conv(nn.Conv2d(4, 4, 3, padding=1, groups=2))
     with pytest.raises(ValueError, match="padding"):
-        GPSA.from_conv(nn.Conv2d(4, 4, 3, padding=0))
-    with pytest.raises(ValueError, match="mode"):
-        GPSA(8, num_heads=4, mode="bogus")
+        TcnnGPSA.from_conv(nn.Conv2d(4, 4, 3, padding=0))
+    with pytest.raises(TypeError, match="abstract"):
+        GPSA(8, num_heads=4)  # the shared base: build TcnnGPSA or ConvitGPSA
     with pytest.raises(ValueError, match="divisible"):
-        GPSA(10, num_heads=4)
+        ConvitGPSA(10, num_heads=4)
+
+
+def test_two_layers_over_one_base() -> None:
+    """TcnnGPSA and ConvitGPSA are GPSAs (isinstance checks elsewhere hold), name themselves by a class-level
+    ``mode``, and share the positional piece with PSA; the T-CNN one keeps the conv's parameter names."""
+    from core.nn.positional import PositionalHeads
+
+    t, c = TcnnGPSA.from_conv(nn.Conv2d(4, 6, 3, padding=1)), ConvitGPSA(8, num_heads=4)
+    assert isinstance(t, GPSA) and isinstance(c, GPSA) and isinstance(t, PositionalHeads)
+    assert (t.mode, c.mode, TcnnGPSA.mode, ConvitGPSA.mode) == ("tcnn", "convit", "tcnn", "convit")
+    assert "mode" not in vars(t) and "mode" not in vars(c)
+    assert t.weight.shape == (6, 4, 3, 3) and c.weight.shape == (8, 8)
+    assert list(t.state_dict()) == [
+        "qkv_weight", "weight", "bias", "gating_param", "pos_alpha", "pos_center"
+    ]  # fmt: skip
+    assert "mode=tcnn" in repr(t) and "kernel_size=3" in repr(t) and "kernel_size" not in repr(c)
 
 
 def test_autocast_bfloat16_cpu() -> None:
     torch.manual_seed(10)
     for g, x in [
-        (_randomize(GPSA(16, num_heads=4)), torch.randn(2, 16, 16)),
-        (_randomize(GPSA.from_conv(nn.Conv2d(8, 8, 3, padding=1))), torch.randn(2, 8, 5, 5)),
+        (_randomize(ConvitGPSA(16, num_heads=4)), torch.randn(2, 16, 16)),
+        (_randomize(TcnnGPSA.from_conv(nn.Conv2d(8, 8, 3, padding=1))), torch.randn(2, 8, 5, 5)),
     ]:
         ref = g(x)
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -527,7 +545,7 @@ def test_autocast_bfloat16_cpu() -> None:
 def test_accessors_and_nonlocality_by_hand() -> None:
     torch.manual_seed(11)
     conv = nn.Conv2d(4, 4, 3, padding=1, bias=False)
-    g = GPSA.from_conv(conv, alpha_init=50.0, lambda_init=50.0)
+    g = TcnnGPSA.from_conv(conv, alpha_init=50.0, lambda_init=50.0)
     torch.testing.assert_close(g.gate(), torch.sigmoid(torch.tensor(50.0)).expand(9))
     torch.testing.assert_close(g.alpha(), torch.full((9,), 50.0))
     assert g.centers().shape == (9, 2)
@@ -556,11 +574,11 @@ def test_accessors_and_nonlocality_by_hand() -> None:
 def test_cuda_matches_cpu_and_autocast(mode: str) -> None:
     torch.manual_seed(12)
     if mode == "convit":
-        g = _randomize(GPSA(36, num_heads=9))
+        g = _randomize(ConvitGPSA(36, num_heads=9))
         x = torch.randn(4, 35, 36)
         args: tuple = ((5, 7),)
     else:
-        g = _randomize(GPSA.from_conv(nn.Conv2d(16, 16, 3, stride=2, padding=1)))
+        g = _randomize(TcnnGPSA.from_conv(nn.Conv2d(16, 16, 3, stride=2, padding=1)))
         x = torch.randn(4, 16, 9, 7)
         args = ()
     ref = g(x, *args)

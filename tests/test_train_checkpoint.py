@@ -124,7 +124,7 @@ def test_load_model_rebuilds_a_tcnn(tmp_path: Path) -> None:
     x = torch.randn(4, 1, 28, 28)
     with torch.no_grad():
         assert torch.equal(got(x), tcnn(x))
-    assert type(got.layer4[0].conv2).__name__ == "GPSA"
+    assert type(got.layer4[0].conv2).__name__ == "TcnnGPSA"
 
 
 def test_load_model_rejects_weights_of_another_model(tmp_path: Path) -> None:

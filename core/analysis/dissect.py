@@ -1,6 +1,6 @@
 """Dissection views for any attention model ([TCNN21] Fig. 4-5; [ConViT21] Eq. 8, Fig. 5).
 
-Works on every layer `core.reparam.attention_modules` finds: T-CNN GPSA, ConViT-mode GPSA (token inputs on a
+Works on every layer `core.reparam.attention_modules` finds: T-CNN GPSA, ConViT GPSA (token inputs on a
 grid), PSA, and any other module with an ``attention_maps(x)`` method returning [B, heads, Lq, L] over an
 (h, w) key grid (NCHW input) - the per-head accessors (alpha, gate, centers) are used where present.
 

@@ -7,7 +7,7 @@
   [ConViT21] Appendix A); option ``qk_init``.
 - "hybrid_scratch": the T-CNN architecture of a randomly initialised CNN, trained from scratch (t1 = 0 in
   [TCNN21] Table 3); its conversion is part of the architecture, so it lives in ``model.options``.
-- "convit": the project's ConViT ([ConViT21]) on the ConViT-mode `core.nn.gpsa.GPSA` (timm's configs and
+- "convit": the project's ConViT ([ConViT21]) on `core.nn.gpsa_convit.ConvitGPSA` (timm's configs and
   ``convit_fmnist``); it loads a timm ConViT state_dict.
 - "aa_resnet": Attention Augmented ResNet ([Bello19]), `core.models.aa_resnet.build_aa_resnet`.
 - "cmhsa": the two-phase model of [Li21] (`core.nn.cmhsa`): pretrained in its convolution phase, turned into

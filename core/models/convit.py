@@ -1,4 +1,4 @@
-"""The project's ConViT ([ConViT21]): timm's ConViT architecture running on the ConViT-mode `core.nn.gpsa.GPSA`."""
+"""The project's ConViT ([ConViT21]): timm's ConViT architecture on `core.nn.gpsa_convit.ConvitGPSA`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch.nn as nn
 from timm.models.convit import GPSA as TimmGPSA
 from timm.models.convit import ConVit
 
-from core.nn.gpsa import GPSA
+from core.nn.gpsa_convit import ConvitGPSA
 
 __all__ = ["CONVIT_CONFIGS", "ConViT", "build_convit"]
 
@@ -28,7 +28,7 @@ CONVIT_CONFIGS: dict[str, dict[str, Any]] = {
 
 
 class ConViT(ConVit):
-    """timm's ConViT with its GPSA layers replaced by the project's ConViT-mode `core.nn.gpsa.GPSA`.
+    """timm's ConViT with its GPSA layers replaced by the project's `core.nn.gpsa_convit.ConvitGPSA`.
 
     Construction reproduces timm's init exactly (timm's GPSA weights are loaded into ours). A timm ConViT
     state_dict loads with ``load_state_dict`` (keys converted by the GPSA), giving timm's logits. Extra option
@@ -58,10 +58,9 @@ class ConViT(ConVit):
             old = blk.attn
             if not isinstance(old, TimmGPSA):
                 continue
-            new = GPSA(
+            new = ConvitGPSA(
                 old.dim,
                 num_heads=old.num_heads,
-                mode="convit",
                 qkv_bias=old.qk.bias is not None,
                 positional=positional,
                 alpha_init=max(float(old.locality_strength), 1e-3),
@@ -82,7 +81,7 @@ class ConViT(ConVit):
 
 
 @torch.no_grad()
-def _vit_init(g: GPSA) -> None:
+def _vit_init(g: ConvitGPSA) -> None:
     """[ConViT21] Table 3 "no conv init": W_val and v_pos get timm's ViT init (truncated normal, std 0.02, as every
     linear layer of the ConViT) instead of the identity and the locality init of [ConViT21] Eq. 5."""
     qk = 2 * g.num_heads * g.qk_head_dim

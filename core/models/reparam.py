@@ -1,11 +1,11 @@
 """Conv -> GPSA surgery: turn a (trained) timm ResNet-family CNN into its T-CNN ([TCNN21], Sec. 2).
 
-`to_tcnn` copies the model and replaces every k x k (k > 1) convolution of the chosen stages by a T-CNN-mode
-`core.nn.gpsa.GPSA` at the same attribute path (e.g. ``layer4.0.conv2``). The GPSA's ``weight`` is the conv filter
-(same name, same shape), its ``bias`` the conv bias, W_val = I, heads sit on the kernel taps; BatchNorm,
-activations, SE, shortcuts and everything else are untouched. With large alpha_init and lambda_init (e.g. 50)
-the T-CNN computes the CNN's function to float precision (stride_mode="exact"); the paper's init is
-alpha = lambda = 1 ([TCNN21], Sec. 2 "How convolutional should the initialization be?").
+`to_tcnn` copies the model and replaces every k x k (k > 1) convolution of the chosen stages by a T-CNN GPSA
+(`core.nn.gpsa_tcnn.TcnnGPSA`) at the same attribute path (e.g. ``layer4.0.conv2``). The GPSA's ``weight`` is
+the conv filter (same name, same shape), its ``bias`` the conv bias, W_val = I, heads sit on the kernel taps;
+BatchNorm, activations, SE, shortcuts and everything else are untouched. With large alpha_init and
+lambda_init (e.g. 50) the T-CNN computes the CNN's function to float precision (stride_mode="exact"); the
+paper's init is alpha = lambda = 1 ([TCNN21], Sec. 2 "How convolutional should the initialization be?").
 
 Supported: timm ResNet (basic and bottleneck blocks), ResNet-D, ResNet-RS, SE-ResNet, anti-aliased and dilated
 variants, and the project's small CIFAR ResNets - any model with stages ``layer1`` ... ``layerN`` of plain
@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch.nn as nn
 
 from core.nn.gpsa import GPSA
+from core.nn.gpsa_tcnn import TcnnGPSA
 from core.nn.positional import STRIDE_MODES
 from core.nn.psa import PSA
 
@@ -97,7 +98,7 @@ def to_tcnn(
     for path, conv in targets:
         try:
             if attention == "gpsa":
-                gpsa = GPSA.from_conv(
+                gpsa = TcnnGPSA.from_conv(
                     conv, alpha_init=alpha_init, lambda_init=lambda_init, stride_mode=stride_mode
                 )
             else:
@@ -123,8 +124,8 @@ def to_psa(
 
 
 def gpsa_modules(model: nn.Module) -> list[tuple[str, GPSA | PSA]]:
-    """All positional self-attention layers of ``model`` (GPSA in either mode, and PSA) as (qualified name,
-    module), in module order. They share the analysis accessors (alpha, gate, centers, attention_maps,
+    """All positional self-attention layers of ``model`` (GPSA, T-CNN or ConViT, and PSA) as (qualified
+    name, module), in module order. They share the analysis accessors (alpha, gate, centers, attention_maps,
     nonlocality) and `positional_parameter_names` / `gating_parameter_names` (a PSA has no gate)."""
     return [(name, m) for name, m in model.named_modules() if isinstance(m, (GPSA, PSA))]
 

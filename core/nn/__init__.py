@@ -1,4 +1,4 @@
-"""Layers: GPSA (T-CNN and ConViT modes), PSA, attention-augmented conv, CMHSA, GEMM routes, locality.
+"""Layers: GPSA (one base, T-CNN and ConViT layers), PSA, attention-augmented conv, CMHSA, GEMM routes, locality.
 
 Layer: imports ``core.utils`` only.
 """

@@ -1,7 +1,7 @@
 """What the positional self-attention layers share: heads centred on a conv's taps with a locality strength
 alpha ([Cordonnier20] Lemma 1; [ConViT21] Eq. 5; [TCNN21] Sec. 2), built from a conv whose filter they hold.
 
-`core.nn.gpsa.GPSA` (T-CNN and ConViT modes, gated) and `core.nn.psa.PSA` (ungated) both take
+`core.nn.gpsa.GPSA` (gated; its T-CNN and ConViT subclasses) and `core.nn.psa.PSA` (ungated) both take
 `PositionalHeads`: the conv-tap centres, alpha rectified by a softplus ([TCNN21] footnote 1), the query grid
 of the two stride modes and ``from_conv``.
 """

@@ -30,7 +30,7 @@ With large alpha the positional softmax is one-hot on the tap and the layer comp
 
 Stride s: ``stride_mode="exact"`` computes queries only at the conv's output positions (0, s, 2s, ...),
 identical to stride-1 attention followed by [::s, ::s]; ``"s1"`` is stride-1 attention followed by an s x s
-average pool (BoTNet's choice; not function-preserving), as in `core.nn.gpsa.GPSA`.
+average pool (BoTNet's choice; not function-preserving), as in `core.nn.gpsa_tcnn.TcnnGPSA`.
 
 The content + positional softmax runs through ``F.scaled_dot_product_attention`` with the positional logits as
 an additive float mask [heads, Lq, Lk] shared by the whole batch (computed once per forward; reused across

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from core.nn.gpsa import GPSA
+
 
 class _ChannelsLast(torch.nn.Module):
     """Feeds the wrapped model channels-last inputs (faster convolutions on CPU: oneDNN's native layout)."""
@@ -39,7 +41,7 @@ def inference_model(model: torch.nn.Module, example: torch.Tensor, *, tol: float
     candidates: list[tuple[str, Any]] = [("eager", model)]
     cl = _ChannelsLast(copy.deepcopy(model).to(memory_format=torch.channels_last)).eval()
     candidates.append(("eager, channels-last", cl))
-    if not any(type(m).__name__ == "GPSA" for m in model.modules()):
+    if not any(isinstance(m, GPSA) for m in model.modules()):
         try:
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")

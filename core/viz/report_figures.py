@@ -49,7 +49,7 @@ def attention_figure(
     x = preprocess_image(image, norm["mean"], norm["std"], image_size)
     try:
         layers, logits = centre_query_maps(tcnn, x)
-    except ValueError as err:  # e.g. ConViT-mode GPSA (token inputs): no conv-grid maps to draw
+    except ValueError as err:  # e.g. the ConViT GPSA (token inputs): no conv-grid maps to draw
         return AttentionFigure(None, note=f"No attention maps: {str(err).splitlines()[0]}.")
     with torch.no_grad():
         cnn_pred = int(
