@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # the type only: data sits below the config in core's layers
 _ORDER, _CROP, _RANDAUG, _MIX = 0, 1, 2, 3  # generator streams
 
 
-def _rng(*keys: int) -> np.random.Generator:
+def keyed_rng(*keys: int) -> np.random.Generator:
     return np.random.default_rng([int(k) for k in keys])
 
 
@@ -130,7 +130,7 @@ def mix_step(
     x: torch.Tensor, y: torch.Tensor, aug: AugmentConfig, num_classes: int, seed: int, epoch: int, step: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The configured Mixup/CutMix of batch `step` of `epoch`, drawn from the (seed, epoch, step) generator."""
-    x, y, _ = mix_batch(x, y, _rng(seed, _MIX, epoch, step), mixup=aug.mixup, cutmix=aug.cutmix,
+    x, y, _ = mix_batch(x, y, keyed_rng(seed, _MIX, epoch, step), mixup=aug.mixup, cutmix=aug.cutmix,
                         num_classes=num_classes, smoothing=aug.label_smoothing)  # fmt: skip
     return x, y
 
@@ -216,7 +216,7 @@ class BatchLoader:
         if cached is not None and cached[0] == epoch:
             return cached[1]
         n = len(self.images)
-        order = _rng(self.seed, _ORDER, epoch).permutation(n) if self.train else np.arange(n)
+        order = keyed_rng(self.seed, _ORDER, epoch).permutation(n) if self.train else np.arange(n)
         order.setflags(write=False)
         self._order_cache = (epoch, order)
         return order
@@ -235,13 +235,13 @@ class BatchLoader:
         y = torch.from_numpy(self.labels[idx[mine]])
         aug = self.augment
         if aug is not None and (aug.crop_padding > 0 or aug.hflip):
-            rng = _rng(self.seed, _CROP, epoch, step)
+            rng = keyed_rng(self.seed, _CROP, epoch, step)
             p = aug.crop_padding
             dy, dx = rng.integers(0, 2 * p + 1, size=(2, b))
             flip = rng.random(b) < 0.5 if aug.hflip else np.zeros(b, bool)
             x = crop_flip(x, p, dy[mine], dx[mine], flip[mine])
         if self._randaug is not None:
-            seeds = _rng(self.seed, _RANDAUG, epoch, step).integers(0, 1 << 63, size=b)
+            seeds = keyed_rng(self.seed, _RANDAUG, epoch, step).integers(0, 1 << 63, size=b)
             x = self._apply_randaugment(x, seeds[mine])
         # uint8 -> normalized float32 in NumPy: single-threaded and predictable, it leaves torch's threads
         # to the training step (torch's threaded elementwise ops slow down under contention; benchmarks/loader.py).

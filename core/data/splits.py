@@ -60,7 +60,7 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def _split_entry(manifest: dict[str, Any], split: str, data_dir: Path) -> dict[str, Any]:
+def split_entry(manifest: dict[str, Any], split: str, data_dir: Path) -> dict[str, Any]:
     splits = manifest.get("splits", {})
     if split not in splits:
         raise DataError(f"{data_dir / MANIFEST}: no split {split!r} (has: {', '.join(splits) or 'none'})")
@@ -71,7 +71,7 @@ def verify_split(data_dir: str | Path, split: str, manifest: dict[str, Any] | No
     """Check every shard of ``split`` against the manifest: present, same size, same SHA-256."""
     data_dir = Path(data_dir)
     manifest = manifest if manifest is not None else read_manifest(data_dir)
-    for rec in _split_entry(manifest, split, data_dir)["files"]:
+    for rec in split_entry(manifest, split, data_dir)["files"]:
         path = data_dir / rec["name"]
         if not path.is_file():
             raise DataError(f"{path}: missing shard (listed in {MANIFEST})")
@@ -97,7 +97,7 @@ def _read_shard(path: Path, columns: list[str]) -> pa.Table:
 def load_labels(data_dir: str | Path, split: str) -> np.ndarray:
     """A split's labels in ``index`` order, read from the label column only (no image is read or decoded)."""
     data_dir = Path(data_dir)
-    entry = _split_entry(read_manifest(data_dir), split, data_dir)
+    entry = split_entry(read_manifest(data_dir), split, data_dir)
     labels = np.full(int(entry["num_rows"]), -1, np.int64)
     for rec in entry["files"]:
         table = _read_shard(data_dir / rec["name"], ["label", "index"])
@@ -137,7 +137,7 @@ def load_split(
     """
     data_dir = Path(data_dir)
     manifest = read_manifest(data_dir)
-    entry = _split_entry(manifest, split, data_dir)
+    entry = split_entry(manifest, split, data_dir)
     if verify:
         verify_split(data_dir, split, manifest)
     n = int(entry["num_rows"])
@@ -214,7 +214,7 @@ class ShardDataset:
     ) -> None:
         self.data_dir = Path(data_dir)
         self.manifest = read_manifest(self.data_dir)
-        self.entry = _split_entry(self.manifest, split, self.data_dir)
+        self.entry = split_entry(self.manifest, split, self.data_dir)
         if verify:
             verify_split(self.data_dir, split, self.manifest)
         self.transform = transform

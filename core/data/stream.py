@@ -42,8 +42,8 @@ import numpy as np
 import pyarrow.parquet as pq
 import torch
 
-from core.data.loader import _rng
-from core.data.splits import _split_entry, read_manifest, verify_split
+from core.data.loader import keyed_rng
+from core.data.splits import split_entry, read_manifest, verify_split
 
 _ORDER, _AUG = 10, 11  # generator streams (distinct from BatchLoader's)
 CROP_PCT = 0.875  # eval: resize the shorter side to size / 0.875, centre-crop size (timm's and DeiT's recipe)
@@ -108,7 +108,7 @@ class StreamLoader:
     ) -> None:  # fmt: skip
         self.data_dir = Path(data_dir)
         manifest = read_manifest(self.data_dir)
-        entry = _split_entry(manifest, split, self.data_dir)
+        entry = split_entry(manifest, split, self.data_dir)
         if manifest["image_encoding"] != "encoded":
             raise ValueError(f"{self.data_dir}: {manifest['image_encoding']!r} images; use BatchLoader")
         if batch_size <= 0 or not 0 <= rank < world_size:
@@ -166,13 +166,13 @@ class StreamLoader:
         order = self.rows
         if self.train:
             group_of = np.searchsorted(self.group_starts, self.rows, side="right") - 1
-            order = self.rows[block_order(group_of, _rng(self.seed, _ORDER, epoch), self.shuffle_window)]
+            order = self.rows[block_order(group_of, keyed_rng(self.seed, _ORDER, epoch), self.shuffle_window)]
         self._order_cache = (epoch, order)
         return order
 
     def augment_params(self, epoch: int, position: int, height: int, width: int) -> tuple[int, ...]:
         """``(top, left, h, w, flip)`` of the sample at ``position`` in ``epoch`` (training only)."""
-        rng = _rng(self.seed, _AUG, epoch, position)
+        rng = keyed_rng(self.seed, _AUG, epoch, position)
         return (*crop_params(height, width, rng), int(rng.random() < 0.5))
 
     def _row(self, row: int) -> tuple[bytes, int]:

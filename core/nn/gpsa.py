@@ -112,7 +112,7 @@ class _GatedMix(torch.autograd.Function):
         return d_con, d_pos, d_g, None, None
 
 
-def _gated_mix(
+def gated_mix(
     con: torch.Tensor,
     pos: torch.Tensor,
     g_con: torch.Tensor,

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core.nn.gpsa import ALPHA_MIN, GPSA, _gated_mix, softplus_inverse
+from core.nn.gpsa import ALPHA_MIN, GPSA, gated_mix, softplus_inverse
 
 __all__ = ["ConvitGPSA"]
 
@@ -157,10 +157,10 @@ class ConvitGPSA(GPSA):
         if dense:
             attn = self._scores(qh, kh).softmax(dim=-1)
             pos = self._gated_positional(h, w, act)
-            attn = _gated_mix(attn, pos, g_con[:, None, None], probs=True)
+            attn = gated_mix(attn, pos, g_con[:, None, None], probs=True)
             return (attn @ vh).transpose(1, 2).reshape(b, lq, nh * dv)
         con = F.scaled_dot_product_attention(qh, kh, vh).transpose(1, 2)  # [B, L, heads, d], contiguous
         py, px = self._gated_factors(h, w, act)  # sigma(lambda) folded into Py
         pos = self._apply_positional(v.view(b, h, w, nh, dv), py, px, shared=False)
-        y = _gated_mix(con.reshape(b, h, w, nh, dv), pos, g_con[:, None])
+        y = gated_mix(con.reshape(b, h, w, nh, dv), pos, g_con[:, None])
         return y.view(b, lq, nh * dv)

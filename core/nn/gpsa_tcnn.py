@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core.nn.gpsa import GPSA, _gated_mix
+from core.nn.gpsa import GPSA, gated_mix
 from core.nn.positional import STRIDE_MODES
 
 __all__ = ["TcnnGPSA"]
@@ -191,7 +191,7 @@ class TcnnGPSA(GPSA):
         g_con = self._gates(act)[1]
         pos = self._gated_positional(h, w, act)
         # mixed attention, stored [B, Lq, heads, L] so that Y's rows come out in (query, head) order
-        attn = _gated_mix(attn, pos, g_con[:, None, None], (0, 2, 1, 3), probs=True)
+        attn = gated_mix(attn, pos, g_con[:, None, None], (0, 2, 1, 3), probs=True)
         if fold:
             vt = xs
         else:
@@ -241,7 +241,7 @@ class TcnnGPSA(GPSA):
         con = F.scaled_dot_product_attention(qh, kh, v[:, None].expand(b, nh, lk, c))  # [B, heads, Lq, C]
         py, px = self._gated_factors(h, w, act)
         pos = self._apply_positional(v.view(b, h, w, c), py, px, shared=True)
-        y = _gated_mix(con.permute(0, 2, 1, 3).reshape(b, hq, wq, nh, c), pos, g_con[:, None])
+        y = gated_mix(con.permute(0, 2, 1, 3).reshape(b, hq, wq, nh, c), pos, g_con[:, None])
         # y: (head, channel) order per query; W_out^h = weight[:, :, tap(h)]
         w2 = self._cached(("w2", False), lambda: self._out_weight(False))
         return F.linear(y.reshape(b, lq, nh * c), w2, self.bias)

@@ -596,7 +596,7 @@ def _as_hwc(image: np.ndarray) -> tuple[np.ndarray, bool]:
     return np.ascontiguousarray(image), squeeze
 
 
-def _check(corruption: str, severity: int, band: str | None) -> None:
+def check_setting(corruption: str, severity: int, band: str | None) -> None:
     _check_name(corruption)
     if severity not in SEVERITIES:
         raise ValueError(f"severity must be one of 1..5, got {severity!r}")
@@ -640,7 +640,7 @@ def corrupt_batch(
 ) -> np.ndarray:
     """Corrupt images [N, H, W, C] (uint8, C = 1 or 3); image i is seeded with ``indices[i]`` (default
     ``range(N)``). Image i of the output does not depend on the other images of the batch."""
-    _check(corruption, severity, band)
+    check_setting(corruption, severity, band)
     images = np.asarray(images)
     if images.ndim == 3:
         images = images[..., None]

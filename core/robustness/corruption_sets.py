@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from core.robustness.corruption_ops import _check, corrupt_batch, warm_up
+from core.robustness.corruption_ops import check_setting, corrupt_batch, warm_up
 from core.robustness.corruption_tables import band_for_size
 
 # ----------------------------------------------------------------------------------------------------------
@@ -105,7 +105,7 @@ def iter_sets(
         raise ValueError(f"indices: expected {n} image indices, got shape {list(indices.shape)}")
     pairs = list(dict.fromkeys((str(c), int(s)) for c, s in pairs))
     for c, s in pairs:
-        _check(c, s, band)
+        check_setting(c, s, band)
     if n == 0 or not pairs:
         return
     band = band or band_for_size(*images.shape[1:3])

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from core.robustness.corruption_ops import _check
+from core.robustness.corruption_ops import check_setting
 from core.robustness.corruption_tables import CATEGORY_OF, CORRUPTION_VERSION, is_meaningful
 from core.utils.atomic import atomic_write
 
@@ -63,7 +63,7 @@ def set_meta(
     images. ``meaningful`` is False for saturate on grayscale images (left out of every summary)."""
     clean = corruption == "clean"
     if not clean:
-        _check(corruption, severity, band)
+        check_setting(corruption, severity, band)
     channels = int(image_shape[-1])
     return {
         "format": SET_FORMAT,

@@ -64,7 +64,7 @@ def write_bytes_atomic(data: bytes, path: str | os.PathLike) -> Path:
     return atomic_write_bytes(path, data)
 
 
-def _finish(fig: Any, path: str | os.PathLike | None) -> bytes:
+def finish_figure(fig: Any, path: str | os.PathLike | None) -> bytes:
     buf = io.BytesIO()
     try:
         fig.savefig(buf, format="png", dpi=_DPI)
@@ -172,7 +172,7 @@ def plot_training_curves(
         "solid = train, dashed = validation",
         fontsize=10,
     )
-    return _finish(fig, path)
+    return finish_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------------------- GPSA dynamics
@@ -270,7 +270,7 @@ def plot_gpsa_dynamics(
     fig.suptitle(
         title or "GPSA dynamics over fine-tuning ([TCNN21] Fig. 4): thin = heads, thick = mean", fontsize=10
     )
-    return _finish(fig, path)
+    return finish_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------------------- attention maps
@@ -349,7 +349,7 @@ def plot_attention_maps(
         or "Attention of the centre query per GPSA layer and head ([TCNN21] Fig. 5); red: query, σ(λ_h)",
         fontsize=11,
     )
-    return _finish(fig, path)
+    return finish_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------- dissection figures

@@ -25,7 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from core.viz.report_plots import _finish  # noqa: E402
+from core.viz.report_plots import finish_figure  # noqa: E402
 
 ARM_STYLE = {"tcnn": ("T-CNN", "tab:red", "o"), "control": ("control (no attention)", "tab:blue", "s")}
 CONTENT_GATE = 0.1  # a head with sigma(lambda) below this attends mostly by content ([TCNN21] Fig. 5)
@@ -76,7 +76,7 @@ def plot_lr_grid(
         "'kx': the lr k seeds chose for that arm on validation accuracy", fontsize=10,
     )  # fmt: skip
     fig.tight_layout()
-    return _finish(fig, path)
+    return finish_figure(fig, path)
 
 
 def plot_val_curves(
@@ -113,7 +113,7 @@ def plot_val_curves(
         fontsize=10,
     )
     fig.tight_layout()
-    return _finish(fig, path)
+    return finish_figure(fig, path)
 
 
 QUANTITIES = (("gate", r"gate $\sigma(\lambda_h)$"), ("inv_alpha", r"span $1/\alpha_h$"),
@@ -172,4 +172,4 @@ def plot_head_gates(
         (title + ": " if title else "") + "every GPSA head over fine-tuning (colour = head)", fontsize=10
     )
     fig.tight_layout(rect=(0, 0.04, 1, 1))
-    return _finish(fig, path)
+    return finish_figure(fig, path)
