@@ -20,7 +20,6 @@ Goal: stream / torchvision >= 1.0 at every worker count. It prints; it does not 
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import tempfile
@@ -34,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from core.data import StreamLoader, import_imagefolder, read_manifest  # noqa: E402
+from core.utils.machine import cpu_model  # noqa: E402
 
 SIZE = 224
 
@@ -110,9 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 results.setdefault(("stream", w), []).append(rate(stream[w].batches(r)))
                 anchor = anchor_loader(root / "tree", mean, std, args.batch, w, r)
                 results.setdefault(("torchvision", w), []).append(rate(anchor))
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in _lscpu() if ln.startswith("Model name")), platform.processor()
-    )
+    cpu = cpu_model()
     print(f"CPU: {cpu}, {torch.get_num_threads()} torch thread(s) in the main process; batch {args.batch}, "
           f"{args.rounds} round(s), medians")  # fmt: skip
     print(f"{'loader':<12} {'workers':>7} {'images/s':>9} {'per core':>9} {'stream/tv':>9}")
@@ -131,15 +129,6 @@ def main(argv: list[str] | None = None) -> int:
         f"X / {pc:.0f} cores (e.g. 3000 img/s: ~{3000 / pc:.0f} worker cores + 1 for training)"
     )
     return 0
-
-
-def _lscpu() -> list[str]:
-    import subprocess
-
-    try:
-        return subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout.splitlines()
-    except OSError:
-        return []
 
 
 if __name__ == "__main__":

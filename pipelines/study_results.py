@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from core.utils.atomic import atomic_write_text
+from core.utils.machine import cpu_model
 from stages import chain
 
 ARMS = ("tcnn", "control")
@@ -65,18 +65,9 @@ def _columns() -> list[str]:
     return cols
 
 
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def export(sweep_dir: Path, out: Path) -> list[Path]:
-    """Write :data:`FILES` for the finished sweep in ``sweep_dir`` into ``out``."""
+def export(sweep_dir: Path, out: Path, cpu: str | None = None) -> list[Path]:
+    """Write :data:`FILES` for the finished sweep in ``sweep_dir`` into ``out``. ``cpu`` names the CPU(s) the
+    trials ran on where their records do not (records made before they carried ``cpu``)."""
     import pyarrow.parquet as pq
 
     from pipelines.sweep_select import pair_metrics
@@ -131,8 +122,10 @@ def export(sweep_dir: Path, out: Path) -> list[Path]:
                _write_csv(out / "history.csv", history, list(history[0]) if history else ["seed"]),
                _write_csv(out / "attention.csv", attention, list(attention[0]) if attention else ["seed"])]  # fmt: skip
     metrics = _json(sweep_dir / "metrics.json") if (sweep_dir / "metrics.json").is_file() else {}
-    meta = {"sweep": spec["name"], "selected_key": key, "commit": _commit(sweep_dir), "cpu": _cpu(),
-            "trials": len(spec["trials"]), "wall_s_last_driver": metrics.get("wall_s"),
+    meta = {"sweep": spec["name"], "selected_key": key, "commit": _commit(sweep_dir),
+            "cpus": _cpus(sweep_dir, spec["name"]) or ([cpu] if cpu else []), "export_cpu": cpu_model(),
+            "trials": len(spec["trials"]), "compute_h": compute_hours(sweep_dir, spec),
+            "wall_s_last_driver": metrics.get("wall_s"),
             "first_trial_start": _first_start(sweep_dir), "last_trial_end": _last_end(sweep_dir)}  # fmt: skip
     atomic_write_text(out / "meta.json", json.dumps(meta, indent=1) + "\n")
     return [*written, out / "meta.json"]
@@ -147,10 +140,56 @@ def _commit(sweep_dir: Path) -> str | None:
 
 
 def _stage_times(sweep_dir: Path) -> list[dict[str, Any]]:
+    return [r for root in sorted((sweep_dir / "trials").glob("*")) for r in _stage_log(root)]
+
+
+def _shared_records(sweep_dir: Path, name: str) -> list[dict[str, Any]]:
+    """This sweep's executions of shared (``meta.sweep: group``) stages, from their directories' logs."""
+    from pipelines.sweep_shared import EXECUTIONS
+
     out = []
-    for path in (sweep_dir / "trials").glob("*/stages.jsonl"):
-        out += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return out
+    for path in sweep_dir.parent.glob(f"*/*/{EXECUTIONS}"):
+        out += [r for line in path.read_text().splitlines() if line.strip() and (r := json.loads(line))]
+    return [r for r in out if r.get("sweep") == name]
+
+
+def _cpus(sweep_dir: Path, name: str) -> list[str]:
+    """Every CPU model a stage of the sweep ran on, as its records say."""
+    records = _stage_times(sweep_dir) + _shared_records(sweep_dir, name)
+    return sorted({r["cpu"] for r in records if r.get("cpu")})
+
+
+def compute_hours(sweep_dir: Path, spec: dict[str, Any]) -> float:
+    """The study's compute: every training epoch it kept (``train_time_s`` of each history, which survives a
+    resume; a shared run, such as a seed's pretraining, counted once) plus the recorded time of its other own stages (reparam,
+    evaluate). Work lost to a kill is not in it; the gaps between sessions are not either."""
+    training = {s for s in chain.trial_stages() if chain.trains(s)}
+    seconds, seen = 0.0, set()
+    for tid in spec["trials"]:
+        root = sweep_dir / "trials" / tid
+        for stage in sorted(training):
+            path = root / chain.output(stage, "history.json")
+            if not path.is_file():
+                continue
+            text = path.read_text()
+            if chain.sweep_role(stage) == "group":  # a shared run is the same history in each trial using it
+                if (stage, text) in seen:
+                    continue
+                seen.add((stage, text))
+            seconds += sum(float(h.get("train_time_s") or 0.0) for h in json.loads(text))
+        for r in _stage_log(root):
+            if r.get("stage") not in training and "started" in r:
+                seconds += float(r["finished"]) - float(r["started"])
+    return round(seconds / 3600, 2)
+
+
+def _stage_log(root: Path) -> list[dict[str, Any]]:
+    from pipelines.sweep_trial import STAGE_LOG
+
+    path = root / STAGE_LOG
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _first_start(sweep_dir: Path) -> str | None:
@@ -312,9 +351,17 @@ def markdown(data: dict[str, Any], name: str, fig_dir: str) -> str:
         f"![validation accuracy per fine-tuning epoch]({fig_dir}/val_curves.png)\n\n"
         f"![GPSA heads over fine-tuning]({fig_dir}/attention.png)\n\n"
         f"Generated by `tcnn study render {fig_dir}` from the committed tables; sweep `{meta['sweep']}` at commit "
-        f"`{(meta.get('commit') or '?')[:12]}`, {meta.get('trials')} trials on {meta.get('cpu')}.\n"
+        f"`{(meta.get('commit') or '?')[:12]}`: {meta.get('trials')} trials, {_hours(meta)} on "
+        f"{' / '.join(meta.get('cpus') or ['an unrecorded CPU'])}.\n"
     )
     return text
+
+
+def _hours(meta: dict[str, Any]) -> str:
+    h = meta.get("compute_h")
+    if h is None:
+        return "compute time not recorded"
+    return f"{h:.1f} h of compute (every kept training epoch plus the other stages' recorded time)"
 
 
 def _grid_table(rows: list[dict[str, Any]], key: str) -> str:
@@ -425,6 +472,7 @@ def add_parser(sub: Any) -> None:
     e = verbs.add_parser("export", help="write the small results tables of a finished sweep")
     e.add_argument("sweep_dir", type=Path)
     e.add_argument("out", type=Path)
+    e.add_argument("--cpu", default=None, help="the CPU(s) the trials ran on, where their records do not say")
     e.set_defaults(func=_main_export)
     r = verbs.add_parser("render", help="figures and the README section from the committed tables")
     r.add_argument("results", type=Path)
@@ -435,7 +483,7 @@ def add_parser(sub: Any) -> None:
 
 def _main_export(args: argparse.Namespace) -> int:
     try:
-        for path in export(args.sweep_dir, args.out):
+        for path in export(args.sweep_dir, args.out, cpu=args.cpu):
             print(f"study: wrote {path}")
     except (StudyError, OSError) as err:
         print(f"tcnn study: error: {err}", file=sys.stderr)

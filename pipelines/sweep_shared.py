@@ -28,6 +28,7 @@ from typing import Any
 from core.config import Params, validate_params
 from core.utils.atomic import append_json_line as append_line
 from core.utils.atomic import atomic_write_json
+from core.utils.machine import cpu_model
 from pipelines.ddp import node_name, run_stage
 from stages import chain
 
@@ -158,6 +159,7 @@ def ensure_pretraining(
             "key": key,
             "host": socket.gethostname(),
             "node": node_name(),
+            "cpu": cpu_model(),
             "pid": os.getpid(),
             "started": t0,
             "finished": time.time(),
@@ -231,7 +233,8 @@ def ensure_control(
             metrics = run_stage("control", validate_params(entry["params"]), directory, spec)
         atomic_write_json(done, {"finished": time.time(), "metrics": metrics})
         record = {"sweep": spec["name"], "trial": trial, "key": key, "host": socket.gethostname(),
-                  "node": node_name(), "started": t0, "finished": time.time(), "recovered": recovered}  # fmt: skip
+                  "node": node_name(), "cpu": cpu_model(), "started": t0, "finished": time.time(),
+                  "recovered": recovered}  # fmt: skip
         append_line(directory / EXECUTIONS, record)
         append_line(Path(spec["sweep_dir"]) / runs_log("control"), record)
         return directory, True, metrics

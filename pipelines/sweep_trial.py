@@ -42,6 +42,7 @@ from typing import Any
 
 from core.config import Params
 from core.utils.atomic import atomic_write_json
+from core.utils.machine import cpu_model
 from pipelines.ddp import node_name, run_stage, worker_nodes
 from pipelines.sweep_plan import trial_label, trial_params
 from pipelines.sweep_shared import ENSURE, append_line, link_pretraining, locked, published, runs_log
@@ -260,6 +261,7 @@ class TrialRunner:
                 "finished": time.time(),
                 "host": socket.gethostname(),
                 "node": node_name(),
+                "cpu": cpu_model(),
                 "pid": os.getpid(),
                 **({"recovered": True} if done is not None else {}),
             },

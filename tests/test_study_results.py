@@ -53,7 +53,7 @@ def _study(tmp: Path, diffs: tuple[float, ...] = (0.02, 0.025, 0.03)) -> Path:
                                          for s in range(3) for e in range(3) for h in range(9)],
                  ["seed", "epoch", "layer", "head", "inv_alpha", "gate", "nonlocality"])  # fmt: skip
     (tmp / "meta.json").write_text(json.dumps({"sweep": "toy", "selected_key": "finetune.lr", "commit": "abc",
-                                               "cpu": "cpu", "trials": 9}))  # fmt: skip
+                                               "cpus": ["Toy CPU"], "compute_h": 1.25, "trials": 9}))  # fmt: skip
     return tmp
 
 
@@ -73,6 +73,7 @@ def test_the_table_reselects_on_validation_and_recomputes_the_seed_interval(tmp_
         in text
     )
     assert "the T-CNN is better" in text  # every seed's difference is positive and so is the interval
+    assert "9 trials, 1.2 h of compute" in text and text.rstrip().endswith("on Toy CPU.")
     assert "seed 0: 3 of 9 heads" not in text and "seed 0: 1 of 9 heads" in text  # head 0: 0.73 -> 0.03
 
 
@@ -125,3 +126,32 @@ def test_the_readme_table_is_generated_from_the_committed_study_results() -> Non
     assert len({r["tcnn_value"] for r in rows if r["row"] == "grid"}) >= 3
     for fig in S.FIGURES:
         assert (COMMITTED / fig).is_file()
+
+
+def test_compute_hours_and_cpus_come_from_the_trials_records(tmp_path: Path) -> None:
+    """Compute = the kept training epochs of every history (a seed's shared pretraining once) plus the other
+    recorded stages; the CPUs are those the sweep's own records name (another sweep's executions are not)."""
+    from stages import chain
+
+    sweep = tmp_path / "sweeps" / "toy"
+    pre = [{"epoch": e, "train_time_s": 100.0} for e in range(3)]  # 300 s, shared by both trials
+    for i, tid in enumerate(("t000", "t001")):
+        root = sweep / "trials" / tid
+        for stage, hist in (("pretrain", pre), ("finetune", [{"train_time_s": 0}, {"train_time_s": 60.0 + i}]),
+                            ("control", [{"train_time_s": 30.0 + 2 * i}])):  # fmt: skip
+            path = root / chain.output(stage, "history.json")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(hist))
+        log = [{"stage": "reparam", "started": 10.0, "finished": 15.0, "cpu": f"CPU {i}"},
+               {"stage": "finetune", "started": 0.0, "finished": 999.0},  # counted by its history, not here
+               {"stage": "control", "shared": "k", "finished": 5.0},
+               {"stage": "evaluate", "started": 20.0, "finished": 40.0}]  # fmt: skip
+        (root / "stages.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
+    for name, cpu in (("toy", "CPU 2"), ("other", "CPU 9")):
+        d = tmp_path / "sweeps" / "pretrain" / name
+        d.mkdir(parents=True)
+        (d / "executions.jsonl").write_text(json.dumps({"sweep": name, "cpu": cpu}) + "\n")
+    spec = {"name": "toy", "trials": {"t000": {}, "t001": {}}}
+    seconds = 300 + (60 + 30 + 5 + 20) + (61 + 32 + 5 + 20)
+    assert S.compute_hours(sweep, spec) == round(seconds / 3600, 2)
+    assert S._cpus(sweep, "toy") == ["CPU 0", "CPU 1", "CPU 2"]

@@ -271,6 +271,7 @@ def test_simultaneous_trials_pretrain_once(tmp_path: Path) -> None:
     group = tmp_path / "sweeps" / "pretrain" / key
     lines = (group / "executions.jsonl").read_text().splitlines()
     assert len(lines) == 1
+    assert json.loads(lines[0])["cpu"]  # the CPU it ran on, for the study's records
     assert [f"ckpt-epoch-{e:03d}.pt" for e in (1, 2)] == sorted(
         p.name for p in (group / "runs/pretrain/ckpt").iterdir()
     )
@@ -433,4 +434,7 @@ def test_a_stage_published_before_a_kill_is_not_trained_again(tmp_path: Path) ->
     assert trained == ["finetune"]
     lines = [json.loads(ln) for ln in (runner.root / STAGE_LOG).read_text().splitlines()]
     assert [ln.get("recovered", False) for ln in lines] == [False, True]
+    from core.utils.machine import cpu_model
+
+    assert {ln["cpu"] for ln in lines} == {cpu_model()} and cpu_model()  # which CPU the stage ran on
     assert runner.stage("finetune", train, training=True) == ({"test_acc": 0.25}, False)  # the mark now
