@@ -11,10 +11,10 @@ a pure function of (seed, epoch, step): the same for any ``num_workers``, ``batc
 tail of ``batches(epoch)``, and the ranks of a data-parallel run together yield the world-size-1 batch.
 
 Decoder: ``torchvision.io.decode_image`` (libjpeg-turbo, bundled with torchvision) into a uint8 tensor, then
-torchvision's tensor ``resized_crop``. Measured on this project's 2-core Xeon with ~450 px quality-90 JPEGs,
-one thread: 810 images/s against 520 for PIL decode + PIL ``RandomResizedCrop`` (the textbook ImageFolder
-path), because decode_image returns the pixels channels-last, which torch's vectorized uint8 antialiased
-bilinear resize reads directly, where PIL's resize of a large crop is the slow half of its pipeline. Formats
+torchvision's tensor ``resized_crop``, rather than PIL decode + PIL ``RandomResizedCrop`` (the textbook
+ImageFolder path): decode_image returns the pixels channels-last, which torch's vectorized uint8 antialiased
+bilinear resize reads directly, where PIL's resize of a large crop is the slow half of its pipeline
+(``benchmarks/loader.py`` measures the two side by side; the README gives the figures). Formats
 torchvision does not decode (BMP, TIFF, ...) fall back to PIL. The tensor and PIL resizes differ by rounding.
 
 Shuffle and I/O locality: a row group (~4 MiB, ~32 ImageNet JPEGs) is the unit Parquet reads, so a uniformly
