@@ -24,6 +24,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from core.viz.report_plots import finish_figure  # noqa: E402
 
@@ -80,36 +81,45 @@ def plot_lr_grid(
 
 
 def plot_val_curves(
-    history: Sequence[Mapping[str, Any]], path: str | os.PathLike | None = None, *, title: str = ""
+    history: Sequence[Mapping[str, Any]],
+    path: str | os.PathLike | None = None,
+    *,
+    title: str = "",
+    tail: int = 3,
 ) -> bytes:
-    """``history``: one per (seed, arm, lr, epoch) with ``val_accuracy``; epoch 0 = before fine-tuning."""
+    """``history``: one per (seed, arm, lr, epoch) with ``val_accuracy``; epoch 0 = before fine-tuning. Top row:
+    every epoch, mean over seeds with its t-band; bottom row: the last ``tail`` + 1 epochs of every seed (thin
+    lines, own scale), where "has validation accuracy stopped rising?" is read."""
     arms = [a for a in ARM_STYLE if any(h["arm"] == a for h in history)]
     lrs = sorted({float(h["lr"]) for h in history if h["arm"] in arms})
-    fig, axes = plt.subplots(1, len(arms), figsize=(5.2 * len(arms), 3.6), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(2, len(arms), figsize=(5.2 * len(arms), 6.4), sharey="row", squeeze=False)
     cmap = plt.get_cmap("viridis")
-    for ax, arm in zip(axes[0], arms):
+    for col, arm in enumerate(arms):
+        top, bottom = axes[0][col], axes[1][col]
         for k, lr in enumerate(lrs):
+            colour = cmap(k / max(1, len(lrs) - 1))
             sel = [h for h in history if h["arm"] == arm and float(h["lr"]) == lr]
             epochs = sorted({int(h["epoch"]) for h in sel})
             stats = [
                 _t_interval([100 * h["val_accuracy"] for h in sel if int(h["epoch"]) == e]) for e in epochs
             ]
-            mean = [s[0] for s in stats]
-            ax.fill_between(
-                epochs,
-                [s[1] for s in stats],
-                [s[2] for s in stats],
-                color=cmap(k / max(1, len(lrs) - 1)),
-                alpha=0.15,
-            )
-            ax.plot(epochs, mean, marker=".", color=cmap(k / max(1, len(lrs) - 1)), label=f"lr {lr:g}")
-        ax.set_title(ARM_STYLE[arm][0], fontsize=10)
-        ax.set_xlabel("fine-tuning epoch")
-        ax.grid(alpha=0.3)
+            top.fill_between(epochs, [s[1] for s in stats], [s[2] for s in stats], color=colour, alpha=0.15)
+            top.plot(epochs, [s[0] for s in stats], marker=".", color=colour, label=f"lr {lr:g}")
+            first = max(epochs[0], epochs[-1] - tail)
+            for seed in sorted({h["seed"] for h in sel}):
+                curve = sorted((int(h["epoch"]), 100 * h["val_accuracy"]) for h in sel
+                               if h["seed"] == seed and int(h["epoch"]) >= first)  # fmt: skip
+                bottom.plot(*zip(*curve), marker=".", lw=0.9, color=colour)
+        top.set_title(ARM_STYLE[arm][0], fontsize=10)
+        bottom.set_xlabel("fine-tuning epoch")
+        for ax in (top, bottom):
+            ax.grid(alpha=0.3)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0][0].set_ylabel("validation accuracy (%)")
+    axes[1][0].set_ylabel(f"last {tail + 1} epochs, each seed (%)")
     axes[0][-1].legend(fontsize=8)
     fig.suptitle(
-        (title + ": " if title else "") + "validation accuracy per epoch (mean over seeds, 95% t-band)",
+        (title + ": " if title else "") + "validation accuracy per epoch (top: mean over seeds, 95% t-band)",
         fontsize=10,
     )
     fig.tight_layout()
