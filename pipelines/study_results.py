@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -438,7 +439,8 @@ def render(results: Path, readme: Path | None = None, *, check: bool = False) ->
 
     data = load(results)
     name = data["meta"]["sweep"]
-    fig_dir = results.as_posix()
+    # the figures' links, relative to the README they go in (the same text from any working directory)
+    fig_dir = Path(os.path.relpath(results, readme.parent)).as_posix() if readme else results.as_posix()
     section = markdown(data, name, fig_dir)
     if not check:
         grid = [{**r, "lr": r["tcnn_value"]} for r in data["rows"] if r["row"] == "grid"]
