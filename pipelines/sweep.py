@@ -16,7 +16,8 @@ What happens (pieces in pipelines/sweep_*.py):
    pretraining once per group of trials in ``<storage>/pretrain/<key>/`` (sweep_shared).
 3. ``--resume`` continues an interrupted sweep through ``Tuner.restore`` (finished trials are not run again;
    each trial reopens its MLflow run); ``--auto-resume`` resumes when the sweep exists and starts it
-   otherwise (what a requeued SLURM job runs).
+   otherwise (what a requeued SLURM job runs). A stop signal to a driver run here (SIGTERM, Ctrl-C, ...) ends
+   the trials' workers, closes the parent and the open trial runs KILLED and exits 75 (130 for Ctrl-C).
 4. At the end: ``summary.parquet``, plots, the model-kind table (``kinds.md``/``kinds.parquet`` when the
    grid varies ``model``) and ``report.html`` (sweep_report) in ``<storage>/<name>/`` and on the parent run
    (sweep_summary), parent metrics ``trials``, ``pretrain_runs`` (pretraining runs this sweep executed) and
@@ -38,6 +39,7 @@ import json
 import math
 import os
 import re
+import signal
 import sys
 import time
 import uuid
@@ -56,6 +58,7 @@ from pipelines.sweep_plan import (
     spec_difference,
     trial_label,
 )
+from stages.runner import Stopped, stop_on_signals
 
 SWEEP_JSON = "sweep.json"
 TUNE_DIR = "tune"
@@ -189,6 +192,7 @@ def connect_ray(address: str, num_cpus: int | None, object_store_mb: int | None)
         from pipelines.slurm import align_ray_auth
 
         align_ray_auth()  # a cluster from `ray start` (sweep.sbatch) uses token auth when a token exists
+    term = signal.getsignal(signal.SIGTERM)
     try:
         if address == "local":
             ray.init(
@@ -203,6 +207,8 @@ def connect_ray(address: str, num_cpus: int | None, object_store_mb: int | None)
     except Exception as err:  # ConnectionError, ValueError, RuntimeError from Ray
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise SweepError(f"--address {address}: cannot connect to Ray ({first})") from None
+    if getattr(term, "tcnn_stage_handler", False):  # ray.init set SIGTERM -> sys.exit: keep the driver's
+        signal.signal(signal.SIGTERM, term)
     return True
 
 
@@ -323,6 +329,7 @@ def run_sweep(
 
     spec = reconcile(spec, resume)
     owns = connect_ray(address, num_cpus, object_store_mb) if address is not None else False
+    tracker: Any = None
     try:
         nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
         check_multinode_tracking(spec, nodes)
@@ -429,9 +436,36 @@ def run_sweep(
                 "plots": [str(p) for p in plots],
                 "parent_run_id": spec["tracking"]["parent_run_id"],
             }
+    except (Stopped, SystemError) as err:
+        stop = _stop_of(err)
+        if stop is None:
+            raise
+        if owns:  # the trials' workers end first, so that no trial writes to its run after it is closed
+            ray.shutdown()
+            owns = False
+        _close_stopped(tracker)
+        raise stop from None
     finally:
         if owns:
             ray.shutdown()
+
+
+def _stop_of(err: BaseException) -> Stopped | None:
+    """The stop signal behind ``err``: a Stopped raised by the signal handler while Ray's Cython core was
+    waiting comes out as ``SystemError(... returned a result with an exception set)`` caused by it."""
+    seen: BaseException | None = err
+    while seen is not None and not isinstance(seen, Stopped):
+        seen = seen.__cause__ or seen.__context__
+    return seen
+
+
+def _close_stopped(tracker: Any) -> None:
+    """A stopped driver ends its MLflow parent and every trial run still open under it as KILLED (a resume
+    reopens them: sweep_trial.open_run)."""
+    if tracker is None or not tracker.enabled or tracker.parent_run_id is None:
+        return
+    tracker.close_children(tracker.parent_run_id, "KILLED", reason="the sweep driver was stopped")
+    tracker.end_parent("KILLED")
 
 
 def _can_restore(path: Path) -> bool:
@@ -586,6 +620,21 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _run_here(spec: dict, args: argparse.Namespace, address: str) -> dict:
+    """The sweep driven from this process: a stop signal (stages.runner.STAGE_SIGNALS) anywhere in it ends
+    the trials, closes the MLflow runs KILLED and exits 75 (130 for Ctrl-C) -- Tune's own Ctrl-C handler,
+    which would let the driver go on to a summary of a half-run grid, is turned off."""
+    os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"
+    with stop_on_signals():
+        return run_sweep(
+            spec,
+            address=address,
+            resume="auto" if args.resume != "no" else "no",
+            num_cpus=args.num_cpus,
+            object_store_mb=args.object_store_mb,
+        )
+
+
 def main_sweep(args: argparse.Namespace) -> int:
     try:
         params = load_params(args.params, args.set)
@@ -598,13 +647,10 @@ def main_sweep(args: argparse.Namespace) -> int:
         spec = reconcile(spec, args.resume)
         if args.slurm:
             return submit_slurm(spec, args)
-        result = run_sweep(
-            spec,
-            address=address,
-            resume="auto" if args.resume != "no" else "no",
-            num_cpus=args.num_cpus,
-            object_store_mb=args.object_store_mb,
-        )
+        result = _run_here(spec, args, address)
+    except Stopped as stop:
+        print(f"tcnn sweep: stopped by {stop}; run it again with --auto-resume to continue", file=sys.stderr)
+        return stop.exit_status
     except (SweepError, ConfigError) as err:
         print(f"tcnn sweep: error: {err}", file=sys.stderr)
         return 2

@@ -49,6 +49,7 @@ from pipelines.sweep_shared import ENSURE, append_line, link_pretraining, locked
 from stages import chain
 from stages.catalogue import SUMMARY_METRICS, epoch_metrics, numeric_metrics, stage_artifacts, summary_metrics
 from stages.chain import sweep_role, trains, trial_stages
+from stages.runner import Stopped
 
 STATE = "trial.json"
 DONE = "done.json"
@@ -114,6 +115,9 @@ def open_run(
     }
     if nodes:
         tags.update({NODE_TAG: nodes[-1], ATTEMPT_NODES_TAG: ",".join(nodes)})
+    if not known_id:  # a trial whose driver was stopped before its first Tune checkpoint: its run is KILLED
+        killed = tracker.find_child(tid, status="KILLED")
+        known_id = killed[0].info.run_id if killed else None
     if known_id:
         with contextlib.suppress(TrackingError):
             tracker.start_child(tid, params=params, tags=tags, run_id=known_id)
@@ -121,6 +125,12 @@ def open_run(
     # start_child also resumes a RUNNING run of this trial (tag tcnn.stage = tid) left by a killed attempt.
     tracker.start_child(tid, params=params, tags=tags, run_name=tid)
     return tracker
+
+
+def stopped(err: BaseException) -> bool:
+    """Whether ``err`` ends the trial from outside (a stop signal, Ray ending the worker, a checkpointed
+    preemption) rather than a failure of its own: its run is then KILLED, not FAILED."""
+    return isinstance(err, KeyboardInterrupt | SystemExit | Stopped) or type(err).__name__ == "Preempted"
 
 
 def close_run(spec: dict[str, Any], run_id: str | None) -> None:
@@ -308,8 +318,8 @@ class TrialRunner:
         try:
             done = self._stages(tracker, report)
             tracker.end("FINISHED")
-        except BaseException:
-            tracker.end("FAILED")
+        except BaseException as err:
+            tracker.end("KILLED" if stopped(err) else "FAILED")
             raise
         report({"stage": "done", **done["headline"]})
         return done

@@ -277,15 +277,17 @@ class Tracker:
                 self._client.set_terminated(run.info.run_id, status="FAILED")
         return found
 
-    def close_children(self, parent_run_id: str, status: RunStatus = "FAILED") -> int:
-        """End every RUNNING child of ``parent_run_id`` (left by killed processes) with ``status``; returns
-        how many were closed."""
+    def close_children(
+        self, parent_run_id: str, status: RunStatus = "FAILED", reason: str = "its parent was superseded"
+    ) -> int:
+        """End every RUNNING child of ``parent_run_id`` (left by killed processes) with ``status``, tagged
+        ``tcnn.stale`` = ``reason``; returns how many were closed."""
         left = self._search(
             f"tags.`{PARENT_TAG}` = {_quote(parent_run_id)} and attributes.status = 'RUNNING'",
             max_results=1000,
         )
         for run in left:
-            self._client.set_tag(run.info.run_id, "tcnn.stale", "its parent was superseded")
+            self._client.set_tag(run.info.run_id, "tcnn.stale", reason)
             self._client.set_terminated(run.info.run_id, status=status)
         return len(left)
 

@@ -191,6 +191,72 @@ def test_kill_driver_then_resume_finishes_each_trial_once(tmp_path: Path) -> Non
     assert pretrain_epoch_lines(sweep_dir) == 1
 
 
+def _processes_in(root: Path) -> list[int]:
+    """Pids of the processes whose working directory is inside ``root`` (the driver's Ray workers)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cwd = (proc / "cwd").resolve()
+        except OSError:
+            continue
+        if proc.name.isdigit() and cwd.is_relative_to(root):
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.parametrize(
+    ("sig", "status", "resume"),
+    [(signal.SIGTERM, 75, True), (signal.SIGINT, 130, False)],
+    ids=["SIGTERM-then-resume", "SIGINT"],
+)
+def test_a_stopped_driver_ends_its_trials_and_closes_its_runs(
+    tmp_path: Path, sig: int, status: int, resume: bool
+) -> None:
+    """A stop signal to `tcnn sweep` mid-trial: the conventional status and one line, the parent and the trial
+    runs KILLED (none left RUNNING), no Ray worker left behind; --auto-resume then finishes every trial in
+    the same runs."""
+    make_project(tmp_path, GRID, finetune={"epochs": 2})
+    with open(tmp_path / "driver1.log", "w") as log:
+        proc = subprocess.Popen(
+            [TCNN, "sweep", "--params", "params.yaml", "--num-cpus", "2", "--name", "s"],
+            cwd=tmp_path, env=sweep_env(), stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 600
+            while not [r for r in mlflow_runs(tmp_path) if r.data.tags.get("tcnn.kind") == "trial"]:
+                assert proc.poll() is None, (tmp_path / "driver1.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, "no trial started"
+                time.sleep(0.5)
+            time.sleep(2)  # into the trial's pretraining
+            assert set(_processes_in(tmp_path)) - {proc.pid}, "no Ray process runs in the project"
+        finally:
+            proc.send_signal(sig)
+            code = proc.wait(timeout=300)
+    out = (tmp_path / "driver1.log").read_text()
+    assert code == status, out[-3000:]
+    assert f"tcnn sweep: stopped by {signal.Signals(sig).name}; run it again with --auto-resume" in out
+    assert "Traceback" not in out
+    parent, children = sweep_runs(tmp_path, "s")
+    assert parent.info.status == "KILLED"
+    assert children and {c.info.status for c in children} == {"KILLED"}
+    assert not (tmp_path / "sweeps/s/summary.parquet").exists()  # no summary of a half-run grid
+    deadline = time.monotonic() + 30
+    while _processes_in(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_in(tmp_path) == []
+    if not resume:
+        return
+
+    res = run_sweep(tmp_path, "--name", "s", "--auto-resume")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    parent, again = sweep_runs(tmp_path, "s")
+    assert parent.info.status == "FINISHED" and parent.data.metrics["trials"] == 4
+    assert len(again) == 4 and {c.info.status for c in again} == {"FINISHED"}
+    assert {c.info.run_id for c in children} <= {c.info.run_id for c in again}  # reopened, not duplicated
+    assert len({c.data.tags["tcnn.trial"] for c in again}) == 4
+    assert pretrain_epoch_lines(tmp_path / "sweeps/s") >= 1
+
+
 @pytest.mark.parametrize("kinds", [["cnn", "tcnn"]])
 def test_model_kind_grid(tmp_path: Path, kinds: list[str]) -> None:
     """A model.kind grid (issue 8's table): cnn and tcnn share one pretraining; only tcnn converts."""
