@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -142,23 +144,37 @@ def _artifacts(root: Path, run_id: str) -> list[Any]:
     return MlflowClient(f"sqlite:///{root / 'mlruns.db'}").list_artifacts(run_id)
 
 
-def test_kill_driver_then_resume_finishes_each_trial_once(tmp_path: Path) -> None:
-    make_project(tmp_path, GRID, finetune={"epochs": 2})
-    sweep_dir = tmp_path / "sweeps" / "k"
-    with open(tmp_path / "driver1.log", "w") as log:
+@contextlib.contextmanager
+def background_driver(
+    root: Path, name: str, ready: Callable[[], bool], what: str, poll_s: float
+) -> Iterator[subprocess.Popen]:
+    """`tcnn sweep --name NAME` in the background (output in ``root/driver1.log``), yielded once ``ready()``
+    holds; a driver still running when the block ends is killed."""
+    with open(root / "driver1.log", "w") as log:
         proc = subprocess.Popen(
-            [TCNN, "sweep", "--params", "params.yaml", "--num-cpus", "2", "--name", "k"],
-            cwd=tmp_path, env=sweep_env(), stdout=log, stderr=subprocess.STDOUT,
+            [TCNN, "sweep", "--params", "params.yaml", "--num-cpus", "2", "--name", name],
+            cwd=root, env=sweep_env(), stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:
             deadline = time.monotonic() + 600
-            while len(list(sweep_dir.glob("trials/*/done.json"))) < 1:
-                assert proc.poll() is None, (tmp_path / "driver1.log").read_text()[-3000:]
-                assert time.monotonic() < deadline, "no trial finished"
-                time.sleep(0.2)
+            while not ready():
+                assert proc.poll() is None, (root / "driver1.log").read_text()[-3000:]
+                assert time.monotonic() < deadline, what
+                time.sleep(poll_s)
+            yield proc
         finally:
-            proc.send_signal(signal.SIGKILL)  # the driver, mid-sweep
-            proc.wait()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def test_kill_driver_then_resume_finishes_each_trial_once(tmp_path: Path) -> None:
+    make_project(tmp_path, GRID, finetune={"epochs": 2})
+    sweep_dir = tmp_path / "sweeps" / "k"
+    finished = lambda: any(sweep_dir.glob("trials/*/done.json"))  # noqa: E731
+    with background_driver(tmp_path, "k", finished, "no trial finished", poll_s=0.2) as proc:
+        proc.send_signal(signal.SIGKILL)  # the driver, mid-sweep
+        proc.wait()
     done_before = {p.parent.name for p in sweep_dir.glob("trials/*/done.json")}
     assert 1 <= len(done_before) < 4, "the sweep was not interrupted mid-way"
     stages_before = {t: stage_counts(sweep_dir / "trials" / t) for t in done_before}
@@ -216,22 +232,12 @@ def test_a_stopped_driver_ends_its_trials_and_closes_its_runs(
     runs KILLED (none left RUNNING), no Ray worker left behind; --auto-resume then finishes every trial in
     the same runs."""
     make_project(tmp_path, GRID, finetune={"epochs": 2})
-    with open(tmp_path / "driver1.log", "w") as log:
-        proc = subprocess.Popen(
-            [TCNN, "sweep", "--params", "params.yaml", "--num-cpus", "2", "--name", "s"],
-            cwd=tmp_path, env=sweep_env(), stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        try:
-            deadline = time.monotonic() + 600
-            while not [r for r in mlflow_runs(tmp_path) if r.data.tags.get("tcnn.kind") == "trial"]:
-                assert proc.poll() is None, (tmp_path / "driver1.log").read_text()[-3000:]
-                assert time.monotonic() < deadline, "no trial started"
-                time.sleep(0.5)
-            time.sleep(2)  # into the trial's pretraining
-            assert set(_processes_in(tmp_path)) - {proc.pid}, "no Ray process runs in the project"
-        finally:
-            proc.send_signal(sig)
-            code = proc.wait(timeout=300)
+    started = lambda: any(r.data.tags.get("tcnn.kind") == "trial" for r in mlflow_runs(tmp_path))  # noqa: E731
+    with background_driver(tmp_path, "s", started, "no trial started", poll_s=0.5) as proc:
+        time.sleep(2)  # into the trial's pretraining
+        assert set(_processes_in(tmp_path)) - {proc.pid}, "no Ray process runs in the project"
+        proc.send_signal(sig)
+        code = proc.wait(timeout=300)
     out = (tmp_path / "driver1.log").read_text()
     assert code == status, out[-3000:]
     assert f"tcnn sweep: stopped by {signal.Signals(sig).name}; run it again with --auto-resume" in out
