@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import copy
 import importlib
+import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,7 +25,8 @@ from pydantic import (
     model_validator,
 )
 
-FINETUNE_MODES = ("fresh", "continue")  # [TCNN21] Sec. 3 ("fresh") and Table 3 ("continue")
+FINETUNE_MODES = ("fresh", "continue")
+TIMM_WEIGHTS = "timm"  # pretrain.source.weights: timm's own pretrained weights for model.arch (a download)  # [TCNN21] Sec. 3 ("fresh") and Table 3 ("continue")
 
 
 # The default network: the project's CIFAR-style ResNet-10 with a dilated last stage (timm's output_stride=16),
@@ -174,6 +177,49 @@ class AugmentConfig(_Strict):
         return v
 
 
+class SourceConfig(_Strict):
+    """A pretrained CNN imported instead of trained (`stages.pretrain`, T-CNN, d'Ascoli et al. 2021: "transition
+    smoothly from any pretrained CNN"): ``weights`` is a checkpoint file (timm / torchvision state dict,
+    safetensors, or a dict holding one under ``state_dict`` or ``model``) or "timm" (timm's own pretrained
+    weights for model.arch; a download). ``mean`` / ``std``: the input normalization the network was trained
+    with (required for a user's own builder; timm archs take their ``pretrained_cfg``'s)."""
+
+    weights: str = Field(min_length=1)
+    sha256: str | None = None  # required for a file; checked where the file is read
+    mean: list[float] | None = None
+    std: list[float] | None = None
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex_digest(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[0-9a-f]{64}", v.lower()):
+            raise ValueError(f"expected the file's sha256 as 64 hex digits, got {v!r}")
+        return v.lower() if v is not None else v
+
+    @field_validator("std")
+    @classmethod
+    def _positive_std(cls, v: list[float] | None) -> list[float] | None:
+        if v is not None and (not v or not all(math.isfinite(s) and s > 0 for s in v)):
+            raise ValueError(f"expected positive finite numbers, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _file_or_timm(self) -> SourceConfig:
+        if (self.mean is None) != (self.std is None) or (self.mean and len(self.mean) != len(self.std or [])):
+            raise ValueError("mean and std: give both, one value per input channel")
+        if self.weights == TIMM_WEIGHTS:
+            return self
+        if self.sha256 is None:
+            raise ValueError("sha256: required for a weights file (sha256sum FILE)")
+        if not Path(self.weights).is_file() or not os.access(self.weights, os.R_OK):
+            raise ValueError(f"weights: {self.weights!r} is not a readable file")
+        return self
+
+    @property
+    def is_file(self) -> bool:
+        return self.weights != TIMM_WEIGHTS
+
+
 class PretrainConfig(_Strict):
     epochs: int = Field(2, gt=0)
     batch_size: int = Field(128, gt=0)
@@ -185,6 +231,8 @@ class PretrainConfig(_Strict):
     # resume checkpoints between epoch ends; 0 = epoch ends only
     checkpoint_every_steps: int = Field(200, ge=0)
     augment: AugmentConfig | None = None  # None = the shared policy `augment`
+    # A pretrained CNN to import instead of training one (SourceConfig); None = train it here.
+    source: SourceConfig | None = None
 
 
 class ReparamConfig(_Strict):
@@ -192,7 +240,18 @@ class ReparamConfig(_Strict):
     alpha_init: float = Field(1.0, gt=0.0)
     lambda_init: float = 1.0
     stride_mode: str = "exact"  # core.nn.positional.STRIDE_MODES
-    stages: list[int] = Field(default_factory=lambda: [-1])
+    # Which k x k convs become GPSA: indices into a ResNet's stages layer1..layerN (negative from the end), or
+    # module-name patterns (fnmatch, e.g. "features.7.*") for a net that is not ResNet-like.
+    stages: list[int | str] = Field(default_factory=lambda: [-1])
+
+    @field_validator("stages")
+    @classmethod
+    def _indices_or_patterns(cls, v: list[int | str]) -> list[int | str]:
+        if not v:
+            raise ValueError("must name at least one stage index or module-name pattern")
+        if any(isinstance(s, bool) for s in v):
+            raise ValueError(f"expected stage indices or module-name patterns, got {v!r}")
+        return v
 
     @field_validator("stride_mode")
     @classmethod
@@ -330,7 +389,9 @@ class Params(_Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Params:
-        if self.reparam.epoch > self.pretrain.epochs:
+        if self.pretrain.source is not None:
+            self._check_import()
+        elif self.reparam.epoch > self.pretrain.epochs:
             raise ValueError(
                 f"reparam.epoch: t1={self.reparam.epoch} exceeds pretrain.epochs={self.pretrain.epochs}"
             )
@@ -352,6 +413,33 @@ class Params(_Strict):
         if self.data.name == "imagefolder" and self.data.source is None:
             raise ValueError("data.source: an imagefolder dataset needs the path of its tree")
         return self
+
+    def _check_import(self) -> None:
+        """What an imported CNN rules out: there is no training run here to pick t1 from or to continue."""
+        if "reparam.epoch" in self.sweep.grid:
+            raise ValueError(
+                "sweep.grid.reparam.epoch: the CNN is imported (pretrain.source), not trained here"
+            )
+        if self.finetune.mode == "continue":
+            raise ValueError(
+                "finetune.mode: 'continue' resumes a pretraining run, and pretrain.source imports the CNN"
+            )
+        if not _models().kinds.get(self.model.kind).pretrains_cnn:
+            takers = [k.name for k in _models().kinds.all_kinds() if k.pretrains_cnn]
+            raise ValueError(
+                f"pretrain.source: imports a CNN for model.kind {takers}, not {self.model.kind!r}"
+            )
+        importlib.import_module("core.models.importing").check_source(self.model.arch, self.pretrain.source)
+
+    @property
+    def imports_cnn(self) -> bool:
+        """The CNN comes from ``pretrain.source`` (imported), not from training here."""
+        return self.pretrain.source is not None
+
+    def t1(self) -> int:
+        """The pretraining epoch whose checkpoint reparam converts and the control starts from: reparam.epoch,
+        or 0 for an imported CNN (its state as imported; no epoch of training here)."""
+        return 0 if self.imports_cnn else self.reparam.epoch
 
     def augment_for(self, phase: Literal["pretrain", "finetune"]) -> AugmentConfig:
         """The augmentation of a training phase: its own section's when set, else the shared policy."""

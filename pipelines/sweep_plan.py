@@ -20,6 +20,7 @@ table shows the grid value and the effective epochs.
 from __future__ import annotations
 
 import itertools
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import Any
 
 from core.config import ConfigError, Params, plan_epochs, validate_params
 from core.data import manifest_fingerprint
+from core.models.builders import is_builder
 from core.utils.hashing import stable_hash
 from stages.identity import key as identity_key
 
@@ -170,6 +172,14 @@ def make_plan(
     # Trials run in Ray workers whose working directory is not ours: input paths resolve against cwd here.
     if base.data.source is not None:
         base = _override(base, {"data.source": str((cwd / base.data.source).resolve())}, "data.source")
+    source = base.pretrain.source
+    if source is not None and source.is_file:
+        where = str((cwd / source.weights).resolve())
+        base = _override(base, {"pretrain.source.weights": where}, "pretrain.source.weights")
+    if is_builder(base.model.arch):  # a user's builder imports from the workspace, in the Ray workers too
+        paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        if str(cwd) not in paths:
+            os.environ["PYTHONPATH"] = os.pathsep.join([str(cwd), *filter(None, paths)])
     if base.robustness.public is not None:
         where = str((cwd / base.robustness.public.dir).resolve())
         base = _override(base, {"robustness.public.dir": where}, "robustness.public.dir")

@@ -60,16 +60,11 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     if reason is not None:
         return _disabled(root, reason)
     src = reparam.source_path(params, root)
-    ckpt = T.load_checkpoint(
-        src, reparam.REQUIRED, f"pretraining checkpoint at reparam.epoch={params.reparam.epoch}"
-    )
-    state = named_state(ckpt["optimizer"], ckpt["param_names"])
-    start = {
-        "model": ckpt["model"],
-        "model_spec": ckpt["model_spec"],
-        "image_size": ckpt.get("image_size"),
-        "carry": T.carry(ckpt, state, {k: k for k in state}),
-    }
+    ckpt = reparam.load_source(params, root)
+    start = {"model": ckpt["model"], "model_spec": ckpt["model_spec"], "image_size": ckpt.get("image_size")}
+    if "optimizer" in ckpt:  # a training checkpoint: what "continue" fine-tuning resumes from
+        state = named_state(ckpt["optimizer"], ckpt["param_names"])
+        start["carry"] = T.carry(ckpt, state, {k: k for k in state})
     metrics = finetune.train(params, root, start, src, VARIANT, strict_freeze=False)
     return {"enabled": True, **metrics}
 
@@ -91,8 +86,7 @@ def _disabled(root: Path, reason: str) -> dict[str, Any]:
 def check(params: Params, root: Path = Path(".")) -> None:
     """Before any run opens (when there is a control): the pretraining checkpoint at t1 and the data exist."""
     if disabled_reason(params) is None:
-        T.require_checkpoint(reparam.source_path(params, root),
-                             f"pretraining checkpoint at reparam.epoch={params.reparam.epoch}")  # fmt: skip
+        T.require_checkpoint(reparam.source_path(params, root), reparam.source_label(params))
         T.require_dataset(params, root)
         T.checkpoint_every_steps(params, NAME)
 

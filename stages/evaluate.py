@@ -58,6 +58,7 @@ from core.utils.atomic import atomic_write, atomic_write_json, atomic_write_text
 from core.utils.hashing import derive_seed
 from core.viz.plots import plot_gains
 from stages import chain
+from stages import training as T
 from stages.runner import StageError, stage_main
 
 NAME = "evaluate"
@@ -158,6 +159,7 @@ def evaluate_models(
     if suites_ is None:
         suites_ = [s for s in suites(params, root, len(images)) if s is not None]
     size = params.test_image_size()
+    norm = T.input_normalization(params) or {"mean": manifest["mean"], "std": manifest["std"]}
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out: dict[str, tuple[list[pa.Table], list[pa.Table]]] = {s.name: ([], []) for s in suites_}
     for name, path in paths.items():
@@ -166,7 +168,7 @@ def evaluate_models(
         except CheckpointError as err:
             raise StageError(str(err)) from None
         if device.type == "cpu":
-            example = _example_batch(images, manifest, size, min(rob.batch_size, len(images)))
+            example = _example_batch(images, norm, size, min(rob.batch_size, len(images)))
             model, kind = inference_model(model, example)
         else:
             kind = "eager"
@@ -179,7 +181,7 @@ def evaluate_models(
             try:
                 table, correct = evaluate_model(
                     model, (images, labels), suite.source, suite.corruptions, suite.severities,
-                    mean=manifest["mean"], std=manifest["std"], batch_size=rob.batch_size, device=device,
+                    mean=norm["mean"], std=norm["std"], batch_size=rob.batch_size, device=device,
                     model_name=name, image_size=size, per_image=True,
                 )  # fmt: skip
             except (
@@ -196,11 +198,11 @@ def evaluate_models(
     return {k: (pa.concat_tables(t), pa.concat_tables(c)) for k, (t, c) in out.items()}
 
 
-def _example_batch(images: Any, manifest: dict[str, Any], size: int | None, n: int) -> torch.Tensor:
+def _example_batch(images: Any, norm: dict[str, Any], size: int | None, n: int) -> torch.Tensor:
     """The first `n` clean images as the models see them (normalised, resized like count_correct does)."""
     x = torch.from_numpy(np.ascontiguousarray(images[:n])).permute(0, 3, 1, 2).float().div_(255.0)
-    mean = torch.tensor(manifest["mean"], dtype=torch.float32).view(1, -1, 1, 1)
-    std = torch.tensor(manifest["std"], dtype=torch.float32).view(1, -1, 1, 1)
+    mean = torch.tensor(norm["mean"], dtype=torch.float32).view(1, -1, 1, 1)
+    std = torch.tensor(norm["std"], dtype=torch.float32).view(1, -1, 1, 1)
     x = (x - mean) / std
     if size is not None and tuple(x.shape[-2:]) != (size, size):
         x = torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)

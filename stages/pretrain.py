@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from core.config import Params
-from core.models import kinds, set_stochastic_depth
+from core.models import backbone_options, importing, kinds, set_stochastic_depth
 from core.models.spec import build_from_spec, pretraining_spec
 from core.training import distributed as D
 from core.training.loop import (
@@ -42,7 +42,10 @@ NAME = "pretrain"
 
 def checkpoint_epochs(params: Params) -> list[int]:
     """Every t1 a run of this config may need: reparam.epoch, pretrain.checkpoint_epochs, the values of
-    sweep.grid["reparam.epoch"], and the final epoch (in range 0..pretrain.epochs; 0 = the init)."""
+    sweep.grid["reparam.epoch"], and the final epoch (in range 0..pretrain.epochs; 0 = the init); an
+    imported CNN: its one state, t1 = 0 (`Params.t1`)."""
+    if params.imports_cnn:
+        return [params.t1()]
     wanted = {params.reparam.epoch, params.pretrain.epochs, *params.pretrain.checkpoint_epochs}
     wanted.update(int(v) for v in params.sweep.grid.get("reparam.epoch", []))
     return sorted(e for e in wanted if 0 <= e <= params.pretrain.epochs)
@@ -68,6 +71,8 @@ def identity(
     drop_path, the pretrain section and its effective augmentation, and the gate lr the stage derives. Which
     epochs are kept is not part of it (a sweep's group keeps every t1 its trials need); the resume hash
     adds it."""
+    if params.imports_cnn:
+        return import_identity(params, spec, data_fingerprint, device)
     pre = {k: v for k, v in T.section_identity(params.pretrain).items() if k != "checkpoint_epochs"}
     parts: dict[str, Any] = {
         "seed": params.seed,
@@ -83,6 +88,24 @@ def identity(
     return stage_identity(NAME, parts, inputs=inputs, device=device, execution=execution)
 
 
+def import_identity(
+    params: Params, spec: dict[str, Any], data_fingerprint: str, device: str
+) -> dict[str, Any]:
+    """An import's identity: the network (``spec``), the weights (their sha256, or timm's name for its own),
+    the normalization and the data it is evaluated on -- not the seed (the imported weights, and a replaced
+    classifier's init, do not depend on it), so every seed of a sweep shares one import. Its validation
+    accuracy is measured on the validation split of the first seed that ran it (``val_split_seed``)."""
+    source = params.pretrain.source
+    assert source is not None
+    parts = {
+        "model": {"spec": spec},
+        "source": {"sha256": source.sha256} if source.is_file else {"timm": params.model.arch},
+        "normalization": importing.normalization(params.model.arch, source),
+        "data": {k: v for k, v in T.data_identity(params).items() if k not in ("sample_fraction",)},
+    }
+    return stage_identity(NAME, parts, inputs={"data": data_fingerprint}, device=device)
+
+
 def run_hash(params: Params, spec: dict[str, Any], data_fingerprint: str, device: str) -> str:
     """The resume identity of a run: :func:`identity` and the epochs it keeps."""
     return stable_hash(
@@ -91,6 +114,8 @@ def run_hash(params: Params, spec: dict[str, Any], data_fingerprint: str, device
 
 
 def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
+    if params.imports_cnn:
+        return import_cnn(params, root=root)
     t_wall = time.perf_counter()
     root = Path(root)
     out_dir, work_dir = root / chain.run_dir(NAME), root / chain.partial_dir(NAME)
@@ -180,10 +205,77 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     return metrics
 
 
+def import_cnn(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
+    """Import the pretrained CNN of ``pretrain.source`` instead of training one (`core.models.importing`):
+    verify the file, build the net, load the weights strictly (a new classifier when the class counts differ),
+    evaluate it on the validation and test splits, and write what a trained CNN leaves: ``cnn-final.pt``, the
+    t1 = 0 checkpoint reparam converts and the control starts from, history (empty) and metrics."""
+    t_wall = time.perf_counter()
+    root = Path(root)
+    source = params.pretrain.source
+    assert source is not None
+    ds = T.datasets(params, root)
+    spec = model_spec(params, ds.num_classes, ds.in_chans)
+    try:
+        imported = importing.import_cnn(params.model.arch, source, ds.num_classes, ds.in_chans,
+                                        backbone_options(params.model.kind, params.model.options))  # fmt: skip
+    except ValueError as err:
+        raise StageError(str(err)) from None
+    t_import = time.perf_counter() - t_wall
+    for note in imported.notes:
+        print(f"{NAME}: {note}", file=sys.stderr)
+    model, device = imported.model, T.training_device()
+    channels_last = T.use_channels_last(device)
+    model.to(device)
+    loaders = T.loaders(params, ds, batch_size=T.EVAL_BATCH, seed=params.seed, augment=None,
+                        size=params.data.image_size)  # fmt: skip
+    with deterministic(device):
+        val = T.evaluate_split(model, loaders.val, device, channels_last, params) if loaders.val else {}
+        test = T.evaluate_split(model, loaders.test, device, channels_last, params)
+    origin = {"weights": source.weights, "sha256": imported.sha256, "arch": params.model.arch,
+              "classifier": imported.classifier, "source_classes": imported.source_classes,
+              "head_replaced": imported.head_replaced}  # fmt: skip
+    extra = {**T.extra_state(spec, ds, params.data.image_size), "source": origin}
+    state = {"kind": "model", "model": T.cpu_state(model), **extra, "epoch": params.t1(), "global_step": 0}
+    metrics = {
+        "imported": True,
+        "source": origin,
+        "normalization": T.input_normalization(params),
+        "notes": imported.notes,
+        "val_loss": val.get("loss"),
+        "val_acc": val.get("acc"),
+        "val_split_seed": params.seed,
+        "test_loss": test["loss"],
+        "test_acc": test["acc"],
+        "epochs": 0,
+        "checkpoint_epochs": checkpoint_epochs(params),
+        "params_count": sum(t.numel() for t in model.parameters()),
+        "device": device.type,
+        "import_s": t_import,
+        "wall_s": time.perf_counter() - t_wall,
+    }
+    T.publish(
+        None,
+        root / chain.run_dir(NAME),
+        stale_glob="ckpt/ckpt-epoch-*.pt",
+        objects={f"ckpt/ckpt-epoch-{params.t1():03d}.pt": state, "cnn-final.pt": state},
+        history=[],
+        metrics=metrics,
+    )
+    return metrics
+
+
 def check(params: Params, root: Path = Path(".")) -> None:
-    """Before any run opens: the prepared dataset exists, the checkpoint cadence is readable."""
+    """Before any run opens: the prepared dataset exists, the checkpoint cadence is readable; an import's
+    weights file has the sha256 params give (read again where it is loaded)."""
     T.require_dataset(params, root)
     T.checkpoint_every_steps(params, NAME)
+    source = params.pretrain.source
+    if source is not None and source.is_file:
+        try:
+            importing.read_weights(source.weights, source.sha256 or "")
+        except ValueError as err:
+            raise StageError(str(err)) from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from core.analysis.equivalence import LARGE_INIT, PAPER_INIT, agreement
+from core.analysis.equivalence import LARGE_INIT, PAPER_INIT, agreement, features_before
 from core.config import Params
 from core.data import first_batch
 from core.models import kinds
@@ -46,10 +46,35 @@ from stages.runner import StageError, stage_main
 NAME = "reparam"
 PROBE = 256  # images in the equivalence batch
 REQUIRED = ("model", "model_spec", "optimizer", "param_names", "scheduler", "rng", "epoch", "global_step")
+IMPORTED = ("model", "model_spec", "source")  # an imported CNN's checkpoint (stages.pretrain.import_cnn)
 
 
 def source_path(params: Params, root: Path) -> Path:
-    return root / chain.output("pretrain", "ckpt") / f"ckpt-epoch-{params.reparam.epoch:03d}.pt"
+    """The pretraining checkpoint at t1 (`Params.t1`: reparam.epoch, or the imported CNN's state)."""
+    return root / chain.output("pretrain", "ckpt") / f"ckpt-epoch-{params.t1():03d}.pt"
+
+
+def required(params: Params) -> tuple[str, ...]:
+    """The keys the t1 checkpoint must hold: a training checkpoint's, or an import's (no optimizer to carry)."""
+    return IMPORTED if params.imports_cnn else REQUIRED
+
+
+def source_label(params: Params) -> str:
+    if params.imports_cnn:
+        return "imported CNN written by the pretrain stage (pretrain.source)"
+    return f"pretraining checkpoint at reparam.epoch={params.reparam.epoch}"
+
+
+def load_source(params: Params, root: Path) -> dict[str, Any]:
+    """The t1 checkpoint, checked to be what params ask for: an import of this source, or a training run."""
+    src = source_path(params, root)
+    ckpt = T.load_checkpoint(src, required(params), source_label(params))
+    held = ckpt.get("source") or {}
+    source = params.pretrain.source
+    if source is not None and source.is_file and held.get("sha256") != source.sha256:
+        raise StageError(f"{src}: holds an import of sha256 {held.get('sha256')}, pretrain.source.sha256 is "
+                         f"{source.sha256} (rerun pretrain)")  # fmt: skip
+    return ckpt
 
 
 def convert(cnn: torch.nn.Module, params: Params, stride_mode: str | None = None) -> torch.nn.Module:
@@ -75,7 +100,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     root = Path(root)
     out_dir = root / chain.run_dir(NAME)
     src = source_path(params, root)
-    ckpt = T.load_checkpoint(src, REQUIRED, f"pretraining checkpoint at reparam.epoch={params.reparam.epoch}")
+    ckpt = load_source(params, root)
     try:
         cnn = build_from_spec(ckpt["model_spec"])
         cnn.load_state_dict(ckpt["model"])
@@ -92,7 +117,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     cnn.eval()
 
     seed_everything(derive_seed(params.seed, NAME))  # the new W_qry, W_key (and such) draw from this stream
-    state_in = named_state(ckpt["optimizer"], ckpt["param_names"])
+    state_in = named_state(ckpt["optimizer"], ckpt["param_names"]) if "optimizer" in ckpt else {}
     try:
         made = reparameterize(cnn, spec_cnn, kind, params.reparam, params.model.options)
     except ValueError as err:
@@ -117,9 +142,14 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     probe = first_batch(probe_loader, PROBE)
     cnn.to(device)
     tcnn.to(device)
-    logits_cnn = predict(cnn, probe)
+    compare = Comparison(ckpt.get("source"))
+    logits_cnn = compare(cnn, probe)
     report: dict[str, Any] = {
-        "reparam_epoch": params.reparam.epoch,
+        "reparam_epoch": params.t1(),
+        "imported": params.imports_cnn,
+        "source": ckpt.get("source"),
+        "normalization": T.input_normalization(params),
+        "compared": compare.what,
         "alpha_init": params.reparam.alpha_init,
         "lambda_init": params.reparam.lambda_init,
         "stride_mode": params.reparam.stride_mode,
@@ -127,7 +157,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         "kind": kind,
         "converted": made.converted,
         "probe_images": int(probe.shape[0]),
-        **agreement(logits_cnn, predict(tcnn, probe)),
+        **agreement(logits_cnn, compare(tcnn, probe)),
         "gpsa_layers": [name for name, _ in gpsa_modules(tcnn)],
         "attention_layers": [name for name, _ in attention_modules(tcnn)],
         "params_cnn": sum(p.numel() for p in cnn.parameters()),
@@ -138,13 +168,13 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         other = "s1" if params.reparam.stride_mode == "exact" else "exact"
         try:
             alt = convert(cnn, params, other).to(device)
-            report[f"max_abs_logit_diff_{other}"] = agreement(logits_cnn, predict(alt, probe))[
+            report[f"max_abs_logit_diff_{other}"] = agreement(logits_cnn, compare(alt, probe))[
                 "max_abs_logit_diff"
             ]
         except (ValueError, NotImplementedError) as err:
             report[f"max_abs_logit_diff_{other}"] = None
             report[f"{other}_error"] = str(err)
-        report["inits"] = _other_inits(cnn, params, probe, logits_cnn, loaders.test, device)
+        report["inits"] = _other_inits(cnn, params, probe, logits_cnn, loaders.test, device, compare)
     cl = T.use_channels_last(device)  # the accuracies: fast layout (the logit diffs above use NCHW)
     if cl:
         cnn.to(memory_format=torch.channels_last)
@@ -171,8 +201,10 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
             "sha256": file_digest(src),
             "epoch": int(ckpt["epoch"]),
         },
-        "carry": T.carry(ckpt, state, moved),
+        "carry": T.carry(ckpt, state, moved) if "optimizer" in ckpt else None,
     }
+    if ckpt.get("source") is not None:
+        out["imported"] = ckpt["source"]
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_save(out, out_dir / "tcnn.pt")
     atomic_write_json(out_dir / "equivalence.json", report)
@@ -186,6 +218,7 @@ def _other_inits(
     logits_cnn: torch.Tensor,
     test: Any,
     device: Any,
+    compare: Comparison,
 ) -> list[dict[str, Any]]:
     """How far the converted network is from the CNN at the paper's init and at a large init, next to the
     configured one: max |logit diff| and prediction agreement on the probe batch, and at the paper's init the
@@ -197,7 +230,7 @@ def _other_inits(
             continue
         other = convert(cnn, params.with_overrides({"reparam.alpha_init": a, "reparam.lambda_init": lam}))
         other = other.to(device).eval()
-        near = agreement(logits_cnn, predict(other, probe))
+        near = agreement(logits_cnn, compare(other, probe))
         row = {"init": label, "alpha_init": a, "lambda_init": lam}
         row |= {k: near[k] for k in ("max_abs_logit_diff", "prediction_agreement")}
         if label == "paper" and test is not None:
@@ -206,11 +239,24 @@ def _other_inits(
     return rows
 
 
+class Comparison:
+    """What the equivalence compares: the logits, or, when the import replaced the classifier (T-CNN and CNN
+    then share a new, untrained head), the features before it (`core.analysis.equivalence.features_before`)."""
+
+    def __init__(self, imported: dict[str, Any] | None) -> None:
+        replaced = bool(imported and imported.get("head_replaced"))
+        self.head = imported["classifier"] if replaced and imported else None
+        self.what = (
+            f"features before the classifier {self.head!r} (replaced on import)" if self.head else "logits"
+        )
+
+    def __call__(self, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return features_before(model, x, self.head) if self.head else predict(model, x)
+
+
 def check(params: Params, root: Path = Path(".")) -> None:
     """Before any run opens: the pretraining checkpoint at t1 exists."""
-    T.require_checkpoint(
-        source_path(params, root), f"pretraining checkpoint at reparam.epoch={params.reparam.epoch}"
-    )
+    T.require_checkpoint(source_path(params, root), source_label(params))
     T.require_dataset(params, root)
 
 

@@ -149,12 +149,29 @@ def log_corrupted_sets(tracker: Any, params: Params, root: Path) -> None:
                             context="test-corrupted", profile=profile)  # fmt: skip
 
 
+def source_tags(metrics: dict[str, Any]) -> dict[str, str]:
+    """MLflow tags naming an imported CNN (pretrain's metrics): file, sha256, arch, normalization, and whether
+    its classifier was replaced."""
+    src, norm = metrics.get("source") or {}, metrics.get("normalization") or {}
+    return {
+        "tcnn.cnn_source": str(src.get("weights")),
+        "tcnn.cnn_source_sha256": str(src.get("sha256")),
+        "tcnn.cnn_source_arch": str(src.get("arch")),
+        "tcnn.cnn_normalization": f"{norm.get('from')}: mean {norm.get('mean')} std {norm.get('std')}",
+        "tcnn.classifier_replaced": "; ".join(metrics.get("notes") or []) or "no",
+    }
+
+
 def _log_outputs(tracker: Any, params: Params, name: str, metrics: Any, root: Path = Path(".")) -> None:
     """Everything a finished stage leaves for MLflow: metrics, per-epoch metrics, artifacts, datasets, models;
     the last stage also logs the summary metrics on the parent run."""
     if tracker is None:
         return
     tracker.log_metrics(stage_metrics(name, metrics))
+    if isinstance(metrics, dict) and metrics.get("imported"):  # the CNN's origin, on the stage and its parent
+        tags = source_tags(metrics)
+        tracker.set_tags(tags)
+        tracker.set_tags(tags, run_id=tracker.parent_run_id)
     if name in STAGE_HISTORIES:
         log_history(tracker, root / chain.output(name, "history.json"), STAGE_HISTORIES[name])
     for context in STAGE_DATASETS.get(name, ()):

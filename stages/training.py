@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import signal
@@ -48,8 +49,31 @@ def data_identity(params: Params) -> dict[str, Any]:
     return {k: v for k, v in section_identity(params.data).items() if k not in DATA_LOCATION_KEYS}
 
 
+def input_normalization(params: Params) -> dict[str, Any] | None:
+    """The normalization an imported CNN expects (`core.models.importing.normalization`: pretrain.source's
+    mean / std, timm's pretrained_cfg, torchvision's ImageNet statistics), used by every stage for that model;
+    None: the dataset's own statistics (its manifest), as for a CNN trained here."""
+    if params.pretrain.source is None:
+        return None
+    from core.models.importing import normalization
+
+    return normalization(params.model.arch, params.pretrain.source) or None
+
+
 def datasets(params: Params, root: Path = Path(".")) -> Datasets:
-    """The train/val/test arrays of `root / data.dir` (root: the repo under DVC, a trial dir under Ray)."""
+    """The train/val/test arrays of `root / data.dir` (root: the repo under DVC, a trial dir under Ray),
+    normalized as the model expects (:func:`input_normalization`)."""
+    ds = _load_datasets(params, root)
+    norm = input_normalization(params)
+    if norm is None:
+        return ds
+    if len(norm["mean"]) != ds.in_chans:
+        raise StageError(f"pretrain.source: normalization has {len(norm['mean'])} channels ({norm['from']}), "
+                         f"the dataset {ds.in_chans}")  # fmt: skip
+    return dataclasses.replace(ds, mean=list(norm["mean"]), std=list(norm["std"]))
+
+
+def _load_datasets(params: Params, root: Path) -> Datasets:
     try:
         return load_datasets(
             Path(root) / params.data.dir,

@@ -24,3 +24,22 @@ def agreement(reference: torch.Tensor, logits: torch.Tensor) -> dict[str, float 
         "max_abs_logit_cnn": float(reference.abs().max()),
         "prediction_agreement": float((reference.argmax(-1) == logits.argmax(-1)).float().mean()),
     }
+
+
+def features_before(model: torch.nn.Module, x: torch.Tensor, module_name: str) -> torch.Tensor:
+    """The input of ``model``'s submodule ``module_name`` (its classifier) on ``x``, in eval mode, fp32 on the
+    CPU: what the equivalence compares when the classifier was replaced on import (T-CNN and CNN then share a
+    new, untrained head, and the features before it are what the conversion must preserve)."""
+    seen: list[torch.Tensor] = []
+    handle = model.get_submodule(module_name).register_forward_hook(
+        lambda _m, inputs, _out: seen.append(inputs[0].detach())
+    )
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(x.to(next(model.parameters()).device))
+    finally:
+        handle.remove()
+        model.train(was_training)
+    return seen[-1].float().cpu().flatten(1)

@@ -30,6 +30,7 @@ import torch.nn as nn
 from timm.layers import DropPath
 
 from core.models import builtin_kinds, kinds  # noqa: F401 (builtin_kinds registers the project's kinds)
+from core.models.builders import is_builder, load_builder
 from core.models.convit import CONVIT_CONFIGS, ConViT
 from core.models.kinds import ABLATION_SWITCHES, GATING_MODES, REPARAM_KEYS, ModelKind
 from core.models.reparam import gpsa_modules, to_tcnn
@@ -56,12 +57,21 @@ def is_known_arch(arch: str, kind: str | None = None) -> bool:
     the project's small nets); None: of any kind."""
     if kind is None:
         return any(is_known_arch(arch, k.name) for k in kinds.all_kinds())
+    if is_builder(arch):
+        return kinds.get(kind).builders
     archs = kinds.get(kind).archs
     return arch in archs if archs is not None else (arch in PROJECT_ARCHS or timm.is_model(arch))
 
 
 def check_arch(kind: str, arch: str) -> None:
-    """One-line ValueError unless ``arch`` is a model of ``kind``."""
+    """One-line ValueError unless ``arch`` is a model of ``kind`` (a user's builder ``module:function`` is
+    imported here, for the kinds that take one)."""
+    if is_builder(arch):
+        if not kinds.get(kind).builders:
+            takers = [k.name for k in kinds.all_kinds() if k.builders]
+            raise ValueError(f"a user's builder ({arch}) serves kinds {takers}, not {kind!r}")
+        load_builder(arch)
+        return
     if not is_known_arch(arch, kind):
         archs = kinds.get(kind).archs
         if archs is not None:
@@ -183,7 +193,7 @@ def convert(cnn: nn.Module, kind: str, **options: Any) -> nn.Module:
     if options:
         raise ValueError(f"kind {kind!r}: unknown conversion option(s) {sorted(options)}")
     if "stages" in conv:
-        conv["stages"] = tuple(conv["stages"])
+        conv["stages"] = tuple(conv["stages"])  # indices or module-name patterns (to_tcnn)
     return apply_ablations(to_tcnn(cnn, attention=record.attention, **conv), **ablate)
 
 

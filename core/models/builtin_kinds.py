@@ -22,6 +22,7 @@ import timm
 import torch.nn as nn
 
 from core.models.aa_resnet import build_aa_resnet
+from core.models.builders import build_external, is_builder
 from core.models.convit import CONVIT_CONFIGS, build_convit
 from core.models.kinds import ModelKind, register
 from core.nn.cmhsa import CMHSA_ARCHS, build_cmhsa, to_mhsa
@@ -32,6 +33,13 @@ GPSA_CONVERSION = ("alpha_init", "lambda_init", "stages", "stride_mode")
 
 
 def build_cnn(arch: str, num_classes: int, **options: Any) -> nn.Module:
+    """A timm (or project) CNN, or the network of a user's builder ``package.module:function``
+    (`core.models.builders`; it takes no options besides the input channels it is checked against)."""
+    if is_builder(arch):
+        in_chans = options.pop("in_chans", None)
+        if options:
+            raise ValueError(f"model.options: a user's builder ({arch}) takes none, got {sorted(options)}")
+        return build_external(arch, num_classes, in_chans)
     return timm.create_model(arch, num_classes=num_classes, **options)
 
 
@@ -68,18 +76,21 @@ def _check_hybrid_conversion(options: dict[str, Any]) -> None:
         )
 
 
-register(ModelKind("cnn", build_cnn, "a timm CNN (or a project small net)", pretrains_cnn=True))
+register(
+    ModelKind("cnn", build_cnn, "a timm CNN (or a project small net)", pretrains_cnn=True, builders=True)
+)
 register(
     ModelKind(
         "tcnn", build_cnn, "the CNN's last-stage 3x3 convs as GPSA after pretraining ([TCNN21] Sec. 2)",
         pretrains_cnn=True, attention="gpsa", conversion=GPSA_CONVERSION, ablations=("gating", "freeze_gpsa"),
+        builders=True,
     )
 )  # fmt: skip
 register(
     ModelKind(
         "psa", build_cnn, "the CNN's convs as ungated positional self-attention ([Cordonnier20])",
         pretrains_cnn=True, attention="psa", conversion=("alpha_init", "stages", "stride_mode", "qk_init"),
-        ablations=("freeze_gpsa",), check_options=_check_psa,
+        ablations=("freeze_gpsa",), check_options=_check_psa, builders=True,
     )
 )  # fmt: skip
 register(

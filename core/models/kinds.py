@@ -19,6 +19,7 @@ What a record says:
   two-phase model (``phases``: the pretraining phase and the phase after reparameterization; [Li21]);
 - whether it has a matched control (`ModelKind.has_control`: the fine-tuned model is a reparameterized
   pretrained network);
+- whether ``model.arch`` may name a user's builder (``builders``, `core.models.builders`);
 - its ablation switches ([ConViT21] Table 3; `ABLATION_SWITCHES`), the builder option that takes the input
   size (``image_size_option``; pretraining sets it to ``data.image_size``) and any further option check.
 """
@@ -72,6 +73,9 @@ class ModelKind:
     ablations: tuple[str, ...] = ()
     image_size_option: str | None = None
     check_options: Callable[[dict[str, Any]], None] | None = None
+    builders: bool = (
+        False  # model.arch may name a user's builder, package.module:function (core.models.builders)
+    )
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.ablations) - set(ABLATION_SWITCHES))
@@ -121,7 +125,7 @@ class ModelKind:
             elif key in self.conversion_defaults:
                 conv[key] = self.conversion_defaults[key]
         if "stages" in conv:
-            conv["stages"] = [int(s) for s in conv["stages"]]
+            conv["stages"] = [s if isinstance(s, str) else int(s) for s in conv["stages"]]
         return conv
 
 

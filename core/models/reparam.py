@@ -8,13 +8,15 @@ lambda_init (e.g. 50) the T-CNN computes the CNN's function to float precision (
 paper's init is alpha = lambda = 1 ([TCNN21], Sec. 2 "How convolutional should the initialization be?").
 
 Supported: timm ResNet (basic and bottleneck blocks), ResNet-D, ResNet-RS, SE-ResNet, anti-aliased and dilated
-variants, and the project's small CIFAR ResNets - any model with stages ``layer1`` ... ``layerN`` of plain
-``nn.Conv2d`` layers.
+variants, torchvision's ResNets, the project's small CIFAR ResNets and He et al.'s CIFAR ResNets - any model
+with stages ``layer1`` ... ``layerN`` of plain ``nn.Conv2d`` layers; in any other net the convs are named by
+module-name patterns (``reparam.stages: ["features.7.*"]``).
 """
 
 from __future__ import annotations
 
 import copy
+import fnmatch
 from collections.abc import Sequence
 
 import torch.nn as nn
@@ -24,7 +26,15 @@ from core.nn.gpsa_tcnn import TcnnGPSA
 from core.nn.positional import STRIDE_MODES
 from core.nn.psa import PSA
 
-__all__ = ["ATTENTIONS", "attention_modules", "gpsa_modules", "model_stages", "to_psa", "to_tcnn"]
+__all__ = [
+    "ATTENTIONS",
+    "attention_modules",
+    "conversion_targets",
+    "gpsa_modules",
+    "model_stages",
+    "to_psa",
+    "to_tcnn",
+]
 
 ATTENTIONS = ("gpsa", "psa")
 
@@ -39,6 +49,51 @@ def model_stages(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return stages
 
 
+def _spatial_convs(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Conv2d]]:
+    """The k x k convolutions (k > 1) under ``module``, as (qualified name, conv)."""
+    return [
+        (f"{prefix}{name}", m)
+        for name, m in module.named_modules()
+        if isinstance(m, nn.Conv2d) and max(m.kernel_size) > 1
+    ]
+
+
+def conversion_targets(model: nn.Module, stages: Sequence[int | str]) -> list[tuple[str, nn.Conv2d]]:
+    """The convolutions `to_tcnn` converts: every k x k conv (k > 1) of the ResNet stages ``stages`` indexes
+    (layer1..layerN, negative from the end), and every one whose module name matches a pattern of
+    ``stages`` (fnmatch, e.g. ``"features.7.*"``), for a net that is not ResNet-like. One-line ValueErrors."""
+    patterns = [s for s in stages if isinstance(s, str)]
+    indices = [int(s) for s in stages if not isinstance(s, str)]
+    targets: dict[str, nn.Conv2d] = {}
+    if indices:
+        all_stages = model_stages(model)
+        if not all_stages:
+            raise ValueError(
+                f"to_tcnn: {type(model).__name__} has no ResNet stages (layer1, layer2, ...); name the convs "
+                "by module-name patterns instead"
+            )
+        n = len(all_stages)
+        picked: list[int] = []
+        for s in indices:
+            if not -n <= s < n:
+                raise ValueError(f"to_tcnn: stage index {s} out of range for {n} stages")
+            if s % n not in picked:
+                picked.append(s % n)
+        for idx in sorted(picked):
+            stage_name, stage = all_stages[idx]
+            targets.update(_spatial_convs(stage, f"{stage_name}."))
+        if not targets:
+            raise ValueError(f"to_tcnn: no k x k convolutions (k > 1) in stages {sorted(picked)}")
+    for pattern in patterns:
+        found = [(name, m) for name, m in _spatial_convs(model) if fnmatch.fnmatchcase(name, pattern)]
+        if not found:
+            raise ValueError(f"to_tcnn: no k x k convolution (k > 1) matches {pattern!r}")
+        targets.update(found)
+    if not targets:
+        raise ValueError("to_tcnn: no stages selected")
+    return list(targets.items())
+
+
 def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
     parent_path, _, leaf = path.rpartition(".")
     parent = root.get_submodule(parent_path) if parent_path else root
@@ -50,7 +105,7 @@ def to_tcnn(
     *,
     alpha_init: float = 1.0,
     lambda_init: float = 1.0,
-    stages: Sequence[int] = (-1,),
+    stages: Sequence[int | str] = (-1,),
     stride_mode: str = "exact",
     attention: str = "gpsa",
     qk_init: str = "zero_key",
@@ -61,7 +116,8 @@ def to_tcnn(
         model: a timm ResNet-family model (the input is never modified).
         alpha_init: initial rectified locality strength alpha (> 0; the paper uses 1).
         lambda_init: initial gating parameter lambda (sigma(lambda) = weight of the positional attention).
-        stages: indices into [layer1, ..., layerN] (negative from the end; default: the last stage).
+        stages: indices into [layer1, ..., layerN] (negative from the end; default: the last stage) and/or
+            module-name patterns (fnmatch) of the convs to convert (`conversion_targets`).
         stride_mode: "exact" (stride-1 attention then [::s, ::s]; function-preserving) or "s1" (BoTNet-style
             stride-1 attention then s x s average pooling; not function-preserving).
         attention: "gpsa" ([TCNN21], the default) or "psa": ungated positional self-attention (`core.nn.psa.PSA`,
@@ -73,28 +129,8 @@ def to_tcnn(
     if stride_mode not in STRIDE_MODES:
         raise ValueError(f"to_tcnn: stride_mode must be 'exact' or 's1', got {stride_mode!r}")
     # alpha_init is checked where it becomes a parameter (GPSA / PSA construction), not on the way there.
-    all_stages = model_stages(model)
-    if not all_stages:
-        raise ValueError(f"to_tcnn: {type(model).__name__} has no ResNet stages (layer1, layer2, ...)")
-    n = len(all_stages)
-    picked: list[int] = []
-    for s in stages:
-        if not -n <= int(s) < n:
-            raise ValueError(f"to_tcnn: stage index {s} out of range for {n} stages")
-        idx = int(s) % n
-        if idx not in picked:
-            picked.append(idx)
-    if not picked:
-        raise ValueError("to_tcnn: no stages selected")
     new = copy.deepcopy(model)
-    targets: list[tuple[str, nn.Conv2d]] = []
-    for idx in sorted(picked):
-        stage_name, stage = model_stages(new)[idx]
-        for name, m in stage.named_modules():
-            if isinstance(m, nn.Conv2d) and max(m.kernel_size) > 1:
-                targets.append((f"{stage_name}.{name}", m))
-    if not targets:
-        raise ValueError(f"to_tcnn: no k x k convolutions (k > 1) in stages {sorted(picked)}")
+    targets = conversion_targets(new, stages)
     for path, conv in targets:
         try:
             if attention == "gpsa":

@@ -43,7 +43,7 @@ def make_model_spec(
         tcnn = {
             "alpha_init": float(tcnn["alpha_init"]),
             "lambda_init": float(tcnn["lambda_init"]),
-            "stages": [int(s) for s in tcnn["stages"]],
+            "stages": [s if isinstance(s, str) else int(s) for s in tcnn["stages"]],
             "stride_mode": str(tcnn["stride_mode"]),
             "attention": attention,
         }

@@ -122,6 +122,23 @@ def section_runs(
     )
 
 
+def _source_rows(eq: dict[str, Any]) -> list[list[Any]]:
+    """Where the CNN came from: trained here, or imported (pretrain.source: file, sha256, normalization, and
+    whether its classifier was replaced)."""
+    src = eq.get("source") if eq.get("imported") else None
+    if not isinstance(src, dict):
+        return [["the CNN", "trained here (the pretrain stage)"]]
+    norm = eq.get("normalization") or {}
+    head = (f"replaced: {src.get('source_classes')} classes in the checkpoint (the equivalence compares the "
+            f"features before it)") if src.get("head_replaced") else "kept"  # fmt: skip
+    return [
+        ["the CNN", Markup("imported: {} ({})").format(_code(src.get("weights")), _code(src.get("arch")))],
+        ["its sha256", _code(src.get("sha256"))],
+        ["input normalization", f"mean {norm.get('mean')}, std {norm.get('std')} ({norm.get('from')})"],
+        [f"classifier {src.get('classifier')!r}", head],
+    ]
+
+
 def _section_equivalence(eq: dict[str, Any] | None) -> Markup:
     if not eq:
         return Markup()
@@ -131,13 +148,14 @@ def _section_equivalence(eq: dict[str, Any] | None) -> Markup:
     diff = eq.get("max_abs_logit_diff")
     scale = eq.get("max_abs_logit_cnn")
     rel = diff / scale if finite(diff) and finite(scale) and scale > 0 else None
-    rows = [
+    rows = _source_rows(eq) + [
         ["reparameterization epoch t1", fmt_num(eq.get("reparam_epoch"))],
         ["converted layers", ", ".join(eq.get("gpsa_layers") or []) or "none"],
         ["stride mode", _code(eq.get("stride_mode"))],
         ["alpha init", fmt_num(eq.get("alpha_init"))],
         ["lambda init (sigma(lambda))", f"{fmt_num(lam)} ({fmt_num(sig, 3)})"],
         ["probe images", fmt_num(eq.get("probe_images"))],
+        ["compared", eq.get("compared") or "logits"],
         [f"max |logit diff| T-CNN vs CNN ({eq.get('stride_mode')})", Markup("<b>{}</b>{}").format(fmt_sci(diff),
          f" (relative to max |logit| {fmt_num(scale, 3)}: {fmt_sci(rel)})" if rel is not None else "")],
         ["mean |logit diff|", fmt_sci(eq.get("mean_abs_logit_diff"))],
