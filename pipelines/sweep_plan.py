@@ -137,7 +137,7 @@ def control_identity(params: Params, pretrain_key: str, device: str) -> dict[str
     reparameterization (alpha/lambda init, stride mode, tcnn vs psa on the same CNN) share one control."""
     from stages import control, finetune
 
-    inputs = {"pretrain": pretrain_key, "t1": params.reparam.epoch}
+    inputs = {"pretrain": pretrain_key, "t1": params.t1()}
     return finetune.identity(params, inputs, device, freeze=params.finetune.freeze,
                              variant=control.VARIANT.name, workers=params.workers_per_trial)  # fmt: skip
 
@@ -226,7 +226,7 @@ def make_plan(
     for key, ts in members.items():
         # The group pretrains with its first trial's params, keeping a checkpoint at every t1 of its trials
         # (the other keys of those params do not change what pretraining computes: that is the key).
-        epochs = sorted({t.params.reparam.epoch for t in ts})
+        epochs = sorted({t.params.t1() for t in ts})
         norm = {"pretrain.checkpoint_epochs": epochs, "reparam.epoch": epochs[0]}
         gp = _override(ts[0].params, norm, f"pretraining group {key}")
         groups[key] = PretrainGroup(key, gp, epochs, [t.tid for t in ts], identities[key])

@@ -7,6 +7,10 @@ Outputs (under `root/runs/pretrain/`, published only when the run completes):
   history.csv/.json   per epoch: lr, train/val loss and accuracy, images/s
   metrics.json        final train/val/test loss and accuracy, timings
 
+With `pretrain.source` the stage imports the CNN instead (`import_cnn`, `core.models.importing`): the same
+outputs, its one checkpoint at t1 = 0, an empty history, and metrics naming the source, its sha256 and the
+normalization every stage then feeds it with.
+
 While running, state lives in `root/runs/.partial/pretrain/` (outside DVC's outs, which DVC deletes before a
 stage runs); a rerun with the same params and data resumes from it exactly (see core.training.loop.fit).
 """

@@ -1,4 +1,5 @@
-"""Stage `reparam`: turn the CNN checkpointed at epoch t1 = `reparam.epoch` into a T-CNN ([TCNN21] Sec. 2).
+"""Stage `reparam`: turn the CNN checkpointed at epoch t1 = `reparam.epoch` (or the imported CNN, t1 = 0,
+`Params.t1`) into a T-CNN ([TCNN21] Sec. 2).
 
 Reads `root/runs/pretrain/ckpt/ckpt-epoch-{t1:03d}.pt`, applies `core.reparam.to_tcnn` with `reparam.alpha_init`,
 `reparam.lambda_init`, `reparam.stages` and `reparam.stride_mode`, and writes to `root/runs/reparam/`:

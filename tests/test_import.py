@@ -399,3 +399,30 @@ def test_bad_imports_end_with_one_line_exit_2_and_nothing_written(workspace: Pat
     _refused(
         workspace, _import_params(workspace, other, other_sha), "1 missing (first 'layer2.0.down.weight')"
     )
+
+
+def test_a_sweep_shares_one_import_across_inits_and_seeds(tmp_path: Path, monkeypatch) -> None:
+    from test_sweep import make_project
+
+    from pipelines.sweep_plan import SweepError, make_plan
+
+    path = make_project(tmp_path, {"seed": [0, 1], "reparam.alpha_init": [1.0, 50.0]})
+    write_builder(tmp_path)
+    weights, sha = save_user_checkpoint(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    source = {"weights": str(weights.relative_to(tmp_path)), "sha256": sha, "mean": [0.3], "std": [0.35]}
+    base = validate_params(
+        {**yaml.safe_load(path.read_text()), "model": {"kind": "tcnn", "arch": "mynets:small"}}
+    )
+    base = base.with_overrides({"pretrain.source": source})
+    plan = make_plan(base, cwd=tmp_path)
+    assert len(plan.trials) == 4 and len(plan.groups) == 1  # one import for both seeds and both inits
+    (group,) = plan.groups.values()
+    assert group.epochs == [0] and {t.params.t1() for t in plan.trials} == {0}
+    assert {t.params.pretrain.source.weights for t in plan.trials} == {str(weights.resolve())}
+    assert len(plan.controls) == 2  # one matched control per seed, shared by both inits
+    other, other_sha = save_user_checkpoint(tmp_path, seed=3)
+    moved = make_plan(base.with_overrides({"pretrain.source.sha256": other_sha}), cwd=tmp_path)
+    assert set(moved.groups).isdisjoint(plan.groups)  # other weights: another import
+    with pytest.raises((ConfigError, SweepError), match="reparam.epoch: the CNN is imported"):
+        make_plan(base.with_overrides({"sweep.grid.reparam.epoch": [0, 1]}), cwd=tmp_path)
