@@ -1,6 +1,6 @@
 """A finished study's small results, committed next to its preset, and the README section made from them.
 
-    tcnn study export SWEEP_DIR OUT_DIR      # results.csv, history.csv, attention.csv, meta.json
+    tcnn study export SWEEP_DIR OUT_DIR      # results.csv, history.csv, attention.csv, cost.csv, meta.json
     tcnn study render OUT_DIR [--readme README.md] [--check]
 
 ``export`` reads a finished sweep that chose a hyperparameter on validation data (``sweep.select``, one key,
@@ -11,9 +11,15 @@ e.g. ``finetune.lr``) and writes kilobytes that hold everything its headline dep
   interval (paired bootstrap over test images, re-run from the trial's per-image table); and one
   ``selected`` row per seed: each arm at its validation-chosen value, T-CNN - control with its paired
   interval (the sweep's selected.parquet). ``tcnn_selected`` / ``control_selected`` mark the chosen rows.
-- ``history.csv``: every fine-tuning epoch of both arms at every value (validation accuracy, losses, lr).
+- ``history.csv``: every fine-tuning epoch of both arms at every value (validation accuracy, losses, lr, and
+  the epoch's training time ``train_time_s`` and ``images_per_s`` where the history records them; empty in
+  epoch 0, the state before fine-tuning).
 - ``attention.csv``: every GPSA head of each seed's chosen T-CNN over fine-tuning: gate sigma(lambda),
   span 1/alpha, nonlocality (gpsa.csv of the finetune stage).
+- ``cost.csv``: one row per (trial, stage) the trial ran or shared (:func:`cost_rows`): the stage's sweep role,
+  the key of the shared run (count each once), its wall time as the sweep recorded it and as the stage
+  measured it, its training time and epochs, the CPU; empty where nothing records a number.
+  :func:`cost_hours` recomputes meta.json's ``compute_h`` from it.
 - ``meta.json``: sweep name, commit, wall time, CPU.
 
 ``render`` re-derives the selection from the grid rows (validation argmax per seed and arm; it must agree
@@ -44,7 +50,13 @@ MODELS = ("cnn", "tcnn", "control")
 METRICS = ("clean_accuracy", "mca", "mce", "relative_mce")
 DIFF = "tcnn_minus_control"
 ENDS = ("", "_ci_low", "_ci_high")
-FILES = ("results.csv", "history.csv", "attention.csv", "meta.json")
+FILES = ("results.csv", "history.csv", "attention.csv", "cost.csv", "meta.json")
+#: What ``render`` reads (a study exported before cost.csv existed renders the same).
+RENDERED = ("results.csv", "history.csv", "attention.csv", "meta.json")
+HISTORY = ("seed", "arm", "value", "epoch", "val_accuracy", "val_loss", "train_loss", "train_acc", "lr",
+           "train_time_s")  # fmt: skip
+COST = ("trial", "seed", "value", "stage", "role", "shared_key", "wall_s", "stage_wall_s", "train_time_s",
+        "epochs", "recovered", "cpu")  # fmt: skip
 FIGURES = ("lr_grid.png", "val_curves.png", "attention.png")
 
 
@@ -102,11 +114,7 @@ def export(sweep_dir: Path, out: Path, cpu: str | None = None) -> list[Path]:
         row |= pair_metrics(root, root, replicates=int(p["robustness"]["bootstrap"]),
                             seed=derive_seed(int(seed), "bootstrap"))  # fmt: skip
         rows.append(row)
-        for arm, stage in (("tcnn", "finetune"), ("control", "control")):
-            for h in _json(root / chain.output(stage, "history.json")):
-                history.append({"seed": seed, "arm": arm, "value": value, "epoch": int(h.get("finetune_epoch", 0)),
-                                "val_accuracy": h.get("val_acc"),
-                                **{k: h.get(k) for k in ("val_loss", "train_loss", "train_acc", "lr")}})  # fmt: skip
+        history += _history_rows(root, seed, value)
         gpsa = root / chain.output("finetune", "gpsa.csv")
         if picks.get((seed, "tcnn")) == tid and gpsa.is_file():
             with open(gpsa) as fh:
@@ -119,9 +127,11 @@ def export(sweep_dir: Path, out: Path, cpu: str | None = None) -> list[Path]:
         row |= {k: c.get(k) for k in _columns() if k in c and k not in row}
         rows.append(row)
     out.mkdir(parents=True, exist_ok=True)
+    rates = ["images_per_s"] if any(h.get("images_per_s") is not None for h in history) else []
     written = [_write_csv(out / "results.csv", rows, _columns()),
-               _write_csv(out / "history.csv", history, list(history[0]) if history else ["seed"]),
-               _write_csv(out / "attention.csv", attention, list(attention[0]) if attention else ["seed"])]  # fmt: skip
+               _write_csv(out / "history.csv", history, [*HISTORY, *rates]),
+               _write_csv(out / "attention.csv", attention, list(attention[0]) if attention else ["seed"]),
+               _write_csv(out / "cost.csv", cost_rows(sweep_dir, spec, key), list(COST))]  # fmt: skip
     metrics = _json(sweep_dir / "metrics.json") if (sweep_dir / "metrics.json").is_file() else {}
     meta = {"sweep": spec["name"], "selected_key": key, "commit": _commit(sweep_dir),
             "cpus": _cpus(sweep_dir, spec["name"]) or ([cpu] if cpu else []), "export_cpu": cpu_model(),
@@ -130,6 +140,117 @@ def export(sweep_dir: Path, out: Path, cpu: str | None = None) -> list[Path]:
             "first_trial_start": _first_start(sweep_dir), "last_trial_end": _last_end(sweep_dir)}  # fmt: skip
     atomic_write_text(out / "meta.json", json.dumps(meta, indent=1) + "\n")
     return [*written, out / "meta.json"]
+
+
+def _seconds(v: Any) -> str | None:
+    """A time in seconds for the tables, to the millisecond (sums of them recompute the compute hours)."""
+    return None if v is None else f"{float(v):.3f}"
+
+
+def _history_rows(root: Path, seed: Any, value: Any) -> list[dict[str, Any]]:
+    """The fine-tuning history of both arms of the trial in ``root``, one row per epoch. Epoch 0 is the state
+    before fine-tuning: no training time."""
+    out = []
+    for arm, stage in (("tcnn", "finetune"), ("control", "control")):
+        for h in _json(root / chain.output(stage, "history.json")):
+            epoch = int(h.get("finetune_epoch", 0))
+            row = {"seed": seed, "arm": arm, "value": value, "epoch": epoch, "val_accuracy": h.get("val_acc"),
+                   **{k: h.get(k) for k in ("val_loss", "train_loss", "train_acc", "lr")}}  # fmt: skip
+            if epoch > 0:
+                row |= {"train_time_s": _seconds(h.get("train_time_s")), "images_per_s": h.get("images_per_s")}  # fmt: skip
+            out.append(row)
+    return out
+
+
+def _shared_key(spec: dict[str, Any], trial: dict[str, Any], stage: str, root: Path) -> str | None:
+    """The identity key (its directory's name under the sweep storage) of the shared run of ``stage`` the trial
+    used; None for a stage the trial ran itself."""
+    role = chain.sweep_role(stage)
+    if role == "sweep":
+        return trial.get(f"{stage}_key")
+    if role != "group":
+        return None
+    key = trial.get(f"{stage}_key") if spec.get("share_pretraining") else None
+    link = root / chain.run_dir(stage)
+    if not key and link.is_symlink():  # the link to the shared run (pipelines.sweep_shared.link_pretraining)
+        key = link.resolve().parents[1].name
+    return key or None
+
+
+def _stage_wall(root: Path, stage: str) -> float | None:
+    """The ``wall_s`` the stage wrote in its metrics file (None for a stage without one, or that writes none)."""
+    try:
+        path = root / chain.metrics_file(stage)
+    except (KeyError, ValueError):  # no metrics file in dvc.yaml (corrupt)
+        return None
+    try:
+        wall = _json(path).get("wall_s")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(wall) if isinstance(wall, (int, float)) else None
+
+
+def _trained(root: Path, stage: str) -> tuple[float | None, int | None]:
+    """(the sum of the recorded ``train_time_s`` of its history's training epochs, how many epochs it trained);
+    (None, None) without a history."""
+    path = root / chain.output(stage, "history.json")
+    if not path.is_file():
+        return None, None
+    epochs = [h for h in _json(path) if h.get("train_time_s") is not None or h.get("train_loss") is not None]
+    times = [float(h["train_time_s"]) for h in epochs if h.get("train_time_s") is not None]
+    return (sum(times) if times else None), len(epochs)
+
+
+def cost_rows(sweep_dir: Path, spec: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    """One row per (trial, stage) the trial ran or shared, in the chain's order (the rows of cost.csv).
+
+    ``role``: the stage's ``meta.sweep`` (group: shared by the trials of one identity; trial: its own; sweep:
+    built once by the driver). ``shared_key``: the identity of the shared run (the same in every trial using
+    it; count it once); empty for a run of the trial's own. ``wall_s``: finished - started of the records of its
+    completed executions (the trial's stages.jsonl; for a shared run this sweep's ``<stage>_runs.jsonl``;
+    empty for a run no record of this sweep times). ``stage_wall_s``: the ``wall_s`` in the stage's metrics file.
+    ``train_time_s`` / ``epochs``: over the training epochs of its history (training stages). ``recovered``: a
+    record says the execution was found finished after a kill (its ``wall_s`` is not the run's)."""
+    from pipelines.sweep_shared import read_lines, runs_log
+
+    stages = [s for s in chain.stage_names() if chain.sweep_role(s) in ("sweep", "group", "trial")]
+    shared_runs = {s: read_lines(sweep_dir / runs_log(s)) for s in stages if chain.sweep_role(s) == "group"}
+    rows = []
+    for tid, t in spec["trials"].items():
+        root = sweep_dir / "trials" / tid
+        log = _stage_log(root)
+        for stage in stages:
+            role, shared = chain.sweep_role(stage), _shared_key(spec, t, stage, root)
+            if role == "sweep" and shared is None:
+                continue
+            if shared is None:
+                records = [r for r in log if r.get("stage") == stage]
+            else:
+                records = [r for r in shared_runs.get(stage, []) if r.get("key") == shared]
+            timed = [r for r in records if "started" in r and "finished" in r]
+            train, epochs = _trained(root, stage) if chain.trains(stage) else (None, None)
+            cpus = sorted({r["cpu"] for r in records if r.get("cpu")})
+            rows.append({"trial": tid, "seed": t["params"]["seed"], "value": t["overrides"][key], "stage": stage,
+                         "role": role, "shared_key": shared,
+                         "wall_s": _seconds(sum(float(r["finished"]) - float(r["started"]) for r in timed)
+                                            if timed else None),
+                         "stage_wall_s": _seconds(_stage_wall(root, stage)), "train_time_s": _seconds(train),
+                         "epochs": epochs, "recovered": any(bool(r.get("recovered")) for r in records) or None,
+                         "cpu": " / ".join(cpus) or None})  # fmt: skip
+    return rows
+
+
+def cost_hours(rows: list[dict[str, Any]]) -> float:
+    """:func:`compute_hours` from cost.csv's rows: the training time of each training stage and the wall time of
+    each other stage, a shared run (the same stage and ``shared_key``) counted once."""
+    seconds, seen = 0.0, set()
+    for r in rows:
+        if r.get("shared_key") not in (None, ""):
+            if (r["stage"], r["shared_key"]) in seen:
+                continue
+            seen.add((r["stage"], r["shared_key"]))
+        seconds += float(r.get("train_time_s" if chain.trains(r["stage"]) else "wall_s") or 0.0)
+    return round(seconds / 3600, 2)
 
 
 def _commit(sweep_dir: Path) -> str | None:
@@ -248,11 +369,13 @@ def _read_csv(path: Path) -> list[dict[str, Any]]:
 
 
 def load(results: Path) -> dict[str, Any]:
-    missing = [f for f in FILES if not (results / f).is_file()]
+    """The committed tables of a study (``cost``: [] for a study exported before cost.csv existed)."""
+    missing = [f for f in RENDERED if not (results / f).is_file()]
     if missing:
         raise StudyError(f"{results}: missing {', '.join(missing)} (tcnn study export)")
+    cost = _read_csv(results / "cost.csv") if (results / "cost.csv").is_file() else []
     return {"rows": _read_csv(results / "results.csv"), "history": _read_csv(results / "history.csv"),
-            "attention": _read_csv(results / "attention.csv"), "meta": _json(results / "meta.json")}  # fmt: skip
+            "attention": _read_csv(results / "attention.csv"), "cost": cost, "meta": _json(results / "meta.json")}  # fmt: skip
 
 
 def reselect(rows: list[dict[str, Any]]) -> dict[tuple[int, str], float]:

@@ -128,30 +128,177 @@ def test_the_readme_table_is_generated_from_the_committed_study_results() -> Non
         assert (COMMITTED / fig).is_file()
 
 
-def test_compute_hours_and_cpus_come_from_the_trials_records(tmp_path: Path) -> None:
-    """Compute = the kept training epochs of every history (a seed's shared pretraining once) plus the other
-    recorded stages; the CPUs are those the sweep's own records name (another sweep's executions are not)."""
+#: The toy sweep of :func:`_sweep`: trial -> (seed, gate lr, pretraining key, control key). t000 and t001 share
+#: seed 0's pretraining and one control (the grid key is the T-CNN's own); t002 has its own; all three share
+#: the corrupted sets x0.
+TRIALS = {"t000": (0, 0.1, "p0", "c0"), "t001": (0, 1.0, "p0", "c0"), "t002": (1, 0.1, "p1", "c1")}
+#: Shared runs: their training epochs' times, the stage's own wall_s, the trial that ran them and the sweep's
+#: record of that execution (started, finished).
+SHARED = {("pretrain", "p0"): ([100.0, 110.0], 250.0, "t000", (0.0, 260.0)),
+          ("pretrain", "p1"): ([120.0, 130.0], 280.0, "t002", (0.0, 290.0)),
+          ("control", "c0"): ([30.0, 31.0], 70.0, "t000", (300.0, 380.0)),
+          ("control", "c1"): ([33.0, 34.0], 75.0, "t002", (300.0, 385.0))}  # fmt: skip
+
+
+def _finetune_times(i: int) -> list[float]:
+    return [60.0 + i, 61.5 + i]
+
+
+def _epochs(times: list[float], start: bool) -> list[dict]:
+    """A training history: with ``start``, the fine-tuning stages' epoch 0 first (the state before training,
+    no training time)."""
+    head = [{"finetune_epoch": 0, "step": 0, "val_acc": 0.5, "val_loss": 1.5}] if start else []
+    return head + [{"finetune_epoch": e, "epoch": e, "lr": 1e-3, "train_loss": 1.0 / e, "train_acc": 0.6,
+                    "val_loss": 1.0, "val_acc": 0.6 + e / 100, "images_per_s": 5000.0 / t, "train_time_s": t}
+                   for e, t in enumerate(times, 1)]  # fmt: skip
+
+
+def _sweep(tmp: Path) -> tuple[Path, dict]:
+    """A finished toy sweep laid out as the sweep leaves it (pipelines/sweep_trial.py, sweep_shared.py): shared
+    runs in ``<storage>/<stage>/<key>/`` with their executions.jsonl, linked from the trials' ``runs/<stage>``,
+    this sweep's ``<stage>_runs.jsonl``, each trial's own stages in its directory with its stages.jsonl. Another
+    sweep's execution sits in the same storage."""
+    from pipelines.sweep_shared import EXECUTIONS, link_pretraining, runs_log
     from stages import chain
 
-    sweep = tmp_path / "sweeps" / "toy"
-    pre = [{"epoch": e, "train_time_s": 100.0} for e in range(3)]  # 300 s, shared by both trials
-    for i, tid in enumerate(("t000", "t001")):
+    storage = tmp / "sweeps"
+    sweep = storage / "toy"
+    for (stage, key), (times, wall, tid, (t0, t1)) in SHARED.items():
+        d = storage / stage / key
+        (d / chain.run_dir(stage)).mkdir(parents=True)
+        (d / chain.output(stage, "history.json")).write_text(json.dumps(_epochs(times, stage == "control")))
+        (d / chain.metrics_file(stage)).write_text(json.dumps({"wall_s": wall, "train_time_s": sum(times)}))
+        record = {"sweep": "toy", "trial": tid, "key": key, "cpu": "CPU S", "started": t0, "finished": t1}
+        (d / EXECUTIONS).write_text(json.dumps(record) + "\n")
+        sweep.mkdir(parents=True, exist_ok=True)
+        with open(sweep / runs_log(stage), "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+    (storage / "pretrain" / "p9").mkdir()
+    (storage / "pretrain" / "p9" / EXECUTIONS).write_text(
+        json.dumps({"sweep": "other", "cpu": "CPU 9"}) + "\n"
+    )
+    trials = {}
+    for i, (tid, (seed, lr, pkey, ckey)) in enumerate(TRIALS.items()):
         root = sweep / "trials" / tid
-        for stage, hist in (("pretrain", pre), ("finetune", [{"train_time_s": 0}, {"train_time_s": 60.0 + i}]),
-                            ("control", [{"train_time_s": 30.0 + 2 * i}])):  # fmt: skip
-            path = root / chain.output(stage, "history.json")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(hist))
-        log = [{"stage": "reparam", "started": 10.0, "finished": 15.0, "cpu": f"CPU {i}"},
-               {"stage": "finetune", "started": 0.0, "finished": 999.0},  # counted by its history, not here
-               {"stage": "control", "shared": "k", "finished": 5.0},
-               {"stage": "evaluate", "started": 20.0, "finished": 40.0}]  # fmt: skip
+        for stage, key in (("pretrain", pkey), ("control", ckey)):
+            link_pretraining(root, storage / stage / key, stage)
+        path = root / chain.output("finetune", "history.json")
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(_epochs(_finetune_times(i), True)))
+        (root / chain.metrics_file("finetune")).write_text(json.dumps({"wall_s": 150.0 + i}))
+        for stage, metrics in (("reparam", {"wall_s": 4.0}), ("evaluate", {"tcnn": {"clean_accuracy": 0.9}})):
+            (root / chain.metrics_file(stage)).parent.mkdir(parents=True)
+            (root / chain.metrics_file(stage)).write_text(json.dumps(metrics))
+        log = (
+            [{"stage": "pretrain", "shared": pkey, "finished": 260.0}]
+            if SHARED[("pretrain", pkey)][2] == tid
+            else []
+        )
+        log += [{"stage": "reparam", "started": 10.0, "finished": 15.0, "cpu": f"CPU {i}"},
+                {"stage": "finetune", "started": 20.0, "finished": 200.0, "cpu": f"CPU {i}"},  # its history counts
+                *([{"stage": "control", "shared": ckey, "finished": 380.0}] if SHARED[("control", ckey)][2] == tid else []),
+                {"stage": "evaluate", "started": 400.0, "finished": 420.0 + i, "cpu": f"CPU {i}"}]  # fmt: skip
         (root / "stages.jsonl").write_text("".join(json.dumps(r) + "\n" for r in log))
-    for name, cpu in (("toy", "CPU 2"), ("other", "CPU 9")):
-        d = tmp_path / "sweeps" / "pretrain" / name
-        d.mkdir(parents=True)
-        (d / "executions.jsonl").write_text(json.dumps({"sweep": name, "cpu": cpu}) + "\n")
-    spec = {"name": "toy", "trials": {"t000": {}, "t001": {}}}
-    seconds = 300 + (60 + 30 + 5 + 20) + (61 + 32 + 5 + 20)
-    assert S.compute_hours(sweep, spec) == round(seconds / 3600, 2)
-    assert S._cpus(sweep, "toy") == ["CPU 0", "CPU 1", "CPU 2"]
+        (root / "done.json").write_text("{}")
+        trials[tid] = {"params": {"seed": seed, "robustness": {"bootstrap": 10}},
+                       "overrides": {"finetune.gate_lr": lr}, "pretrain_key": pkey, "control_key": ckey,
+                       "corrupt_key": "x0"}  # fmt: skip
+    spec = {
+        "name": "toy",
+        "share_pretraining": True,
+        "select": {"over": ["finetune.gate_lr"]},
+        "trials": trials,
+    }
+    (sweep / "sweep.json").write_text(json.dumps(spec))
+    return sweep, spec
+
+
+def _hand_hours() -> float:
+    """The toy sweep's compute by hand: each shared run's epochs once, each trial's fine-tuning epochs, its
+    reparam (5 s) and evaluate (20 + i s) as its stages.jsonl times them."""
+    seconds = sum(sum(times) for times, *_ in SHARED.values())
+    seconds += sum(sum(_finetune_times(i)) + 5.0 + 20.0 + i for i in range(len(TRIALS)))
+    return round(seconds / 3600, 2)
+
+
+def test_compute_hours_and_cpus_come_from_the_trials_records(tmp_path: Path) -> None:
+    """Compute = the kept training epochs of every history (a shared pretraining or control once) plus the other
+    recorded stages; the CPUs are those the sweep's own records name (another sweep's executions are not)."""
+    sweep, spec = _sweep(tmp_path)
+    assert S.compute_hours(sweep, spec) == _hand_hours()
+    assert S._cpus(sweep, "toy") == ["CPU 0", "CPU 1", "CPU 2", "CPU S"]
+
+
+def _export(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, dict]:
+    """``tcnn study export`` of the toy sweep (its per-image bootstrap left out: the trials have no tables)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr("pipelines.sweep_select.pair_metrics", lambda *a, **k: {})
+    sweep, spec = _sweep(tmp)
+    chosen = [{"seed": 0, "tcnn_trial": "t001", "control_trial": "t000", "tcnn_finetune.gate_lr": 1.0,
+               "control_finetune.gate_lr": 0.1},
+              {"seed": 1, "tcnn_trial": "t002", "control_trial": "t002", "tcnn_finetune.gate_lr": 0.1,
+               "control_finetune.gate_lr": 0.1}]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(chosen), sweep / "selected.parquet")
+    out = tmp / "study"
+    assert [p.name for p in S.export(sweep, out)] == list(S.FILES)
+    return sweep, out, spec
+
+
+def test_history_csv_carries_each_epochs_training_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every fine-tuning epoch's train_time_s (and images_per_s) as the histories recorded them; epoch 0, the
+    state before fine-tuning, has none."""
+    _, out, _ = _export(tmp_path, monkeypatch)
+    with open(out / "history.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert list(rows[0])[-2:] == ["train_time_s", "images_per_s"]
+    want = {}
+    for i, (seed, lr, _, ckey) in enumerate(TRIALS.values()):
+        for arm, times in (("tcnn", _finetune_times(i)), ("control", SHARED[("control", ckey)][0])):
+            want[(str(seed), arm, f"{lr:g}", "0")] = ("", "")
+            want |= {(str(seed), arm, f"{lr:g}", str(e)): (f"{t:.3f}", f"{5000.0 / t:.6g}")
+                     for e, t in enumerate(times, 1)}  # fmt: skip
+    got = {
+        (r["seed"], r["arm"], r["value"], r["epoch"]): (r["train_time_s"], r["images_per_s"]) for r in rows
+    }
+    assert got == want
+
+
+def test_cost_csv_has_a_row_per_trial_and_stage_and_recomputes_compute_hours(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One row per (trial, stage) in the chain's order with the stage's sweep role; a shared run carries the
+    same key in every trial that used it and its recorded numbers; the trial's own stages their own; nothing
+    where nothing was recorded (evaluate writes no wall_s of its own; the corrupted sets' time is not kept)."""
+    from stages import chain
+
+    sweep, out, spec = _export(tmp_path, monkeypatch)
+    rows = S.load(out)["cost"]
+    stages = ["pretrain", "reparam", "finetune", "control", "corrupt", "evaluate"]
+    assert [(r["trial"], r["stage"]) for r in rows] == [(t, s) for t in TRIALS for s in stages]
+    assert {(r["stage"], r["role"]) for r in rows} == {(s, chain.sweep_role(s)) for s in stages}
+    for i, (tid, (seed, lr, pkey, ckey)) in enumerate(TRIALS.items()):
+        by = {r["stage"]: r for r in rows if r["trial"] == tid}
+        assert {s: by[s]["shared_key"] for s in stages} == {"pretrain": pkey, "reparam": None, "finetune": None,
+                                                            "control": ckey, "corrupt": "x0", "evaluate": None}  # fmt: skip
+        assert all((r["seed"], r["value"]) == (seed, lr) for r in by.values())
+        for stage, key in (("pretrain", pkey), ("control", ckey)):
+            times, wall, _, (t0, t1) = SHARED[(stage, key)]
+            r = by[stage]
+            assert (r["wall_s"], r["stage_wall_s"], r["epochs"], r["cpu"]) == (t1 - t0, wall, 2, "CPU S")
+            assert r["train_time_s"] == pytest.approx(sum(times))
+        assert (by["finetune"]["wall_s"], by["finetune"]["stage_wall_s"]) == (180.0, 150.0 + i)
+        assert (by["finetune"]["train_time_s"], by["finetune"]["epochs"]) == (sum(_finetune_times(i)), 2)
+        assert (by["reparam"]["wall_s"], by["reparam"]["stage_wall_s"], by["reparam"]["epochs"]) == (
+            5.0,
+            4.0,
+            None,
+        )
+        assert (by["evaluate"]["wall_s"], by["evaluate"]["stage_wall_s"]) == (20.0 + i, None)
+        assert by["evaluate"]["cpu"] == f"CPU {i}" and by["evaluate"]["train_time_s"] is None
+        assert all(by["corrupt"][k] is None for k in ("wall_s", "stage_wall_s", "train_time_s", "cpu"))
+    assert S.cost_hours(rows) == S.compute_hours(sweep, spec) == _hand_hours()
+    assert json.loads((out / "meta.json").read_text())["compute_h"] == S.cost_hours(rows)
