@@ -25,8 +25,8 @@ from pydantic import (
     model_validator,
 )
 
-FINETUNE_MODES = ("fresh", "continue")
-TIMM_WEIGHTS = "timm"  # pretrain.source.weights: timm's own pretrained weights for model.arch (a download)  # [TCNN21] Sec. 3 ("fresh") and Table 3 ("continue")
+FINETUNE_MODES = ("fresh", "continue")  # [TCNN21] Sec. 3 ("fresh") and Table 3 ("continue")
+TIMM_WEIGHTS = "timm"  # pretrain.source.weights: timm's own pretrained weights for model.arch (a download)
 
 
 # The default network: the project's CIFAR-style ResNet-10 with a dilated last stage (timm's output_stride=16),

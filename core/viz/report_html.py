@@ -370,7 +370,8 @@ def render_html(
         "data": data.get("name"),
         "kind": model.get("kind"),
         "arch": model.get("arch"),
-        "t1": rp.get("epoch"),
+        "t1": (eq or {}).get("reparam_epoch", rp.get("epoch")),  # what reparam converted (0: an import)
+        "imported": ((eq or {}).get("source") or {}).get("weights") if (eq or {}).get("imported") else None,
         "alpha_init": rp.get("alpha_init"),
         "lambda_init": rp.get("lambda_init"),
         "finetune_mode": p.get("finetune", {}).get("mode"),
