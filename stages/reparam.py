@@ -204,8 +204,6 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         },
         "carry": T.carry(ckpt, state, moved) if "optimizer" in ckpt else None,
     }
-    if ckpt.get("source") is not None:
-        out["imported"] = ckpt["source"]
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_save(out, out_dir / "tcnn.pt")
     atomic_write_json(out_dir / "equivalence.json", report)
