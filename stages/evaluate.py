@@ -54,6 +54,7 @@ from core.robustness.metrics import (
 )
 from core.training.checkpoint import CheckpointError, load_model
 from core.training.inference import inference_model
+from core.training.loop import select_device
 from core.utils.atomic import atomic_write, atomic_write_json, atomic_write_text
 from core.utils.hashing import derive_seed
 from core.viz.plots import plot_gains
@@ -160,7 +161,7 @@ def evaluate_models(
         suites_ = [s for s in suites(params, root, len(images)) if s is not None]
     size = params.test_image_size()
     norm = T.input_normalization(params) or {"mean": manifest["mean"], "std": manifest["std"]}
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = select_device()  # env TCNN_DEVICE, else CUDA when available
     out: dict[str, tuple[list[pa.Table], list[pa.Table]]] = {s.name: ([], []) for s in suites_}
     for name, path in paths.items():
         try:

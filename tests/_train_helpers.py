@@ -19,6 +19,8 @@ from core.training.loop import TIMING_KEYS
 
 REPO = Path(__file__).resolve().parents[1]
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+# The device the stage tests train and evaluate on: CPU, unless scripts/gpu_check.sh sets TCNN_TEST_DEVICE=cuda.
+TEST_DEVICE = os.environ.get("TCNN_TEST_DEVICE", "cpu")
 LABELS = ["t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "boot"]
 
 
@@ -84,7 +86,7 @@ def write_params(path: Path, raw: dict[str, Any]) -> Path:
 
 def stage_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({"TCNN_QUIET": "1", "OMP_NUM_THREADS": "1", "TCNN_DEVICE": "cpu", "PYTHONHASHSEED": "0"})
+    env.update({"TCNN_QUIET": "1", "OMP_NUM_THREADS": "1", "TCNN_DEVICE": TEST_DEVICE, "PYTHONHASHSEED": "0"})
     env.update(extra)
     return env
 

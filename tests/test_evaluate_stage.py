@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from _train_helpers import tiny_params, write_dataset
+from _train_helpers import TEST_DEVICE, tiny_params, write_dataset
 
 from core.config import validate_params
 from core.data import load_split, read_manifest
@@ -26,7 +26,7 @@ CORRUPTIONS = ["gaussian_noise", "contrast", "speckle_noise"]  # two benchmark c
 @pytest.fixture(autouse=True)
 def _quiet(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TCNN_QUIET", "1")
-    monkeypatch.setenv("TCNN_DEVICE", "cpu")
+    monkeypatch.setenv("TCNN_DEVICE", TEST_DEVICE)
     monkeypatch.setattr(C, "default_workers", lambda: 1)
 
 

@@ -10,7 +10,7 @@ import pytest
 import timm
 import torch
 import torch.nn as nn
-from _train_helpers import tiny_params, write_dataset
+from _train_helpers import TEST_DEVICE, tiny_params, write_dataset
 
 from core.config import ConfigError, validate_params
 from core.models import kinds
@@ -54,7 +54,7 @@ def toy_kind():
 @pytest.fixture(autouse=True)
 def _quiet(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TCNN_QUIET", "1")
-    monkeypatch.setenv("TCNN_DEVICE", "cpu")
+    monkeypatch.setenv("TCNN_DEVICE", TEST_DEVICE)
 
 
 def _raw(base: Path, kind: str) -> dict:

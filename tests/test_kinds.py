@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _train_helpers import tiny_params, write_dataset
+from _train_helpers import TEST_DEVICE, tiny_params, write_dataset
 
 from core.config import ConfigError, validate_params
 from core.data import load_datasets, make_loader
@@ -37,7 +37,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(autouse=True)
 def _quiet(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TCNN_QUIET", "1")
-    monkeypatch.setenv("TCNN_DEVICE", "cpu")
+    monkeypatch.setenv("TCNN_DEVICE", TEST_DEVICE)
 
 
 def _raw(shared: dict[str, Path], kind: str, **options) -> dict:

@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from _train_helpers import tiny_params, write_params
+from _train_helpers import TEST_DEVICE, tiny_params, write_params
 from PIL import Image
 
 from core.analysis.dissect import layer_stats as gpsa_stats
@@ -418,7 +418,7 @@ def test_report_on_the_real_chain(tmp_path, monkeypatch) -> None:
     from stages import control, corrupt, evaluate, finetune, pretrain, reparam
 
     monkeypatch.setenv("TCNN_QUIET", "1")
-    monkeypatch.setenv("TCNN_DEVICE", "cpu")
+    monkeypatch.setenv("TCNN_DEVICE", TEST_DEVICE)
     monkeypatch.chdir(tmp_path)  # the training stages read data.dir relative to the working directory
     write_dataset(tmp_path / "data" / "fm", n_train=300, n_test=100)
     raw = tiny_params(Path("data/fm"), pretrain={"epochs": 1}, reparam={"epoch": 1}, finetune={"epochs": 1},

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _train_helpers import tiny_params, write_dataset, write_params
+from _train_helpers import TEST_DEVICE, tiny_params, write_dataset, write_params
 
 from core.config import validate_params
 from core.data import first_batch, load_datasets, make_loader
@@ -28,7 +28,7 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(autouse=True)
 def _quiet(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TCNN_QUIET", "1")
-    monkeypatch.setenv("TCNN_DEVICE", "cpu")
+    monkeypatch.setenv("TCNN_DEVICE", TEST_DEVICE)
 
 
 def _cli(module, tmp_path: Path, raw: dict, monkeypatch: pytest.MonkeyPatch, *extra: str) -> int:
