@@ -84,6 +84,12 @@ def write_params(path: Path, raw: dict[str, Any]) -> Path:
     return path
 
 
+def repo_pythonpath() -> str:
+    """PYTHONPATH for a subprocess that imports the project: the repo first, then what this process was given
+    (the GPU check puts the wheels a bare CUDA image lacks there)."""
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def stage_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"TCNN_QUIET": "1", "OMP_NUM_THREADS": "1", "TCNN_DEVICE": TEST_DEVICE, "PYTHONHASHSEED": "0"})

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
+from _train_helpers import repo_pythonpath
 
 from core.config import ConfigError, Params, load_params
 from pipelines.cli import main as tcnn_main
@@ -183,7 +184,7 @@ def test_real_processes_exit_2_and_write_nothing(tmp_path: Path) -> None:
     """`tcnn validate` and `python -m stages.prepare` as a user runs them (a fresh interpreter each)."""
     raw = merged({"data": {"dir": "out"}, "reparam": {"alpha_init": -1.0}})
     write(tmp_path, raw)
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
     tcnn = Path(sys.executable).with_name("tcnn")
     for cmd in (
         [str(tcnn), "validate", "bad.yaml"],

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torchvision
 import yaml
-from _train_helpers import REPO, stage_env, tiny_params, write_dataset, write_params
+from _train_helpers import repo_pythonpath, stage_env, tiny_params, write_dataset, write_params
 
 from core.analysis.equivalence import features_before
 from core.config import ConfigError, SourceConfig, validate_params
@@ -324,7 +324,7 @@ def _import_params(tmp_path: Path, path: Path, sha: str, arch: str = "mynets:sma
 
 def _pretrain(cwd: Path, params: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "stages.pretrain", "--params", str(params)], cwd=cwd,
-                          env=stage_env(PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=300)  # fmt: skip
+                          env=stage_env(PYTHONPATH=repo_pythonpath()), capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
 @pytest.fixture(scope="module")

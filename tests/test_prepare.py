@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _train_helpers import repo_pythonpath
 
 from core.config import load_params
 from core.data import load_split, read_manifest
@@ -80,7 +81,7 @@ def test_cli_refuses_to_replace_the_working_directory(tmp_path: Path, monkeypatc
 @pytest.mark.slow
 def test_python_m_stages_prepare(tmp_path: Path) -> None:
     params_file(tmp_path, dir="data/fashion_mnist")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
     cmd = [sys.executable, "-m", "stages.prepare", "--params", "params.yaml", "-S", "data.shard_rows=30000"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

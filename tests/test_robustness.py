@@ -235,3 +235,19 @@ def test_contact_sheet_is_written(tmp_path):
     with Image.open(path) as im:
         assert im.size[0] > 2 * 3 * 84 and im.size[1] > 2 * 84
     assert [p.name for p in tmp_path.iterdir()] == ["sheet.png"]
+
+
+def test_a_baseline_without_errors_on_a_corruption_leaves_its_ce_undefined() -> None:
+    """Found on CUDA (scripts/gpu_check.sh): a baseline that is right on every image of a corruption made CE a
+    division by zero. CE of that corruption is then undefined (None), like the per-severity mCE, and the mCE,
+    which averages every benchmark corruption's CE, is None too; the other corruptions keep theirs."""
+    bench = list(R.BENCHMARK_CORRUPTIONS)
+    base_errors = {c: [0.1, 0.2, 0.3, 0.4, 0.5] for c in bench}
+    base_errors[bench[0]] = [0.0] * 5
+    base = R.table_from_errors("cnn", 0.05, base_errors)
+    model = R.table_from_errors("tcnn", 0.04, {c: [0.2] * 5 for c in bench})
+    s = R.summarize(model, R.Baseline.from_table(base, model="cnn", name="cnn"), model="tcnn")
+    assert s["per_corruption"][bench[0]]["ce"] is None
+    assert s["per_corruption"][bench[1]]["ce"] == pytest.approx(1.0 / 1.5)  # 5 x 0.2 / (0.1 + ... + 0.5)
+    assert s["mce"] is None and s["mca"] == pytest.approx(0.8)
+    assert "mce" not in R.flat_metrics(s) and "ce_" + bench[1] in R.flat_metrics(s)

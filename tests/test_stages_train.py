@@ -199,9 +199,11 @@ def test_continue_mode_tracks_the_cnn_continued_the_same_way(tmp_path, data_dir)
     Yardstick: early SGD amplifies any float-level difference, so the bound is relative to the CNN's own
     sensitivity: the same CNN continued from weights perturbed by a relative 1e-6 (model.kind=cnn passes
     through reparam; same code path). Bound reached: gap(T-CNN, CNN) <= 10 x gap(CNN + 1e-6 noise, CNN) and
-    <= 1e-2 x max|logit|. Measured on 2 CPU threads: gap 1.4e-3 (1e-3 relative) vs 4.7e-3 for the perturbed
-    CNN; with 1 thread and NCHW both nets' kernels round alike and the gap is 4e-7. Control: without the
-    carried momentum buffers the gap is 0.32 (25% of max|logit|).
+    <= 1e-2 x max|logit| or, where the device rounds coarser, <= the perturbed CNN's gap. Measured on 2 CPU
+    threads: gap 1.4e-3 (1e-3 relative) vs 4.7e-3 for the perturbed CNN; with 1 thread and NCHW both nets'
+    kernels round alike and the gap is 4e-7. On an H200 (cuDNN convolutions in TF32, PyTorch's default):
+    gap 1.27e-2 (1.2%) vs 3.61e-2 for the perturbed CNN. Control: without the carried momentum buffers the
+    gap is 0.32 (25% of max|logit|; 0.29 on the H200).
     """
     raw = tiny_params(data_dir, pretrain={"epochs": 3}, reparam={"alpha_init": 50.0, "lambda_init": 50.0},
                       finetune={"mode": "continue"})  # fmt: skip
@@ -245,7 +247,7 @@ def test_continue_mode_tracks_the_cnn_continued_the_same_way(tmp_path, data_dir)
     print(f"continue: gap {gap:.3g}, perturbed CNN {gap_wobble:.3g}, no momentum {gap_control:.3g}, "
           f"max|logit| {scale:.3g}")  # fmt: skip
     assert gap <= 10 * gap_wobble + 1e-6 * scale
-    assert gap <= 1e-2 * scale
+    assert gap <= max(1e-2 * scale, gap_wobble)
     assert gap_control >= 10 * gap
 
 

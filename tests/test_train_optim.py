@@ -131,3 +131,26 @@ def test_set_drop_path_matches_timms_own_rule() -> None:
     assert rates(ours) == pytest.approx(rates(ref))
     set_drop_path(ours, 0.0)
     assert rates(ours) == [0.0] * 8
+
+
+def test_state_put_in_before_the_model_moves_follows_it() -> None:
+    """Found on CUDA (scripts/gpu_check.sh): "continue" fine-tuning loads the carried SGD momentum while the
+    model is on the CPU, then fit moves the model to the GPU; the momentum stayed behind and the first step
+    failed ("found at least two devices"). Here the parameters sit on the "meta" device (the GPU's stand-in)
+    and the state on the CPU: the state moves to the parameters, the scalar step stays on the CPU, where
+    PyTorch keeps it."""
+    from core.training.optim import state_to_parameter_devices
+
+    model = torch.nn.Linear(3, 2, device="meta")
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    cpu_state = {n: {"step": torch.tensor(3.0), "exp_avg": torch.ones(p.shape), "exp_avg_sq": torch.ones(p.shape)}
+                 for n, p in model.named_parameters()}  # fmt: skip
+    for n, p in model.named_parameters():
+        opt.state[p] = dict(cpu_state[n])
+    assert opt.state[model.weight]["exp_avg"].device.type == "cpu"
+    state_to_parameter_devices(opt)
+    for p in model.parameters():
+        assert (
+            opt.state[p]["exp_avg"].device.type == "meta" and opt.state[p]["exp_avg_sq"].device.type == "meta"
+        )
+        assert opt.state[p]["step"].device.type == "cpu"

@@ -379,9 +379,11 @@ def _rows(table: pa.Table | Iterable[Mapping[str, Any]], model: str | None) -> l
     return [r for r in rows if r["model"] == model]
 
 
-def corruption_error(errors: Sequence[float], base_errors: Sequence[float]) -> float:
-    """CE = sum_s E(f, s, c) / sum_s E(base, s, c)."""
-    return float(sum(errors) / sum(base_errors))
+def corruption_error(errors: Sequence[float], base_errors: Sequence[float]) -> float | None:
+    """CE = sum_s E(f, s, c) / sum_s E(base, s, c) ([Hendrycks19] Sec. 4); None when the baseline makes no
+    error on the corruption (the ratio is then undefined, as a per-severity mCE is)."""
+    den = sum(base_errors)
+    return float(sum(errors) / den) if den > 0 else None
 
 
 def relative_corruption_error(

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from core.training import distributed as D
 from core.training.checkpoint import CheckpointError, atomic_save, capture_rng, load, restore_rng
-from core.training.optim import WarmupCosine, optimizer_param_names
+from core.training.optim import WarmupCosine, optimizer_param_names, state_to_parameter_devices
 from core.training.precision import autocast, grad_scaler
 
 RESUME_FILE = "resume.pt"
@@ -327,6 +327,7 @@ def fit(
     resumed_from = None
 
     model.to(device)  # before loading optimizer state, which follows its parameters' device
+    state_to_parameter_devices(optimizer)  # state loaded before the move (carried "continue" momentum)
     state = _try_resume(resume_path, run_hash, log, notes)
     if len(set(D.gather(state is None))) > 1:  # every rank read the same file: they must agree
         raise TrainingError(f"{desc}: the ranks disagree on whether {resume_path} can be resumed")

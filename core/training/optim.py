@@ -233,6 +233,16 @@ def map_state_to_tcnn(
     return out, moved
 
 
+def state_to_parameter_devices(optimizer: torch.optim.Optimizer) -> None:
+    """Move per-parameter optimizer state onto its parameter's device, in place (state put in before the model
+    moved, e.g. the carried SGD momentum of "continue" fine-tuning, [TCNN21] Table 3). A scalar ``step`` stays
+    where PyTorch keeps it (on the CPU unless the optimizer is capturable or fused)."""
+    for p, st in optimizer.state.items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.device != p.device and not (k == "step" and v.ndim == 0):
+                st[k] = v.to(p.device)
+
+
 def load_named_state(
     optimizer: torch.optim.Optimizer, model: nn.Module, state: dict[str, dict[str, Any]]
 ) -> list[str]:
