@@ -339,6 +339,15 @@ class RobustnessConfig(_Strict):
         return sorted(set(v))
 
 
+class BracketConfig(_Strict):
+    """Bracketing (pipelines/sweep_bracket.py): while an arm's validation-chosen value of ``key`` is the
+    smallest or largest value of the grid, the sweep adds the next value beyond that edge (one step of the
+    grid's constant ratio) and runs the new trials, at most ``max_rounds`` times."""
+
+    key: str | None = None  # a key of sweep.select.over with a log-spaced grid; None: the one key of over
+    max_rounds: int = Field(3, ge=1, le=10)
+
+
 class SelectConfig(_Strict):
     """Hyperparameters chosen on validation data (pipelines/sweep_select.py): for every seed and every
     configuration of the other grid keys, each arm (the T-CNN and its matched control) takes the values of
@@ -346,6 +355,37 @@ class SelectConfig(_Strict):
 
     over: list[str] = Field(default_factory=list)  # grid keys to choose, e.g. [finetune.lr]
     by: Literal["val_accuracy"] = "val_accuracy"  # <arm>_val_accuracy of the trial (final model)
+    bracket: BracketConfig | None = None  # extend the grid until each choice is interior; true: defaults
+
+    @field_validator("bracket", mode="before")
+    @classmethod
+    def _switch(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # `bracket: true` takes the defaults, `false` is off
+            return {} if v else None
+        return v
+
+
+def bracket_key(select: SelectConfig) -> str | None:
+    """The grid key bracketing extends (None: no bracketing)."""
+    if select.bracket is None:
+        return None
+    if select.bracket.key is not None:
+        return select.bracket.key
+    return select.over[0] if len(select.over) == 1 else None
+
+
+def log_step(values: list[Any]) -> float | None:
+    """The constant ratio of a log-spaced grid (its distinct values sorted: at least two, all positive
+    numbers, consecutive ratios equal to 1e-6); None when the values are not such a grid."""
+    if any(isinstance(v, bool) or not isinstance(v, int | float) or not v > 0 for v in values):
+        return None
+    distinct = sorted(set(values))
+    if len(distinct) < 2:
+        return None
+    ratios = [b / a for a, b in zip(distinct, distinct[1:])]
+    if any(not math.isclose(r, ratios[0], rel_tol=1e-6) for r in ratios):
+        return None
+    return float(f"{ratios[0]:.12g}")
 
 
 class SweepConfig(_Strict):
@@ -574,7 +614,29 @@ def validate_params(raw: Any) -> Params:
                 f"sweep.select.over: {key!r} is not a grid key other than seed "
                 f"(sweep.grid has {sorted(params.sweep.grid) or 'none'})"
             )
+    _check_bracket(params.sweep)
     return params
+
+
+def _check_bracket(sweep: SweepConfig) -> None:
+    """``sweep.select.bracket``: its key is chosen (in ``over``) and its grid values are log-spaced."""
+    select = sweep.select
+    if select.bracket is None:
+        return
+    key = bracket_key(select)
+    if key is None:
+        raise ConfigError(
+            f"sweep.select.bracket.key: name the key to extend, one of sweep.select.over "
+            f"({select.over or 'empty'})"
+        )
+    if key not in select.over:
+        raise ConfigError(f"sweep.select.bracket.key: {key!r} is not in sweep.select.over ({select.over})")
+    values = sweep.grid[key]
+    if log_step(values) is None:
+        raise ConfigError(
+            f"sweep.select.bracket: sweep.grid.{key} must hold at least two positive numbers with a constant "
+            f"ratio (a log-spaced grid, e.g. [0.0001, 0.001, 0.01]), got {values}"
+        )
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -18,6 +18,8 @@ What happens (pieces in pipelines/sweep_*.py):
    each trial reopens its MLflow run); ``--auto-resume`` resumes when the sweep exists and starts it
    otherwise (what a requeued SLURM job runs). A stop signal to a driver run here (SIGTERM, Ctrl-C, ...) ends
    the trials' workers, closes the parent and the open trial runs KILLED and exits 75 (130 for Ctrl-C).
+   With ``sweep.select.bracket`` the grid then grows past an edge an arm's choice sits at, one round (and
+   one Tune experiment, ``tune-bracket<k>``) at a time, the new trials only (sweep_bracket).
 4. At the end: ``summary.parquet``, plots, the model-kind table (``kinds.md``/``kinds.parquet`` when the
    grid varies ``model``) and ``report.html`` (sweep_report) in ``<storage>/<name>/`` and on the parent run
    (sweep_summary), parent metrics ``trials``, ``pretrain_runs`` (pretraining runs this sweep executed) and
@@ -54,6 +56,7 @@ from pipelines.sweep_plan import (
     check_name,
     default_name,
     make_plan,
+    plan_device,
     plan_spec,
     spec_difference,
     trial_label,
@@ -100,8 +103,7 @@ def build_spec(
     cwd = Path(cwd or Path.cwd()).resolve()
     sw = params.sweep
     uri = resolve_uri(params.tracking.uri, cwd)
-    device = "cuda" if sw.gpus_per_trial > 0 else "cpu"
-    plan = make_plan(params, cwd=cwd, device=device, tracking_uri=uri)
+    plan = make_plan(params, cwd=cwd, device=plan_device(params), tracking_uri=uri)
     name = check_name(name or default_name(params_file, params))
     spec = plan_spec(plan, name=name, share_pretraining=sw.share_pretraining)
     spec.update(
@@ -114,12 +116,26 @@ def build_spec(
             },
             **trial_resources(params),
             "select": sw.select.model_dump(mode="json"),
+            "bracket": _bracket_settings(params),
+            "bracket_rounds": [],
+            "cwd": str(cwd),  # where relative paths resolve when bracketing plans more trials
             "max_failures": sw.max_failures,
             "placement": placement,
             "uid": None,
         }
     )
     return spec
+
+
+def _bracket_settings(params: Params) -> dict[str, Any] | None:
+    """``sweep.select.bracket`` as the driver uses it (pipelines/sweep_bracket.py): key, ratio, bound."""
+    from core.config import bracket_key, log_step
+
+    sel = params.sweep.select
+    key = bracket_key(sel)
+    if key is None or sel.bracket is None:
+        return None
+    return {"key": key, "ratio": log_step(params.sweep.grid[key]), "max_rounds": sel.bracket.max_rounds}
 
 
 def trial_resources(params: Params) -> dict[str, Any]:
@@ -161,7 +177,9 @@ def reconcile(spec: dict, resume: str) -> dict:
         raise SweepError(
             f"sweep {spec['name']!r} exists in {where}: pass --resume to continue it, or --name for a new one"
         )
-    diff = spec_difference(saved, spec)
+    from pipelines.sweep_bracket import asked
+
+    diff = spec_difference(asked(saved), asked(spec))  # the trials bracketing added are the sweep's own
     if diff is not None:
         raise SweepError(
             f"--resume: the params differ from those sweep {spec['name']!r} started with: {diff}"
@@ -169,6 +187,12 @@ def reconcile(spec: dict, resume: str) -> dict:
     merged = dict(saved)
     merged["tracking"] = {**spec["tracking"], "parent_run_id": saved.get("tracking", {}).get("parent_run_id")}
     merged["placement"] = spec.get("placement", "pack")  # where workers go does not change results
+    # How the results are chosen and bracketed is the params' of this run (a larger max_rounds goes on).
+    merged |= {
+        "select": spec["select"],
+        "bracket": spec.get("bracket"),
+        "cwd": saved.get("cwd", spec.get("cwd")),
+    }
     return merged
 
 
@@ -238,13 +262,18 @@ def _tune_order(spec: dict) -> list[str]:
     return order
 
 
-def _progress_callback(spec: dict) -> Any:
+def _progress_callback(spec: dict, tids: list[str]) -> Any:
     from pipelines.sweep_progress import SweepProgress
 
-    return SweepProgress({tid: trial_label(t["overrides"]) for tid, t in spec["trials"].items()})
+    return SweepProgress({tid: trial_label(spec["trials"][tid]["overrides"]) for tid in tids})
 
 
-def _tuner(spec: dict, restore: bool) -> Any:
+def tune_dir(k: int) -> str:
+    """The Tune experiment of round ``k``: 0 runs the asked grid, k >= 1 the trials bracketing added."""
+    return TUNE_DIR if k == 0 else f"{TUNE_DIR}-bracket{k}"
+
+
+def _tuner(spec: dict, restore: bool, tids: list[str], name: str = TUNE_DIR) -> Any:
     from ray import tune
 
     from pipelines.sweep_trial import tune_trainable
@@ -252,23 +281,23 @@ def _tuner(spec: dict, restore: bool) -> Any:
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "5")
     os.environ.setdefault("TUNE_RESULT_BUFFER_LENGTH", "1")
     trainable = tune.with_resources(tune.with_parameters(tune_trainable, spec=spec), spec["resources"])
-    path = Path(spec["sweep_dir"]) / TUNE_DIR
+    path = Path(spec["sweep_dir"]) / name
     if restore:
         return tune.Tuner.restore(str(path), trainable, resume_unfinished=True, resume_errored=True)
     return tune.Tuner(
         trainable,
-        param_space={"tid": tune.grid_search(_tune_order(spec))},
+        param_space={"tid": tune.grid_search([t for t in _tune_order(spec) if t in set(tids)])},
         tune_config=tune.TuneConfig(
             trial_dirname_creator=_trial_dirname,
             reuse_actors=True,  # one actor runs trial after trial: torch/timm are imported once per worker
         ),
         run_config=tune.RunConfig(
-            name=TUNE_DIR,
+            name=name,
             storage_path=spec["sweep_dir"],
             failure_config=tune.FailureConfig(max_failures=spec["max_failures"]),
             checkpoint_config=tune.CheckpointConfig(num_to_keep=None),  # tiny: {run id, stage}
             verbose=0,
-            callbacks=[_progress_callback(spec)],
+            callbacks=[_progress_callback(spec, tids)],
         ),
     )
 
@@ -325,7 +354,7 @@ def run_sweep(
     """
     import ray
 
-    from pipelines import sweep_report, sweep_select, sweep_shared, sweep_summary
+    from pipelines import sweep_bracket, sweep_report, sweep_select, sweep_shared, sweep_summary
 
     spec = reconcile(spec, resume)
     owns = connect_ray(address, num_cpus, object_store_mb) if address is not None else False
@@ -346,20 +375,11 @@ def run_sweep(
                 f"{spec['name']}: {n} trials, {groups} pretraining group(s), {nodes} Ray node(s), "
                 f"{spec['resources']['cpu']} CPU / {spec['resources']['gpu']} GPU per trial -> {sweep_dir}"
             )
-            for key, cp in spec["corrupt"].items():
-                from core.config import validate_params
-
-                sweep_shared.ensure_corrupted(Path(spec["storage"]), key, validate_params(cp))
-            restore = _can_restore(sweep_dir / TUNE_DIR)
-            if restore:
-                say(f"resuming from {sweep_dir / TUNE_DIR}")
+            _ensure_corrupted(spec, list(spec["corrupt"]))
             t0 = time.monotonic()
-            results = _tuner(spec, restore).fit()
-            status = {}
-            for r in results:
-                tid = (r.config or {}).get("tid")
-                if tid:
-                    status[tid] = "error" if r.error else "terminated"
+            spec, status = _run_rounds(spec)
+            atomic_write_json(sweep_dir / SWEEP_JSON, spec)  # with why bracketing stopped
+            n = len(spec["trials"])
             rows = sweep_summary.summary_rows(spec, status)
             srows = sweep_summary.seed_rows(spec, rows)
             summary = sweep_summary.write_table(
@@ -373,13 +393,19 @@ def run_sweep(
                 plots = []
             kind_files = sweep_summary.write_kinds(krows, sweep_dir) if krows else []
             kind_files += sweep_summary.write_seeds(srows, sweep_dir) if srows else []
+            bracketed = spec.get("bracket") is not None or bool(sweep_bracket.rounds(spec))
+            notes = sweep_bracket.notes(spec) if bracketed else []
+            if bracketed:
+                kind_files.append(atomic_write_json(sweep_dir / "bracket.json", sweep_bracket.record(spec)))
             chosen = sweep_select.selected_rows(spec, rows)
             chosen_seeds = sweep_select.over_seeds(chosen)
             if chosen:
                 over = spec["select"]["over"]
-                kind_files += sweep_select.write(chosen, chosen_seeds, over, sweep_dir)
+                kind_files += sweep_select.write(chosen, chosen_seeds, over, sweep_dir, notes)
             picked = (
-                sweep_report.selected_table(chosen, chosen_seeds, spec["select"]["over"]) if chosen else None
+                sweep_report.selected_table(chosen, chosen_seeds, spec["select"]["over"], notes)
+                if chosen
+                else None
             )
             kind_files.append(sweep_report.write_report(spec, rows, krows, plots, sweep_dir, srows, picked))
             finished = sum(r["status"] == "finished" for r in rows)
@@ -400,6 +426,9 @@ def run_sweep(
             metrics.update(sweep_summary.kind_metrics(krows))
             metrics.update(sweep_summary.seed_metrics(srows))
             metrics.update(sweep_select.selection_metrics(chosen, chosen_seeds))
+            if bracketed:
+                metrics["bracket_rounds"] = len(sweep_bracket.rounds(spec))
+                tracker.set_tags(sweep_bracket.tags(spec))
             metrics["wall_s"] = time.monotonic() - t0
             tracker.log_metrics(metrics)
             if tracker.enabled:
@@ -417,7 +446,9 @@ def run_sweep(
             if srows:
                 print(sweep_summary.seeds_markdown(srows), flush=True)
             if chosen:
-                print(sweep_select.markdown(chosen, chosen_seeds, spec["select"]["over"]), flush=True)
+                print(sweep_select.markdown(chosen, chosen_seeds, spec["select"]["over"], notes), flush=True)
+            elif notes:
+                print("\n".join(["Bracketing:", *notes]), flush=True)
             say(
                 f"{finished}/{n} trials finished, {runs} pretraining run(s) executed; summary {summary}"
                 + (
@@ -448,6 +479,71 @@ def run_sweep(
     finally:
         if owns:
             ray.shutdown()
+
+
+def _ensure_corrupted(spec: dict, keys: list[str]) -> None:
+    """The shared corrupted test sets of ``keys`` (built once; later calls check them)."""
+    from core.config import validate_params
+    from pipelines import sweep_shared
+
+    for key in keys:
+        sweep_shared.ensure_corrupted(Path(spec["storage"]), key, validate_params(spec["corrupt"][key]))
+
+
+def _fit(spec: dict, k: int) -> dict[str, str]:
+    """Run (or resume) round ``k``'s trials in their Tune experiment; their Tune status by trial id."""
+    from pipelines.sweep_bracket import round_trials
+
+    tids = round_trials(spec, k)
+    if not tids:
+        return {}
+    path = Path(spec["sweep_dir"]) / tune_dir(k)
+    restore = _can_restore(path)
+    if restore:
+        say(f"resuming from {path}")
+    status = {}
+    for r in _tuner(spec, restore, tids, tune_dir(k)).fit():
+        tid = (r.config or {}).get("tid")
+        if tid:
+            status[tid] = "error" if r.error else "terminated"
+    return status
+
+
+def _run_rounds(spec: dict) -> tuple[dict, dict[str, str]]:
+    """The asked trials, then the bracketing rounds (pipelines/sweep_bracket.py): those an earlier driver
+    of this sweep added (finished if they are not), then new ones while the rule adds values. Returns the
+    spec (with every added trial; saved to sweep.json before its trials run) and the trials' Tune status."""
+    from pipelines import sweep_bracket, sweep_summary
+
+    status, k = _fit(spec, 0), 0
+    spec["bracket_stop"] = None
+    while True:
+        if k < len(sweep_bracket.rounds(spec)):
+            k += 1
+            status |= _fit(spec, k)
+            continue
+        settings = sweep_bracket.settings(spec)
+        if settings is None:
+            return spec, status
+        done = sum(r["key"] == settings["key"] for r in sweep_bracket.rounds(spec))
+        rows = sweep_summary.summary_rows(spec, status)
+        step = sweep_bracket.decide(rows, list(spec["grid"]), spec["select"], settings, done)
+        before = set(spec["corrupt"])
+        if step.stop is None:
+            try:
+                spec, added = sweep_bracket.extend(spec, step)
+            except SweepError as err:
+                values = ", ".join(str(v) for v in step.add)
+                step = sweep_bracket.Step(stop=f"{settings['key']}={values} not added: {err}")
+        if step.stop is not None:
+            spec["bracket_stop"] = step.stop
+            say(f"bracketing: {step.stop}")
+            return spec, status
+        for why in step.reasons:
+            say(f"bracketing round {k + 1}: {why}")
+        say(f"bracketing round {k + 1}: {len(added)} new trial(s)")
+        _ensure_corrupted(spec, [c for c in spec["corrupt"] if c not in before])
+        atomic_write_json(Path(spec["sweep_dir"]) / SWEEP_JSON, spec)
 
 
 def _stop_of(err: BaseException) -> Stopped | None:

@@ -156,6 +156,11 @@ def _override(params: Params, overrides: dict[str, Any], what: str) -> Params:
         raise SweepError(f"{what}: {err}") from None
 
 
+def plan_device(params: Params) -> str:
+    """The device the trials' identities name: cuda when the sweep gives trials GPUs."""
+    return "cuda" if params.sweep.gpus_per_trial > 0 else "cpu"
+
+
 def make_plan(
     base: Params,
     *,
@@ -189,7 +194,8 @@ def make_plan(
         raise SweepError(f"sweep.grid.{bad[0]}: sweep.* and tracking.* settings cannot vary within a sweep")
     storage = (cwd / base.sweep.storage).resolve()
     # A trial is one point of the grid: no grid of its own, nothing to select.
-    fixed: dict[str, Any] = {"sweep.grid": {}, "sweep.select.over": [], "sweep.storage": str(storage)}
+    fixed: dict[str, Any] = {"sweep.grid": {}, "sweep.select.over": [], "sweep.select.bracket": None,
+                             "sweep.storage": str(storage)}  # fmt: skip
     if tracking_uri is not None:
         fixed["tracking.uri"] = tracking_uri
     manifests: dict[Path, dict[str, Any]] = {}
@@ -253,7 +259,10 @@ def has_control(params: Params) -> bool:
 def default_name(params_file: Path, base: Params) -> str:
     """``<params stem>-<hash of the config>``: the same command names the same sweep (so --resume finds it)."""
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(params_file).stem) or "sweep"
-    return f"{stem}-{stable_hash(base.model_dump(mode='json'))[:8]}"
+    dump = base.model_dump(mode="json")
+    if dump["sweep"]["select"].get("bracket") is None:  # a later key: sweeps without it keep their names
+        del dump["sweep"]["select"]["bracket"]
+    return f"{stem}-{stable_hash(dump)[:8]}"
 
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")

@@ -84,10 +84,11 @@ def seeds_table(srows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def selected_table(
-    chosen: list[dict[str, Any]], agg: list[dict[str, Any]], over: list[str]
+    chosen: list[dict[str, Any]], agg: list[dict[str, Any]], over: list[str], notes: list[str] | None = None
 ) -> dict[str, Any]:
     """The validation-chosen comparison (pipelines/sweep_select.py): one record per seed and one per
-    configuration over seeds, and the sentence that goes with each interval."""
+    configuration over seeds, the sentence that goes with each interval, and ``notes``: what bracketing
+    added and why (pipelines/sweep_bracket.py)."""
     from pipelines.sweep_select import DIFF, verdict
 
     def cell(r: dict[str, Any], name: str, ends: tuple[str, str, str]) -> str:
@@ -117,7 +118,7 @@ def selected_table(
             verdicts.append(f"{a['config']}, {m}: {cell(a, f'{DIFF}_{m}', ends)} pp: "
                             f"{verdict(mean, lo, hi, lower_is_better=lower)}")  # fmt: skip
         recs.append(rec)
-    return {**_columns(recs), "over": ", ".join(over), "verdicts": verdicts}
+    return {**_columns(recs), "over": ", ".join(over), "verdicts": verdicts, "bracket": list(notes or [])}
 
 
 def _columns(records: list[dict[str, Any]]) -> dict[str, list[Any]]:

@@ -220,8 +220,11 @@ def verdict(
     return "the T-CNN is better" if tcnn_better else "the control is better"
 
 
-def markdown(srows: list[dict[str, Any]], agg: list[dict[str, Any]], over: list[str]) -> str:
-    """Per seed and over seeds: the chosen values and T-CNN - control at them, with intervals."""
+def markdown(
+    srows: list[dict[str, Any]], agg: list[dict[str, Any]], over: list[str], notes: list[str] | None = None
+) -> str:
+    """Per seed and over seeds: the chosen values and T-CNN - control at them, with intervals; ``notes``:
+    what bracketing added and why (pipelines/sweep_bracket.py)."""
     keys = ", ".join(over)
     lines = [
         f"| config | seed | T-CNN {keys} | control {keys} | T-CNN val / test | control val / test "
@@ -264,17 +267,25 @@ def markdown(srows: list[dict[str, Any]], agg: list[dict[str, Any]], over: list[
         for m, low_better in (("clean_accuracy", False), ("mca", False), ("mce", True)):
             mean, lo, hi = (a.get(f"{DIFF}_{m}_seeds{e}") for e in ("_mean", "_ci_low", "_ci_high"))
             text += f"- {a['config']}, {m}: {verdict(mean, lo, hi, lower_is_better=low_better)}.\n"
+    if notes:
+        text += "\nBracketing (the grid grown until each choice is interior):\n" + "".join(
+            f"- {n}\n" for n in notes
+        )
     return text
 
 
 def write(
-    srows: list[dict[str, Any]], agg: list[dict[str, Any]], over: list[str], sweep_dir: Path
+    srows: list[dict[str, Any]],
+    agg: list[dict[str, Any]],
+    over: list[str],
+    sweep_dir: Path,
+    notes: list[str] | None = None,
 ) -> list[Path]:
     """``selected.parquet``, ``selected_seeds.parquet`` and ``selected.md`` (atomic)."""
     from core.utils.atomic import atomic_write
     from pipelines.sweep_summary import write_table
 
-    text = markdown(srows, agg, over)
+    text = markdown(srows, agg, over, notes)
     return [
         write_table(srows, sweep_dir / "selected.parquet"),
         write_table(agg, sweep_dir / "selected_seeds.parquet"),

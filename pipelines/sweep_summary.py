@@ -56,7 +56,10 @@ def _json(path: Path) -> Any:
 
 def summary_rows(spec: dict[str, Any], status: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """One dict per trial (grid order) from the files under ``<sweep>/trials/<tid>/``."""
+    from pipelines.sweep_bracket import round_of
+
     status = status or {}
+    rounds = round_of(spec) if spec.get("bracket") or spec.get("bracket_rounds") else None
     rows = []
     for tid, t in spec["trials"].items():
         root = Path(spec["sweep_dir"]) / "trials" / tid
@@ -66,6 +69,8 @@ def summary_rows(spec: dict[str, Any], status: dict[str, str] | None = None) -> 
         row: dict[str, Any] = {"trial": tid}
         for key in spec["grid"]:
             row[key] = t["overrides"].get(key)
+        if rounds is not None:
+            row["bracket_round"] = rounds[tid]  # 0: the asked grid; k: added by bracketing round k
         row.update(
             {
                 "pretrain_epochs": p["pretrain"]["epochs"],

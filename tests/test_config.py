@@ -117,6 +117,48 @@ def test_bad_configuration(tmp_path: Path, change: dict[str, Any], fragment: str
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]  # nothing written
 
 
+LR_GRID = {"grid": {"finetune.lr": [0.0001, 0.001, 0.01]}, "select": {"over": ["finetune.lr"]}}
+
+
+@pytest.mark.parametrize(
+    "bracket,grid,fragment",
+    [
+        ({"max_rounds": 0}, None, "sweep.select.bracket.max_rounds: Input should be greater than or equal to 1"),
+        ({"max_rounds": 11}, None, "sweep.select.bracket.max_rounds: Input should be less than or equal to 10"),
+        ({"rounds": 2}, None, "sweep.select.bracket.rounds: unknown key"),
+        ({"key": "seed"}, None, "sweep.select.bracket.key: 'seed' is not in sweep.select.over (['finetune.lr'])"),
+        (True, [0.0001, 0.001, 0.003], "sweep.select.bracket: sweep.grid.finetune.lr must hold at least two "
+         "positive numbers with a constant ratio (a log-spaced grid, e.g. [0.0001, 0.001, 0.01]), got"),
+        (True, [0.001], "sweep.grid.finetune.lr must hold at least two positive numbers"),
+    ],
+)  # fmt: skip
+def test_bad_bracket(tmp_path: Path, bracket: Any, grid: list | None, fragment: str) -> None:
+    """``sweep.select.bracket``: one line naming the key, nothing written."""
+    sweep = copy.deepcopy(LR_GRID)
+    sweep["select"]["bracket"] = bracket
+    if grid is not None:
+        sweep["grid"]["finetune.lr"] = grid
+    path = write(tmp_path, merged({"sweep": sweep}))
+    with pytest.raises(ConfigError) as info:
+        load_params(path)
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]
+
+
+def test_bracket_settings() -> None:
+    """``bracket: true`` takes the defaults and the one key of over; no bracket on an empty over is refused."""
+    from core.config import bracket_key, log_step
+
+    p = load_params(REPO / "params.yaml", [f"sweep.grid.finetune.lr={LR_GRID['grid']['finetune.lr']}",
+                                           "sweep.select.over=[finetune.lr]", "sweep.select.bracket=true"])  # fmt: skip
+    assert p.sweep.select.bracket.max_rounds == 3 and bracket_key(p.sweep.select) == "finetune.lr"
+    assert load_params(REPO / "params.yaml", ["sweep.select.bracket=false"]).sweep.select.bracket is None
+    with pytest.raises(ConfigError, match="sweep.select.bracket.key: name the key to extend"):
+        load_params(REPO / "params.yaml", ["sweep.select.bracket=true"])
+    assert log_step([0.01, 0.0001, 0.001]) == 10.0 and log_step([1, 2, 4]) == 2.0
+    assert log_step([1, 2, 3]) is None and log_step([0.0, 1.0]) is None and log_step([True, 2]) is None
+
+
 @pytest.mark.parametrize(
     "text,fragment",
     [

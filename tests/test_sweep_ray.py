@@ -319,3 +319,37 @@ def test_seed_grid_aggregates_each_configuration_over_seeds(tmp_path: Path) -> N
     assert parent.data.metrics[key] == pytest.approx(agg["tcnn_minus_control_clean_accuracy_seeds_mean"])
     assert "Over seeds" in (sweep_dir / "report.html").read_text()
     assert "alpha=0.5" in (sweep_dir / "seeds.md").read_text()
+
+
+def test_bracketing_grows_the_lr_grid_past_an_edge_choice(tmp_path: Path) -> None:
+    """``sweep.select.bracket`` on a real sweep: with two lrs every choice is at an edge, so round 1 adds one
+    step beyond each edge some arm chose (the selection's validation argmax, re-derived here from
+    summary.parquet); the asked trials are not run again, and the bound (1 round) ends it, reported."""
+    from pipelines.sweep_select import choose
+
+    key = "finetune.lr"
+    sweep = {"select": {"over": [key], "bracket": {"max_rounds": 1}}}
+    make_project(tmp_path, {key: [0.001, 0.01]}, n_train=200, sweep=sweep)
+    res = run_sweep(tmp_path, "--name", "br")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    sweep_dir = tmp_path / "sweeps" / "br"
+    rows = pq.read_table(sweep_dir / "summary.parquet").to_pylist()
+    first = [r for r in rows if r["bracket_round"] == 0]
+    assert sorted(r[key] for r in first) == [0.001, 0.01]
+    picks = {p[key] for p in choose(first, [key], [key])}
+    want = sorted(({0.0001} if 0.001 in picks else set()) | ({0.1} if 0.01 in picks else set()))
+    record = json.loads((sweep_dir / "bracket.json").read_text())
+    assert [r["added"] for r in record["rounds"]] == [want]
+    assert sorted(r[key] for r in rows if r["bracket_round"] == 1) == want
+    assert all(r["status"] == "finished" for r in rows) and len(rows) == 2 + len(want)
+    assert all(stage_counts(Path(r["trial_dir"])).get("finetune") == 1 for r in rows)  # none ran twice
+    assert (sweep_dir / "tune-bracket1").is_dir()
+    assert record["stop"].startswith((f"{key}: every arm's choice is interior after 1 round",
+                                      f"{key}: still at the edge after 1 round (max_rounds 1)"))  # fmt: skip
+    assert "Bracketing" in (sweep_dir / "selected.md").read_text() and record["stop"] in res.stdout
+    parent, children = sweep_runs(tmp_path, "br")
+    assert parent.info.status == "FINISHED" and len(children) == len(rows)
+    assert parent.data.metrics["bracket_rounds"] == 1 and parent.data.metrics["trials"] == len(rows)
+    assert json.loads(parent.data.params[f"grid.{key}"]) == [0.001, 0.01]  # the grid that was asked for
+    assert parent.data.tags["tcnn.bracket.added"].startswith(f"round 1: {key}=")
+    assert parent.data.tags["tcnn.bracket.stop"] == record["stop"]
