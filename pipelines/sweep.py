@@ -346,10 +346,8 @@ def run_sweep(
                 f"{spec['name']}: {n} trials, {groups} pretraining group(s), {nodes} Ray node(s), "
                 f"{spec['resources']['cpu']} CPU / {spec['resources']['gpu']} GPU per trial -> {sweep_dir}"
             )
-            for key, cp in spec["corrupt"].items():
-                from core.config import validate_params
-
-                sweep_shared.ensure_corrupted(Path(spec["storage"]), key, validate_params(cp))
+            for key in spec["corrupt"]:
+                sweep_shared.ensure_corrupted(spec, key)
             restore = _can_restore(sweep_dir / TUNE_DIR)
             if restore:
                 say(f"resuming from {sweep_dir / TUNE_DIR}")
