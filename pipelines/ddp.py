@@ -41,12 +41,20 @@ def node_name() -> str:
 
 
 def run_stage(
-    stage: str, params: Params, root: Path, spec: dict[str, Any], *, workers: int | None = None
+    stage: str,
+    params: Params,
+    root: Path,
+    spec: dict[str, Any],
+    *,
+    workers: int | None = None,
+    options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``stages.<stage>.run(params, root=root)`` on `workers` (default ``params.workers_per_trial``) Ray Train
-    workers; in the trial's own process when ``workers_per_trial`` is 1."""
+    """``stages.<stage>.run(params, root=root, **options)`` on `workers` (default ``params.workers_per_trial``)
+    Ray Train workers; in the trial's own process when ``workers_per_trial`` is 1. ``options``: JSON-able
+    keyword arguments of the stage function (evaluate's ``shared`` store)."""
+    options = dict(options or {})
     if params.workers_per_trial <= 1:
-        return importlib.import_module(f"stages.{stage}").run(params, root=root)
+        return importlib.import_module(f"stages.{stage}").run(params, root=root, **options)
     workers = params.workers_per_trial if workers is None else workers
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -66,6 +74,7 @@ def run_stage(
             "stage": stage,
             "params": params,
             "root": str(root),
+            "options": options,
             "out": str(out),
             "nodes": str(nodes),
             "threads": max(1, int(share["cpu"])),
@@ -115,7 +124,7 @@ def _worker(config: dict[str, Any]) -> None:
 
     torch.set_num_threads(config["threads"])
     result = importlib.import_module(f"stages.{config['stage']}").run(
-        config["params"], root=Path(config["root"])
+        config["params"], root=Path(config["root"]), **config.get("options", {})
     )
     nodes: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(nodes, node_name())

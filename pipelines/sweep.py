@@ -483,11 +483,10 @@ def run_sweep(
 
 def _ensure_corrupted(spec: dict, keys: list[str]) -> None:
     """The shared corrupted test sets of ``keys`` (built once; later calls check them)."""
-    from core.config import validate_params
     from pipelines import sweep_shared
 
     for key in keys:
-        sweep_shared.ensure_corrupted(Path(spec["storage"]), key, validate_params(spec["corrupt"][key]))
+        sweep_shared.ensure_corrupted(spec, key)
 
 
 def _fit(spec: dict, k: int) -> dict[str, str]:

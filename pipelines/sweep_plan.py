@@ -268,11 +268,17 @@ def default_name(params_file: Path, base: Params) -> str:
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
 
+def shared_dirs() -> tuple[str, ...]:
+    """The directories of shared work under ``sweep.storage`` (a sweep's own directory is its name)."""
+    from stages.cnn_evaluation import DIR
+
+    return ("pretrain", "control", "corrupt", DIR)
+
+
 def check_name(name: str) -> str:
-    if not NAME_RE.match(name) or name in ("pretrain", "corrupt"):
-        raise SweepError(
-            f"--name {name!r}: use letters, digits, '_', '.', '-' (not 'pretrain' or 'corrupt'), at most 100"
-        )
+    if not NAME_RE.match(name) or name in shared_dirs():
+        taken = " or ".join(repr(d) for d in shared_dirs())
+        raise SweepError(f"--name {name!r}: use letters, digits, '_', '.', '-' (not {taken}), at most 100")
     return name
 
 

@@ -7,6 +7,9 @@ get the lock does the work, the others block until it is done and then find it c
 the lock when its holder dies, so a killed trial never leaves it held; the next holder resumes the
 interrupted pretraining exactly (stages.pretrain keeps its partial state under the group directory).
 
+The pretrained CNN's evaluation is shared the same way, by the evaluate stage itself
+(stages.cnn_evaluation: ``<storage>/cnn_evaluation/<key>/``).
+
 Layout of ``<storage>/pretrain/<key>/``: ``runs/pretrain/`` (the pretrain stage's outputs: ckpt/, cnn-final.pt,
 metrics.json, ...), ``inputs.json`` (the identity hashed into the key), ``complete.json`` (written last:
 the epochs kept), ``executions.jsonl`` (one line per completed execution: sweep, trial, host, time).
@@ -15,11 +18,9 @@ the epochs kept), ``executions.jsonl`` (one line per completed execution: sweep,
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import socket
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,11 +29,12 @@ from typing import Any
 from core.config import Params, validate_params
 from core.utils.atomic import append_json_line as append_line
 from core.utils.atomic import atomic_write_json
+from core.utils.locks import locked
+from core.utils.locks import say as _say
 from core.utils.machine import cpu_model
 from pipelines.ddp import node_name, run_stage
 from stages import chain
 
-LOCK = ".lock"
 COMPLETE = "complete.json"
 EXECUTIONS = "executions.jsonl"
 
@@ -43,31 +45,6 @@ def runs_log(stage: str) -> str:
 
 
 SWEEP_PRETRAIN_RUNS = runs_log("pretrain")  # pretraining executed by this sweep
-
-
-@contextlib.contextmanager
-def locked(directory: Path, what: str, log: Any = None) -> Iterator[None]:
-    """An exclusive flock on ``directory/.lock``; says so (once) when it has to wait for another holder."""
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / LOCK, "a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            t0 = time.monotonic()
-            _say(log, f"{what}: waiting for another process that holds {directory / LOCK}")
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            _say(log, f"{what}: lock acquired after {time.monotonic() - t0:.1f}s")
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _say(log: Any, msg: str) -> None:
-    if log is not None:
-        log(msg)
-    else:
-        print(msg, file=sys.stderr, flush=True)
 
 
 def read_lines(path: Path) -> list[dict[str, Any]]:
@@ -244,13 +221,23 @@ def ensure_control(
 ENSURE = {"pretrain": ensure_pretraining, "control": ensure_control}
 
 
-def ensure_corrupted(storage: Path, key: str, params: Params, log: Any = None) -> dict[str, Any]:
-    """Build (or check) the shared corrupted test sets ``<storage>/corrupt/<key>`` with the corrupt stage."""
+def ensure_corrupted(spec: dict[str, Any], key: str, log: Any = None) -> dict[str, Any]:
+    """Build (or check) the shared corrupted test sets ``<storage>/corrupt/<key>`` with the corrupt stage, and
+    record the execution (its time: finished - started; the stage's own ``wall_s``; how many sets it made) in
+    the directory's executions.jsonl and the sweep's ``corrupt_runs.jsonl``."""
     from stages import corrupt
 
+    storage = Path(spec["storage"])
     directory = storage / "corrupt" / key
     with locked(directory, f"corrupt {key}", log):
-        return corrupt.run(params, root=storage)
+        t0 = time.time()
+        metrics = corrupt.run(validate_params(spec["corrupt"][key]), root=storage)
+        record = {"sweep": spec["name"], "sweep_uid": spec.get("uid"), "key": key, "host": socket.gethostname(),
+                  "node": node_name(), "cpu": cpu_model(), "started": t0, "finished": time.time(),
+                  "stage_wall_s": metrics.get("wall_s"), "generated": metrics.get("generated")}  # fmt: skip
+        append_line(directory / EXECUTIONS, record)
+        append_line(Path(spec["sweep_dir"]) / runs_log("corrupt"), record)
+        return metrics
 
 
 def pretrain_runs(sweep_dir: Path) -> int:

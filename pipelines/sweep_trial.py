@@ -4,7 +4,8 @@ from dvc.yaml (`stages.chain.trial_stages`: pretrain -> reparam -> finetune -> c
 Runs inside a Ray Tune function trainable. Its directory ``<sweep>/trials/<tid>/`` is the ``root`` of every
 stage call (runs/..., results/...), with ``runs/pretrain`` a link to the shared pretraining of its group,
 ``runs/control`` a link to the shared matched control (pipelines/sweep_shared.py) and robustness.dir the
-sweep's shared corrupted sets. No stage logic lives here.
+sweep's shared corrupted sets; with sharing on, evaluate reads the pretrained CNN's evaluation from the
+storage's shared store (:func:`stage_options`, stages/cnn_evaluation.py). No stage logic lives here.
 
 Resume and exactly-once:
 - ``trial.json`` (and every Tune checkpoint) holds the trial's MLflow run id; a restarted trial (Tune retry,
@@ -42,10 +43,11 @@ from typing import Any
 
 from core.config import Params
 from core.utils.atomic import atomic_write_json
+from core.utils.locks import locked
 from core.utils.machine import cpu_model
 from pipelines.ddp import node_name, run_stage, worker_nodes
 from pipelines.sweep_plan import trial_label, trial_params
-from pipelines.sweep_shared import ENSURE, append_line, link_pretraining, locked, published, runs_log
+from pipelines.sweep_shared import ENSURE, append_line, link_pretraining, published, runs_log
 from stages import chain
 from stages.catalogue import SUMMARY_METRICS, epoch_metrics, numeric_metrics, stage_artifacts, summary_metrics
 from stages.chain import sweep_role, trains, trial_stages
@@ -374,7 +376,8 @@ class TrialRunner:
 
     def _own(self, name: str) -> Callable[[], dict[str, Any]]:
         workers = None if trains(name) else 1  # only training stages run data parallel
-        return lambda: run_stage(name, self.params, self.root, self.spec, workers=workers)
+        options = stage_options(self.spec, name)
+        return lambda: run_stage(name, self.params, self.root, self.spec, workers=workers, options=options)
 
     def _counted(self, name: str, fn: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
         def run() -> dict[str, Any]:
@@ -418,6 +421,16 @@ class TrialRunner:
             return metrics
 
         return run
+
+
+def stage_options(spec: dict[str, Any], stage: str) -> dict[str, Any]:
+    """What a trial's own stage is given besides its params and directory: with sharing on, evaluate reads
+    (or makes) the pretrained CNN's evaluation in the sweep storage's shared store (stages.cnn_evaluation)."""
+    if stage != "evaluate" or not spec["share_pretraining"]:
+        return {}
+    from stages.cnn_evaluation import DIR
+
+    return {"shared": str(Path(spec["storage"]) / DIR)}
 
 
 def progress(stage: str, metrics: dict[str, Any]) -> dict[str, float]:

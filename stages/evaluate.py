@@ -25,10 +25,19 @@ model of ``model.kind`` (``runs/finetune/tcnn-final.pt``). All are evaluated at 
 - ``robustness_by_category.csv`` / ``robustness_by_severity.csv``: mean corruption accuracy per group and
   model (DVC plots), and ``plots/robustness_gain.png``: the T-CNN's relative improvement over the control and
   over the pretrained CNN per category and severity, with intervals ([TCNN21] Fig. 3).
+
+metrics.json also says how long the stage took (``wall_s``) and how it had the pretrained CNN's evaluation
+(``cnn_evaluation``): ``source: own`` evaluated here like the other models (the DVC path); in a sweep
+(``run(..., shared=<store>)``) the CNN's evaluation on the generated sets is shared by identity, as its
+pretraining is (stages.cnn_evaluation): ``computed`` (this trial made it for the others), ``shared`` (read,
+after this process predicted the first clean test images as the store says), ``recomputed`` (the check
+disagreed: evaluated here, ``reason`` says why); ``key`` names the store's entry, ``seconds`` the time spent
+evaluating the CNN here.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections.abc import Sequence
@@ -38,7 +47,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from core.config import Params
@@ -46,19 +54,21 @@ from core.data import DataError, load_split, read_manifest
 from core.robustness.intervals import CONFIDENCE
 from core.robustness.metrics import (
     Baseline,
+    array_batches,
     bootstrap_metrics,
     comparisons,
     evaluate_model,
     flat_metrics,
+    predictions,
     summarize,
 )
 from core.training.checkpoint import CheckpointError, load_model
 from core.training.inference import inference_model
 from core.training.loop import select_device
-from core.utils.atomic import atomic_write, atomic_write_json, atomic_write_text
+from core.utils.atomic import atomic_write_json, atomic_write_parquet, atomic_write_text
 from core.utils.hashing import derive_seed
 from core.viz.plots import plot_gains
-from stages import chain
+from stages import chain, cnn_evaluation
 from stages import training as T
 from stages.runner import StageError, stage_main
 
@@ -108,10 +118,6 @@ def _group_csv(summaries: dict[str, dict[str, Any]], key: str) -> str:
 LABELS = {"cnn": "pretrained CNN", "control": "control (CNN fine-tuned, no attention)", "tcnn": "T-CNN"}
 
 
-def write_parquet(table: pa.Table, path: Path) -> None:
-    atomic_write(path, lambda fh: pq.write_table(table, fh))
-
-
 @dataclass(frozen=True)
 class Suite:
     """One family of corrupted sets every model is evaluated on: the corrupt stage's (``robustness.dir``) or a
@@ -146,57 +152,133 @@ def suites(params: Params, root: Path, n_clean: int) -> tuple[Suite, Suite | Non
     return (published, None) if pub.use == "replace" else (generated, published)
 
 
-def evaluate_models(
-    params: Params, root: Path, paths: dict[str, Path], suites_: Sequence[Suite] | None = None
-) -> dict[str, tuple[pa.Table, pa.Table]]:
-    """{suite name: (counts table, per-image table)} of every model on the full clean test split and each
-    suite's corrupted sets (default: the main suite of :func:`suites`), all at `Params.test_image_size`."""
-    rob = params.robustness
+@dataclass(frozen=True)
+class Bench:
+    """What every model is evaluated on, and how: the full clean test split, at `Params.test_image_size`, with
+    the normalization the models expect, in batches of ``robustness.batch_size``, on one device."""
+
+    images: Any
+    labels: Any
+    manifest: dict[str, Any]
+    size: int | None
+    norm: dict[str, Any]
+    batch_size: int
+    device: torch.device
+
+    def options(self) -> dict[str, Any]:
+        """The options of core.robustness.metrics's evaluation functions."""
+        return {"mean": self.norm["mean"], "std": self.norm["std"], "device": self.device,
+                "image_size": self.size}  # fmt: skip
+
+
+def bench(params: Params, root: Path) -> Bench:
+    """The :class:`Bench` of this config: the test split of ``root / data.dir``, the device TCNN_DEVICE names."""
     try:
         manifest = read_manifest(root / params.data.dir)
         images, labels = load_split(root / params.data.dir, "test")
     except (DataError, FileNotFoundError, ValueError) as err:
         raise StageError(str(err)) from None
-    if suites_ is None:
-        suites_ = [s for s in suites(params, root, len(images)) if s is not None]
-    size = params.test_image_size()
     norm = T.input_normalization(params) or {"mean": manifest["mean"], "std": manifest["std"]}
     device = select_device()  # env TCNN_DEVICE, else CUDA when available
-    out: dict[str, tuple[list[pa.Table], list[pa.Table]]] = {s.name: ([], []) for s in suites_}
+    return Bench(
+        images, labels, manifest, params.test_image_size(), norm, params.robustness.batch_size, device
+    )
+
+
+def evaluate_models(
+    params: Params,
+    root: Path,
+    paths: dict[str, Path],
+    suites_: Sequence[Suite] | None = None,
+    *,
+    shared: Path | None = None,
+) -> tuple[dict[str, tuple[pa.Table, pa.Table]], dict[str, Any]]:
+    """{suite name: (counts table, per-image table)} of every model on the full clean test split and each
+    suite's corrupted sets (default: the suites of :func:`suites`), all at `Params.test_image_size`, and how
+    the pretrained CNN's evaluation was had (:func:`cnn_tables`; ``shared``: the store of its shared one)."""
+    b = bench(params, root)
+    if suites_ is None:
+        suites_ = [s for s in suites(params, root, len(b.images)) if s is not None]
+    by_model: dict[str, dict[str, tuple[pa.Table, pa.Table]]] = {}
+    note: dict[str, Any] = {}
     for name, path in paths.items():
-        try:
-            model = load_model(path, map_location=device)
-        except CheckpointError as err:
-            raise StageError(str(err)) from None
-        if device.type == "cpu":
-            example = _example_batch(images, norm, size, min(rob.batch_size, len(images)))
-            model, kind = inference_model(model, example)
+        if name == "cnn":
+            by_model[name], note = cnn_tables(params, root, b, path, suites_, shared)
         else:
-            kind = "eager"
-        for suite in suites_:
-            t0 = time.perf_counter()
-            print(
-                f"evaluate: {name} on {len(images)} clean + {len(suite.corruptions)} x {len(suite.severities)} "
-                f"{suite.name} corrupted sets at {size} px ({kind})"
-            )
-            try:
-                table, correct = evaluate_model(
-                    model, (images, labels), suite.source, suite.corruptions, suite.severities,
-                    mean=norm["mean"], std=norm["std"], batch_size=rob.batch_size, device=device,
-                    model_name=name, image_size=size, per_image=True,
-                )  # fmt: skip
-            except (
-                FileNotFoundError,
-                ValueError,
-            ) as err:  # a missing or damaged (checksum) set: says what to do
-                where = "robustness.dir" if suite.name == "generated" else "robustness.public"
-                raise StageError(f"{where}: {err}") from None
-            out[suite.name][0].append(table)
-            out[suite.name][1].append(correct)
-            n = sum(table.column("n").to_pylist())
-            dt = time.perf_counter() - t0
-            print(f"evaluate: {name}: {n} images in {dt:.1f} s ({n / max(dt, 1e-9):.0f} img/s)")
-    return {k: (pa.concat_tables(t), pa.concat_tables(c)) for k, (t, c) in out.items()}
+            by_model[name] = evaluate_suites(b, name, prepared(b, path), suites_)
+    out = {s.name: tuple(pa.concat_tables([by_model[m][s.name][i] for m in paths]) for i in (0, 1))
+           for s in suites_}  # fmt: skip
+    return out, note  # type: ignore[return-value]
+
+
+def cnn_tables(
+    params: Params, root: Path, b: Bench, path: Path, suites_: Sequence[Suite], shared: Path | None
+) -> tuple[dict[str, tuple[pa.Table, pa.Table]], dict[str, Any]]:
+    """The pretrained CNN's tables per suite and how they were had (``cnn_evaluation`` in metrics.json): with a
+    store (``shared``), the generated suite's from its shared evaluation (stages.cnn_evaluation, checked
+    against this process's predictions); else, and for a published suite, evaluated here (``source: own``)."""
+    model = functools.cache(lambda: prepared(b, path))
+    generated = [s for s in suites_ if s.name == cnn_evaluation.SUITE]
+    if shared is None or not generated:
+        out, seconds = cnn_evaluation.timed(lambda: evaluate_suites(b, "cnn", model(), suites_))
+        return out, {"source": "own", "seconds": round(seconds, 3)}
+    try:
+        ident = cnn_evaluation.identity(params, root, path, b.manifest, b.norm, b.device.type)
+    except (FileNotFoundError, ValueError) as err:  # a missing set: said where it is evaluated
+        raise StageError(f"robustness.dir: {err}") from None
+    tables, note = cnn_evaluation.shared(
+        shared, ident, compute=lambda: evaluate_suites(b, "cnn", model(), generated)[cnn_evaluation.SUITE],
+        check=lambda: check_record(b, model()[0]),
+    )  # fmt: skip
+    print(f"evaluate: cnn: {note['source']} evaluation {note['key']} ({shared})")
+    rest = [s for s in suites_ if s.name != cnn_evaluation.SUITE]
+    return {cnn_evaluation.SUITE: tables, **(evaluate_suites(b, "cnn", model(), rest) if rest else {})}, note
+
+
+def check_record(b: Bench, model: Any) -> dict[str, Any]:
+    """The CNN's predictions on the first clean test images (stages.cnn_evaluation.check_size), computed as
+    its evaluation computes them: the same batches, options and model form."""
+    n = cnn_evaluation.check_size(len(b.images), b.batch_size)
+    images, labels = np.asarray(b.images[:n]), np.asarray(b.labels[:n])
+    predicted = predictions(model, array_batches(images, labels, b.batch_size), **b.options())
+    return cnn_evaluation.check_record(images, labels, predicted)
+
+
+def prepared(b: Bench, path: Path) -> tuple[Any, str]:
+    """The model of a checkpoint in its fastest equivalent form for inference on CPU
+    (core.training.inference; eager elsewhere), and that form's name."""
+    try:
+        model = load_model(path, map_location=b.device)
+    except CheckpointError as err:
+        raise StageError(str(err)) from None
+    if b.device.type != "cpu":
+        return model, "eager"
+    return inference_model(model, _example_batch(b.images, b.norm, b.size, min(b.batch_size, len(b.images))))
+
+
+def evaluate_suites(
+    b: Bench, name: str, model: tuple[Any, str], suites_: Sequence[Suite]
+) -> dict[str, tuple[pa.Table, pa.Table]]:
+    """{suite name: (counts, per-image)} of one model (``(module, form name)``: :func:`prepared`)."""
+    out = {}
+    for suite in suites_:
+        t0 = time.perf_counter()
+        print(
+            f"evaluate: {name} on {len(b.images)} clean + {len(suite.corruptions)} x {len(suite.severities)} "
+            f"{suite.name} corrupted sets at {b.size} px ({model[1]})"
+        )
+        try:
+            out[suite.name] = evaluate_model(
+                model[0], (b.images, b.labels), suite.source, suite.corruptions, suite.severities,
+                batch_size=b.batch_size, model_name=name, per_image=True, **b.options(),
+            )  # fmt: skip
+        except (FileNotFoundError, ValueError) as err:  # a missing or damaged (checksum) set: says what to do
+            where = "robustness.dir" if suite.name == "generated" else "robustness.public"
+            raise StageError(f"{where}: {err}") from None
+        n = sum(out[suite.name][0].column("n").to_pylist())
+        dt = time.perf_counter() - t0
+        print(f"evaluate: {name}: {n} images in {dt:.1f} s ({n / max(dt, 1e-9):.0f} img/s)")
+    return out
 
 
 def _example_batch(images: Any, norm: dict[str, Any], size: int | None, n: int) -> torch.Tensor:
@@ -227,31 +309,49 @@ def score(params: Params, table: pa.Table, per_image: pa.Table, models: Sequence
             "comparisons": comparisons(points, samples, pairs)}  # fmt: skip
 
 
-def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
+def run(params: Params, *, root: Path = Path("."), shared: Path | str | None = None) -> dict[str, Any]:
+    """Evaluate and score every model, write the outputs (module docstring); returns metrics.json's content.
+    ``shared``: the store of the pretrained CNN's shared evaluation (stages.cnn_evaluation; a sweep's), else
+    the CNN is evaluated here as every other model."""
+    t_start = time.perf_counter()
     root = Path(root)
-    rob = params.robustness
     paths = model_paths(params, root)
     missing = [str(p) for p in paths.values() if not p.is_file()]
     if missing:
         raise StageError(
             f"missing model checkpoint(s): {', '.join(missing)} (run pretrain, finetune and control)"
         )
-    results = evaluate_models(params, root, paths)
+    results, note = evaluate_models(params, root, paths, shared=Path(shared) if shared else None)
+    out = root / chain.run_dir(NAME)
     main_name = next(iter(results))
-    table, per_image = results[main_name]
+    metrics, summaries, comps = _write_main(params, out, main_name, *results[main_name], list(paths))
+    for name, (ptable, pimage) in list(results.items())[1:]:  # the published benchmark next to the main sets
+        metrics["public"] = _write_public(params, out, name, ptable, pimage, list(paths))
+    metrics["cnn_evaluation"] = note
+    metrics["wall_s"] = round(time.perf_counter() - t_start, 3)
+    atomic_write_json(out / "metrics.json", metrics)
+    atomic_write_json(out / "summary.json", summaries)
+    _say_all("", summaries, comps)
+    return metrics
+
+
+def _write_main(
+    params: Params, out: Path, name: str, table: pa.Table, per_image: pa.Table, models: list[str]
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Score the main suite (``name``) and write its tables, baseline, plot and CSVs; returns (metrics.json's content so
+    far, the summaries, the comparisons)."""
+    rob = params.robustness
     t0 = time.perf_counter()
-    main = score(params, table, per_image, list(paths))
+    main = score(params, table, per_image, models)
     baseline, summaries, points, pairs, comps = (
         main[k] for k in ("baseline", "summaries", "points", "pairs", "comparisons")
     )
     print(
         f"evaluate: paired bootstrap, {rob.bootstrap} replicates over test images, in {time.perf_counter() - t0:.1f} s"
     )
-
-    out = root / chain.run_dir(NAME)
     (out / "plots").mkdir(parents=True, exist_ok=True)
-    write_parquet(table, out / "robustness.parquet")
-    write_parquet(per_image, out / "per_image.parquet")
+    atomic_write_parquet(out / "robustness.parquet", table)
+    atomic_write_parquet(out / "per_image.parquet", per_image)
     baseline.save(out / "baseline.json")
     plot_gains(comps, [f"{b}-{a}" for a, b in pairs if b == "tcnn"], out / "plots" / "robustness_gain.png",
                labels=LABELS)  # fmt: skip
@@ -259,7 +359,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     atomic_write_text(out / "robustness_by_severity.csv", _group_csv(summaries, "per_severity"))
     metrics: dict[str, Any] = dict(points)
     metrics["baseline"] = baseline.name
-    metrics["corrupted_sets"] = main_name
+    metrics["corrupted_sets"] = name
     metrics["test_image_size"] = params.test_image_size()
     metrics["comparisons"] = comps
     metrics["bootstrap"] = {
@@ -270,18 +370,21 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         "seed": derive_seed(params.seed, "bootstrap"),
         "images": _set_sizes(table),
     }
-    for name, (ptable, pimage) in list(results.items())[1:]:  # the published benchmark next to the main sets
-        pub = score(params, ptable, pimage, list(paths))
-        (out / "public").mkdir(exist_ok=True)
-        write_parquet(ptable, out / "public" / "robustness.parquet")
-        write_parquet(pimage, out / "public" / "per_image.parquet")
-        metrics["public"] = {"kind": name, "dir": str(rob.public.dir), "baseline": pub["baseline"].name,
-                             "images": _set_sizes(ptable), **pub["points"], "comparisons": pub["comparisons"]}  # fmt: skip
-        _say_all(f"{name}: ", pub["summaries"], pub["comparisons"])
-    atomic_write_json(out / "metrics.json", metrics)
-    atomic_write_json(out / "summary.json", summaries)
-    _say_all("", summaries, comps)
-    return metrics
+    return metrics, summaries, comps
+
+
+def _write_public(
+    params: Params, out: Path, name: str, table: pa.Table, per_image: pa.Table, models: list[str]
+) -> dict[str, Any]:
+    """Score the published benchmark evaluated next to the main sets and write its tables; returns
+    metrics.json's ``public`` entry."""
+    pub = score(params, table, per_image, models)
+    (out / "public").mkdir(exist_ok=True)
+    atomic_write_parquet(out / "public" / "robustness.parquet", table)
+    atomic_write_parquet(out / "public" / "per_image.parquet", per_image)
+    _say_all(f"{name}: ", pub["summaries"], pub["comparisons"])
+    return {"kind": name, "dir": str(params.robustness.public.dir), "baseline": pub["baseline"].name,
+            "images": _set_sizes(table), **pub["points"], "comparisons": pub["comparisons"]}  # fmt: skip
 
 
 def _say_all(prefix: str, summaries: dict[str, Any], comps: dict[str, Any]) -> None:

@@ -8,6 +8,8 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 import pyarrow.parquet as pq
 import pytest
 from _train_helpers import TEST_DEVICE, tiny_params, write_dataset
@@ -211,3 +213,102 @@ def test_published_sets_dir_must_exist(tmp_path) -> None:
         validate_params({"robustness": {"public": {"kind": "cifar10_c", "dir": str(tmp_path / "none")}}})
     with pytest.raises(ConfigError, match=r"robustness.public.kind"):
         validate_params({"robustness": {"public": {"kind": "cifar10-c", "dir": str(tmp_path)}}})
+
+
+def _trial(chain: Path, where: Path, tcnn_epoch: int) -> Path:
+    """A trial's directory: the chain's pretrained CNN and control, its own T-CNN (a pretraining epoch)."""
+    shutil.copytree(chain / "runs", where / "runs")
+    ckpt = chain / "runs" / "pretrain" / "ckpt" / f"ckpt-epoch-{tcnn_epoch:03d}.pt"
+    shutil.copy(ckpt, where / "runs" / "finetune" / "tcnn-final.pt")
+    return where
+
+
+def _evaluated(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The models the evaluate stage runs over the full test split and corrupted sets, in call order."""
+    calls: list[str] = []
+    real = evaluate.evaluate_model
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["model_name"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluate, "evaluate_model", counted)
+    return calls
+
+
+def _cnn_rows(root: Path, name: str) -> list[dict]:
+    return [r for r in pq.read_table(root / "results" / name).to_pylist() if r["model"] == "cnn"]
+
+
+@pytest.mark.slow
+def test_two_trials_of_one_seed_read_one_cnn_evaluation(chain, tmp_path, monkeypatch) -> None:
+    """The first trial evaluates the pretrained CNN into the store, the second reads it (its evaluate never runs
+    the CNN over the sets; its check predicts the first test images again): one store entry, the same CNN
+    numbers in both, and the same files as the DVC path's evaluation of the CNN in its own process."""
+    params = validate_params(_raw(chain / "data" / "fmnist", chain))
+    store = tmp_path / "store"
+    own = evaluate.run(params, root=_trial(chain, tmp_path / "own", 0))  # the DVC path: no store
+    calls = _evaluated(monkeypatch)
+    first = evaluate.run(params, root=_trial(chain, tmp_path / "t0", 0), shared=store)
+    assert calls == ["cnn", "control", "tcnn"]
+    second = evaluate.run(params, root=_trial(chain, tmp_path / "t1", 1), shared=store)
+    assert calls[3:] == ["control", "tcnn"]  # the CNN was not evaluated again
+    assert own["cnn_evaluation"]["source"] == "own" and own["wall_s"] > 0
+    assert first["cnn_evaluation"]["source"] == "computed" and first["cnn_evaluation"]["seconds"] > 0
+    assert second["cnn_evaluation"] == {
+        "key": first["cnn_evaluation"]["key"],
+        "source": "shared",
+        "seconds": 0.0,
+    }
+    assert [p.name for p in store.iterdir()] == [first["cnn_evaluation"]["key"]]
+    assert own["cnn"] == first["cnn"] == second["cnn"]
+    assert second["tcnn"] != first["tcnn"]  # another T-CNN, compared with the same CNN numbers
+    for name in ("robustness.parquet", "per_image.parquet"):
+        want = _cnn_rows(tmp_path / "own", name)
+        assert _cnn_rows(tmp_path / "t0", name) == _cnn_rows(tmp_path / "t1", name) == want
+        a, b = (pq.read_table(tmp_path / d / "results" / name) for d in ("own", "t0"))
+        assert a.to_pylist() == b.to_pylist()  # the same trial files, shared or not
+    images, labels = load_split(chain / "data" / "fmnist", "test")
+    manifest = read_manifest(chain / "data" / "fmnist")
+    cnn = load_model(chain / "runs" / "pretrain" / "cnn-final.pt")
+    clean = correct_per_image(cnn, [(images, labels)], mean=manifest["mean"], std=manifest["std"])
+    got = [
+        r["correct"] for r in _cnn_rows(tmp_path / "t1", "per_image.parquet") if r["corruption"] == "clean"
+    ]
+    assert got == clean.tolist()  # the shared rows are this CNN's, image by image
+
+
+@pytest.mark.slow
+def test_a_damaged_or_disagreeing_shared_cnn_evaluation_is_not_used(
+    chain, tmp_path, monkeypatch, capsys
+) -> None:
+    """A stored table that no longer matches its sha256 is said in one line and evaluated again (the store
+    repaired); a store whose recorded predictions differ from this process's is not read: the CNN is evaluated
+    in this process and the note says why."""
+    from stages import cnn_evaluation as E
+
+    params = validate_params(_raw(chain / "data" / "fmnist", chain))
+    store = tmp_path / "store"
+    first = evaluate.run(params, root=_trial(chain, tmp_path / "t0", 0), shared=store)
+    entry = store / first["cnn_evaluation"]["key"]
+    table = pq.read_table(entry / "per_image.parquet")
+    flipped = table.set_column(4, "correct", pa.compute.invert(table.column("correct")))
+    pq.write_table(flipped, entry / "per_image.parquet")  # a valid file, other bytes
+    capsys.readouterr()
+    calls = _evaluated(monkeypatch)
+    again = evaluate.run(params, root=_trial(chain, tmp_path / "t1", 0), shared=store)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "damaged" in ln]
+    assert lines == [f"evaluate: {entry / 'per_image.parquet'}: checksum mismatch, the file is damaged; "
+                     "evaluating the CNN again"]  # fmt: skip
+    assert calls[0] == "cnn" and again["cnn_evaluation"]["source"] == "computed"
+    assert again["cnn"] == first["cnn"]
+    assert E.verified(entry, json.loads((entry / E.RECORD).read_text())["identity"])[1] is None  # repaired
+
+    record = json.loads((entry / E.RECORD).read_text())
+    record["check"]["predictions"][3] += 1
+    (entry / E.RECORD).write_text(json.dumps(record))
+    third = evaluate.run(params, root=_trial(chain, tmp_path / "t2", 0), shared=store)
+    note = third["cnn_evaluation"]
+    assert note["source"] == "recomputed" and calls.count("cnn") == 2
+    assert note["reason"] == "predicts 1 of the first 120 clean test images differently from this process"
+    assert third["cnn"] == first["cnn"]

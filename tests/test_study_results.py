@@ -140,6 +140,17 @@ SHARED = {("pretrain", "p0"): ([100.0, 110.0], 250.0, "t000", (0.0, 260.0)),
           ("control", "c1"): ([33.0, 34.0], 75.0, "t002", (300.0, 385.0))}  # fmt: skip
 
 
+#: The corrupted sets x0, as the driver checked them twice (a resumed driver; the second found them made):
+#: (started, finished, the stage's own wall_s).
+CORRUPT = ((0.0, 30.0, 29.0), (500.0, 502.0, 1.5))
+#: The pretrained CNN's evaluation each trial's evaluate had (stages.cnn_evaluation's note): seed 0's made by
+#: t000 into the store and read by t001, seed 1's made by t002. Its recorded time, and the store's record.
+CNN_EVAL = {"t000": {"key": "e0", "source": "computed", "seconds": 7.0},
+            "t001": {"key": "e0", "source": "shared", "seconds": 0.0},
+            "t002": {"key": "e1", "source": "computed", "seconds": 8.0}}  # fmt: skip
+CNN_RECORDS = {"e0": {"seconds": 7.0, "cpu": "CPU S"}, "e1": {"seconds": 8.0, "cpu": "CPU S"}}
+
+
 def _finetune_times(i: int) -> list[float]:
     return [60.0 + i, 61.5 + i]
 
@@ -173,6 +184,22 @@ def _sweep(tmp: Path) -> tuple[Path, dict]:
         sweep.mkdir(parents=True, exist_ok=True)
         with open(sweep / runs_log(stage), "a") as fh:
             fh.write(json.dumps(record) + "\n")
+    (storage / "corrupt" / "x0").mkdir(parents=True)
+    for t0, t1, wall in CORRUPT:
+        record = {
+            "sweep": "toy",
+            "key": "x0",
+            "cpu": "CPU D",
+            "started": t0,
+            "finished": t1,
+            "stage_wall_s": wall,
+        }
+        for path in (storage / "corrupt" / "x0" / EXECUTIONS, sweep / runs_log("corrupt")):
+            with open(path, "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+    for key, record in CNN_RECORDS.items():
+        (storage / "cnn_evaluation" / key).mkdir(parents=True)
+        (storage / "cnn_evaluation" / key / "record.json").write_text(json.dumps(record))
     (storage / "pretrain" / "p9").mkdir()
     (storage / "pretrain" / "p9" / EXECUTIONS).write_text(
         json.dumps({"sweep": "other", "cpu": "CPU 9"}) + "\n"
@@ -186,7 +213,8 @@ def _sweep(tmp: Path) -> tuple[Path, dict]:
         path.parent.mkdir(parents=True)
         path.write_text(json.dumps(_epochs(_finetune_times(i), True)))
         (root / chain.metrics_file("finetune")).write_text(json.dumps({"wall_s": 150.0 + i}))
-        for stage, metrics in (("reparam", {"wall_s": 4.0}), ("evaluate", {"tcnn": {"clean_accuracy": 0.9}})):
+        evaluated = {"tcnn": {"clean_accuracy": 0.9}, "cnn_evaluation": CNN_EVAL[tid], "wall_s": 19.0 + i}
+        for stage, metrics in (("reparam", {"wall_s": 4.0}), ("evaluate", evaluated)):
             (root / chain.metrics_file(stage)).parent.mkdir(parents=True)
             (root / chain.metrics_file(stage)).write_text(json.dumps(metrics))
         log = (
@@ -215,9 +243,11 @@ def _sweep(tmp: Path) -> tuple[Path, dict]:
 
 def _hand_hours() -> float:
     """The toy sweep's compute by hand: each shared run's epochs once, each trial's fine-tuning epochs, its
-    reparam (5 s) and evaluate (20 + i s) as its stages.jsonl times them."""
+    reparam (5 s) and evaluate (20 + i s, the CNN evaluation it made inside) as its stages.jsonl times them, and
+    the driver's two checks of the corrupted sets (30 s + 2 s)."""
     seconds = sum(sum(times) for times, *_ in SHARED.values())
     seconds += sum(sum(_finetune_times(i)) + 5.0 + 20.0 + i for i in range(len(TRIALS)))
+    seconds += 30.0 + 2.0
     return round(seconds / 3600, 2)
 
 
@@ -226,7 +256,7 @@ def test_compute_hours_and_cpus_come_from_the_trials_records(tmp_path: Path) -> 
     recorded stages; the CPUs are those the sweep's own records name (another sweep's executions are not)."""
     sweep, spec = _sweep(tmp_path)
     assert S.compute_hours(sweep, spec) == _hand_hours()
-    assert S._cpus(sweep, "toy") == ["CPU 0", "CPU 1", "CPU 2", "CPU S"]
+    assert S._cpus(sweep, "toy") == ["CPU 0", "CPU 1", "CPU 2", "CPU D", "CPU S"]
 
 
 def _export(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, dict]:
@@ -270,20 +300,24 @@ def test_history_csv_carries_each_epochs_training_time(
 def test_cost_csv_has_a_row_per_trial_and_stage_and_recomputes_compute_hours(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """One row per (trial, stage) in the chain's order with the stage's sweep role; a shared run carries the
-    same key in every trial that used it and its recorded numbers; the trial's own stages their own; nothing
-    where nothing was recorded (evaluate writes no wall_s of its own; the corrupted sets' time is not kept)."""
+    """One row per (trial, stage) in the chain's order with the stage's sweep role, and after evaluate the row of
+    the pretrained CNN's evaluation; a shared run carries the same key in every trial that used it and its
+    recorded numbers; the trial's own stages their own; evaluate's times leave out the CNN evaluation it made,
+    which its row carries once per key; the corrupted sets their driver's records."""
     from stages import chain
 
     sweep, out, spec = _export(tmp_path, monkeypatch)
     rows = S.load(out)["cost"]
-    stages = ["pretrain", "reparam", "finetune", "control", "corrupt", "evaluate"]
+    stages = ["pretrain", "reparam", "finetune", "control", "corrupt", "evaluate", "cnn_evaluation"]
     assert [(r["trial"], r["stage"]) for r in rows] == [(t, s) for t in TRIALS for s in stages]
-    assert {(r["stage"], r["role"]) for r in rows} == {(s, chain.sweep_role(s)) for s in stages}
+    roles = {s: chain.sweep_role(s) for s in stages[:-1]} | {"cnn_evaluation": "group"}
+    assert {(r["stage"], r["role"]) for r in rows} == set(roles.items())
     for i, (tid, (seed, lr, pkey, ckey)) in enumerate(TRIALS.items()):
         by = {r["stage"]: r for r in rows if r["trial"] == tid}
+        ekey = CNN_EVAL[tid]["key"]
         assert {s: by[s]["shared_key"] for s in stages} == {"pretrain": pkey, "reparam": None, "finetune": None,
-                                                            "control": ckey, "corrupt": "x0", "evaluate": None}  # fmt: skip
+                                                            "control": ckey, "corrupt": "x0", "evaluate": None,
+                                                            "cnn_evaluation": ekey}  # fmt: skip
         assert all((r["seed"], r["value"]) == (seed, lr) for r in by.values())
         for stage, key in (("pretrain", pkey), ("control", ckey)):
             times, wall, _, (t0, t1) = SHARED[(stage, key)]
@@ -297,8 +331,24 @@ def test_cost_csv_has_a_row_per_trial_and_stage_and_recomputes_compute_hours(
             4.0,
             None,
         )
-        assert (by["evaluate"]["wall_s"], by["evaluate"]["stage_wall_s"]) == (20.0 + i, None)
+        spent = CNN_EVAL[tid]["seconds"]  # the CNN evaluation this trial made: in its own row, not evaluate's
+        assert (by["evaluate"]["wall_s"], by["evaluate"]["stage_wall_s"]) == (
+            20.0 + i - spent,
+            19.0 + i - spent,
+        )
         assert by["evaluate"]["cpu"] == f"CPU {i}" and by["evaluate"]["train_time_s"] is None
-        assert all(by["corrupt"][k] is None for k in ("wall_s", "stage_wall_s", "train_time_s", "cpu"))
+        made = CNN_RECORDS[ekey][
+            "seconds"
+        ]  # made by one trial of this sweep, the same in every trial reading it
+        cnn = by["cnn_evaluation"]
+        assert (cnn["wall_s"], cnn["stage_wall_s"], cnn["cpu"], cnn["train_time_s"]) == (
+            made,
+            made,
+            "CPU S",
+            None,
+        )
+        corrupt = by["corrupt"]
+        assert (corrupt["wall_s"], corrupt["stage_wall_s"], corrupt["cpu"]) == (32.0, 30.5, "CPU D")
+        assert corrupt["train_time_s"] is None
     assert S.cost_hours(rows) == S.compute_hours(sweep, spec) == _hand_hours()
     assert json.loads((out / "meta.json").read_text())["compute_h"] == S.cost_hours(rows)

@@ -93,8 +93,22 @@ def test_sweep_2x2_one_pretraining_mlflow_parent_children_and_reuse(tmp_path: Pa
             == stage_counts(t).get("evaluate")
             == 1
         )
-    # One corrupted-set directory for the sweep, used by every trial.
-    assert len(list((tmp_path / "sweeps" / "corrupt").iterdir())) == 1
+    # One corrupted-set directory for the sweep, used by every trial; the driver's execution timed.
+    (corrupted,) = (tmp_path / "sweeps" / "corrupt").iterdir()
+    (run,) = [json.loads(line) for line in (sweep_dir / "corrupt_runs.jsonl").read_text().splitlines()]
+    assert run["key"] == corrupted.name and run["finished"] > run["started"] and run["stage_wall_s"] > 0
+    # One evaluation of the pretrained CNN (every trial's is the group's cnn-final.pt): made by one trial, read
+    # by the three others, the same CNN numbers in all four.
+    (evaluation,) = (tmp_path / "sweeps" / "cnn_evaluation").iterdir()
+    evaluated = [json.loads((t / "results" / "metrics.json").read_text()) for t in trials]
+    assert sorted(m["cnn_evaluation"]["source"] for m in evaluated) == [
+        "computed",
+        "shared",
+        "shared",
+        "shared",
+    ]
+    assert {m["cnn_evaluation"]["key"] for m in evaluated} == {evaluation.name}
+    assert all(m["cnn"] == evaluated[0]["cnn"] for m in evaluated)
 
     # MLflow: one parent (trials=4, pretrain_runs=1) + 4 FINISHED children with the DVC path's param names.
     parent, children = sweep_runs(tmp_path, "a")
@@ -136,6 +150,9 @@ def test_sweep_2x2_one_pretraining_mlflow_parent_children_and_reuse(tmp_path: Pa
     assert pretrain_epoch_lines(tmp_path / "sweeps" / "b") == 0
     assert len((group / "executions.jsonl").read_text().splitlines()) == 1
     assert "pretraining reused" in res2.stdout
+    trials_b = sorted((tmp_path / "sweeps" / "b" / "trials").iterdir())
+    notes = [json.loads((t / "results" / "metrics.json").read_text())["cnn_evaluation"] for t in trials_b]
+    assert {(n["source"], n["key"]) for n in notes} == {("shared", evaluation.name)}  # the first sweep's
 
 
 def _artifacts(root: Path, run_id: str) -> list[Any]:

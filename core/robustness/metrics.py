@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -188,8 +188,7 @@ def _normaliser(mean: Sequence[float], std: Sequence[float], channels: int, devi
     return m, s
 
 
-@torch.inference_mode()
-def correct_per_image(
+def _predicted(
     model: torch.nn.Module,
     batches: Iterable[tuple[np.ndarray, np.ndarray]],
     *,
@@ -198,21 +197,13 @@ def correct_per_image(
     device: str | torch.device = "cpu",
     image_size: int | None = None,
     class_subset: Sequence[int] | np.ndarray | None = None,
-) -> np.ndarray:
-    """Top-1 correctness (bool [N], in batch order) of `model` on batches of (uint8 images [B, H, W, C],
-    int labels [B]).
-
-    Images are scaled to [0, 1], normalised with the per-channel `mean`/`std` and, when `image_size` is
-    given and differs, resized (bilinear). With `class_subset` (indices into the model's classes, e.g. the
-    200 ImageNet-A classes in the 1000-class head) the prediction is the best class of the subset, as in
-    the ImageNet-A/R evaluation; labels are then in the model's full class space.
-    """
+) -> Iterator[tuple[torch.Tensor, np.ndarray]]:
+    """(top-1 predicted classes on `device`, labels) of each batch: the one forward pass of this module."""
     device = torch.device(device)
     model.eval()
     subset = None
     if class_subset is not None:
         subset = torch.as_tensor(np.asarray(class_subset, dtype=np.int64), device=device)
-    out: list[np.ndarray] = []
     norm = None
     for images, labels in batches:
         images = np.asarray(images)
@@ -230,12 +221,36 @@ def correct_per_image(
             x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False)
         logits = model(x)
         if subset is not None:
-            pred = subset[logits.index_select(1, subset).argmax(1)]
+            yield subset[logits.index_select(1, subset).argmax(1)], np.asarray(labels, dtype=np.int64)
         else:
-            pred = logits.argmax(1)
-        y = torch.as_tensor(np.asarray(labels, dtype=np.int64), device=device)
-        out.append((pred == y).cpu().numpy())
+            yield logits.argmax(1), np.asarray(labels, dtype=np.int64)
+
+
+@torch.inference_mode()
+def correct_per_image(
+    model: torch.nn.Module, batches: Iterable[tuple[np.ndarray, np.ndarray]], **options: Any
+) -> np.ndarray:
+    """Top-1 correctness (bool [N], in batch order) of `model` on batches of (uint8 images [B, H, W, C],
+    int labels [B]).
+
+    Images are scaled to [0, 1], normalised with the per-channel `mean`/`std` and, when `image_size` is
+    given and differs, resized (bilinear). With `class_subset` (indices into the model's classes, e.g. the
+    200 ImageNet-A classes in the 1000-class head) the prediction is the best class of the subset, as in
+    the ImageNet-A/R evaluation; labels are then in the model's full class space.
+    """
+    out = [(pred == torch.as_tensor(y, device=pred.device)).cpu().numpy()
+           for pred, y in _predicted(model, batches, **options)]  # fmt: skip
     return np.concatenate(out) if out else np.zeros(0, dtype=bool)
+
+
+@torch.inference_mode()
+def predictions(
+    model: torch.nn.Module, batches: Iterable[tuple[np.ndarray, np.ndarray]], **options: Any
+) -> np.ndarray:
+    """The top-1 predicted class (int64 [N], in batch order) of `model` on the batches, computed exactly as
+    :func:`correct_per_image` computes correctness (the same options)."""
+    out = [pred.cpu().numpy() for pred, _ in _predicted(model, batches, **options)]
+    return np.concatenate(out).astype(np.int64) if out else np.zeros(0, dtype=np.int64)
 
 
 def count_correct(
@@ -246,7 +261,10 @@ def count_correct(
     return int(correct.sum()), len(correct)
 
 
-def _array_batches(images: np.ndarray, labels: np.ndarray, batch_size: int):
+def array_batches(
+    images: np.ndarray, labels: np.ndarray, batch_size: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(images, labels) in consecutive batches of ``batch_size``: how the evaluation feeds a set."""
     for a in range(0, len(images), batch_size):
         yield images[a : a + batch_size], labels[a : a + batch_size]
 
@@ -283,7 +301,7 @@ def evaluate_model(
         raise ValueError(f"clean: {len(images)} images but {len(labels)} labels")
     opts = {"mean": mean, "std": std, "device": device, "image_size": image_size}
     rows, parts = [], []
-    correct = correct_per_image(model, _array_batches(images, np.asarray(labels), batch_size), **opts)
+    correct = correct_per_image(model, array_batches(images, np.asarray(labels), batch_size), **opts)
     rows.append(_row(model_name, "clean", 0, int(correct.sum()), len(correct), True))
     parts.append(("clean", 0, np.arange(len(correct)), correct))
     for c in corruptions:
@@ -294,7 +312,7 @@ def evaluate_model(
                 corrupted_dir(c, s) if callable(corrupted_dir) else read_set(set_path(corrupted_dir, c, s))
             )
             correct = correct_per_image(
-                model, _array_batches(stored.images, stored.labels, batch_size), **opts
+                model, array_batches(stored.images, stored.labels, batch_size), **opts
             )
             meaningful = bool(stored.meta.get("meaningful", True))
             rows.append(_row(model_name, c, int(s), int(correct.sum()), len(correct), meaningful))

@@ -93,6 +93,13 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int = 2) -> 
     return atomic_write_text(path, json.dumps(obj, indent=indent, allow_nan=True) + "\n")
 
 
+def atomic_write_parquet(path: str | os.PathLike, table: Any) -> Path:
+    """A pyarrow table as a Parquet file, atomically."""
+    import pyarrow.parquet as pq
+
+    return atomic_write(path, lambda f: pq.write_table(table, f))
+
+
 def append_json_line(path: str | os.PathLike, record: dict[str, Any]) -> None:
     """Append one JSON line (a single O_APPEND write, fsynced: concurrent appenders do not interleave)."""
     data = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()

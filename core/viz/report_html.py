@@ -33,6 +33,7 @@ NOT_MODELS = (
     "bootstrap",
     "tcnn_gain",
     "public",
+    "cnn_evaluation",
 )  # results/metrics.json entries that are not models
 
 
