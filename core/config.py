@@ -259,6 +259,15 @@ class ReparamConfig(_Strict):
         return _one_of(v, "stride_modes")
 
 
+class StopConfig(_Strict):
+    """Early stopping on validation accuracy (core.training.early_stop): stop once the validation correct-image
+    count has not risen by >= ``min_delta_images`` (0 counts as 1) for ``patience`` consecutive epochs, keeping
+    the best-validation epoch's weights; ``finetune.epochs`` is then the maximum."""
+
+    patience: int = Field(3, ge=1)
+    min_delta_images: int = Field(10, ge=0)
+
+
 class FinetuneConfig(_Strict):
     epochs: int = Field(1, gt=0)
     mode: Literal[FINETUNE_MODES] = "fresh"
@@ -277,6 +286,8 @@ class FinetuneConfig(_Strict):
     # The matched control: the same pretrained checkpoint fine-tuned with this same recipe, without attention
     # ([TCNN21] Table 1's "without SA" column). false skips it (and every comparison against it).
     control: bool = True
+    # Early stopping on validation accuracy, the same rule for the T-CNN and its control; None = run all epochs.
+    stop: StopConfig | None = None
 
     def scaled_lrs(self) -> tuple[float, float]:
         """(weight lr, gate lr) at this batch size: both given at batch 1024 and scaled linearly."""

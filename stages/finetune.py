@@ -31,6 +31,10 @@ input for a fixed validation batch), gpsa.csv (per epoch, layer and head), metri
 fine-tunes the same way: AdamW groups from `core.training.optim.param_groups` (GPSA / PSA positional parameters
 without weight decay, GPSA gates at finetune.gate_lr); parameters frozen by ablation switches stay frozen.
 Resume as in the pretrain stage (`root/runs/.partial/finetune/`).
+
+`finetune.stop` (optional; `core.training.early_stop`): the run stops once validation accuracy plateaus and
+publishes the best-validation epoch's weights; metrics.json then says `stopped_epoch`, `best_epoch`,
+`best_val_accuracy` (fine-tuning epochs, 1-based) and `stop_reason`, for the T-CNN and the control alike.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from core.data import first_batch
 from core.models import set_stochastic_depth
 from core.models.spec import build_from_spec
 from core.training import distributed as D
-from core.training import recipes
+from core.training import early_stop, recipes
 from core.training.checkpoint import restore_rng
 from core.training.history import summarize_gpsa
 from core.training.loop import (
@@ -112,12 +116,16 @@ def identity(
         "freeze": sorted(freeze),
     }
     if params.finetune.mode == "fresh":
-        parts["finetune"] = T.section_identity(params.finetune)
+        parts["finetune"] = {k: v for k, v in T.section_identity(params.finetune).items() if k != "stop"}
         parts["augment"] = params.augment_for("finetune").model_dump(mode="json")
     else:
         parts["pretrain"] = T.section_identity(params.pretrain)
         parts["augment"] = params.augment_for("pretrain").model_dump(mode="json")
         parts["drop_path"] = params.model.drop_path
+    if (
+        params.finetune.stop is not None
+    ):  # absent: the identities of runs made before the option stay the same
+        parts["stop"] = params.finetune.stop.model_dump(mode="json")
     execution = T.execution_identity(params, workers)
     return stage_identity(variant, parts, inputs=inputs, device=device, execution=execution)
 
@@ -199,6 +207,8 @@ def train(
     model.to(device)
     if channels_last:
         model.to(memory_format=torch.channels_last)
+    if f.stop is not None and loaders.val is None:
+        raise StageError("finetune.stop: early stopping needs a validation split (data.val_size > 0)")
     probe = first_batch(loaders.val if loaders.val is not None else loaders.test, PROBE)
 
     def stats(m: torch.nn.Module, label: int) -> dict[str, Any]:
@@ -236,15 +246,20 @@ def train(
             extra_state=extra,
             epoch_stats=stats,
             history_start=[start],
+            early_stop=f.stop,
             desc=f"{variant.name}[{mode}]",
         )
         test = T.evaluate_split(model, loaders.test, device, channels_last, params)
 
     last = result.history[-1]
     trained = result.history[1:]
+    stopping: dict[str, Any] = {}
+    if result.early_stop is not None:  # the published model is the best-validation epoch's
+        last = next(r for r in result.history[1:] if r["epoch"] == result.early_stop["best_epoch"])
+        stopping = _stop_metrics(result.early_stop, trained, last, f.stop, mode)
     metrics: dict[str, Any] = {
         "mode": mode,
-        "epochs_run": len(epochs),
+        "epochs_run": len(trained) if stopping else len(epochs),
         **info,
         "train_loss": last.get("train_loss"),
         "train_acc": last.get("train_acc"),
@@ -264,6 +279,7 @@ def train(
         "images_per_s": T.mean_rate(trained),
         "train_time_s": sum(r["train_time_s"] for r in trained),
         "wall_s": time.perf_counter() - t_wall,
+        **stopping,
     }
     final = {"kind": "model", "model": T.cpu_state(model), **extra, "source": {"checkpoint": str(src)}}
     T.publish(
@@ -275,6 +291,21 @@ def train(
         metrics=metrics,
     )
     return metrics
+
+
+def _stop_metrics(
+    state: dict[str, Any], trained: list[dict[str, Any]], best: dict[str, Any], stop: Any, mode: str
+) -> dict[str, Any]:
+    """What the early-stopping rule did, in fine-tuning epochs (1 = the first epoch fine-tuned)."""
+    kw = {"patience": stop.patience, "min_delta_images": stop.min_delta_images}
+    return {
+        "stopped_epoch": trained[-1]["finetune_epoch"],
+        "best_epoch": best["finetune_epoch"],
+        "best_val_accuracy": best["val_acc"],
+        "stop_reason": early_stop.reason(
+            state, **kw, max_key="finetune.epochs" if mode == "fresh" else "pretrain.epochs"
+        ),
+    }
 
 
 def _steps(loaders: T.Loaders, batch: int, ds: Any, key: str) -> int:

@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from core.training import distributed as D
+from core.training import early_stop as ES
 from core.training.checkpoint import CheckpointError, atomic_save, capture_rng, load, restore_rng
 from core.training.optim import WarmupCosine, optimizer_param_names, state_to_parameter_devices
 from core.training.precision import autocast, grad_scaler
@@ -262,6 +263,7 @@ class FitResult:
     global_step: int
     work_dir: Path
     notes: list[str] = field(default_factory=list)
+    early_stop: dict[str, Any] | None = None  # core.training.early_stop's state when the rule was on
 
 
 def _log(msg: str) -> None:
@@ -289,6 +291,7 @@ def fit(
     epoch_stats: Callable[[nn.Module, int], dict[str, Any]] | None = None,
     on_step: Callable[[StepInfo], None] | None = None,
     history_start: list[dict[str, Any]] | None = None,
+    early_stop: Any | None = None,
     desc: str = "train",
     log: Callable[[str], None] = _log,
 ) -> FitResult:
@@ -299,7 +302,9 @@ def fit(
     (completed-epoch counts; `epochs.start` means the state before the first step) whose full training
     state is kept as `work_dir/ckpt-epoch-XXX.pt`. `extra_state` is merged into every checkpoint (model_spec,
     normalization, ...). `epoch_stats(model, label)` adds columns to each history row; `history_start`
-    rows (e.g. the state before training) open the history of a fresh run.
+    rows (e.g. the state before training) open the history of a fresh run. `early_stop` ({patience,
+    min_delta_images}, e.g. core.config.StopConfig; needs `val_loader`) stops on a validation plateau
+    (core.training.early_stop) and leaves the best-validation epoch's weights in `model`.
 
     Resumes from `work_dir/resume.pt` when its `run_hash` matches (else starts fresh and says so).
     Raises `Preempted` after checkpointing when a stop signal arrives, `TrainingError` on a NaN/inf loss.
@@ -325,6 +330,9 @@ def fit(
     epoch, step, global_step = epochs.start, 0, 0
     accum = _new_accum()
     resumed_from = None
+    if early_stop is not None and val_loader is None:
+        raise TrainingError(f"{desc}: early stopping needs a validation split")
+    plateau = {"rule": ES.new_state(), "best_model": None} if early_stop is not None else None
 
     model.to(device)  # before loading optimizer state, which follows its parameters' device
     state_to_parameter_devices(optimizer)  # state loaded before the move (carried "continue" momentum)
@@ -343,6 +351,9 @@ def fit(
         history = list(state["history"])
         saved = {int(k): work_dir / v for k, v in state["epoch_checkpoints"].items()}
         resumed_from = (epoch, step)
+        plateau = state.get("early_stop") if plateau is not None else None
+        if plateau is None and early_stop is not None:  # the run_hash covers the rule: cannot happen
+            raise TrainingError(f"{desc}: {resume_path} holds no early-stopping state")
         log(
             f"{desc}: resuming from {resume_path} at epoch {epoch + 1} step {step} (global step {global_step})"
         )
@@ -377,6 +388,7 @@ def fit(
             "accum": _accum_to_state(_reduced(accum)),
             "history": history,
             "epoch_checkpoints": {k: p.name for k, p in saved.items()},
+            **({"early_stop": plateau} if plateau is not None else {}),
             **extra_state,
         }
 
@@ -400,7 +412,7 @@ def fit(
     with StopSignals() as stop:
         if state is None and epochs.start in keep:
             save_epoch_checkpoint(epochs.start)
-        while epoch < epochs.stop:
+        while epoch < epochs.stop and not _stopped(plateau):
             bar = _progress(desc, epoch, epochs.stop, spe, step) if world.main else None
             t_start = time.perf_counter()
             n_timed = 0
@@ -460,16 +472,46 @@ def fit(
                 row.update(epoch_stats(model, label))
             history.append(row)
             log(_epoch_line(desc, row, epochs.stop))
+            if plateau is not None:
+                plateau = _plateau_step(plateau, model, label, val, early_stop, desc, log)
             epoch, step = epoch + 1, 0
             accum = _new_accum(device)
             if label in keep:
                 save_epoch_checkpoint(label)
             save(snapshot(epoch, 0), resume_path)
-            if D.any_rank(stop.received is not None, device) and epoch < epochs.stop:
+            if (
+                D.any_rank(stop.received is not None, device)
+                and epoch < epochs.stop
+                and not _stopped(plateau)
+            ):
                 stop.chain()
                 raise Preempted(_signum(stop), resume_path, epoch, 0)
 
-    return FitResult(history, dict(sorted(saved.items())), resumed_from, global_step, work_dir, notes)
+    if plateau is not None:  # the best-validation epoch's weights
+        model.load_state_dict(plateau["best_model"])
+    rule = plateau["rule"] if plateau is not None else None
+    return FitResult(history, dict(sorted(saved.items())), resumed_from, global_step, work_dir, notes, rule)
+
+
+def _stopped(plateau: dict[str, Any] | None) -> bool:
+    return plateau is not None and bool(plateau["rule"]["stopped"])
+
+
+def _plateau_step(
+    plateau: dict[str, Any], model: nn.Module, label: int, val: dict[str, Any], rule: Any, desc: str, log: Any
+) -> dict[str, Any]:
+    """The early-stopping state after epoch `label` (val: `evaluate`'s figures); keeps a CPU copy of the
+    weights when the epoch is the best so far."""
+    kw = {"patience": rule.patience, "min_delta_images": rule.min_delta_images}
+    state = ES.update(plateau["rule"], label, round(val["acc"] * val["n"]), **kw)
+    best = plateau["best_model"]
+    if ES.is_best(state, label):
+        best = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    if state["stopped"]:
+        log(
+            f"{desc}: stopping after epoch {label}: {ES.reason(state, **kw)}; keeping epoch {state['best_epoch']}"
+        )
+    return {"rule": state, "best_model": best}
 
 
 def _try_resume(path: Path, run_hash: str, log: Callable[[str], None], notes: list[str]) -> dict | None:
