@@ -166,6 +166,31 @@ def junit_table(junit: Path) -> list[str]:
     return [f"tests: {', '.join(f'{n} {k}' for k, n in sorted(counts.items()))}", "", *out]
 
 
+def readme_table(table: str) -> str:
+    """The README's summary of a committed gpu_check table: per network and mode, CNN / T-CNN img/s (and their
+    ratio) in fp32, bf16 and bf16 + channels-last, and the T-CNN's peak memory in bf16 + channels-last."""
+    cells: dict[tuple[str, str], dict[tuple[str, str], list[str]]] = {}
+    for line in table.splitlines():
+        c = [x.strip() for x in line.strip("|").split("|")]
+        if len(c) == 11 and c[2] in ("train", "eval"):
+            cells.setdefault((f"{c[0]}, {c[1]}", f"{c[2]}, {c[3]}"), {})[(c[4], c[5])] = c[6:]
+    out = [
+        "| network, px | mode, batch | fp32 CNN / T-CNN img/s | bf16 CNN / T-CNN img/s "
+        "| bf16 + channels-last CNN / T-CNN img/s | T-CNN peak GiB (bf16, CL) |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for (net, mode), by in cells.items():
+        rates = [
+            f"{int(by[k][0]):,} / {int(by[k][1]):,} ({by[k][2]}x)"
+            for k in (("fp32", "off"), ("bf16", "off"), ("bf16", "on"))
+        ]
+        peak = by[("bf16", "on")]
+        out.append(
+            f"| {net} | {mode} | {' | '.join(rates)} | {float(peak[4]):.1f} (CNN {float(peak[3]):.1f}) |"
+        )
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, one timed step (CI)")

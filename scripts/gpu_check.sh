@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 
 WHEELS=(pydantic pydantic-core annotated-types typing-inspection typing-extensions imagecorruptions-imaug submitit)
 TESTS=(tests/test_gpsa.py tests/test_precision.py tests/test_import.py tests/test_stages_train.py tests/test_control.py
-       tests/test_evaluate_stage.py)
+       tests/test_evaluate_stage.py tests/test_early_stop.py)
 
 dry=0
 for arg in "$@"; do
