@@ -6,7 +6,8 @@ and off, measured side by side (interleaved rounds; the ratio is the median of t
 Paths (each "off" variant swaps one path for the plain PyTorch call it replaces, all else as by default):
 - ``dense_attention``: the T-CNN GPSA's dense attention path (``attn_impl="auto"``) vs ``"sdpa"``;
 - ``channels_last``: channels-last models and inputs vs NCHW;
-- ``torchscript_eval``: evaluate's traced, frozen CNN (core/training/inference.py ``inference_model``) vs eager.
+- ``torchscript_eval``: the CNN in the form evaluate picks (core/training/inference.py ``inference_model``: traced,
+  frozen, possibly in sub-batches; benchmarks/tcnn_eval.py measures the T-CNN's) vs eager.
 A ratio > 1 means the path is faster by that factor. Compare ratios from one run on one machine.
 
 Paths that bought less than 5% here were removed: GPSA GEMM routes chosen by CPU vendor (oneDNN forward,

@@ -80,6 +80,21 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _mix(
+    con: torch.Tensor, pos: torch.Tensor, g_con: torch.Tensor, perm: tuple | None, probs: bool
+) -> torch.Tensor:
+    """The forward of `_GatedMix`: ``pos + con * g_con`` in ``con``'s layout (or ``perm`` of it), flushed."""
+    if perm is None:
+        out = torch.empty_like(con, memory_format=torch.contiguous_format)
+    else:  # allocate physically in the permuted order, return in con's logical order
+        inv = [perm.index(i) for i in range(con.ndim)]
+        out = con.new_empty([con.shape[i] for i in perm]).permute(inv)
+    torch.addcmul(pos, con, g_con, out=out)
+    if probs and out.device.type == "cpu" and out.dtype in (torch.float32, torch.float64):
+        F.threshold_(out, torch.finfo(out.dtype).tiny ** 0.5, 0.0)  # mixed attention: see _flush_tiny
+    return out
+
+
 class _GatedMix(torch.autograd.Function):
     """y = pos + con * g_con (broadcast), written in ``con``'s memory layout (or ``perm`` of it).
 
@@ -91,14 +106,7 @@ class _GatedMix(torch.autograd.Function):
     def forward(
         ctx: Any, con: torch.Tensor, pos: torch.Tensor, g_con: torch.Tensor, perm: tuple | None, probs: bool
     ) -> torch.Tensor:
-        if perm is None:
-            out = torch.empty_like(con, memory_format=torch.contiguous_format)
-        else:  # allocate physically in the permuted order, return in con's logical order
-            inv = [perm.index(i) for i in range(con.ndim)]
-            out = con.new_empty([con.shape[i] for i in perm]).permute(inv)
-        torch.addcmul(pos, con, g_con, out=out)
-        if probs and out.device.type == "cpu" and out.dtype in (torch.float32, torch.float64):
-            F.threshold_(out, torch.finfo(out.dtype).tiny ** 0.5, 0.0)  # mixed attention: see _flush_tiny
+        out = _mix(con, pos, g_con, perm, probs)
         ctx.save_for_backward(con, g_con)
         ctx.pos_shape = pos.shape
         return out
@@ -120,7 +128,12 @@ def gated_mix(
     *,
     probs: bool = False,
 ) -> torch.Tensor:
-    """``pos + con * g_con``; ``probs``: the operands are attention probabilities (flush subnormals)."""
+    """``pos + con * g_con``; ``probs``: the operands are attention probabilities (flush subnormals).
+
+    With autograd off (evaluation) the same ops run without the autograd.Function, so that a traced graph
+    holds only aten ops (`core.training.inference` traces and freezes it)."""
+    if not torch.is_grad_enabled():
+        return _mix(con, pos, g_con, perm, probs)
     return _GatedMix.apply(con, pos, g_con, perm, probs)
 
 
@@ -418,9 +431,12 @@ class GPSA(PositionalHeads, nn.Module, metaclass=abc.ABCMeta):
         """Input-independent tensors derived from the parameters, reused while autograd is off (eval,
         inference) and the parameters are unchanged (same storage and version counter); recomputed with a
         fresh graph whenever gradients are recorded. A value made under autocast (e.g. bf16 GEMM weights) is
-        cached apart from one made without it, so the two never mix."""
+        cached apart from one made without it, so the two never mix. Sizes in the key are ints also while
+        ``torch.jit.trace`` records (it hands out sizes as tensors), so a traced graph takes the cached value
+        as a constant."""
         if torch.is_grad_enabled():
             return make()
+        key = tuple(int(k) if isinstance(k, torch.Tensor) else k for k in key)
         stamp = tuple((p.data_ptr(), p._version) for p in self.parameters(recurse=False))
         dev = self.weight.device.type
         if torch.is_autocast_enabled(dev):

@@ -211,7 +211,7 @@ class PSA(PositionalHeads, nn.Module):
         """Positional logits cast to the activation dtype, cached while autograd is off and params unchanged."""
         if torch.is_grad_enabled():
             return self.positional_logits(h, w).to(dtype)
-        key = (h, w, dtype)
+        key = (int(h), int(w), dtype)  # ints also while torch.jit.trace records (sizes come as tensors)
         stamp = tuple((q.data_ptr(), q._version) for q in (self.pos_alpha, self.pos_center))
         hit = self._cache.get(key)
         if hit is not None and hit[0] == stamp:

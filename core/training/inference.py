@@ -1,7 +1,15 @@
 """The fastest equivalent form of a trained model for pure inference (evaluation of clean and corrupted sets):
-eager, channels-last (oneDNN's native layout on CPU) or, for a model without GPSA layers, a traced and frozen
-TorchScript graph. A form qualifies only when its logits match the eager model's (speed only, never the
+eager, channels-last (oneDNN's native layout on CPU), a traced and frozen TorchScript graph, and that graph
+run on sub-batches. A form qualifies only when its logits match the eager model's (speed only, never the
 numbers' meaning).
+
+GPSA layers ([TCNN21] Eq. 7) trace too: with autograd off their input-independent terms (the gated positional
+attention sigma(lambda_h) softmax(v_pos^h . r_ij) for the fixed map size, the folded W_out^h W_val) come from
+the layer's cache, so one eager call before tracing makes them constants of the graph, and the gated mix runs
+as plain aten ops (`core.nn.gpsa.gated_mix`). Sub-batches: in eval mode every image's logits are a function of
+that image alone (batch norm uses its running statistics), so the batch can be split anywhere; a few dozen
+images keep the activations and the [heads, L, L] attention maps in the CPU caches, which a batch of hundreds
+does not.
 """
 
 from __future__ import annotations
@@ -13,7 +21,8 @@ from typing import Any
 
 import torch
 
-from core.nn.gpsa import GPSA
+#: Sub-batch sizes tried for the fastest form (the best of them is picked by timing, `inference_model`).
+SUB_BATCHES = (32, 64, 128)
 
 
 class _ChannelsLast(torch.nn.Module):
@@ -27,33 +36,70 @@ class _ChannelsLast(torch.nn.Module):
         return self.model(x.contiguous(memory_format=torch.channels_last))
 
 
+class _Guarded(torch.nn.Module):
+    """``fast`` on inputs of the example's image shape (what it was traced for), in sub-batches of ``size``
+    images (None: whole batches); any other input shape goes to the eager ``fallback``."""
+
+    def __init__(
+        self, fast: Any, fallback: torch.nn.Module, shape: tuple[int, ...], size: int | None = None
+    ) -> None:
+        super().__init__()
+        self.fast, self.fallback, self.shape, self.size = fast, fallback, tuple(shape), size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if tuple(x.shape[1:]) != self.shape:
+            return self.fallback(x)
+        if self.size is None or x.shape[0] <= self.size:
+            return self.fast(x)
+        return torch.cat([self.fast(part) for part in x.split(self.size)])
+
+
+def _trace(model: torch.nn.Module, example: torch.Tensor) -> Any:
+    """``model`` traced on ``example`` and frozen (batch norm folded into the convolutions, weights packed),
+    after one eager call that fills the GPSA layers' caches of input-independent tensors."""
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(example[:1])
+        return torch.jit.freeze(torch.jit.trace(model, example, check_trace=False).eval())
+
+
+def _candidates(model: torch.nn.Module, example: torch.Tensor) -> list[tuple[str, Any]]:
+    """The forms to try: eager, channels-last, traced (when tracing works), and the fastest base form of those
+    (traced, else channels-last) on sub-batches of each of `SUB_BATCHES` smaller than the example batch."""
+    shape = tuple(example.shape[1:])
+    cl = _ChannelsLast(copy.deepcopy(model).to(memory_format=torch.channels_last)).eval()
+    out: list[tuple[str, Any]] = [("eager", model), ("eager, channels-last", cl)]
+    fast, name = cl, "eager, channels-last"
+    try:
+        fast, name = _trace(cl, example), "TorchScript (traced, frozen), channels-last"
+        out.append((name, _Guarded(fast, cl, shape)))
+    except Exception as err:  # tracing is an optimisation only
+        print(f"evaluate: TorchScript not used ({type(err).__name__}: {str(err).splitlines()[0][:120]})")
+    out += [
+        (f"{name}, in batches of {s}", _Guarded(fast, cl, shape, s)) for s in SUB_BATCHES if s < len(example)
+    ]
+    return out
+
+
 def inference_model(model: torch.nn.Module, example: torch.Tensor, *, tol: float = 1e-4) -> tuple[Any, str]:
     """The fastest of a few equivalent forms of `model` (eval mode) for pure inference, and its name.
 
-    Candidates: the eager model; channels-last weights and inputs (oneDNN's native layout on CPU); for a
-    model without GPSA layers (the CNN) also a traced and frozen TorchScript graph (batch norm folded into
-    the convolutions). Speed only: a candidate qualifies when its logits on `example` match the eager
-    model's within `tol` (float32 rounding), and the one with the shortest time on `example` (best of two
+    Candidates (`_candidates`): the eager model; channels-last weights and inputs (oneDNN's native layout on
+    CPU); a traced and frozen TorchScript graph (batch norm folded into the convolutions; GPSA models included,
+    see the module docstring), used for inputs of the example's image shape only; and that graph (or, where
+    tracing fails, the channels-last model) run on sub-batches. Speed only: a candidate qualifies when its
+    logits match the eager model's within `tol` (float32 rounding) on `example` and on its first third (a
+    batch of another size, as a last batch is), and the one with the shortest time on `example` (best of two
     calls, after a warm-up) is used."""
     model = model.eval()
+    part = example[: max(1, len(example) // 3)]
     with torch.no_grad():
-        reference = model(example)
-    candidates: list[tuple[str, Any]] = [("eager", model)]
-    cl = _ChannelsLast(copy.deepcopy(model).to(memory_format=torch.channels_last)).eval()
-    candidates.append(("eager, channels-last", cl))
-    if not any(isinstance(m, GPSA) for m in model.modules()):
-        try:
-            with torch.no_grad(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                traced = torch.jit.freeze(torch.jit.trace(cl, example, check_trace=False).eval())
-            candidates.append(("TorchScript (traced, frozen), channels-last", traced))
-        except Exception as err:  # tracing is an optimisation only
-            print(f"evaluate: TorchScript not used ({type(err).__name__}: {str(err).splitlines()[0][:120]})")
+        reference, ref_part = model(example), model(part)
     best: tuple[float, str, Any] | None = None
-    for kind, candidate in candidates:
+    for kind, candidate in _candidates(model, example):
         try:
             with torch.no_grad():
-                if (candidate(example) - reference).abs().max().item() > tol:
+                if not _matches(candidate, (example, part), (reference, ref_part), tol):
                     continue
                 times = []
                 for _ in range(2):
@@ -66,3 +112,10 @@ def inference_model(model: torch.nn.Module, example: torch.Tensor, *, tol: float
             best = (min(times), kind, candidate)
     assert best is not None  # the eager model matches itself
     return best[2], best[1]
+
+
+def _matches(
+    candidate: Any, inputs: tuple[torch.Tensor, ...], refs: tuple[torch.Tensor, ...], tol: float
+) -> bool:
+    """Whether ``candidate``'s logits on each input are within ``tol`` of the eager model's."""
+    return all((candidate(x) - ref).abs().max().item() <= tol for x, ref in zip(inputs, refs))
