@@ -233,6 +233,10 @@ class PretrainConfig(_Strict):
     augment: AugmentConfig | None = None  # None = the shared policy `augment`
     # A pretrained CNN to import instead of training one (SourceConfig); None = train it here.
     source: SourceConfig | None = None
+    # The pretrained CNN's own seed (its init, data order, the train/validation split and the corruption
+    # noise); None = the run's `seed`. Trials that differ only in `seed` then share one CNN and fine-tune it
+    # as replicates (Params.cnn_seed; the analysis treats the CNN as the unit, pipelines/sweep_select.py).
+    seed: int | None = Field(None, ge=0)
 
 
 class ReparamConfig(_Strict):
@@ -483,6 +487,12 @@ class Params(_Strict):
         importlib.import_module("core.models.importing").check_source(self.model.arch, self.pretrain.source)
 
     @property
+    def cnn_seed(self) -> int:
+        """The seed of what the pretrained CNN depends on (`pretrain.seed`, else `seed`): its init and data order,
+        the train/validation split every stage reads, and the corrupted sets' noise."""
+        return self.seed if self.pretrain.seed is None else self.pretrain.seed
+
+    @property
     def imports_cnn(self) -> bool:
         """The CNN comes from ``pretrain.source`` (imported), not from training here."""
         return self.pretrain.source is not None
@@ -620,9 +630,9 @@ def validate_params(raw: Any) -> Params:
             except ConfigError as err:
                 raise ConfigError(f"sweep.grid.{key}: {err}") from None
     for key in params.sweep.select.over:
-        if key == "seed" or key not in params.sweep.grid:
+        if key in ("seed", "pretrain.seed") or key not in params.sweep.grid:
             raise ConfigError(
-                f"sweep.select.over: {key!r} is not a grid key other than seed "
+                f"sweep.select.over: {key!r} is not a grid key other than seed and pretrain.seed "
                 f"(sweep.grid has {sorted(params.sweep.grid) or 'none'})"
             )
     _check_bracket(params.sweep)

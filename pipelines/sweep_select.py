@@ -10,6 +10,12 @@ What attention buys is then T-CNN (its chosen trial) minus control (its chosen t
 bootstrap over test images (both models were evaluated on the same clean and corrupted images: the trials of
 one seed share the corrupted sets), and over seeds with Student's t-interval (core.robustness.intervals).
 
+Seeds that share a pretrained CNN (``pretrain.seed`` fixed or gridded next to ``seed``, or one imported CNN)
+are replicates of the fine-tuning, not independent draws of the whole experiment: the CNN is the unit
+(:func:`over_seeds`). With several CNNs the seeds of each CNN are averaged and the t-interval runs over the
+CNNs' means (a two-stage, cluster-level analysis); with one CNN the interval runs over its fine-tuning seeds
+and the claim is about that CNN.
+
 Written by the sweep driver next to summary.parquet: ``selected.parquet`` (one row per configuration and
 seed: the chosen values, both arms' validation and test numbers with percentile intervals, the differences
 with paired intervals), ``selected_seeds.parquet`` and ``selected.md`` (the over-seed means and
@@ -30,6 +36,9 @@ from stages import chain
 
 ARMS = ("tcnn", "control")
 SEED = "seed"
+#: The pretrained CNN's own seed (core.config PretrainConfig.seed): like ``seed``, a replicate, not a config.
+CNN_SEED = "pretrain.seed"
+REPLICATES = (SEED, CNN_SEED)
 #: The headline metrics of a selected pair (fractions; mCE normalised by the seed's pretrained CNN).
 METRICS = ("clean_accuracy", "mca", "mce", "relative_mce")
 DIFF = "tcnn_minus_control"
@@ -47,12 +56,12 @@ def choose(
     Returns one record per (configuration, seed, arm): {"config", "seed", "arm", "trial", the ``over``
     values, "value": the winning validation score, "candidates": [(trial, score) ...] in grid order}. Rows
     without a score (unfinished trials) are not candidates."""
-    keys = [k for k in grid_keys if k != SEED and k not in over]
-    groups: dict[tuple[str, Any], list[dict[str, Any]]] = {}
+    keys = [k for k in grid_keys if k not in REPLICATES and k not in over]
+    groups: dict[tuple[str, Any, Any], list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((_config_label(r, keys), r.get(SEED)), []).append(r)
+        groups.setdefault((_config_label(r, keys), r.get(SEED), r.get(CNN_SEED)), []).append(r)
     out = []
-    for (config, seed), members in groups.items():
+    for (config, seed, cnn_seed), members in groups.items():
         for arm in ARMS:
             scored = [(m, m.get(f"{arm}_{by}")) for m in members]
             scored = [(m, v) for m, v in scored if v is not None]
@@ -63,7 +72,7 @@ def choose(
                 if v > value:
                     best, value = m, v
             out.append({
-                "config": config, SEED: seed, "arm": arm, "trial": best["trial"],
+                "config": config, SEED: seed, CNN_SEED: cnn_seed, "arm": arm, "trial": best["trial"],
                 **{k: best.get(k) for k in over}, "value": value,
                 "candidates": json.dumps([[m["trial"], v] for m, v in scored]),
             })  # fmt: skip
@@ -131,16 +140,16 @@ def selected_rows(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict
     done = [r for r in rows if r["status"] == "finished"]
     picks = choose(done, list(spec["grid"]), over, sel.get("by", "val_accuracy"))
     by_row = {r["trial"]: r for r in done}
-    pairs: dict[tuple[str, Any], dict[str, dict[str, Any]]] = {}
+    pairs: dict[tuple[str, Any, Any], dict[str, dict[str, Any]]] = {}
     for p in picks:
-        pairs.setdefault((p["config"], p[SEED]), {})[p["arm"]] = p
+        pairs.setdefault((p["config"], p[SEED], p[CNN_SEED]), {})[p["arm"]] = p
     out = []
-    for (config, seed), arms in pairs.items():
+    for (config, seed, _), arms in pairs.items():
         if set(arms) != set(ARMS):
             continue
         t, c = by_row[arms["tcnn"]["trial"]], by_row[arms["control"]["trial"]]
         params = spec["trials"][t["trial"]]["params"]
-        row: dict[str, Any] = {"config": config, SEED: seed}
+        row: dict[str, Any] = {"config": config, SEED: seed, "cnn": cnn_unit(t, params)}
         for arm, r in (("tcnn", t), ("control", c)):
             row[f"{arm}_trial"] = r["trial"]
             row |= {f"{arm}_{k}": r.get(k) for k in over}
@@ -160,9 +169,38 @@ SEED_COLUMNS = tuple(f"{m}_{k}" for m in ("tcnn", "control", DIFF) for k in METR
 )
 
 
+def cnn_unit(trial_row: dict[str, Any], params: dict[str, Any]) -> str:
+    """The pretrained CNN a trial fine-tuned: its shared pretraining's key (one imported CNN has one key for
+    every seed), else its CNN seed (`pretrain.seed`, else `seed`)."""
+    key = trial_row.get("pretrain_key")
+    if key:
+        return str(key)
+    pre = (params.get("pretrain") or {}).get("seed")
+    return f"cnn_seed={params.get(SEED) if pre is None else pre}"
+
+
+def _units(members: list[dict[str, Any]]) -> tuple[list[list[dict[str, Any]]], str]:
+    """The members grouped by pretrained CNN, and what the interval runs over: "seeds" (each seed its own
+    CNN), "CNNs" (seeds averaged within each of several CNNs) or "seeds of one CNN"."""
+    by_cnn: dict[str, list[dict[str, Any]]] = {}
+    for i, m in enumerate(members):
+        by_cnn.setdefault(str(m.get("cnn") or f"row {i}"), []).append(m)
+    clusters = list(by_cnn.values())
+    if len(clusters) == len(members):
+        return [[m] for m in members], "seeds"
+    if len(clusters) == 1:
+        return [[m] for m in members], "seeds of one CNN"
+    return clusters, "CNNs"
+
+
 def over_seeds(srows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per configuration: the mean over seeds of every :data:`SEED_COLUMNS` value with Student's 95%
-    t-interval (``<name>_seeds_mean`` / ``_seeds_ci_low`` / ``_seeds_ci_high``) and ``n_seeds``."""
+    """Per configuration: the mean of every :data:`SEED_COLUMNS` value with Student's 95% t-interval
+    (``<name>_seeds_mean`` / ``_seeds_ci_low`` / ``_seeds_ci_high``), ``n_seeds``, ``n_cnns`` and ``unit``.
+
+    The unit is the pretrained CNN (:func:`_units`): where seeds share CNNs, each CNN's seeds are averaged
+    first and the interval runs over the CNNs' means, so that fine-tuning replicates of one CNN are not
+    counted as independent evidence about CNNs in general; where all seeds share one CNN, the interval runs
+    over its seeds and speaks for that CNN."""
     from core.robustness.intervals import t_interval
 
     groups: dict[str, list[dict[str, Any]]] = {}
@@ -170,14 +208,20 @@ def over_seeds(srows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         groups.setdefault(r["config"], []).append(r)
     out = []
     for config, members in groups.items():
-        row: dict[str, Any] = {"config": config, "n_seeds": len(members),
-                               "seeds": json.dumps(sorted(m[SEED] for m in members))}  # fmt: skip
+        clusters, unit = _units(members)
+        row: dict[str, Any] = {"config": config, "n_seeds": len(members), "n_cnns": len({str(m.get("cnn")) for m in members}),
+                               "unit": unit, "seeds": json.dumps(sorted(m[SEED] for m in members))}  # fmt: skip
         for name in SEED_COLUMNS:
-            ci = t_interval([m.get(name) for m in members])
+            ci = t_interval([_mean([m.get(name) for m in c]) for c in clusters])
             row |= {f"{name}_seeds_mean": ci["mean"], f"{name}_seeds_ci_low": ci["low"],
                     f"{name}_seeds_ci_high": ci["high"]}  # fmt: skip
         out.append(row)
     return out
+
+
+def _mean(values: list[Any]) -> float | None:
+    v = [float(x) for x in values if x is not None]
+    return sum(v) / len(v) if v else None
 
 
 def selection_metrics(srows: list[dict[str, Any]], agg: list[dict[str, Any]]) -> dict[str, float]:
@@ -250,7 +294,7 @@ def markdown(
         )
     for a in agg:
         lines.append(
-            f"| {a['config']} | mean of {a['n_seeds']} | | "
+            f"| {a['config']} | {mean_label(a)} | | "
             f"| {_pp(a.get('tcnn_val_accuracy_seeds_mean'))} / {_pp(a.get('tcnn_clean_accuracy_seeds_mean'))} "
             f"| {_pp(a.get('control_val_accuracy_seeds_mean'))} / {_pp(a.get('control_clean_accuracy_seeds_mean'))} "
             f"| **{d(a, 'clean_accuracy', '_seeds')}** "
@@ -261,7 +305,9 @@ def markdown(
     text += (
         f"Each arm at the {keys} with the best validation accuracy for its seed (the test split only reports). "
         "Per seed: paired bootstrap 95% interval over test images; mean row: Student's 95% t-interval over "
-        "seeds. mCE is normalised by the seed's pretrained CNN (lower is better).\n"
+        "its unit (seeds; or the CNNs, each the mean of its seeds, where seeds share a pretrained CNN; or the "
+        "seeds of one CNN, a claim about that CNN). mCE is normalised by the seed's pretrained CNN "
+        "(lower is better).\n"
     )
     for a in agg:
         for m, low_better in (("clean_accuracy", False), ("mca", False), ("mce", True)):
@@ -272,6 +318,16 @@ def markdown(
             f"- {n}\n" for n in notes
         )
     return text
+
+
+def mean_label(a: dict[str, Any]) -> str:
+    """The mean row's label: how many seeds, and over what the interval runs."""
+    unit = a.get("unit", "seeds")
+    if unit == "CNNs":
+        return f"mean of {a['n_cnns']} CNNs ({a['n_seeds']} seeds; t over CNNs)"
+    if unit == "seeds of one CNN":
+        return f"mean of {a['n_seeds']} seeds of one CNN"
+    return f"mean of {a['n_seeds']}"
 
 
 def write(

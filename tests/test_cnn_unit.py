@@ -1,0 +1,103 @@
+"""Seeds that share a pretrained CNN (`pretrain.seed`): one pretraining, one split, one set of corrupted images
+per CNN; fine-tuning replicates on it; and an analysis whose unit is the CNN (pipelines/sweep_select.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _train_helpers import tiny_params, write_dataset
+from scipy import stats
+from test_sweep import make_project
+
+from core.config import Params, load_params
+from pipelines.sweep_plan import make_plan
+from pipelines.sweep_select import choose, markdown, over_seeds
+from stages import finetune, pretrain
+from stages import training as T
+
+D = "tcnn_minus_control_clean_accuracy"
+
+
+def _srow(seed: int, cnn: str, diff: float) -> dict:
+    return {"config": "(base config)", "seed": seed, "cnn": cnn, D: diff,
+            "tcnn_clean_accuracy": 0.9 + diff, "control_clean_accuracy": 0.9}  # fmt: skip
+
+
+def _t(values: list[float]) -> tuple[float, float, float]:
+    v = np.asarray(values)
+    half = stats.t.ppf(0.975, len(v) - 1) * v.std(ddof=1) / np.sqrt(len(v))
+    return v.mean(), v.mean() - half, v.mean() + half
+
+
+def test_seeds_sharing_a_cnn_are_averaged_and_the_interval_runs_over_cnns() -> None:
+    """Three CNNs with 2, 2 and 1 fine-tuning seeds: the interval is Student's over the three CNN means
+    (scipy), not over the five seeds, which would count replicates of one CNN as independent CNNs."""
+    rows = [_srow(0, "A", 0.010), _srow(1, "A", 0.030), _srow(2, "B", -0.004), _srow(3, "B", 0.000),
+            _srow(4, "C", 0.020)]  # fmt: skip
+    (agg,) = over_seeds(rows)
+    mean, low, high = _t([0.020, -0.002, 0.020])
+    assert (agg["unit"], agg["n_cnns"], agg["n_seeds"]) == ("CNNs", 3, 5)
+    assert agg[f"{D}_seeds_mean"] == pytest.approx(mean)
+    assert (agg[f"{D}_seeds_ci_low"], agg[f"{D}_seeds_ci_high"]) == (pytest.approx(low), pytest.approx(high))
+    naive = _t([r[D] for r in rows])
+    assert naive[2] - naive[1] < high - low  # the five seeds as units would claim a narrower interval
+    assert "| mean of 3 CNNs (5 seeds; t over CNNs) |" in markdown(rows, [agg], ["finetune.lr"])
+
+
+def test_seeds_of_one_cnn_speak_for_that_cnn_and_own_cnns_are_seeds() -> None:
+    one = [_srow(s, "A", d) for s, d in ((0, 0.01), (1, 0.02), (2, -0.01))]
+    (agg,) = over_seeds(one)
+    assert (agg["unit"], agg["n_cnns"]) == ("seeds of one CNN", 1)
+    assert agg[f"{D}_seeds_ci_low"] == pytest.approx(_t([0.01, 0.02, -0.01])[1])
+    assert "mean of 3 seeds of one CNN" in markdown(one, [agg], ["finetune.lr"])
+    own = [_srow(s, f"k{s}", d) for s, d in ((0, 0.01), (1, 0.02), (2, -0.01))]
+    (agg,) = over_seeds(own)
+    assert (agg["unit"], agg["n_cnns"], agg["n_seeds"]) == ("seeds", 3, 3)
+    assert agg[f"{D}_seeds_ci_high"] == pytest.approx(_t([0.01, 0.02, -0.01])[2])
+
+
+def test_choose_treats_the_cnn_seed_as_a_replicate_not_a_configuration() -> None:
+    rows = [{"trial": f"t{i}", "seed": s, "pretrain.seed": c, "finetune.lr": lr, "status": "finished",
+             "tcnn_val_accuracy": v, "control_val_accuracy": 1 - v}
+            for i, (s, c, lr, v) in enumerate([(0, 7, 1e-3, 0.5), (0, 7, 1e-2, 0.6), (0, 8, 1e-3, 0.7),
+                                               (0, 8, 1e-2, 0.4)])]  # fmt: skip
+    picks = choose(rows, ["seed", "pretrain.seed", "finetune.lr"], ["finetune.lr"])
+    assert {p["config"] for p in picks} == {"(base config)"}
+    got = {(p["pretrain.seed"], p["arm"]): p["finetune.lr"] for p in picks}
+    assert got == {(7, "tcnn"): 1e-2, (7, "control"): 1e-3, (8, "tcnn"): 1e-3, (8, "control"): 1e-2}
+
+
+def test_a_sweep_over_seeds_on_one_cnn_pretrains_and_corrupts_once(tmp_path: Path) -> None:
+    """pretrain.seed fixed, seed gridded: one pretraining group and one corrupted-set directory for all seeds,
+    one control per seed; without pretrain.seed every seed has its own CNN and sets."""
+    shared = make_plan(load_params(make_project(tmp_path / "a", {"seed": [0, 1, 2]}, pretrain={"seed": 5})),
+                       cwd=tmp_path / "a")  # fmt: skip
+    assert len(shared.groups) == 1 and len({t.corrupt_key for t in shared.trials}) == 1
+    assert len({t.control_key for t in shared.trials}) == 3
+    own = make_plan(load_params(make_project(tmp_path / "b", {"seed": [0, 1, 2]})), cwd=tmp_path / "b")
+    assert len(own.groups) == 3 and len({t.corrupt_key for t in own.trials}) == 3
+
+
+def _params(tmp_path: Path, **pre: object) -> Params:
+    raw = tiny_params(tmp_path / "data", pretrain={"epochs": 1, **pre})
+    return Params.model_validate(raw)
+
+
+def test_the_split_and_pretraining_follow_the_cnn_seed_and_old_identities_stay(tmp_path: Path) -> None:
+    write_dataset(tmp_path / "data", 300, 50)
+    base = _params(tmp_path)
+    same = base.with_overrides({"pretrain.seed": base.seed})
+    other = base.with_overrides({"seed": base.seed + 1, "pretrain.seed": base.seed})
+    spec = {"arch": "x"}
+    ident = pretrain.identity(base, spec, "fp", "cpu")
+    assert pretrain.identity(same, spec, "fp", "cpu") == ident == pretrain.identity(other, spec, "fp", "cpu")
+    assert pretrain.identity(base.with_overrides({"seed": 1}), spec, "fp", "cpu") != ident
+    assert finetune.identity(same, {}, "cpu") == finetune.identity(base, {}, "cpu")
+    assert finetune.identity(other, {}, "cpu") != finetune.identity(
+        base.with_overrides({"seed": 1}), {}, "cpu"
+    )
+    ds0, ds1, own1 = (T.datasets(p) for p in (base, other, base.with_overrides({"seed": base.seed + 1})))
+    assert np.array_equal(ds0.val_y, ds1.val_y) and np.array_equal(ds0.val_x, ds1.val_x)
+    assert not np.array_equal(ds0.val_x, own1.val_x)
