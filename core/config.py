@@ -290,6 +290,9 @@ class FinetuneConfig(_Strict):
     # The matched control: the same pretrained checkpoint fine-tuned with this same recipe, without attention
     # ([TCNN21] Table 1's "without SA" column). false skips it (and every comparison against it).
     control: bool = True
+    # The control's own lr (at batch 1024), for a comparison whose arms' lrs were chosen apart on validation
+    # data (e.g. a pilot sweep's sweep.select); None = lr, the one recipe of both arms (Params.for_control).
+    control_lr: float | None = Field(None, gt=0.0)
     # Early stopping on validation accuracy, the same rule for the T-CNN and its control; None = run all epochs.
     stop: StopConfig | None = None
 
@@ -492,6 +495,18 @@ class Params(_Strict):
         the train/validation split every stage reads, and the corrupted sets' noise."""
         return self.seed if self.pretrain.seed is None else self.pretrain.seed
 
+    def for_control(self) -> Params:
+        """The params the matched control trains with: these, at ``finetune.control_lr`` where it is set."""
+        if self.finetune.control_lr is None:
+            return self
+        return self.model_copy(
+            update={
+                "finetune": self.finetune.model_copy(
+                    update={"lr": self.finetune.control_lr, "control_lr": None}
+                )
+            }
+        )
+
     @property
     def imports_cnn(self) -> bool:
         """The CNN comes from ``pretrain.source`` (imported), not from training here."""
@@ -630,6 +645,9 @@ def validate_params(raw: Any) -> Params:
             except ConfigError as err:
                 raise ConfigError(f"sweep.grid.{key}: {err}") from None
     for key in params.sweep.select.over:
+        if key == "finetune.lr" and params.finetune.control_lr is not None:
+            raise ConfigError("sweep.select.over: finetune.lr is chosen per arm, which finetune.control_lr fixes "
+                              "for the control; drop one of them")  # fmt: skip
         if key in ("seed", "pretrain.seed") or key not in params.sweep.grid:
             raise ConfigError(
                 f"sweep.select.over: {key!r} is not a grid key other than seed and pretrain.seed "
