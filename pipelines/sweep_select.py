@@ -54,8 +54,9 @@ def choose(
     """The selection itself (pure; ``rows``: summary rows with the grid values and ``<arm>_<by>``).
 
     Returns one record per (configuration, seed, arm): {"config", "seed", "arm", "trial", the ``over``
-    values, "value": the winning validation score, "candidates": [(trial, score) ...] in grid order}. Rows
-    without a score (unfinished trials) are not candidates."""
+    values, "value": the winning validation score, "margin": its lead over the runner-up (None with one
+    candidate), "candidates": [(trial, score) ...] in grid order}. Rows without a score (unfinished trials)
+    are not candidates."""
     keys = [k for k in grid_keys if k not in REPLICATES and k not in over]
     groups: dict[tuple[str, Any, Any], list[dict[str, Any]]] = {}
     for r in rows:
@@ -71,9 +72,10 @@ def choose(
             for m, v in scored[1:]:
                 if v > value:
                     best, value = m, v
+            rest = [v for m, v in scored if m is not best]
             out.append({
                 "config": config, SEED: seed, CNN_SEED: cnn_seed, "arm": arm, "trial": best["trial"],
-                **{k: best.get(k) for k in over}, "value": value,
+                **{k: best.get(k) for k in over}, "value": value, "margin": value - max(rest) if rest else None,
                 "candidates": json.dumps([[m["trial"], v] for m, v in scored]),
             })  # fmt: skip
     return out
@@ -154,12 +156,54 @@ def selected_rows(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict
             row[f"{arm}_trial"] = r["trial"]
             row |= {f"{arm}_{k}": r.get(k) for k in over}
             row[f"{arm}_val_accuracy"] = r.get(f"{arm}_val_accuracy")
+            margin = arms[arm]["margin"]
+            n_val = _val_size(params)
+            row[f"{arm}_margin_images"] = None if margin is None or not n_val else round(margin * n_val)
             row[f"{arm}_candidates"] = arms[arm]["candidates"]
         row |= pair_metrics(
             Path(t["trial_dir"]), Path(c["trial_dir"]), replicates=int(params["robustness"]["bootstrap"]),
             seed=derive_seed(int(params["seed"]), "bootstrap"),
         )  # fmt: skip
         out.append(row)
+    return out
+
+
+def _val_size(params: dict[str, Any]) -> int:
+    """The validation images a trial's accuracy is a share of (data.val_size)."""
+    return int((params.get("data") or {}).get("val_size") or 0)
+
+
+def pooled(
+    rows: list[dict[str, Any]], grid_keys: list[str], over: list[str], by: str = "val_accuracy"
+) -> list[dict[str, Any]]:
+    """Each arm's ``over`` values chosen once for all seeds of a configuration (what a follow-up sweep fixes
+    with ``finetune.lr`` and ``finetune.control_lr``): the values with the best validation score averaged
+    over the seeds that finished every value, the same rule for both arms. One record per (configuration,
+    arm): {"config", "arm", the ``over`` values, "value": the best mean, "margin": its lead over the
+    runner-up's mean, "seeds": how many seeds the means average, "means": [(values, mean) ...]}."""
+    keys = [k for k in grid_keys if k not in REPLICATES and k not in over]
+    out = []
+    configs: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        configs.setdefault(_config_label(r, keys), []).append(r)
+    for config, members in configs.items():
+        for arm in ARMS:
+            scores: dict[tuple, dict[tuple, float]] = {}
+            for m in members:
+                if m.get(f"{arm}_{by}") is not None:
+                    unit = (m.get(SEED), m.get(CNN_SEED))
+                    scores.setdefault(tuple(m.get(k) for k in over), {})[unit] = m[f"{arm}_{by}"]
+            if not scores:
+                continue
+            units = set.intersection(*(set(v) for v in scores.values()))
+            if not units:
+                continue
+            means = [(vals, sum(v[u] for u in units) / len(units)) for vals, v in scores.items()]
+            best_vals, best = max(means, key=lambda t: t[1])  # ties: the first in grid order
+            rest = [mean for vals, mean in means if vals != best_vals]
+            out.append({"config": config, "arm": arm, **dict(zip(over, best_vals)), "value": best,
+                        "margin": best - max(rest) if rest else None, "seeds": len(units),
+                        "means": json.dumps([[list(vals), mean] for vals, mean in means])})  # fmt: skip
     return out
 
 
@@ -264,16 +308,38 @@ def verdict(
     return "the T-CNN is better" if tcnn_better else "the control is better"
 
 
+def _images(n: Any) -> str:
+    return "-" if n is None else f"{n:,}"
+
+
+def pooled_markdown(pool: list[dict[str, Any]], over: list[str]) -> str:
+    """The pooled choice (:func:`pooled`) as sentences: per configuration and arm, the values, their mean
+    validation accuracy over how many seeds, and the lead over the runner-up."""
+    text = (
+        "\nPooled over seeds (each arm's values by mean validation accuracy; what a follow-up sweep fixes):\n"
+    )
+    for p in pool:
+        vals = ", ".join(f"{k}={p.get(k)}" for k in over)
+        lead = "" if p["margin"] is None else f", {100 * p['margin']:.2f} pp ahead of the runner-up"
+        text += f"- {p['config']}, {p['arm']}: {vals} (mean {100 * p['value']:.2f}% over {p['seeds']} seeds{lead}).\n"
+    return text
+
+
 def markdown(
-    srows: list[dict[str, Any]], agg: list[dict[str, Any]], over: list[str], notes: list[str] | None = None
+    srows: list[dict[str, Any]],
+    agg: list[dict[str, Any]],
+    over: list[str],
+    notes: list[str] | None = None,
+    pool: list[dict[str, Any]] | None = None,
 ) -> str:
     """Per seed and over seeds: the chosen values and T-CNN - control at them, with intervals; ``notes``:
     what bracketing added and why (pipelines/sweep_bracket.py)."""
     keys = ", ".join(over)
     lines = [
         f"| config | seed | T-CNN {keys} | control {keys} | T-CNN val / test | control val / test "
-        "| T-CNN - control clean (pp) | mCA T-CNN / control | T-CNN - control mCA (pp) | T-CNN - control mCE (pp) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| T-CNN - control clean (pp) | mCA T-CNN / control | T-CNN - control mCA (pp) | T-CNN - control mCE (pp) "
+        "| won by (val images) T-CNN / control |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def d(r: dict[str, Any], m: str, suffix: str = "") -> str:
@@ -290,7 +356,8 @@ def markdown(
             f"| {_pp(r.get('tcnn_val_accuracy'))} / {_pp(r.get('tcnn_clean_accuracy'))} "
             f"| {_pp(r.get('control_val_accuracy'))} / {_pp(r.get('control_clean_accuracy'))} "
             f"| {d(r, 'clean_accuracy')} | {_pp(r.get('tcnn_mca'))} / {_pp(r.get('control_mca'))} "
-            f"| {d(r, 'mca')} | {d(r, 'mce')} |"
+            f"| {d(r, 'mca')} | {d(r, 'mce')} "
+            f"| {_images(r.get('tcnn_margin_images'))} / {_images(r.get('control_margin_images'))} |"
         )
     for a in agg:
         lines.append(
@@ -299,7 +366,7 @@ def markdown(
             f"| {_pp(a.get('control_val_accuracy_seeds_mean'))} / {_pp(a.get('control_clean_accuracy_seeds_mean'))} "
             f"| **{d(a, 'clean_accuracy', '_seeds')}** "
             f"| {_pp(a.get('tcnn_mca_seeds_mean'))} / {_pp(a.get('control_mca_seeds_mean'))} "
-            f"| **{d(a, 'mca', '_seeds')}** | **{d(a, 'mce', '_seeds')}** |"
+            f"| **{d(a, 'mca', '_seeds')}** | **{d(a, 'mce', '_seeds')}** | |"
         )
     text = "\n".join(lines) + "\n\n"
     text += (
@@ -313,6 +380,8 @@ def markdown(
         for m, low_better in (("clean_accuracy", False), ("mca", False), ("mce", True)):
             mean, lo, hi = (a.get(f"{DIFF}_{m}_seeds{e}") for e in ("_mean", "_ci_low", "_ci_high"))
             text += f"- {a['config']}, {m}: {verdict(mean, lo, hi, lower_is_better=low_better)}.\n"
+    if pool:
+        text += pooled_markdown(pool, over)
     if notes:
         text += "\nBracketing (the grid grown until each choice is interior):\n" + "".join(
             f"- {n}\n" for n in notes
@@ -336,14 +405,17 @@ def write(
     over: list[str],
     sweep_dir: Path,
     notes: list[str] | None = None,
+    pool: list[dict[str, Any]] | None = None,
 ) -> list[Path]:
-    """``selected.parquet``, ``selected_seeds.parquet`` and ``selected.md`` (atomic)."""
+    """``selected.parquet``, ``selected_seeds.parquet``, ``selected_pooled.parquet`` and ``selected.md``
+    (atomic)."""
     from core.utils.atomic import atomic_write
     from pipelines.sweep_summary import write_table
 
-    text = markdown(srows, agg, over, notes)
+    text = markdown(srows, agg, over, notes, pool)
     return [
         write_table(srows, sweep_dir / "selected.parquet"),
         write_table(agg, sweep_dir / "selected_seeds.parquet"),
+        write_table(pool or [], sweep_dir / "selected_pooled.parquet"),
         atomic_write(sweep_dir / "selected.md", lambda fh: fh.write(text.encode())),
     ]

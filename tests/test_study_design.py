@@ -1,5 +1,6 @@
-"""Seeds that share a pretrained CNN (`pretrain.seed`): one pretraining, one split, one set of corrupted images
-per CNN; fine-tuning replicates on it; and an analysis whose unit is the CNN (pipelines/sweep_select.py)."""
+"""The study's design pieces (issue 36): seeds that share a pretrained CNN (`pretrain.seed`: one pretraining,
+one split, one set of corrupted images per CNN) with an analysis whose unit is the CNN; each choice's margin in
+validation images; and the pooled choice a follow-up sweep fixes (pipelines/sweep_select.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from test_sweep import make_project
 
 from core.config import Params, load_params
 from pipelines.sweep_plan import make_plan
-from pipelines.sweep_select import choose, markdown, over_seeds
+from pipelines.sweep_select import choose, markdown, over_seeds, pooled
 from stages import finetune, pretrain
 from stages import training as T
 
@@ -101,3 +102,38 @@ def test_the_split_and_pretraining_follow_the_cnn_seed_and_old_identities_stay(t
     ds0, ds1, own1 = (T.datasets(p) for p in (base, other, base.with_overrides({"seed": base.seed + 1})))
     assert np.array_equal(ds0.val_y, ds1.val_y) and np.array_equal(ds0.val_x, ds1.val_x)
     assert not np.array_equal(ds0.val_x, own1.val_x)
+
+
+def _row(tid: str, seed: int, lr: float, t_val: float | None, c_val: float) -> dict:
+    return {"trial": tid, "seed": seed, "finetune.lr": lr, "status": "finished",
+            "tcnn_val_accuracy": t_val, "control_val_accuracy": c_val}  # fmt: skip
+
+
+GRID = ["seed", "finetune.lr"]
+
+
+def test_each_choice_carries_its_lead_over_the_runner_up() -> None:
+    rows = [_row("a", 0, 1e-3, 0.800, 0.84), _row("b", 0, 1e-2, 0.8124, 0.80), _row("c", 0, 1e-1, 0.81, 0.70)]
+    picks = {p["arm"]: p for p in choose(rows, GRID, ["finetune.lr"])}
+    assert picks["tcnn"]["trial"] == "b" and picks["tcnn"]["margin"] == pytest.approx(0.0024)
+    assert picks["control"]["trial"] == "a" and picks["control"]["margin"] == pytest.approx(0.04)
+    assert choose(rows[:1], GRID, ["finetune.lr"])[0]["margin"] is None
+
+
+def test_pooled_choice_takes_the_best_mean_over_seeds_that_finished_every_value() -> None:
+    """Seed 0 alone would pick 1e-2 for the T-CNN, seed 1 alone 1e-1; their mean picks 1e-1. Seed 2 lacks a
+    T-CNN score at 1e-1 (unfinished): it is left out of the T-CNN's means, not averaged over fewer values."""
+    rows = [_row("a", 0, 1e-3, 0.80, 0.85), _row("b", 0, 1e-2, 0.83, 0.84), _row("c", 0, 1e-1, 0.82, 0.80),
+            _row("d", 1, 1e-3, 0.79, 0.86), _row("e", 1, 1e-2, 0.80, 0.83), _row("f", 1, 1e-1, 0.84, 0.81),
+            _row("g", 2, 1e-3, 0.99, 0.85), _row("h", 2, 1e-2, 0.99, 0.84), _row("i", 2, 1e-1, None, 0.80)]  # fmt: skip
+    got = {p["arm"]: p for p in pooled(rows, GRID, ["finetune.lr"])}
+    t, c = got["tcnn"], got["control"]
+    assert (t["finetune.lr"], t["seeds"]) == (1e-1, 2)
+    assert t["value"] == pytest.approx((0.82 + 0.84) / 2) and t["margin"] == pytest.approx(0.83 - 0.815)
+    assert (c["finetune.lr"], c["seeds"]) == (1e-3, 3)
+    assert c["value"] == pytest.approx(2.56 / 3) and c["margin"] == pytest.approx((2.56 - 2.51) / 3)
+    text = markdown([], [], ["finetune.lr"], pool=list(got.values()))
+    assert (
+        "(base config), tcnn: finetune.lr=0.1 (mean 83.00% over 2 seeds, 1.50 pp ahead of the runner-up)"
+        in text
+    )
