@@ -137,3 +137,27 @@ def test_pooled_choice_takes_the_best_mean_over_seeds_that_finished_every_value(
         "(base config), tcnn: finetune.lr=0.1 (mean 83.00% over 2 seeds, 1.50 pp ahead of the runner-up)"
         in text
     )
+
+
+POWER = Path(__file__).resolve().parents[1] / "pipelines" / "studies" / "cifar10_power.yaml"
+
+
+def test_the_power_study_preset_is_the_stated_design(tmp_path: Path) -> None:
+    """pipelines/studies/cifar10_power.yaml: one CNN for every seed, 10,000 validation images, corrupted sets at
+    CIFAR-10-C's size, early stopping for both arms, the lr bracketed; its phase-2 overrides (README) validate,
+    give the control its own lr and select nothing."""
+    p = load_params(POWER)
+    assert p.pretrain.seed == 0 and p.sweep.grid["seed"] == [0, 1, 2] and "pretrain.seed" not in p.sweep.grid
+    assert (p.data.val_size, p.robustness.n_images, p.precision) == (10_000, 10_000, "fp32")
+    assert p.finetune.stop is not None and p.sweep.select.bracket is not None
+    assert p.sweep.select.over == ["finetune.lr"] and p.finetune.control_lr is None
+    phase2 = ["sweep.grid={seed: [3, 4, 5, 6, 7, 8, 9, 10]}", "sweep.select={over: []}",
+              "finetune.lr=<T-CNN's pooled lr>", "finetune.control_lr=<control's pooled lr>"]  # fmt: skip
+    text = POWER.read_text()
+    assert all(f"-S '{a}'" in text or f"-S {a}" in text for a in phase2)  # the command the preset shows
+    args = [
+        a.replace("<T-CNN's pooled lr>", "0.01").replace("<control's pooled lr>", "0.001") for a in phase2
+    ]
+    main = load_params(POWER, overrides=args)
+    assert main.sweep.grid == {"seed": [3, 4, 5, 6, 7, 8, 9, 10]} and main.sweep.select.over == []
+    assert (main.finetune.lr, main.for_control().finetune.lr) == (0.01, 0.001)
