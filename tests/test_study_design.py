@@ -4,6 +4,7 @@ validation images; and the pooled choice a follow-up sweep fixes (pipelines/swee
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
 import numpy as np
@@ -161,3 +162,33 @@ def test_the_power_study_preset_is_the_stated_design(tmp_path: Path) -> None:
     main = load_params(POWER, overrides=args)
     assert main.sweep.grid == {"seed": [3, 4, 5, 6, 7, 8, 9, 10]} and main.sweep.select.over == []
     assert (main.finetune.lr, main.for_control().finetune.lr) == (0.01, 0.001)
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_sizing_is_students_t_and_the_readme_table_is_generated_from_the_first_study() -> None:
+    from pipelines import study_sizing as Z
+
+    # 0.39 pp: t(0.975, 4) = 2.776 -> 2.776 x 0.39 / sqrt(5) = 0.484 pp; 4 seeds would give 0.62 pp
+    assert Z.seeds_needed(0.0039) == 5 and Z.half_width(0.0039, 4) > 0.005 >= Z.half_width(0.0039, 5)
+    assert Z.half_width(0.0073, 11) == pytest.approx(stats.t.ppf(0.975, 10) * 0.0073 / np.sqrt(11))
+    assert Z.sd_upper(0.01, 3) == pytest.approx(0.01 * np.sqrt(2 / stats.chi2.ppf(0.2, 2)))
+    rows = Z.sizing(REPO / "pipelines" / "studies" / "cifar10_lr")
+    text = (REPO / "pipelines/studies/cifar10_lr/results.csv").read_text().splitlines()
+    committed = [r for r in csv.DictReader(text) if r["row"] == "selected"]
+    assert rows[1]["sd"] == pytest.approx(
+        np.std([float(r["tcnn_minus_control_mca"]) for r in committed], ddof=1)
+    )
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("<!-- sizing:cifar10-lr:begin -->\n")[1].split("<!-- sizing:cifar10-lr:end -->")[0]
+    assert block == Z.markdown(rows)
+    assert Z.main([]) == 2
+
+
+def test_the_readme_cost_table_is_the_committed_benchmark_run() -> None:
+    run = (REPO / "benchmarks" / "results" / "trial_cost_epyc_avx2.txt").read_text()
+    table = [line for line in run.splitlines() if line.startswith("|")]
+    assert len(table) == 9 and "trial before / after" in run
+    readme = (REPO / "README.md").read_text()
+    assert "\n".join(table) in readme
