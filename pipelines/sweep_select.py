@@ -223,7 +223,7 @@ def cnn_unit(trial_row: dict[str, Any], params: dict[str, Any]) -> str:
     return f"cnn_seed={params.get(SEED) if pre is None else pre}"
 
 
-def _units(members: list[dict[str, Any]]) -> tuple[list[list[dict[str, Any]]], str]:
+def units(members: list[dict[str, Any]]) -> tuple[list[list[dict[str, Any]]], str]:
     """The members grouped by pretrained CNN, and what the interval runs over: "seeds" (each seed its own
     CNN), "CNNs" (seeds averaged within each of several CNNs) or "seeds of one CNN"."""
     by_cnn: dict[str, list[dict[str, Any]]] = {}
@@ -252,18 +252,18 @@ def over_seeds(srows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         groups.setdefault(r["config"], []).append(r)
     out = []
     for config, members in groups.items():
-        clusters, unit = _units(members)
+        clusters, unit = units(members)
         row: dict[str, Any] = {"config": config, "n_seeds": len(members), "n_cnns": len({str(m.get("cnn")) for m in members}),
                                "unit": unit, "seeds": json.dumps(sorted(m[SEED] for m in members))}  # fmt: skip
         for name in SEED_COLUMNS:
-            ci = t_interval([_mean([m.get(name) for m in c]) for c in clusters])
+            ci = t_interval([mean_of([m.get(name) for m in c]) for c in clusters])
             row |= {f"{name}_seeds_mean": ci["mean"], f"{name}_seeds_ci_low": ci["low"],
                     f"{name}_seeds_ci_high": ci["high"]}  # fmt: skip
         out.append(row)
     return out
 
 
-def _mean(values: list[Any]) -> float | None:
+def mean_of(values: list[Any]) -> float | None:
     v = [float(x) for x in values if x is not None]
     return sum(v) / len(v) if v else None
 

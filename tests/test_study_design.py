@@ -192,3 +192,22 @@ def test_the_readme_cost_table_is_the_committed_benchmark_run() -> None:
     assert len(table) == 9 and "trial before / after" in run
     readme = (REPO / "README.md").read_text()
     assert "\n".join(table) in readme
+
+
+def test_the_sweep_summary_over_seeds_takes_the_cnn_as_its_unit_too() -> None:
+    """summary.parquet's seed aggregate (every sweep whose grid varies seed): seeds sharing a pretraining key
+    are averaged first, as in the selection; each seed with its own key is its own unit."""
+    from pipelines.sweep_summary import seed_rows, seeds_markdown
+
+    spec = {"grid": {"seed": [0, 1, 2, 3], "pretrain.seed": [7, 8]}}
+    rows = [{"trial": f"t{i}", "status": "finished", "seed": s, "pretrain.seed": c, "pretrain_key": f"k{c}",
+             D: d} for i, (s, c, d) in enumerate([(0, 7, 0.01), (1, 7, 0.03), (2, 8, 0.0), (3, 8, 0.02)])]  # fmt: skip
+    (agg,) = seed_rows(spec, rows)
+    mean, low, high = _t([0.02, 0.01])
+    assert (agg["unit"], agg["n_cnns"], agg["n_seeds"], agg["config"]) == ("CNNs", 2, 4, "(base config)")
+    assert (agg[f"{D}_seeds_mean"], agg[f"{D}_seeds_ci_low"]) == (pytest.approx(mean), pytest.approx(low))
+    assert "| (base config) | 2 CNNs (4 seeds; t over CNNs) |" in seeds_markdown([agg])
+    for r in rows:
+        r["pretrain_key"] = f"own{r['seed']}"
+    (agg,) = seed_rows(spec, rows)
+    assert agg["unit"] == "seeds" and agg[f"{D}_seeds_ci_high"] == pytest.approx(_t([0.01, 0.03, 0.0, 0.02])[2])
