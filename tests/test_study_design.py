@@ -210,4 +210,6 @@ def test_the_sweep_summary_over_seeds_takes_the_cnn_as_its_unit_too() -> None:
     for r in rows:
         r["pretrain_key"] = f"own{r['seed']}"
     (agg,) = seed_rows(spec, rows)
-    assert agg["unit"] == "seeds" and agg[f"{D}_seeds_ci_high"] == pytest.approx(_t([0.01, 0.03, 0.0, 0.02])[2])
+    assert agg["unit"] == "seeds" and agg[f"{D}_seeds_ci_high"] == pytest.approx(
+        _t([0.01, 0.03, 0.0, 0.02])[2]
+    )
