@@ -233,6 +233,10 @@ class PretrainConfig(_Strict):
     augment: AugmentConfig | None = None  # None = the shared policy `augment`
     # A pretrained CNN to import instead of training one (SourceConfig); None = train it here.
     source: SourceConfig | None = None
+    # The pretrained CNN's own seed (its init, data order, the train/validation split and the corruption
+    # noise); None = the run's `seed`. Trials that differ only in `seed` then share one CNN and fine-tune it
+    # as replicates (Params.cnn_seed; the analysis treats the CNN as the unit, pipelines/sweep_select.py).
+    seed: int | None = Field(None, ge=0)
 
 
 class ReparamConfig(_Strict):
@@ -286,6 +290,9 @@ class FinetuneConfig(_Strict):
     # The matched control: the same pretrained checkpoint fine-tuned with this same recipe, without attention
     # ([TCNN21] Table 1's "without SA" column). false skips it (and every comparison against it).
     control: bool = True
+    # The control's own lr (at batch 1024), for a comparison whose arms' lrs were chosen apart on validation
+    # data (e.g. a pilot sweep's sweep.select); None = lr, the one recipe of both arms (Params.for_control).
+    control_lr: float | None = Field(None, gt=0.0)
     # Early stopping on validation accuracy, the same rule for the T-CNN and its control; None = run all epochs.
     stop: StopConfig | None = None
 
@@ -483,6 +490,24 @@ class Params(_Strict):
         importlib.import_module("core.models.importing").check_source(self.model.arch, self.pretrain.source)
 
     @property
+    def cnn_seed(self) -> int:
+        """The seed of what the pretrained CNN depends on (`pretrain.seed`, else `seed`): its init and data order,
+        the train/validation split every stage reads, and the corrupted sets' noise."""
+        return self.seed if self.pretrain.seed is None else self.pretrain.seed
+
+    def for_control(self) -> Params:
+        """The params the matched control trains with: these, at ``finetune.control_lr`` where it is set."""
+        if self.finetune.control_lr is None:
+            return self
+        return self.model_copy(
+            update={
+                "finetune": self.finetune.model_copy(
+                    update={"lr": self.finetune.control_lr, "control_lr": None}
+                )
+            }
+        )
+
+    @property
     def imports_cnn(self) -> bool:
         """The CNN comes from ``pretrain.source`` (imported), not from training here."""
         return self.pretrain.source is not None
@@ -620,9 +645,12 @@ def validate_params(raw: Any) -> Params:
             except ConfigError as err:
                 raise ConfigError(f"sweep.grid.{key}: {err}") from None
     for key in params.sweep.select.over:
-        if key == "seed" or key not in params.sweep.grid:
+        if key == "finetune.lr" and params.finetune.control_lr is not None:
+            raise ConfigError("sweep.select.over: finetune.lr is chosen per arm, which finetune.control_lr fixes "
+                              "for the control; drop one of them")  # fmt: skip
+        if key in ("seed", "pretrain.seed") or key not in params.sweep.grid:
             raise ConfigError(
-                f"sweep.select.over: {key!r} is not a grid key other than seed "
+                f"sweep.select.over: {key!r} is not a grid key other than seed and pretrain.seed "
                 f"(sweep.grid has {sorted(params.sweep.grid) or 'none'})"
             )
     _check_bracket(params.sweep)

@@ -401,7 +401,10 @@ def run_sweep(
             chosen_seeds = sweep_select.over_seeds(chosen)
             if chosen:
                 over = spec["select"]["over"]
-                kind_files += sweep_select.write(chosen, chosen_seeds, over, sweep_dir, notes)
+                sel = spec["select"]
+                done = [r for r in rows if r["status"] == "finished"]
+                pool = sweep_select.pooled(done, list(spec["grid"]), over, sel.get("by", "val_accuracy"))
+                kind_files += sweep_select.write(chosen, chosen_seeds, over, sweep_dir, notes, pool)
             picked = (
                 sweep_report.selected_table(chosen, chosen_seeds, spec["select"]["over"], notes)
                 if chosen

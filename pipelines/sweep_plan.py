@@ -138,7 +138,7 @@ def control_identity(params: Params, pretrain_key: str, device: str) -> dict[str
     from stages import control, finetune
 
     inputs = {"pretrain": pretrain_key, "t1": params.t1()}
-    return finetune.identity(params, inputs, device, freeze=params.finetune.freeze,
+    return finetune.identity(params.for_control(), inputs, device, freeze=params.finetune.freeze,
                              variant=control.VARIANT.name, workers=params.workers_per_trial)  # fmt: skip
 
 

@@ -89,7 +89,7 @@ def selected_table(
     """The validation-chosen comparison (pipelines/sweep_select.py): one record per seed and one per
     configuration over seeds, the sentence that goes with each interval, and ``notes``: what bracketing
     added and why (pipelines/sweep_bracket.py)."""
-    from pipelines.sweep_select import DIFF, verdict
+    from pipelines.sweep_select import DIFF, mean_label, verdict
 
     def cell(r: dict[str, Any], name: str, ends: tuple[str, str, str]) -> str:
         mean, lo, hi = (r.get(name + e) for e in ends)
@@ -108,7 +108,7 @@ def selected_table(
         recs.append(rec)
     verdicts = []
     for a in agg:
-        rec = {"config": a["config"], "seed": f"mean of {a['n_seeds']}"}
+        rec = {"config": a["config"], "seed": mean_label(a)}
         rec |= {f"{arm} val / test (%)": f"{fmt_pct_plain(a.get(f'{arm}_val_accuracy_seeds_mean'))} / "
                 f"{fmt_pct_plain(a.get(f'{arm}_clean_accuracy_seeds_mean'))}" for arm in ("tcnn", "control")}  # fmt: skip
         ends = ("_seeds_mean", "_seeds_ci_low", "_seeds_ci_high")

@@ -10,6 +10,12 @@ What attention buys is then T-CNN (its chosen trial) minus control (its chosen t
 bootstrap over test images (both models were evaluated on the same clean and corrupted images: the trials of
 one seed share the corrupted sets), and over seeds with Student's t-interval (core.robustness.intervals).
 
+Seeds that share a pretrained CNN (``pretrain.seed`` fixed or gridded next to ``seed``, or one imported CNN)
+are replicates of the fine-tuning, not independent draws of the whole experiment: the CNN is the unit
+(:func:`over_seeds`). With several CNNs the seeds of each CNN are averaged and the t-interval runs over the
+CNNs' means (a two-stage, cluster-level analysis); with one CNN the interval runs over its fine-tuning seeds
+and the claim is about that CNN.
+
 Written by the sweep driver next to summary.parquet: ``selected.parquet`` (one row per configuration and
 seed: the chosen values, both arms' validation and test numbers with percentile intervals, the differences
 with paired intervals), ``selected_seeds.parquet`` and ``selected.md`` (the over-seed means and
@@ -30,6 +36,9 @@ from stages import chain
 
 ARMS = ("tcnn", "control")
 SEED = "seed"
+#: The pretrained CNN's own seed (core.config PretrainConfig.seed): like ``seed``, a replicate, not a config.
+CNN_SEED = "pretrain.seed"
+REPLICATES = (SEED, CNN_SEED)
 #: The headline metrics of a selected pair (fractions; mCE normalised by the seed's pretrained CNN).
 METRICS = ("clean_accuracy", "mca", "mce", "relative_mce")
 DIFF = "tcnn_minus_control"
@@ -45,14 +54,15 @@ def choose(
     """The selection itself (pure; ``rows``: summary rows with the grid values and ``<arm>_<by>``).
 
     Returns one record per (configuration, seed, arm): {"config", "seed", "arm", "trial", the ``over``
-    values, "value": the winning validation score, "candidates": [(trial, score) ...] in grid order}. Rows
-    without a score (unfinished trials) are not candidates."""
-    keys = [k for k in grid_keys if k != SEED and k not in over]
-    groups: dict[tuple[str, Any], list[dict[str, Any]]] = {}
+    values, "value": the winning validation score, "margin": its lead over the runner-up (None with one
+    candidate), "candidates": [(trial, score) ...] in grid order}. Rows without a score (unfinished trials)
+    are not candidates."""
+    keys = [k for k in grid_keys if k not in REPLICATES and k not in over]
+    groups: dict[tuple[str, Any, Any], list[dict[str, Any]]] = {}
     for r in rows:
-        groups.setdefault((_config_label(r, keys), r.get(SEED)), []).append(r)
+        groups.setdefault((_config_label(r, keys), r.get(SEED), r.get(CNN_SEED)), []).append(r)
     out = []
-    for (config, seed), members in groups.items():
+    for (config, seed, cnn_seed), members in groups.items():
         for arm in ARMS:
             scored = [(m, m.get(f"{arm}_{by}")) for m in members]
             scored = [(m, v) for m, v in scored if v is not None]
@@ -62,9 +72,10 @@ def choose(
             for m, v in scored[1:]:
                 if v > value:
                     best, value = m, v
+            rest = [v for m, v in scored if m is not best]
             out.append({
-                "config": config, SEED: seed, "arm": arm, "trial": best["trial"],
-                **{k: best.get(k) for k in over}, "value": value,
+                "config": config, SEED: seed, CNN_SEED: cnn_seed, "arm": arm, "trial": best["trial"],
+                **{k: best.get(k) for k in over}, "value": value, "margin": value - max(rest) if rest else None,
                 "candidates": json.dumps([[m["trial"], v] for m, v in scored]),
             })  # fmt: skip
     return out
@@ -131,20 +142,23 @@ def selected_rows(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict
     done = [r for r in rows if r["status"] == "finished"]
     picks = choose(done, list(spec["grid"]), over, sel.get("by", "val_accuracy"))
     by_row = {r["trial"]: r for r in done}
-    pairs: dict[tuple[str, Any], dict[str, dict[str, Any]]] = {}
+    pairs: dict[tuple[str, Any, Any], dict[str, dict[str, Any]]] = {}
     for p in picks:
-        pairs.setdefault((p["config"], p[SEED]), {})[p["arm"]] = p
+        pairs.setdefault((p["config"], p[SEED], p[CNN_SEED]), {})[p["arm"]] = p
     out = []
-    for (config, seed), arms in pairs.items():
+    for (config, seed, _), arms in pairs.items():
         if set(arms) != set(ARMS):
             continue
         t, c = by_row[arms["tcnn"]["trial"]], by_row[arms["control"]["trial"]]
         params = spec["trials"][t["trial"]]["params"]
-        row: dict[str, Any] = {"config": config, SEED: seed}
+        row: dict[str, Any] = {"config": config, SEED: seed, "cnn": cnn_unit(t, params)}
         for arm, r in (("tcnn", t), ("control", c)):
             row[f"{arm}_trial"] = r["trial"]
             row |= {f"{arm}_{k}": r.get(k) for k in over}
             row[f"{arm}_val_accuracy"] = r.get(f"{arm}_val_accuracy")
+            margin = arms[arm]["margin"]
+            n_val = _val_size(params)
+            row[f"{arm}_margin_images"] = None if margin is None or not n_val else round(margin * n_val)
             row[f"{arm}_candidates"] = arms[arm]["candidates"]
         row |= pair_metrics(
             Path(t["trial_dir"]), Path(c["trial_dir"]), replicates=int(params["robustness"]["bootstrap"]),
@@ -154,15 +168,83 @@ def selected_rows(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict
     return out
 
 
+def _val_size(params: dict[str, Any]) -> int:
+    """The validation images a trial's accuracy is a share of (data.val_size)."""
+    return int((params.get("data") or {}).get("val_size") or 0)
+
+
+def pooled(
+    rows: list[dict[str, Any]], grid_keys: list[str], over: list[str], by: str = "val_accuracy"
+) -> list[dict[str, Any]]:
+    """Each arm's ``over`` values chosen once for all seeds of a configuration (what a follow-up sweep fixes
+    with ``finetune.lr`` and ``finetune.control_lr``): the values with the best validation score averaged
+    over the seeds that finished every value, the same rule for both arms. One record per (configuration,
+    arm): {"config", "arm", the ``over`` values, "value": the best mean, "margin": its lead over the
+    runner-up's mean, "seeds": how many seeds the means average, "means": [(values, mean) ...]}."""
+    keys = [k for k in grid_keys if k not in REPLICATES and k not in over]
+    out = []
+    configs: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        configs.setdefault(_config_label(r, keys), []).append(r)
+    for config, members in configs.items():
+        for arm in ARMS:
+            scores: dict[tuple, dict[tuple, float]] = {}
+            for m in members:
+                if m.get(f"{arm}_{by}") is not None:
+                    unit = (m.get(SEED), m.get(CNN_SEED))
+                    scores.setdefault(tuple(m.get(k) for k in over), {})[unit] = m[f"{arm}_{by}"]
+            if not scores:
+                continue
+            units = set.intersection(*(set(v) for v in scores.values()))
+            if not units:
+                continue
+            means = [(vals, sum(v[u] for u in units) / len(units)) for vals, v in scores.items()]
+            best_vals, best = max(means, key=lambda t: t[1])  # ties: the first in grid order
+            rest = [mean for vals, mean in means if vals != best_vals]
+            out.append({"config": config, "arm": arm, **dict(zip(over, best_vals)), "value": best,
+                        "margin": best - max(rest) if rest else None, "seeds": len(units),
+                        "means": json.dumps([[list(vals), mean] for vals, mean in means])})  # fmt: skip
+    return out
+
+
 SEED_COLUMNS = tuple(f"{m}_{k}" for m in ("tcnn", "control", DIFF) for k in METRICS) + (
     "tcnn_val_accuracy",
     "control_val_accuracy",
 )
 
 
+def cnn_unit(trial_row: dict[str, Any], params: dict[str, Any]) -> str:
+    """The pretrained CNN a trial fine-tuned: its shared pretraining's key (one imported CNN has one key for
+    every seed), else its CNN seed (`pretrain.seed`, else `seed`)."""
+    key = trial_row.get("pretrain_key")
+    if key:
+        return str(key)
+    pre = (params.get("pretrain") or {}).get("seed")
+    return f"cnn_seed={params.get(SEED) if pre is None else pre}"
+
+
+def units(members: list[dict[str, Any]]) -> tuple[list[list[dict[str, Any]]], str]:
+    """The members grouped by pretrained CNN, and what the interval runs over: "seeds" (each seed its own
+    CNN), "CNNs" (seeds averaged within each of several CNNs) or "seeds of one CNN"."""
+    by_cnn: dict[str, list[dict[str, Any]]] = {}
+    for i, m in enumerate(members):
+        by_cnn.setdefault(str(m.get("cnn") or f"row {i}"), []).append(m)
+    clusters = list(by_cnn.values())
+    if len(clusters) == len(members):
+        return [[m] for m in members], "seeds"
+    if len(clusters) == 1:
+        return [[m] for m in members], "seeds of one CNN"
+    return clusters, "CNNs"
+
+
 def over_seeds(srows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per configuration: the mean over seeds of every :data:`SEED_COLUMNS` value with Student's 95%
-    t-interval (``<name>_seeds_mean`` / ``_seeds_ci_low`` / ``_seeds_ci_high``) and ``n_seeds``."""
+    """Per configuration: the mean of every :data:`SEED_COLUMNS` value with Student's 95% t-interval
+    (``<name>_seeds_mean`` / ``_seeds_ci_low`` / ``_seeds_ci_high``), ``n_seeds``, ``n_cnns`` and ``unit``.
+
+    The unit is the pretrained CNN (:func:`_units`): where seeds share CNNs, each CNN's seeds are averaged
+    first and the interval runs over the CNNs' means, so that fine-tuning replicates of one CNN are not
+    counted as independent evidence about CNNs in general; where all seeds share one CNN, the interval runs
+    over its seeds and speaks for that CNN."""
     from core.robustness.intervals import t_interval
 
     groups: dict[str, list[dict[str, Any]]] = {}
@@ -170,14 +252,20 @@ def over_seeds(srows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         groups.setdefault(r["config"], []).append(r)
     out = []
     for config, members in groups.items():
-        row: dict[str, Any] = {"config": config, "n_seeds": len(members),
-                               "seeds": json.dumps(sorted(m[SEED] for m in members))}  # fmt: skip
+        clusters, unit = units(members)
+        row: dict[str, Any] = {"config": config, "n_seeds": len(members), "n_cnns": len({str(m.get("cnn")) for m in members}),
+                               "unit": unit, "seeds": json.dumps(sorted(m[SEED] for m in members))}  # fmt: skip
         for name in SEED_COLUMNS:
-            ci = t_interval([m.get(name) for m in members])
+            ci = t_interval([mean_of([m.get(name) for m in c]) for c in clusters])
             row |= {f"{name}_seeds_mean": ci["mean"], f"{name}_seeds_ci_low": ci["low"],
                     f"{name}_seeds_ci_high": ci["high"]}  # fmt: skip
         out.append(row)
     return out
+
+
+def mean_of(values: list[Any]) -> float | None:
+    v = [float(x) for x in values if x is not None]
+    return sum(v) / len(v) if v else None
 
 
 def selection_metrics(srows: list[dict[str, Any]], agg: list[dict[str, Any]]) -> dict[str, float]:
@@ -220,16 +308,38 @@ def verdict(
     return "the T-CNN is better" if tcnn_better else "the control is better"
 
 
+def _images(n: Any) -> str:
+    return "-" if n is None else f"{n:,}"
+
+
+def pooled_markdown(pool: list[dict[str, Any]], over: list[str]) -> str:
+    """The pooled choice (:func:`pooled`) as sentences: per configuration and arm, the values, their mean
+    validation accuracy over how many seeds, and the lead over the runner-up."""
+    text = (
+        "\nPooled over seeds (each arm's values by mean validation accuracy; what a follow-up sweep fixes):\n"
+    )
+    for p in pool:
+        vals = ", ".join(f"{k}={p.get(k)}" for k in over)
+        lead = "" if p["margin"] is None else f", {100 * p['margin']:.2f} pp ahead of the runner-up"
+        text += f"- {p['config']}, {p['arm']}: {vals} (mean {100 * p['value']:.2f}% over {p['seeds']} seeds{lead}).\n"
+    return text
+
+
 def markdown(
-    srows: list[dict[str, Any]], agg: list[dict[str, Any]], over: list[str], notes: list[str] | None = None
+    srows: list[dict[str, Any]],
+    agg: list[dict[str, Any]],
+    over: list[str],
+    notes: list[str] | None = None,
+    pool: list[dict[str, Any]] | None = None,
 ) -> str:
     """Per seed and over seeds: the chosen values and T-CNN - control at them, with intervals; ``notes``:
     what bracketing added and why (pipelines/sweep_bracket.py)."""
     keys = ", ".join(over)
     lines = [
         f"| config | seed | T-CNN {keys} | control {keys} | T-CNN val / test | control val / test "
-        "| T-CNN - control clean (pp) | mCA T-CNN / control | T-CNN - control mCA (pp) | T-CNN - control mCE (pp) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| T-CNN - control clean (pp) | mCA T-CNN / control | T-CNN - control mCA (pp) | T-CNN - control mCE (pp) "
+        "| won by (val images) T-CNN / control |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def d(r: dict[str, Any], m: str, suffix: str = "") -> str:
@@ -246,32 +356,47 @@ def markdown(
             f"| {_pp(r.get('tcnn_val_accuracy'))} / {_pp(r.get('tcnn_clean_accuracy'))} "
             f"| {_pp(r.get('control_val_accuracy'))} / {_pp(r.get('control_clean_accuracy'))} "
             f"| {d(r, 'clean_accuracy')} | {_pp(r.get('tcnn_mca'))} / {_pp(r.get('control_mca'))} "
-            f"| {d(r, 'mca')} | {d(r, 'mce')} |"
+            f"| {d(r, 'mca')} | {d(r, 'mce')} "
+            f"| {_images(r.get('tcnn_margin_images'))} / {_images(r.get('control_margin_images'))} |"
         )
     for a in agg:
         lines.append(
-            f"| {a['config']} | mean of {a['n_seeds']} | | "
+            f"| {a['config']} | {mean_label(a)} | | "
             f"| {_pp(a.get('tcnn_val_accuracy_seeds_mean'))} / {_pp(a.get('tcnn_clean_accuracy_seeds_mean'))} "
             f"| {_pp(a.get('control_val_accuracy_seeds_mean'))} / {_pp(a.get('control_clean_accuracy_seeds_mean'))} "
             f"| **{d(a, 'clean_accuracy', '_seeds')}** "
             f"| {_pp(a.get('tcnn_mca_seeds_mean'))} / {_pp(a.get('control_mca_seeds_mean'))} "
-            f"| **{d(a, 'mca', '_seeds')}** | **{d(a, 'mce', '_seeds')}** |"
+            f"| **{d(a, 'mca', '_seeds')}** | **{d(a, 'mce', '_seeds')}** | |"
         )
     text = "\n".join(lines) + "\n\n"
     text += (
         f"Each arm at the {keys} with the best validation accuracy for its seed (the test split only reports). "
         "Per seed: paired bootstrap 95% interval over test images; mean row: Student's 95% t-interval over "
-        "seeds. mCE is normalised by the seed's pretrained CNN (lower is better).\n"
+        "its unit (seeds; or the CNNs, each the mean of its seeds, where seeds share a pretrained CNN; or the "
+        "seeds of one CNN, a claim about that CNN). mCE is normalised by the seed's pretrained CNN "
+        "(lower is better).\n"
     )
     for a in agg:
         for m, low_better in (("clean_accuracy", False), ("mca", False), ("mce", True)):
             mean, lo, hi = (a.get(f"{DIFF}_{m}_seeds{e}") for e in ("_mean", "_ci_low", "_ci_high"))
             text += f"- {a['config']}, {m}: {verdict(mean, lo, hi, lower_is_better=low_better)}.\n"
+    if pool:
+        text += pooled_markdown(pool, over)
     if notes:
         text += "\nBracketing (the grid grown until each choice is interior):\n" + "".join(
             f"- {n}\n" for n in notes
         )
     return text
+
+
+def mean_label(a: dict[str, Any]) -> str:
+    """The mean row's label: how many seeds, and over what the interval runs."""
+    unit = a.get("unit", "seeds")
+    if unit == "CNNs":
+        return f"mean of {a['n_cnns']} CNNs ({a['n_seeds']} seeds; t over CNNs)"
+    if unit == "seeds of one CNN":
+        return f"mean of {a['n_seeds']} seeds of one CNN"
+    return f"mean of {a['n_seeds']}"
 
 
 def write(
@@ -280,14 +405,17 @@ def write(
     over: list[str],
     sweep_dir: Path,
     notes: list[str] | None = None,
+    pool: list[dict[str, Any]] | None = None,
 ) -> list[Path]:
-    """``selected.parquet``, ``selected_seeds.parquet`` and ``selected.md`` (atomic)."""
+    """``selected.parquet``, ``selected_seeds.parquet``, ``selected_pooled.parquet`` and ``selected.md``
+    (atomic)."""
     from core.utils.atomic import atomic_write
     from pipelines.sweep_summary import write_table
 
-    text = markdown(srows, agg, over, notes)
+    text = markdown(srows, agg, over, notes, pool)
     return [
         write_table(srows, sweep_dir / "selected.parquet"),
         write_table(agg, sweep_dir / "selected_seeds.parquet"),
+        write_table(pool or [], sweep_dir / "selected_pooled.parquet"),
         atomic_write(sweep_dir / "selected.md", lambda fh: fh.write(text.encode())),
     ]

@@ -142,25 +142,38 @@ def config_label(row: dict[str, Any], keys: list[str]) -> str:
 def seed_rows(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """When the grid varies ``seed``: one row per configuration (the other grid keys) with, for every
     :data:`SEED_METRICS` name, the mean over its finished seeds and Student's 95% t-interval
-    (``<metric>`` + :data:`SEED_SUFFIXES`; core.robustness.intervals.t_interval) and ``n_seeds``. [] otherwise."""
+    (``<metric>`` + :data:`SEED_SUFFIXES`; core.robustness.intervals.t_interval), ``n_seeds``, ``n_cnns`` and
+    ``unit``: where seeds share a pretrained CNN (`pretrain.seed`), the CNN is the unit, as in the selection
+    (`pipelines.sweep_select.units`). [] otherwise."""
     from core.robustness.intervals import t_interval
+    from pipelines.sweep_select import mean_of, units
 
     if SEED not in spec["grid"]:
         return []
-    keys = [k for k in spec["grid"] if k != SEED]
+    keys = _config_keys(spec)
     groups: dict[str, list[dict[str, Any]]] = {}
     for r in _finished(rows):
         groups.setdefault(config_label(r, keys), []).append(r)
     out = []
     for label, members in groups.items():
         row: dict[str, Any] = {"config": label, **{k: members[0].get(k) for k in keys}}
-        row["n_seeds"] = len(members)
+        cnns = [{**m, "cnn": m.get("pretrain_key") or f"cnn_seed={m.get('pretrain.seed', m.get(SEED))}"}
+                for m in members]  # fmt: skip
+        clusters, unit = units(cnns)
+        row["n_seeds"], row["n_cnns"], row["unit"] = len(members), len({m["cnn"] for m in cnns}), unit
         row["seeds"] = json.dumps(sorted(m.get(SEED) for m in members))
         for metric in SEED_METRICS:
-            ci = t_interval([m.get(metric) for m in members])
+            ci = t_interval([mean_of([m.get(metric) for m in c]) for c in clusters])
             row |= {metric + end: ci[k] for end, k in zip(SEED_SUFFIXES, ("mean", "low", "high"))}
         out.append(row)
     return out
+
+
+def _config_keys(spec: dict[str, Any]) -> list[str]:
+    """The grid keys that make a configuration: all but the replicates (``seed``, ``pretrain.seed``)."""
+    from pipelines.sweep_select import REPLICATES
+
+    return [k for k in spec["grid"] if k not in REPLICATES]
 
 
 def with_seed_columns(
@@ -171,7 +184,7 @@ def with_seed_columns(
     summary.parquet."""
     if not srows:
         return rows
-    keys = [k for k in spec["grid"] if k != SEED]
+    keys = _config_keys(spec)
     by = {s["config"]: s for s in srows}
     out = []
     for r in rows:
@@ -219,10 +232,14 @@ def seeds_markdown(srows: list[dict[str, Any]]) -> str:
             "control_mca", "tcnn_minus_control_mca", "tcnn_minus_control_mce", "tcnn_minus_cnn_mce"]  # fmt: skip
     lines = ["| config | seeds | " + " | ".join(cols) + " |", "|---|---:|" + "---:|" * len(cols)]
     for s in srows:
-        lines.append(f"| {s['config']} | {s['n_seeds']} | " + " | ".join(cell(s, c) for c in cols) + " |")
+        from pipelines.sweep_select import mean_label
+
+        label = mean_label(s).removeprefix("mean of ")
+        lines.append(f"| {s['config']} | {label} | " + " | ".join(cell(s, c) for c in cols) + " |")
     return (
         "\n".join(lines)
-        + "\n\nMean over seeds [95% t-interval over seeds], in %; `_minus_` columns are differences in pp.\n"
+        + "\n\nMean over seeds [95% t-interval over seeds; where seeds share a pretrained CNN, over the CNNs' "
+        "means], in %; `_minus_` columns are differences in pp.\n"
     )
 
 

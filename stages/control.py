@@ -65,7 +65,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     if "optimizer" in ckpt:  # a training checkpoint: what "continue" fine-tuning resumes from
         state = named_state(ckpt["optimizer"], ckpt["param_names"])
         start["carry"] = T.carry(ckpt, state, {k: k for k in state})
-    metrics = finetune.train(params, root, start, src, VARIANT, strict_freeze=False)
+    metrics = finetune.train(params.for_control(), root, start, src, VARIANT, strict_freeze=False)
     return {"enabled": True, **metrics}
 
 

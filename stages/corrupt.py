@@ -67,7 +67,7 @@ def identity(params: Params, manifest: dict[str, Any]) -> dict[str, Any]:
     this module must not regenerate them. Which corruptions and severities are asked for is not part of it:
     each stored set names its own, and a set is kept when its metadata and this identity's key match."""
     rb = params.robustness
-    parts = {"seed": params.seed, "n_images": rb.n_images, "selection": SELECTION,
+    parts = {"seed": params.cnn_seed, "n_images": rb.n_images, "selection": SELECTION,
              "decode_size": _decode_size(params, manifest)}  # fmt: skip
     inputs = {"data": manifest_fingerprint(manifest)}
     code = f"corruptions-v{C.CORRUPTION_VERSION}"
@@ -122,7 +122,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     images, labels = np.ascontiguousarray(images[idx]), labels[idx]
     band = C.band_for_size(*images.shape[1:3])
     source = C.fingerprint(images, labels, idx)
-    common = {"seed": params.seed, "band": band, "image_shape": list(images.shape[1:]), "n": len(images)}
+    common = {"seed": params.cnn_seed, "band": band, "image_shape": list(images.shape[1:]), "n": len(images)}
     ident = key(identity(params, manifest))
 
     def expected(c: str, s: int) -> dict[str, Any]:
@@ -145,7 +145,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     for c, s, out in C.iter_sets(
         images,
         todo,
-        seed=params.seed,
+        seed=params.cnn_seed,
         indices=idx,
         band=band,
         workers=workers,

@@ -115,11 +115,17 @@ def identity(
         "mode": params.finetune.mode,
         "freeze": sorted(freeze),
     }
+    if params.cnn_seed != params.seed:  # the CNN's own seed sets the split (absent: identities as before)
+        parts["cnn_seed"] = params.pretrain.seed
     if params.finetune.mode == "fresh":
-        parts["finetune"] = {k: v for k, v in T.section_identity(params.finetune).items() if k != "stop"}
+        skip = (
+            "stop",
+            "control_lr",
+        )  # stop: below; control_lr: the control's params carry it as lr (for_control)
+        parts["finetune"] = {k: v for k, v in T.section_identity(params.finetune).items() if k not in skip}
         parts["augment"] = params.augment_for("finetune").model_dump(mode="json")
     else:
-        parts["pretrain"] = T.section_identity(params.pretrain)
+        parts["pretrain"] = {k: v for k, v in T.section_identity(params.pretrain).items() if k != "seed"}
         parts["augment"] = params.augment_for("pretrain").model_dump(mode="json")
         parts["drop_path"] = params.model.drop_path
     if (

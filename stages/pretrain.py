@@ -77,9 +77,11 @@ def identity(
     adds it."""
     if params.imports_cnn:
         return import_identity(params, spec, data_fingerprint, device)
-    pre = {k: v for k, v in T.section_identity(params.pretrain).items() if k != "checkpoint_epochs"}
+    pre = {
+        k: v for k, v in T.section_identity(params.pretrain).items() if k not in ("checkpoint_epochs", "seed")
+    }
     parts: dict[str, Any] = {
-        "seed": params.seed,
+        "seed": params.cnn_seed,
         "data": T.data_identity(params),
         "model": {"spec": spec, "drop_path": params.model.drop_path},
         "pretrain": pre,
@@ -128,7 +130,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     ds = T.datasets(params, root)
     keep = checkpoint_epochs(params)
 
-    seed_everything(params.seed)
+    seed_everything(params.cnn_seed)
     spec = model_spec(params, ds.num_classes, ds.in_chans)
     try:
         model = build_from_spec(spec)
@@ -139,7 +141,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     image_size = params.data.image_size
     augment = params.augment_for(NAME)
     loaders = T.loaders(
-        params, ds, batch_size=p.batch_size, seed=params.seed, augment=augment, size=image_size
+        params, ds, batch_size=p.batch_size, seed=params.cnn_seed, augment=augment, size=image_size
     )
     spe = len(loaders.train)
     if spe == 0:
@@ -231,7 +233,7 @@ def import_cnn(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     model, device = imported.model, T.training_device()
     channels_last = T.use_channels_last(device)
     model.to(device)
-    loaders = T.loaders(params, ds, batch_size=T.EVAL_BATCH, seed=params.seed, augment=None,
+    loaders = T.loaders(params, ds, batch_size=T.EVAL_BATCH, seed=params.cnn_seed, augment=None,
                         size=params.data.image_size)  # fmt: skip
     with deterministic(device):
         val = T.evaluate_split(model, loaders.val, device, channels_last, params) if loaders.val else {}
@@ -248,7 +250,7 @@ def import_cnn(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         "notes": imported.notes,
         "val_loss": val.get("loss"),
         "val_acc": val.get("acc"),
-        "val_split_seed": params.seed,
+        "val_split_seed": params.cnn_seed,
         "test_loss": test["loss"],
         "test_acc": test["acc"],
         "epochs": 0,

@@ -130,6 +130,8 @@ def run_label(params: Any) -> str:
     if "lambda_init" in conversion:
         parts.append(f"lambda={r.lambda_init:g}")
     parts += [f"f={params.data.sample_fraction:g}", f"seed={params.seed}"]
+    if params.pretrain.seed is not None:
+        parts.append(f"cnn_seed={params.pretrain.seed}")
     return " ".join(parts)
 
 

@@ -79,7 +79,7 @@ def _load_datasets(params: Params, root: Path) -> Datasets:
             Path(root) / params.data.dir,
             val_size=params.data.val_size,
             sample_fraction=params.data.sample_fraction,
-            seed=params.seed,
+            seed=params.cnn_seed,  # the split belongs to the CNN (pretrain.seed)
             stream_size=params.data.image_size if params.data.stream else None,
         )
     except (OSError, ValueError, KeyError) as err:

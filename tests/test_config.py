@@ -294,3 +294,24 @@ def test_learning_rates_scale_with_the_batch() -> None:
     p = load_params(REPO / "params.yaml").with_overrides({"finetune.batch_size": 256})
     lr, gate = p.finetune.scaled_lrs()
     assert lr == pytest.approx(p.finetune.lr / 4) and gate == pytest.approx(p.finetune.gate_lr / 4)
+
+
+@pytest.mark.parametrize(
+    "extra,fragment",
+    [
+        ({"finetune": {"control_lr": 0.001}},
+         "sweep.select.over: finetune.lr is chosen per arm, which finetune.control_lr fixes for the control"),
+        ({"sweep": {"select": {"over": ["pretrain.seed"]}, "grid": {"pretrain.seed": [0, 1]}}},
+         "sweep.select.over: 'pretrain.seed' is not a grid key other than seed and pretrain.seed"),
+        ({"pretrain": {"seed": -1}}, "pretrain.seed: Input should be greater than or equal to 0"),
+    ],
+)  # fmt: skip
+def test_study_design_keys_are_checked(tmp_path: Path, extra: dict, fragment: str) -> None:
+    """``finetune.control_lr`` and ``pretrain.seed`` (the CNN as the unit): one line, nothing written."""
+    raw = merged({"sweep": copy.deepcopy(LR_GRID)})
+    for section, values in extra.items():
+        raw.setdefault(section, {}).update(values)
+    path = write(tmp_path, raw)
+    with pytest.raises(ConfigError) as info:
+        load_params(path)
+    assert fragment in str(info.value) and "\n" not in str(info.value)

@@ -195,6 +195,19 @@ def test_the_control_trains_with_the_tcnn_lr_schedule_and_data_order(tmp_path: P
     assert (t["total"], t["warmup"], t["epochs"]) == (c["total"], c["warmup"], c["epochs"])
     for (xt, yt), (xc, yc) in zip(t["batches"], c["batches"], strict=True):
         assert torch_equal(xt, xc) and torch_equal(yt, yc)
+    # finetune.control_lr (each arm's lr chosen apart): only the control's lr moves, and the T-CNN's identity stays
+    apart = params.with_overrides({"finetune.control_lr": 0.008})
+    with pytest.raises(Seen):
+        control.run(apart, root=tmp_path)
+    a = seen["control"]
+    assert a["lrs"] == [pytest.approx(2 * t["lrs"][0])] and (a["total"], a["epochs"]) == (
+        t["total"],
+        t["epochs"],
+    )
+    assert finetune.identity(apart, {}, "cpu") == finetune.identity(params, {}, "cpu")
+    assert finetune.identity(apart.for_control(), {}, "cpu", variant="control") == finetune.identity(
+        params.with_overrides({"finetune.lr": 0.008}), {}, "cpu", variant="control"
+    )
 
 
 def torch_equal(a, b) -> bool:

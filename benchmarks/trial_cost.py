@@ -1,0 +1,133 @@
+"""Where a CIFAR-10 study trial's compute goes, before and after the evaluation changes of issue 36 (the
+pretrained CNN evaluated once per seed instead of once per trial; the T-CNN evaluated in its traced, frozen,
+sub-batched form instead of eager channels-last), as seconds per trial from rates measured side by side.
+
+    .venv/bin/python benchmarks/trial_cost.py [--rounds 3] [--threads 2] [--trials-per-seed 3]
+
+Measured in one run, forms interleaved round by round (median of rounds): fp32 fine-tuning steps of the
+study network (resnet12_cifar_os16, 32 px, batch 128, AdamW with the gate lr, stochastic depth 0.1; the
+T-CNN at the paper's init alpha = lambda = 1, [TCNN21] Sec. 3) for the T-CNN and the control (the CNN), and
+evaluation img/s of each evaluation form (core/training/inference.py) at batch 500. Then a trial of the first
+study's preset (pipelines/studies/cifar10_lr.yaml: 45,000 training images x 6 epochs per arm, 5,000
+validation images per epoch and arm, the clean test split and 19 corrupted sets of 2,000, or of 10,000 at
+CIFAR-10-C's size) costs sum(images / rate) per part. Random inputs (the networks' cost does not depend on
+the pixels); data loading, corruption generation and process start-up are not in it (the sweep's cost.csv
+records a real trial's stages). Compare ratios from one run on one machine; the CPU is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from tcnn_eval import cpu_name, interleaved
+
+from core.models import build, set_drop_path
+from core.models.reparam import to_tcnn
+from core.training.inference import _ChannelsLast, inference_model
+from core.training.optim import build_adamw
+
+ARCH = "resnet12_cifar_os16"
+TRAIN, EPOCHS, VAL, TEST, SETS = 45_000, 6, 5_000, 10_000, 19
+
+
+def train_rates(cnn: torch.nn.Module, tcnn: torch.nn.Module, batch: int, steps: int, rounds: int) -> dict:
+    """Fine-tuning img/s of each arm (full AdamW steps), interleaved round by round."""
+    models = {"control": copy.deepcopy(cnn).train(), "T-CNN": copy.deepcopy(tcnn).train()}
+    for m in models.values():
+        set_drop_path(m, 0.1)
+    opts = {k: build_adamw(m, lr=1e-5, gate_lr=1e-3, weight_decay=0.05) for k, m in models.items()}
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    rates: dict[str, list[float]] = {k: [] for k in models}
+    for r in range(rounds + 1):
+        for name, m in models.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                loss = F.cross_entropy(m(x), y)
+                opts[name].zero_grad(set_to_none=True)
+                loss.backward()
+                opts[name].step()
+            if r:  # round 0 warms up
+                rates[name].append(steps * batch / (time.perf_counter() - t0))
+    return {k: statistics.median(v) for k, v in rates.items()}
+
+
+def trial_seconds(train: dict, ev: dict, corrupted: int, cnn_share: float, epochs: int = EPOCHS,
+                  n_train: int = TRAIN, n_val: int = VAL) -> dict[str, float]:  # fmt: skip
+    """Seconds per part of one trial; ``ev``: eval img/s of "cnn", "tcnn", "control" (the evaluate stage's
+    forms) and "tcnn_val" (the training loop's per-epoch validation runs the eager T-CNN); ``cnn_share``: the
+    fraction of the CNN's evaluation a trial pays (1: every trial; 1/k: once per seed of k trials)."""
+    evaluated = TEST + SETS * corrupted
+    out = {
+        "fine-tune T-CNN": n_train * epochs / train["T-CNN"],
+        "fine-tune control": n_train * epochs / train["control"],
+        "validation (both arms)": epochs * n_val * (1 / ev["tcnn_val"] + 1 / ev["control"]),
+        "evaluate T-CNN": evaluated / ev["tcnn"],
+        "evaluate control": evaluated / ev["control"],
+        "evaluate CNN": cnn_share * evaluated / ev["cnn"],
+    }
+    out["trial"] = sum(out.values())
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4, help="training steps per round and arm")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--eval-batch", type=int, default=500)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--trials-per-seed", type=int, default=3, help="trials sharing one CNN evaluation")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"CPU: {cpu_name()}; torch {torch.__version__}, {args.threads} threads, "
+          f"capability {torch.backends.cpu.get_cpu_capability()}; {ARCH}, fp32")  # fmt: skip
+    torch.manual_seed(0)
+    cnn = build("cnn", ARCH, 10).eval()
+    tcnn = to_tcnn(cnn, alpha_init=1.0, lambda_init=1.0).eval()
+    train = train_rates(cnn, tcnn, args.batch, args.steps, args.rounds)
+    x = torch.randn(args.eval_batch, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    forms = {
+        "T-CNN before (eager, channels-last)": _ChannelsLast(copy.deepcopy(tcnn).to(memory_format=torch.channels_last)),
+        "T-CNN after": inference_model(copy.deepcopy(tcnn), x)[0],
+        "CNN": inference_model(copy.deepcopy(cnn), x)[0],
+    }  # fmt: skip
+    ev = {k: statistics.median(v) for k, v in interleaved(forms, x, args.rounds).items()}
+    print("img/s: " + ", ".join(f"train {k} {v:.0f}" for k, v in train.items())
+          + ", " + ", ".join(f"eval {k} {v:.0f}" for k, v in ev.items()))  # fmt: skip
+    eager = ev["T-CNN before (eager, channels-last)"]
+    before_ev = {"tcnn": eager, "tcnn_val": eager, "control": ev["CNN"], "cnn": ev["CNN"]}
+    after_ev = {"tcnn": ev["T-CNN after"], "tcnn_val": eager, "control": ev["CNN"], "cnn": ev["CNN"]}
+    k = args.trials_per_seed
+    cases = {
+        "before, 2,000 per set": trial_seconds(train, before_ev, 2_000, 1.0),
+        "after, 2,000 per set": trial_seconds(train, after_ev, 2_000, 1 / k),
+        "after, 10,000 per set": trial_seconds(train, after_ev, 10_000, 1 / k),
+        "cifar10_power.yaml (40,000 x up to 12 epochs, 10,000 val)": trial_seconds(
+            train, after_ev, 10_000, 1 / k, epochs=12, n_train=40_000, n_val=10_000
+        ),
+    }
+    names = list(next(iter(cases.values())))
+    print(f"\n| part (s per trial; CNN evaluation shared by {k} trials after) | " + " | ".join(cases) + " |")
+    print("|---|" + "---:|" * len(cases))
+    for n in names:
+        cells = [f"{c[n]:,.0f} ({100 * c[n] / c['trial']:.0f}%)" for c in cases.values()]
+        print(f"| {n} | " + " | ".join(cells) + " |")
+    b, a, a10, power = (c["trial"] for c in cases.values())
+    print(f"\ntrial before / after: x{b / a:.2f} (2,000 per set); after at 10,000 per set costs x{a10 / b:.2f} "
+          f"of before at 2,000")  # fmt: skip
+    ev_b = sum(v for n, v in cases["before, 2,000 per set"].items() if n.startswith("evaluate"))
+    ev_a = sum(v for n, v in cases["after, 2,000 per set"].items() if n.startswith("evaluate"))
+    print(f"evaluation alone before / after: x{ev_b / ev_a:.2f}")
+    pre = 25 * 40_000 / train["control"]  # the CNN's pretraining (SGD steps cost about what AdamW steps do)
+    print(f"cifar10_power.yaml: a trial without early stopping {power / 3600:.1f} h, the CNN's pretraining "
+          f"{pre / 3600:.1f} h on this CPU")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
