@@ -118,10 +118,8 @@ def identity(
     if params.cnn_seed != params.seed:  # the CNN's own seed sets the split (absent: identities as before)
         parts["cnn_seed"] = params.pretrain.seed
     if params.finetune.mode == "fresh":
-        skip = (
-            "stop",
-            "control_lr",
-        )  # stop: below; control_lr: the control's params carry it as lr (for_control)
+        # stop: below; control_lr: the control's params carry it as lr (Params.for_control)
+        skip = ("stop", "control_lr")
         parts["finetune"] = {k: v for k, v in T.section_identity(params.finetune).items() if k not in skip}
         parts["augment"] = params.augment_for("finetune").model_dump(mode="json")
     else:
