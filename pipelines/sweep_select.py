@@ -241,7 +241,7 @@ def over_seeds(srows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per configuration: the mean of every :data:`SEED_COLUMNS` value with Student's 95% t-interval
     (``<name>_seeds_mean`` / ``_seeds_ci_low`` / ``_seeds_ci_high``), ``n_seeds``, ``n_cnns`` and ``unit``.
 
-    The unit is the pretrained CNN (:func:`_units`): where seeds share CNNs, each CNN's seeds are averaged
+    The unit is the pretrained CNN (:func:`units`): where seeds share CNNs, each CNN's seeds are averaged
     first and the interval runs over the CNNs' means, so that fine-tuning replicates of one CNN are not
     counted as independent evidence about CNNs in general; where all seeds share one CNN, the interval runs
     over its seeds and speaks for that CNN."""
@@ -253,8 +253,9 @@ def over_seeds(srows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for config, members in groups.items():
         clusters, unit = units(members)
-        row: dict[str, Any] = {"config": config, "n_seeds": len(members), "n_cnns": len({str(m.get("cnn")) for m in members}),
-                               "unit": unit, "seeds": json.dumps(sorted(m[SEED] for m in members))}  # fmt: skip
+        n_cnns = 1 if unit == "seeds of one CNN" else len(clusters)
+        row: dict[str, Any] = {"config": config, "n_seeds": len(members), "n_cnns": n_cnns, "unit": unit,
+                               "seeds": json.dumps(sorted(m[SEED] for m in members))}  # fmt: skip
         for name in SEED_COLUMNS:
             ci = t_interval([mean_of([m.get(name) for m in c]) for c in clusters])
             row |= {f"{name}_seeds_mean": ci["mean"], f"{name}_seeds_ci_low": ci["low"],
@@ -264,6 +265,7 @@ def over_seeds(srows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def mean_of(values: list[Any]) -> float | None:
+    """The mean of the values that are not None (None: there are none)."""
     v = [float(x) for x in values if x is not None]
     return sum(v) / len(v) if v else None
 

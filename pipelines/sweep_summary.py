@@ -160,7 +160,8 @@ def seed_rows(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str
         cnns = [{**m, "cnn": m.get("pretrain_key") or f"cnn_seed={m.get('pretrain.seed', m.get(SEED))}"}
                 for m in members]  # fmt: skip
         clusters, unit = units(cnns)
-        row["n_seeds"], row["n_cnns"], row["unit"] = len(members), len({m["cnn"] for m in cnns}), unit
+        n_cnns = 1 if unit == "seeds of one CNN" else len(clusters)
+        row["n_seeds"], row["n_cnns"], row["unit"] = len(members), n_cnns, unit
         row["seeds"] = json.dumps(sorted(m.get(SEED) for m in members))
         for metric in SEED_METRICS:
             ci = t_interval([mean_of([m.get(metric) for m in c]) for c in clusters])
