@@ -85,7 +85,9 @@ def test_a_users_checkpoint_runs_the_whole_chain(tmp_path: Path) -> None:
     rerun = dvc(repo, "repro", "pretrain")
     assert "Running stage 'pretrain'" in rerun.stdout
     downstream = dvc(repo, "status").stdout  # the stages that read the new CNN checkpoint
-    assert all(f"{stage}:" in downstream for stage in ("reparam", "control", "evaluate", "report")), downstream
+    assert all(f"{stage}:" in downstream for stage in ("reparam", "control", "evaluate", "report")), (
+        downstream
+    )
     new = json.loads((repo / "runs/pretrain/metrics.json").read_text())
     assert new["source"]["sha256"] == sha2
     saved = torch.load(path2, weights_only=True)["state_dict"]
