@@ -73,8 +73,14 @@ class ConfigError(ValueError):
     """A bad configuration: the message is one line naming the key."""
 
 
+#: The largest seed: torch.manual_seed takes 64-bit seeds, and derived seeds are hashed from it.
+SEED_MAX = 2**63 - 1
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: every float of the params is finite (NaN passes gt=0 checks, and an infinite lr or
+    # init reaches the training loop as a NaN logit or an OverflowError).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -236,7 +242,7 @@ class PretrainConfig(_Strict):
     # The pretrained CNN's own seed (its init, data order, the train/validation split and the corruption
     # noise); None = the run's `seed`. Trials that differ only in `seed` then share one CNN and fine-tune it
     # as replicates (Params.cnn_seed; the analysis treats the CNN as the unit, pipelines/sweep_select.py).
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=SEED_MAX)
 
 
 class ReparamConfig(_Strict):
@@ -425,7 +431,7 @@ class TrackingConfig(_Strict):
 
 
 class Params(_Strict):
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=SEED_MAX)
     precision: str = "auto"  # core.training.precision.PRECISIONS: auto | fp32 | bf16 | fp16
     # Data-parallel (DDP) processes per training run: torchrun under `dvc repro`, Ray Train workers in a sweep
     # trial (core.training.distributed). batch sizes stay global and must divide by it.
@@ -683,7 +689,11 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected key=value")
     key, value = text.split("=", 1)
-    return key.strip(), yaml.safe_load(value)
+    try:
+        return key.strip(), yaml.safe_load(value)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem", None) or type(err).__name__
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({mark})") from None
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

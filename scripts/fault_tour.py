@@ -255,6 +255,12 @@ def cases() -> list[Case]:
     add(Case("unknown arch", stage("pretrain", "-S", "model.arch=resnet9000"), 2))
     add(Case("t1 beyond pretraining", stage("reparam", "-S", "reparam.epoch=5"), 2))
     add(Case("batch not divisible by workers", stage("pretrain", "-S", "workers_per_trial=7"), 2))
+    # issue 37: non-finite floats, a seed beyond 64 bits, an override that is not YAML
+    add(Case("alpha_init NaN", stage("reparam", "-S", "reparam.alpha_init=.nan"), 2))
+    add(Case("lambda_init infinite", stage("reparam", "-S", "reparam.lambda_init=.inf"), 2))
+    add(Case("lr infinite", stage("finetune", "-S", "finetune.lr=.inf"), 2))
+    add(Case("seed beyond 64 bits", stage("pretrain", "-S", f"seed={2**64}"), 2))
+    add(Case("override with an unclosed {", stage("pretrain", "-S", "pretrain.epochs={"), 2))
     add(Case("unknown corruption", stage("corrupt", "-S", "robustness.corruptions=[rain]"), 2))
     add(Case("severity 6", stage("corrupt", "-S", "robustness.severities=[6]"), 2))
     add(Case("precision fp64", stage("pretrain", "-S", "precision=fp64"), 2))

@@ -315,3 +315,31 @@ def test_study_design_keys_are_checked(tmp_path: Path, extra: dict, fragment: st
     with pytest.raises(ConfigError) as info:
         load_params(path)
     assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "override,fragment",
+    [
+        ("reparam.alpha_init=.nan", "reparam.alpha_init: Input should be a finite number, got nan"),
+        ("reparam.lambda_init=.inf", "reparam.lambda_init: Input should be a finite number, got inf"),
+        ("finetune.lr=.inf", "finetune.lr: Input should be a finite number"),
+        ("pretrain.warmup_epochs=-.inf", "pretrain.warmup_epochs: Input should be a finite number"),
+        ("sweep.grid={finetune.lr: [0.001, .nan]}", "sweep.grid.finetune.lr: value nan is invalid"),
+        (f"seed={2**64}", "seed: Input should be less than or equal to 9223372036854775807"),
+        ("finetune.lr={", "override 'finetune.lr={': the value is not valid YAML"),
+        ("sweep.grid=[0.1,", "override 'sweep.grid=[0.1,': the value is not valid YAML"),
+    ],
+)
+def test_non_finite_floats_huge_seeds_and_unparsable_overrides_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], override: str, fragment: str
+) -> None:
+    """Issue 37: NaN passed every gt=0 check (a NaN T-CNN, exit 0); a seed beyond 64 bits overflowed numpy; an
+    unclosed `{` in -S was a yaml traceback. Each is now one line, exit 2, nothing written."""
+    with pytest.raises(ConfigError) as info:
+        load_params(REPO / "params.yaml", [override])
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+    path = write(tmp_path, merged({}), "params.yaml")
+    assert tcnn_main(["validate", str(path), "-S", override]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]
