@@ -476,7 +476,27 @@ class Params(_Strict):
             raise ValueError("augment.randaugment: not available with data.stream (RandomResizedCrop + flip)")
         if self.data.name == "imagefolder" and self.data.source is None:
             raise ValueError("data.source: an imagefolder dataset needs the path of its tree")
+        self._check_robustness_paths_and_baseline()
         return self
+
+    def _check_robustness_paths_and_baseline(self) -> None:
+        """The corrupted sets live apart from the prepared data (inside it they would change prepare's DVC
+        output), and AlexNet's ImageNet-C errors normalise only ImageNet-sized images (Hendrycks & Dietterich
+        2019: the published errors are of 224 px ImageNet-C)."""
+        rob, data = Path(self.robustness.dir), Path(self.data.dir)
+        if rob == data or data in rob.parents or rob in data.parents:
+            raise ValueError(
+                f"robustness.dir: {rob} overlaps data.dir {data} (the corrupted sets need their own folder)"
+            )
+        if self.robustness.baseline == "alexnet":
+            tables = importlib.import_module("core.robustness.corruption_tables")
+            size = self.test_image_size()
+            band = tables.band_for_size(size, size)
+            if band != "imagenet":
+                raise ValueError(
+                    f"robustness.baseline: alexnet holds ImageNet-C's errors, which normalise ImageNet-sized "
+                    f"images only; this run tests at {size} px (the {band} band): use cnn or a baseline file"
+                )
 
     def _check_import(self) -> None:
         """What an imported CNN rules out: there is no training run here to pick t1 from or to continue."""

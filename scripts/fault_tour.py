@@ -261,6 +261,8 @@ def cases() -> list[Case]:
     add(Case("lr infinite", stage("finetune", "-S", "finetune.lr=.inf"), 2))
     add(Case("seed beyond 64 bits", stage("pretrain", "-S", f"seed={2**64}"), 2))
     add(Case("override with an unclosed {", stage("pretrain", "-S", "pretrain.epochs={"), 2))
+    add(Case("alexnet baseline on 28 px", stage("evaluate", "-S", "robustness.baseline=alexnet"), 2))
+    add(Case("corrupted sets inside data.dir", stage("corrupt", "-S", "robustness.dir=data/fmnist/c"), 2))
     add(Case("unknown corruption", stage("corrupt", "-S", "robustness.corruptions=[rain]"), 2))
     add(Case("severity 6", stage("corrupt", "-S", "robustness.severities=[6]"), 2))
     add(Case("precision fp64", stage("pretrain", "-S", "precision=fp64"), 2))

@@ -328,13 +328,21 @@ def test_study_design_keys_are_checked(tmp_path: Path, extra: dict, fragment: st
         (f"seed={2**64}", "seed: Input should be less than or equal to 9223372036854775807"),
         ("finetune.lr={", "override 'finetune.lr={': the value is not valid YAML"),
         ("sweep.grid=[0.1,", "override 'sweep.grid=[0.1,': the value is not valid YAML"),
+        (
+            "robustness.baseline=alexnet",
+            "robustness.baseline: alexnet holds ImageNet-C's errors, which normalise "
+            "ImageNet-sized images only; this run tests at 28 px (the cifar band)",
+        ),
+        ("robustness.dir=data/fashion_mnist", "robustness.dir: data/fashion_mnist overlaps data.dir"),
+        ("robustness.dir=data/fashion_mnist/c", "robustness.dir: data/fashion_mnist/c overlaps data.dir"),
     ],
 )
-def test_non_finite_floats_huge_seeds_and_unparsable_overrides_are_one_line(
+def test_values_validation_let_through_are_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], override: str, fragment: str
 ) -> None:
     """Issue 37: NaN passed every gt=0 check (a NaN T-CNN, exit 0); a seed beyond 64 bits overflowed numpy; an
-    unclosed `{` in -S was a yaml traceback. Each is now one line, exit 2, nothing written."""
+    unclosed `{` in -S was a yaml traceback; alexnet normalised a 28 px run by ImageNet-C's errors; corrupted
+    sets inside data.dir changed prepare's DVC output. Each is now one line, exit 2, nothing written."""
     with pytest.raises(ConfigError) as info:
         load_params(REPO / "params.yaml", [override])
     assert fragment in str(info.value) and "\n" not in str(info.value)
