@@ -263,6 +263,16 @@ def cases() -> list[Case]:
     add(Case("override with an unclosed {", stage("pretrain", "-S", "pretrain.epochs={"), 2))
     add(Case("alexnet baseline on 28 px", stage("evaluate", "-S", "robustness.baseline=alexnet"), 2))
     add(Case("corrupted sets inside data.dir", stage("corrupt", "-S", "robustness.dir=data/fmnist/c"), 2))
+    add(Case("model option drop_rate 2", stage("pretrain", "-S", "model.options={drop_rate: 2}"), 2))
+    add(
+        Case(
+            "model option in_chans 3 on 1-channel data",
+            stage("pretrain", "-S", "model.options={in_chans: 3}"),
+            2,
+        )
+    )
+    add(Case("a 224 px ViT on 28 px images",
+             stage("pretrain", "-S", "model.kind=cnn", "-S", "model.arch=vit_tiny_patch16_224"), 2))  # fmt: skip
     add(Case("unknown corruption", stage("corrupt", "-S", "robustness.corruptions=[rain]"), 2))
     add(Case("severity 6", stage("corrupt", "-S", "robustness.severities=[6]"), 2))
     add(Case("precision fp64", stage("pretrain", "-S", "precision=fp64"), 2))

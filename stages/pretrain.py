@@ -282,6 +282,35 @@ def check(params: Params, root: Path = Path(".")) -> None:
             importing.read_weights(source.weights, source.sha256 or "")
         except ValueError as err:
             raise StageError(str(err)) from None
+    if source is None:
+        check_network(params, root)
+
+
+def check_network(params: Params, root: Path = Path(".")) -> None:
+    """The network this config pretrains takes the prepared dataset's images: built from its spec and run on
+    one image of the dataset's channels and size before any run opens (model.options reach the builder, e.g.
+    timm, as given: a dropout of 2, a channel count other than the data's, a fixed-size model on other sizes)."""
+    from core.data import read_manifest
+
+    manifest = read_manifest(root / params.data.dir)
+    num_classes, in_chans = int(manifest["num_classes"]), int(manifest["image_shape"][-1])
+    m, size = params.model, params.data.image_size
+    given = m.options.get("in_chans")
+    if given is not None and given != in_chans:
+        raise StageError(
+            f"model.options.in_chans: {given}, but the dataset's images have {in_chans} channel(s)"
+        )
+    try:
+        with torch.no_grad():
+            build_from_spec(model_spec(params, num_classes, in_chans)).eval()(
+                torch.zeros(1, in_chans, size, size)
+            )
+    except Exception as err:  # whatever the builder or its forward raises: one line naming the config
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise StageError(
+            f"model: {m.kind}/{m.arch} with options {m.options} does not take this dataset's {in_chans}-channel "
+            f"{size} px images ({type(err).__name__}: {first})"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:

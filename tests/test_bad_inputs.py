@@ -1,0 +1,55 @@
+"""Bad inputs refused before any compute (issue 37): a network the dataset's images cannot go through is one
+line, exit 2, no MLflow run and nothing written, found by building it and running one image through it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _train_helpers import stage_env, tiny_params, write_dataset, write_params
+
+from core.config import Params
+from stages.pretrain import check_network
+from stages.runner import StageError
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_dataset(tmp_path_factory.mktemp("bad") / "data", n_train=100, n_test=20)
+
+
+@pytest.mark.parametrize(
+    "change,fragment",
+    [
+        ({"model.options": {"drop_rate": 2}}, "model: tcnn/resnet10_cifar with options {'drop_rate': 2} does not "
+         "take this dataset's 1-channel 28 px images (ValueError: dropout probability has to be between 0 and 1"),
+        ({"model.options": {"in_chans": 3}}, "model.options.in_chans: 3, but the dataset's images have 1 channel"),
+        ({"model.kind": "cnn", "model.arch": "vit_tiny_patch16_224"}, "model: cnn/vit_tiny_patch16_224 with "
+         "options {} does not take this dataset's 1-channel 28 px images (AssertionError: Input height (28)"),
+    ],
+)  # fmt: skip
+def test_a_network_the_images_cannot_go_through_is_refused(data: Path, change: dict, fragment: str) -> None:
+    params = Params.model_validate(tiny_params(data)).with_overrides(change)
+    with pytest.raises(StageError) as info:
+        check_network(params, Path("/"))
+    assert fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_networks_that_fit_pass(data: Path) -> None:
+    base = Params.model_validate(tiny_params(data))
+    for change in ({}, {"model.kind": "cnn", "model.arch": "resnet18"}, {"model.options": {"in_chans": 1}}):
+        check_network(base.with_overrides(change), Path("/"))
+
+
+def test_the_stage_refuses_before_any_run_opens(tmp_path: Path, data: Path) -> None:
+    raw = tiny_params(data, tracking={"enabled": True, "uri": "sqlite:///mlruns.db", "experiment": "t"})
+    write_params(tmp_path / "params.yaml", raw)
+    proc = subprocess.run([sys.executable, "-m", "stages.pretrain", "-S", "model.options={drop_rate: 2}"],
+                          cwd=tmp_path, env=stage_env(TCNN_TRACKING="1"), capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip() and " INFO mlflow." not in ln]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("pretrain: error: model: tcnn/resnet10_cifar with options {'drop_rate': 2}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]
