@@ -263,6 +263,13 @@ def cases() -> list[Case]:
     add(Case("override with an unclosed {", stage("pretrain", "-S", "pretrain.epochs={"), 2))
     add(Case("alexnet baseline on 28 px", stage("evaluate", "-S", "robustness.baseline=alexnet"), 2))
     add(Case("corrupted sets inside data.dir", stage("corrupt", "-S", "robustness.dir=data/fmnist/c"), 2))
+    add(
+        Case(
+            "evaluate asks for more images than the sets hold",
+            stage("evaluate", "-S", "robustness.n_images=90"),
+            2,
+        )
+    )
     add(Case("model option drop_rate 2", stage("pretrain", "-S", "model.options={drop_rate: 2}"), 2))
     add(
         Case(

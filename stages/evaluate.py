@@ -428,6 +428,29 @@ def check(params: Params, root: Path = Path(".")) -> None:
         raise StageError(
             f"missing model checkpoint(s): {', '.join(missing)} (run pretrain, finetune and control)"
         )
+    pub = params.robustness.public
+    if pub is None or pub.use != "replace":
+        check_generated_sets(params, root)
+
+
+def check_generated_sets(params: Params, root: Path = Path(".")) -> None:
+    """Every corrupted set evaluate will read was made for these params: as many images as
+    ``robustness.n_images`` asks for, with this config's corruption seed (the sets' stored metadata, read
+    without the images; their checksums are verified where the images are read)."""
+    from core.robustness.corruption_store import read_set_meta, set_path
+
+    rob = params.robustness
+    for c in rob.corruptions:
+        for sev in rob.severities:
+            path = set_path(root / rob.dir, c, sev)
+            meta = read_set_meta(path)
+            if meta is None:
+                raise StageError(f"robustness.dir: {path} is missing or damaged (run the corrupt stage)")
+            if meta.get("n") != rob.n_images or meta.get("seed") != params.cnn_seed:
+                raise StageError(
+                    f"robustness.dir: {path} holds {meta.get('n')} images of seed {meta.get('seed')}; the params "
+                    f"ask for {rob.n_images} of seed {params.cnn_seed} (run the corrupt stage)"
+                )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,3 +53,36 @@ def test_the_stage_refuses_before_any_run_opens(tmp_path: Path, data: Path) -> N
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-2000:]
     assert lines[0].startswith("pretrain: error: model: tcnn/resnet10_cifar with options {'drop_rate': 2}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]
+
+
+def _sets(root: Path, n: int, seed: int) -> None:
+    import numpy as np
+
+    from core.robustness import corruptions as C
+
+    rng = np.random.default_rng(0)
+    images, labels, idx = (
+        rng.integers(0, 256, (n, 28, 28, 1), dtype=np.uint8),
+        rng.integers(0, 10, n),
+        np.arange(n),
+    )
+    for sev in (1, 2):
+        meta = C.set_meta("contrast", sev, seed=seed, band="cifar", image_shape=[28, 28, 1], n=n, source="x")
+        C.write_set(C.set_path(root, "contrast", sev), images, labels, idx, meta)
+
+
+def test_evaluate_refuses_sets_made_for_other_params(tmp_path: Path, data: Path) -> None:
+    """Asked for more images per set than the corrupt stage made, evaluate evaluated fewer and recorded the
+    number asked; sets of another seed were read as this config's. Both are refused before any model loads."""
+    from stages.evaluate import check_generated_sets
+
+    _sets(tmp_path / "c", 40, seed=0)
+    params = Params.model_validate(tiny_params(data, robustness={"dir": str(tmp_path / "c"), "n_images": 40,
+                                                                 "corruptions": ["contrast"], "severities": [1, 2]}))  # fmt: skip
+    check_generated_sets(params, Path("/"))
+    for change, says in (({"robustness.n_images": 80}, "holds 40 images of seed 0; the params ask for 80 of seed 0"),
+                         ({"seed": 3}, "holds 40 images of seed 0; the params ask for 40 of seed 3"),
+                         ({"robustness.severities": [1, 3]}, "contrast/3.parquet is missing or damaged")):  # fmt: skip
+        with pytest.raises(StageError, match="robustness.dir: ") as info:
+            check_generated_sets(params.with_overrides(change), Path("/"))
+        assert says in str(info.value) and "(run the corrupt stage)" in str(info.value)
