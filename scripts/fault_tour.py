@@ -270,6 +270,8 @@ def cases() -> list[Case]:
             2,
         )
     )
+    add(Case("report from a damaged equivalence.json", stage("report"), 2,
+             write("runs/reparam/equivalence.json", '{"max_abs_logit_diff": 0.1')))  # fmt: skip
     add(Case("model option drop_rate 2", stage("pretrain", "-S", "model.options={drop_rate: 2}"), 2))
     add(
         Case(

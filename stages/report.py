@@ -126,12 +126,9 @@ def _read_json(path: Path, *, required: bool, inputs: Inputs | None = None, sect
             raise StageError(f"{path}: missing (run the stage that writes it)") from None
         if inputs is not None:
             inputs.note(section, f"{inputs.rel(path)} is missing.")
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError) as err:  # present but damaged: never read as missing (nor as good)
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        if required:
-            raise StageError(f"{path}: not valid JSON ({reason})") from None
-        if inputs is not None:
-            inputs.note(section, f"{inputs.rel(path)} is unreadable ({reason}).")
+        raise StageError(f"{path}: not valid JSON ({reason}); rerun the stage that writes it") from None
     return None
 
 
@@ -149,6 +146,19 @@ def _read_csv(path: Path, inputs: Inputs, section: str) -> list[dict[str, Any]] 
         inputs.note(section, f"{inputs.rel(path)} has no rows (the model has no GPSA layer?).")
         return None
     return rows
+
+
+def _check_comparisons(params: Params, metrics: dict[str, Any], path: Path) -> None:
+    """evaluate's metrics hold the comparisons the params ask for: with a matched control, the control and
+    T-CNN - control (else the report would say "no matched control" for a run that has one)."""
+    from core.models import kinds
+
+    comps = metrics.get("comparisons")
+    if not isinstance(comps, dict | list) or not comps:
+        raise StageError(f"{path}: lacks its comparisons (damaged, or not evaluate's; rerun evaluate)")
+    wants_control = params.finetune.control and kinds.get(params.model.kind).has_control
+    if wants_control and ("control" not in metrics or "tcnn-control" not in comps):
+        raise StageError(f"{path}: has no matched control, but the params have one (rerun evaluate)")
 
 
 def _load_model(path: Path) -> tuple[Any, dict[str, Any]]:
@@ -311,6 +321,7 @@ def run(params: Params, *, root: Path = Path("."), run_ids: dict[str, str] | Non
     metrics = _read_json(paths["metrics"], required=True)
     if not isinstance(metrics, dict) or not model_names(metrics):
         raise StageError(f"{paths['metrics']}: expected an object of per-model metrics (written by evaluate)")
+    _check_comparisons(params, metrics, paths["metrics"])
     cnn, cnn_meta = _load_model(paths["cnn"])
     tcnn, tcnn_meta = _load_model(paths["tcnn"])
 

@@ -353,7 +353,9 @@ def test_missing_required_input_is_one_line_and_writes_nothing(
     assert not list((root / "results" / "plots").glob("fig*.png"))
 
 
-@pytest.mark.parametrize("damage", ["truncated_ckpt", "bad_json", "not_metrics"])
+@pytest.mark.parametrize(
+    "damage", ["truncated_ckpt", "bad_json", "not_metrics", "bad_equivalence", "no_comparisons", "no_control"]
+)
 def test_corrupt_required_input(chain, tmp_path, damage) -> None:
     src, info = chain
     root = tmp_path / "r"
@@ -365,6 +367,18 @@ def test_corrupt_required_input(chain, tmp_path, damage) -> None:
     elif damage == "bad_json":
         (root / "results/metrics.json").write_text("{not json")
         match = "metrics.json: not valid JSON"
+    elif damage == "bad_equivalence":  # an optional input present but damaged: refused, not read as missing
+        (root / "runs/reparam/equivalence.json").write_text('{"max_abs_logit_diff": 0.1')
+        match = "equivalence.json: not valid JSON"
+    elif damage in ("no_comparisons", "no_control"):
+        m = json.loads((root / "results/metrics.json").read_text())
+        if damage == "no_comparisons":
+            del m["comparisons"]
+            match = "metrics.json: lacks its comparisons"
+        else:
+            del m["control"]
+            match = "metrics.json: has no matched control, but the params have one"
+        (root / "results/metrics.json").write_text(json.dumps(m))
     else:
         (root / "results/metrics.json").write_text(json.dumps({"baseline": "x"}))
         match = "expected an object of per-model metrics"
