@@ -429,8 +429,18 @@ def _read_csv(path: Path) -> list[dict[str, Any]]:
         except ValueError:
             return v
 
-    with open(path) as fh:
-        return [{k: conv(v) for k, v in r.items()} for r in csv.DictReader(fh)]
+    with open(path, newline="") as fh:
+        reader = csv.DictReader(fh)
+        rows = list(reader)
+    for i, r in enumerate(
+        rows, start=2
+    ):  # a short row reads its missing fields as None, a long one under None
+        if None in r or any(v is None for v in r.values()):
+            have = sum(v is not None for k, v in r.items() if k is not None)
+            raise StudyError(
+                f"{path}: line {i} has {have} of {len(reader.fieldnames or [])} fields (cut short?)"
+            )
+    return [{k: conv(v) for k, v in r.items()} for r in rows]
 
 
 def load(results: Path) -> dict[str, Any]:
@@ -458,8 +468,18 @@ def reselect(rows: list[dict[str, Any]]) -> dict[tuple[int, str], float]:
 
 
 def selected(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The selected rows, checked against :func:`reselect` (a study whose table disagrees is refused)."""
+    """The selected rows, checked against :func:`reselect`, as are the grid rows' ``<arm>_selected`` flags (a
+    study whose table disagrees is refused)."""
     picks = reselect(rows)
+    for r in rows:  # the grid rows' flags are what the counts in the README read
+        if r["row"] != "grid":
+            continue
+        for arm in ARMS:
+            if bool(r[f"{arm}_selected"]) != (picks.get((r["seed"], arm)) == r[f"{arm}_value"]):
+                raise StudyError(
+                    f"seed {r['seed']}, {arm} {r[f'{arm}_value']}: {arm}_selected is {r[f'{arm}_selected']}, "
+                    f"but the validation argmax is {picks.get((r['seed'], arm))}"
+                )
     out = [r for r in rows if r["row"] == "selected"]
     for r in out:
         for arm in ARMS:

@@ -89,6 +89,25 @@ def test_a_selected_row_that_is_not_the_validation_argmax_is_refused(tmp_path: P
         S.selected(S.load(d)["rows"])
 
 
+def test_a_flipped_selection_flag_or_a_row_cut_short_is_one_line(tmp_path: Path) -> None:
+    """Issue 37: one flipped ``<arm>_selected`` flag changed a count the README prints; a results.csv cut
+    mid-row was an AttributeError traceback. Both are refused with one line naming the place."""
+    d = _study(tmp_path / "r")
+    text = (d / "results.csv").read_text()
+    rows = list(csv.DictReader(text.splitlines()))
+    rows[1]["control_selected"] = "True"  # seed 0, lr 1e-3: not the control's validation argmax (1e-4)
+    S._write_csv(d / "results.csv", rows, S._columns())
+    with pytest.raises(S.StudyError, match=r"seed 0, control 0.001: control_selected is True, but the validation "
+                                           r"argmax is 0.0001"):  # fmt: skip
+        S.selected(S.load(d)["rows"])
+    (d / "results.csv").write_text(text[: len(text) // 2].rsplit(",", 3)[0] + "\n")
+    with pytest.raises(
+        S.StudyError, match=r"results.csv: line \d+ has \d+ of \d+ fields \(cut short\?\)"
+    ) as info:
+        S.load(d)
+    assert "\n" not in str(info.value)
+
+
 def test_render_replaces_the_readme_block_and_check_says_when_it_is_stale(tmp_path: Path) -> None:
     d = _study(tmp_path / "r")
     readme = tmp_path / "README.md"
