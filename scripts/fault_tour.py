@@ -215,6 +215,20 @@ def dead_holder(ws: Path) -> None:
 HOLDERS: list[subprocess.Popen] = []
 
 
+def cifar_c_of(shape: tuple[int, ...], labels_dtype: str = "int64") -> Callable[[Path], None]:
+    """A CIFAR-10-C-layout folder ``pub`` of the tour's corruptions: zero images of ``shape``, 60 labels."""
+
+    def do(ws: Path) -> None:
+        import numpy as np
+
+        (ws / "pub").mkdir()
+        for c in ("gaussian_noise", "contrast", "frost"):
+            np.save(ws / "pub" / f"{c}.npy", np.zeros(shape, np.uint8))
+        np.save(ws / "pub" / "labels.npy", (np.arange(shape[0]) % 10).astype(labels_dtype))
+
+    return do
+
+
 def cases() -> list[Case]:
     c = []
     add = c.append
@@ -272,6 +286,11 @@ def cases() -> list[Case]:
     )
     add(Case("report from a damaged equivalence.json", stage("report"), 2,
              write("runs/reparam/equivalence.json", '{"max_abs_logit_diff": 0.1')))  # fmt: skip
+    public = "robustness.public={kind: cifar10_c, dir: pub, use: add}"
+    add(Case("published sets of 32 px RGB on 28 px grayscale", stage("evaluate", "-S", public), 2,
+             cifar_c_of((300, 32, 32, 3))))  # fmt: skip
+    add(Case("published sets with float labels", stage("evaluate", "-S", public), 2,
+             cifar_c_of((300, 28, 28, 1), "float64")))  # fmt: skip
     add(Case("model option drop_rate 2", stage("pretrain", "-S", "model.options={drop_rate: 2}"), 2))
     add(
         Case(

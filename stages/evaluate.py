@@ -431,6 +431,28 @@ def check(params: Params, root: Path = Path(".")) -> None:
     pub = params.robustness.public
     if pub is None or pub.use != "replace":
         check_generated_sets(params, root)
+    if pub is not None:
+        check_public_sets(params, root)
+
+
+def check_public_sets(params: Params, root: Path = Path(".")) -> None:
+    """A published benchmark's files fit this dataset before any model runs: its images have the clean test
+    images' shape and channels, its labels are integers of the dataset's classes, one per image
+    (core.robustness.public_sets.PublicSets.check; each failure names its file)."""
+    from core.robustness.public_sets import PublicSets
+
+    pub, rob = params.robustness.public, params.robustness
+    try:
+        manifest = read_manifest(root / params.data.dir)
+    except (DataError, FileNotFoundError, ValueError) as err:
+        raise StageError(f"data.dir: {err} (run the prepare stage)") from None
+    n_clean = int(manifest["splits"]["test"]["num_rows"])
+    try:
+        sets = PublicSets(pub.kind, root / pub.dir, pub.n_images or rob.n_images, n_clean)
+        names = sorted({c for c, _ in sets.available} & set(rob.corruptions))
+        sets.check(names, manifest["image_shape"], int(manifest["num_classes"]))
+    except (FileNotFoundError, ValueError) as err:
+        raise StageError(f"robustness.public: {err}") from None
 
 
 def check_generated_sets(params: Params, root: Path = Path(".")) -> None:

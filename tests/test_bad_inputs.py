@@ -86,3 +86,61 @@ def test_evaluate_refuses_sets_made_for_other_params(tmp_path: Path, data: Path)
         with pytest.raises(StageError, match="robustness.dir: ") as info:
             check_generated_sets(params.with_overrides(change), Path("/"))
         assert says in str(info.value) and "(run the corrupt stage)" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "damage,says",
+    [
+        ("resized", "contrast.npy: uint8 [10, 32, 32, 3]; the clean test images are uint8 [N, 28, 28, 1]"),
+        (
+            "channels_first",
+            "contrast.npy: uint8 [10, 1, 28, 28]; the clean test images are uint8 [N, 28, 28, 1]",
+        ),
+        ("float_labels", "labels.npy: labels must be integers, got float64"),
+        ("labels_out_of_range", "labels.npy: labels 0..109 outside the dataset's 0..9"),
+        ("no_labels", "labels.npy: not found"),
+        ("not_npy", "contrast.npy: not a valid .npy file"),
+    ],
+)
+def test_published_sets_that_do_not_fit_the_dataset_are_refused_before_evaluation(
+    tmp_path: Path, data: Path, damage: str, says: str
+) -> None:
+    """Issue 37: CIFAR-10-C-layout sets were resized, truncated to int, scored with impossible labels or failed
+    in torch after the first model's clean pass; each is now one line naming the file, before any model."""
+    import numpy as np
+
+    from stages.evaluate import check_public_sets
+
+    pub = tmp_path / "pub"
+    pub.mkdir()
+    shape = {"resized": (10, 32, 32, 3), "channels_first": (10, 1, 28, 28)}.get(damage, (10, 28, 28, 1))
+    np.save(pub / "contrast.npy", np.zeros(shape, np.uint8))
+    labels = np.arange(10) % 10
+    labels = {
+        "float_labels": labels.astype(np.float64),
+        "labels_out_of_range": labels + 100 * (labels == 9),
+    }.get(damage, labels)
+    if damage != "no_labels":
+        np.save(pub / "labels.npy", labels)
+    if damage == "not_npy":
+        (pub / "contrast.npy").write_bytes(b"not an array")
+    raw = tiny_params(data, robustness={"public": {"kind": "cifar10_c", "dir": str(pub), "use": "replace"},
+                                        "corruptions": ["contrast"]})  # fmt: skip
+    with pytest.raises(StageError, match="robustness.public: ") as info:
+        check_public_sets(Params.model_validate(raw), Path("/"))
+    assert says in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_published_set_that_fits_passes(tmp_path: Path, data: Path) -> None:
+    import numpy as np
+
+    from stages.evaluate import check_public_sets
+
+    pub = tmp_path / "pub"
+    pub.mkdir()
+    np.save(pub / "contrast.npy", np.zeros((10, 28, 28), np.uint8))  # one channel may drop its axis
+    np.save(pub / "labels.npy", np.arange(10))
+    raw = tiny_params(
+        data, robustness={"public": {"kind": "cifar10_c", "dir": str(pub)}, "corruptions": ["contrast"]}
+    )
+    check_public_sets(Params.model_validate(raw), Path("/"))

@@ -317,13 +317,55 @@ class PublicSets:
             if not names:
                 raise FileNotFoundError(f"{self.root}: no <corruption>.npy files (CIFAR-10-C layout)")
             self.available = [(c, s) for c in names for s in SEVERITIES]
-            size = len(np.load(self.root / f"{names[0]}.npy", mmap_mode="r")) // 5
+            first = self.root / f"{names[0]}.npy"
+            try:
+                size = len(np.load(first, mmap_mode="r")) // 5
+            except (ValueError, OSError) as err:
+                raise ValueError(
+                    f"{first}: not a valid .npy file ({str(err).splitlines()[0][:120]})"
+                ) from None
         else:
             self.sets = imagenet_c_sets(self.root)
             self.available = sorted(self.sets, key=lambda cs: (CORRUPTIONS.index(cs[0]), cs[1]))
             size = len(read_imagenet_c(self.root, *self.available[0]))
         n = min(size, n_clean, n_images or size)
         self.positions = np.unique(np.linspace(0, min(size, n_clean) - 1, n).round().astype(np.int64))
+
+    def check(self, corruptions: Sequence[str], image_shape: Sequence[int], num_classes: int) -> None:
+        """Before any model runs: every ``<corruption>.npy`` of the CIFAR-C layout holds uint8 images of the
+        clean test images' shape ([N, H, W, C] channels-last; [N, H, W] for one channel) and ``labels.npy``
+        integer labels of the dataset's classes, one per image (headers and labels only; the images are
+        memory-mapped, not read). ValueError or FileNotFoundError naming the file otherwise."""
+        if PUBLIC_KINDS[self.kind] != "npy":
+            return
+        h, w, c = (int(x) for x in image_shape)
+        lpath = self.root / "labels.npy"
+        if not lpath.is_file():
+            raise FileNotFoundError(f"{lpath}: not found")
+        try:
+            labels = np.load(lpath)
+        except ValueError as err:
+            raise ValueError(f"{lpath}: not a valid .npy file ({err})") from None
+        if not np.issubdtype(labels.dtype, np.integer):
+            raise ValueError(f"{lpath}: labels must be integers, got {labels.dtype}")
+        if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+            raise ValueError(
+                f"{lpath}: labels {labels.min()}..{labels.max()} outside the dataset's 0..{num_classes - 1}"
+            )
+        for name in corruptions:
+            path = self.root / f"{name}.npy"
+            try:
+                images = np.load(path, mmap_mode="r")
+            except (ValueError, OSError) as err:
+                raise ValueError(
+                    f"{path}: not a valid .npy file ({str(err).splitlines()[0][:120]})"
+                ) from None
+            shape = list(images.shape) + ([1] if images.ndim == 3 else [])
+            if images.dtype != np.uint8 or len(shape) != 4 or shape[1:] != [h, w, c]:
+                raise ValueError(f"{path}: {images.dtype} {list(images.shape)}; the clean test images are uint8 "
+                                 f"[N, {h}, {w}, {c}] (channels last)")  # fmt: skip
+            if len(images) != labels.size:
+                raise ValueError(f"{path}: {len(images)} images, {lpath.name} {labels.size} labels")
 
     def load(self, corruption: str, severity: int) -> StoredSet:
         if (corruption, severity) not in self.available:
