@@ -450,7 +450,8 @@ def check_public_sets(params: Params, root: Path = Path(".")) -> None:
     try:
         sets = PublicSets(pub.kind, root / pub.dir, pub.n_images or rob.n_images, n_clean)
         names = sorted({c for c, _ in sets.available} & set(rob.corruptions))
-        sets.check(names, manifest["image_shape"], int(manifest["num_classes"]))
+        if manifest.get("image_shape") and manifest.get("num_classes"):  # a decoded dataset states both
+            sets.check(names, manifest["image_shape"], int(manifest["num_classes"]))
     except (FileNotFoundError, ValueError) as err:
         raise StageError(f"robustness.public: {err}") from None
 
