@@ -57,25 +57,13 @@ import torch
 from core.models import build
 from core.models.reparam import to_tcnn
 from core.training.inference import _ChannelsLast, inference_model
+from core.utils.machine import cpu_model
 
 #: He et al.'s released CIFAR-10 ResNets expect ImageNet statistics (../shared/pretrained/README.md).
 RELEASE_NORM = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 RESNET20_SHA256 = "12fca82f0bebc4135bf1f32f6e3710e61d5108578464b84fd6d7f5c1b04036c8"
 #: Corrupted sets of the --bf16 check (core.robustness, CIFAR band): noise, blur, weather, digital.
 BF16_SETS = (("gaussian_noise", 5), ("motion_blur", 3), ("fog", 3), ("contrast", 5))
-
-
-def cpu_name() -> str:
-    """The CPU's model name (lscpu's "Model name", read from /proc/cpuinfo)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown CPU"
 
 
 def test_images(archive: Path, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -231,7 +219,7 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="bf16 autocast agreement and speed instead")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"CPU: {cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
+    print(f"CPU: {cpu_model()}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"capability {torch.backends.cpu.get_cpu_capability()}; {args.arch}, batch {args.batch}")  # fmt: skip
     if args.bf16:
         if args.weights is None or args.data is None:

@@ -24,12 +24,13 @@ import time
 
 import torch
 import torch.nn.functional as F
-from tcnn_eval import cpu_name, interleaved
+from tcnn_eval import interleaved
 
 from core.models import build, set_drop_path
 from core.models.reparam import to_tcnn
 from core.training.inference import _ChannelsLast, inference_model
 from core.training.optim import build_adamw
+from core.utils.machine import cpu_model
 
 ARCH = "resnet12_cifar_os16"
 TRAIN, EPOCHS, VAL, TEST, SETS = 45_000, 6, 5_000, 10_000, 19
@@ -85,7 +86,7 @@ def main() -> None:
     ap.add_argument("--trials-per-seed", type=int, default=3, help="trials sharing one CNN evaluation")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"CPU: {cpu_name()}; torch {torch.__version__}, {args.threads} threads, "
+    print(f"CPU: {cpu_model()}; torch {torch.__version__}, {args.threads} threads, "
           f"capability {torch.backends.cpu.get_cpu_capability()}; {ARCH}, fp32")  # fmt: skip
     torch.manual_seed(0)
     cnn = build("cnn", ARCH, 10).eval()
