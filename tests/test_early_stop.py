@@ -133,7 +133,7 @@ def _compose(*fns):
 def test_identity_leaves_an_absent_stop_out() -> None:
     from stages import finetune
 
-    base = tiny_params(Path("."))
+    base = tiny_params(Path("d"))
     off = finetune.identity(validate_params(base), {"checkpoint": "x"}, "cpu")
     assert "stop" not in off and "stop" not in off["finetune"]
     base["finetune"]["stop"] = {"patience": 3, "min_delta_images": 10}

@@ -71,6 +71,9 @@ def test_cli_bad_data_exits_2_one_line(
 
 def test_cli_refuses_to_replace_the_working_directory(tmp_path: Path, monkeypatch, capsys) -> None:
     path = params_file(tmp_path, dir=".")
+    raw = yaml.safe_load(path.read_text())
+    raw["robustness"]["dir"] = str(tmp_path.parent / f"{tmp_path.name}-c")  # outside "."
+    path.write_text(yaml.safe_dump(raw))
     monkeypatch.chdir(tmp_path)
     assert main(["--params", str(path)]) == 2
     assert "exists, is not empty and holds no manifest.json" in capsys.readouterr().err
