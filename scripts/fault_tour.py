@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import signal
 import socket
@@ -77,8 +78,11 @@ def running_runs(root: Path) -> list[str]:
 
     if not (root / "mlruns.db").exists():
         return []
-    client = MlflowClient(f"sqlite:///{root / 'mlruns.db'}")
-    exps = [e.experiment_id for e in client.search_experiments()]
+    try:
+        client = MlflowClient(f"sqlite:///{root / 'mlruns.db'}")
+        exps = [e.experiment_id for e in client.search_experiments()]
+    except Exception:  # the case damaged the store: no run in it can have been opened or left open
+        return []
     runs = client.search_runs(exps, "attributes.status = 'RUNNING'") if exps else []
     return [f"{r.info.run_name}" for r in runs]
 
@@ -127,7 +131,8 @@ def run_case(case: Case, base: Path, scratch: Path) -> None:
     changed = sorted(k for k, v in after.items() if before.get(k) != v)
     # A run that succeeds writes what it writes; a refused or stopped one only what its case allows.
     unexpected = [c for c in changed if not c.startswith(case.may_write)] if case.status != 0 else []
-    lines = [ln for ln in err.strip().splitlines() if ln.strip() and " INFO mlflow." not in ln]
+    lines = [ln for ln in err.strip().splitlines() if ln.strip() and " INFO mlflow." not in ln
+             and not re.match(r"\w+ epoch \d+/\d+ \|", ln)]  # fmt: skip  # MLflow's logging, training progress
     one_line = len(lines) == 1 or (case.signal_after is not None and lines and "stopped by" in lines[-1])
     if case.status == 0:
         one_line = "Traceback" not in err
@@ -140,7 +145,7 @@ def run_case(case: Case, base: Path, scratch: Path) -> None:
         and not left + with_session
     )
     case.result = {"ok": ok, "status": proc.returncode, "line": lines[-1][:160] if lines else "", "written": changed,
-                   "unexpected": unexpected, "running": running, "left": left + with_session,
+                   "unexpected": unexpected, "running": running, "left": left + with_session, "stderr": lines[-4:],
                    "seconds": round(time.monotonic() - t0, 1)}  # fmt: skip
 
 
@@ -213,6 +218,39 @@ def dead_holder(ws: Path) -> None:
 
 
 HOLDERS: list[subprocess.Popen] = []
+
+
+def replace_by_file(rel: str) -> Callable[[Path], None]:
+    def do(ws: Path) -> None:
+        remove(rel)(ws)
+        (ws / rel).write_text("a file where a folder should be\n")
+
+    return do
+
+
+def replace_by_dir(rel: str) -> Callable[[Path], None]:
+    def do(ws: Path) -> None:
+        remove(rel)(ws)
+        (ws / rel).mkdir()
+
+    return do
+
+
+def dangling(rel: str) -> Callable[[Path], None]:
+    def do(ws: Path) -> None:
+        remove(rel)(ws)
+        (ws / rel).symlink_to(ws / "gone")
+
+    return do
+
+
+def store_held(ws: Path) -> None:
+    """Another process holds the sqlite store's write lock for 60 s (killed by the scratch cleanup)."""
+    code = ("import sqlite3,sys,time; c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+            "c.execute('BEGIN EXCLUSIVE'); print('held', flush=True); time.sleep(60)")  # fmt: skip
+    p = subprocess.Popen([PY, "-c", code, str(ws / "mlruns.db")], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "held"
+    HOLDERS.append(p)
 
 
 def cifar_c_of(shape: tuple[int, ...], labels_dtype: str = "int64") -> Callable[[Path], None]:
@@ -397,6 +435,16 @@ def cases() -> list[Case]:
     # -- one writer
     add(Case("second writer", stage("pretrain"), 2, holder))
     add(Case("lock of a SIGKILLed holder", stage("corrupt"), 0, dead_holder, may_write=("data/c/",)))
+    # -- I/O and store faults: one line naming the file (or the store), exit 74 (EX_IOERR), no run left RUNNING
+    add(Case("runs is a file", stage("corrupt", "-S", "robustness.dir=data/c2"), 74, replace_by_file("runs"),
+             may_write=bad))  # fmt: skip
+    add(Case("data is a dangling symlink", stage("pretrain"), 2, dangling("data")))
+    add(Case("the lock path is a folder", stage("report"), 74, replace_by_dir(".tcnn.lock")))
+    add(Case("mlruns.db damaged", stage("report"), 74, write("mlruns.db", "not a database\n" * 100)))
+    add(Case("mlruns.db held by another writer", stage("report"), 74, store_held, may_write=bad))
+    add(Case("checkpoint write past the file size limit (a full disk)",
+             ["prlimit", "--fsize=1000000", *stage("pretrain", "-S", "tracking.enabled=false")], 74,
+             remove("runs/pretrain"), may_write=bad))  # fmt: skip
     # -- stop signals anywhere: runs KILLED, workers ended, 75 / 130
     add(Case("SIGTERM in pretraining", stage("pretrain", "-S", "pretrain.epochs=2"), 75, remove("runs/pretrain"),
              (signal.SIGTERM, "runs/.partial/pretrain"), may_write=bad))  # fmt: skip
@@ -455,6 +503,8 @@ def main() -> int:
             r = case.result
             print(f"{'ok  ' if r['ok'] else 'FAIL'} {case.name}: exit {r['status']} ({r['seconds']} s) {r['line']}",
                   file=sys.stderr, flush=True)  # fmt: skip
+            if not r["ok"]:
+                print(f"     {r}", file=sys.stderr, flush=True)
     finally:
         for p in HOLDERS:
             p.kill()

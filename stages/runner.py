@@ -36,6 +36,7 @@ class StageError(RuntimeError):
 
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: stopped, run the same command again (core.training.loop)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: the shell's status for Ctrl-C
+EXIT_IOERR = 74  # sysexits.h EX_IOERR: a file or the tracking store could not be read or written
 RANK_STATUS_ENV = "TCNN_RANK_STATUS_DIR"  # where each torchrun rank records its exit status (stages.training)
 #: Signals that stop a stage process wherever it is: SIGINT (Ctrl-C), SIGTERM (kill, SLURM's time limit),
 #: SIGHUP (the terminal went away), SIGUSR1/SIGUSR2 (SLURM --signal, submitit). Inside the training loop
@@ -82,6 +83,30 @@ def stop_on_signals() -> Iterator[None]:
         for s, prev in previous.items():
             with contextlib.suppress(ValueError, OSError, TypeError):
                 signal.signal(s, prev)
+
+
+def _causes(err: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        yield err
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+
+
+def io_error_line(err: BaseException) -> str | None:
+    """One line for a failed read or write (an OSError: full disk, read-only folder, a file where a folder
+    should be, a dangling link) or a failed tracking store (sqlalchemy under MLflow: 'database is locked',
+    'database disk image is malformed'), found anywhere in the exception's chain; None for other errors."""
+    for e in _causes(err):
+        if isinstance(e, OSError):
+            if e.filename is None:
+                return str(e)
+            names = f"{e.filename}" + (f" -> {e.filename2}" if e.filename2 else "")
+            return f"{names}: {e.strerror or e}"
+        if type(e).__module__.split(".")[0] == "sqlalchemy":
+            orig = getattr(e, "orig", None) or e
+            return f"tracking store: {orig} (tracking.uri; is another process holding it, or is it damaged?)"
+    return None
 
 
 def tracking_on(params: Params) -> bool:
@@ -242,15 +267,15 @@ def _stage(
         except (ConfigError, StageError, DataError, WorkspaceBusy) as err:
             print(f"{name}: error: {err}", file=sys.stderr)
             return 2
-        except RuntimeError as err:
-            # stages.tracking.TrackingError (server down and the like), without importing MLflow here
-            if type(err).__name__ != "TrackingError":
-                raise
-            print(f"{name}: error: {err}", file=sys.stderr)
-            return 2
         except Exception as err:
-            if type(err).__name__ != "Preempted":  # core.training.loop.Preempted: checkpointed, resumable
+            if type(err).__name__ == "TrackingError":  # stages.tracking's; MLflow is not imported here
+                print(f"{name}: error: {err}", file=sys.stderr)
+                return 2
+            if type(err).__name__ == "Preempted":  # core.training.loop.Preempted: checkpointed, resumable
+                print(f"{name}: {err}", file=sys.stderr)
+                return EXIT_PREEMPTED
+            if (line := io_error_line(err)) is None:
                 raise
-            print(f"{name}: {err}", file=sys.stderr)
-            return EXIT_PREEMPTED
+            print(f"{name}: error: {line}", file=sys.stderr)
+            return EXIT_IOERR
     return 0

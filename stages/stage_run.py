@@ -120,22 +120,23 @@ def stage_run(
     tracker.start_parent(name, tags, key=workspace_key(root), params=params)
     parent = tracker.parent_run_id
     assert parent is not None
-    if tracker.parent_created:
-        tracker.log_environment(root, run_id=parent)
-    child_kwargs.setdefault("params", params)
-    child = tracker.start_child(stage, **child_kwargs)
-    if run_ids_file is not None and child is not None:
-        meta = {"experiment": tracker.experiment, "experiment_id": tracker.experiment_id,
-                "tracking_uri": tracker.uri, "dvc_exp_name": exp_name}  # fmt: skip
-        record_run_ids(root / run_ids_file, parent, stage, child, meta)
-    try:
+    try:  # from here on whatever ends the process (also writing the run ids into a broken runs/) closes the runs
+        if tracker.parent_created:
+            tracker.log_environment(root, run_id=parent)
+        child_kwargs.setdefault("params", params)
+        child = tracker.start_child(stage, **child_kwargs)
+        if run_ids_file is not None and child is not None:
+            meta = {"experiment": tracker.experiment, "experiment_id": tracker.experiment_id,
+                    "tracking_uri": tracker.uri, "dvc_exp_name": exp_name}  # fmt: skip
+            record_run_ids(root / run_ids_file, parent, stage, child, meta)
         yield tracker
     except BaseException as err:
         status = _end_status(err)
         with contextlib.suppress(Exception):
             tracker.set_tags({"tcnn.failed_stage": stage, "tcnn.error": str(err)[:500]}, run_id=parent)
-        tracker.end(status)
-        tracker.end_parent(status)
+        for close in (tracker.end, tracker.end_parent):  # the store may be what failed: its error is raised
+            with contextlib.suppress(Exception):
+                close(status)
         raise
     try:
         tracker.end("FINISHED")

@@ -7,8 +7,10 @@ killed process never leaves a half-written output. Torch-free, so worker process
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -60,12 +62,24 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        # torch's zip writer reports a failed write (full disk, file size limit) as a RuntimeError of its
+        # inline_container.cc ("file write failed", then "unexpected pos" while it closes the archive)
+        if isinstance(err, RuntimeError) and "inline_container.cc" in str(err):
+            raise OSError(errno.EIO, f"writing failed ({_free(path.parent)})", str(path)) from err
         raise
     fsync_dir(path.parent)
     return path
+
+
+def _free(directory: Path) -> str:
+    """How much room the file system holding `directory` has left, for a failed write's message."""
+    try:
+        return f"{shutil.disk_usage(directory).free / 2**20:.0f} MiB free there"
+    except OSError:
+        return "free space unknown"
 
 
 def remove_stale_temps(directory: str | os.PathLike, patterns: tuple[str, ...] = (".*.tmp",)) -> int:
