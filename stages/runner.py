@@ -28,6 +28,7 @@ from stages.catalogue import (
     stage_metrics,
     summary_metrics,
 )
+from stages.parent_watch import end_with_dvc
 
 
 class StageError(RuntimeError):
@@ -251,7 +252,7 @@ def _stage(
     data_parallel: Callable[[Params, str, list[str]], contextlib.AbstractContextManager] | None,
     check: Callable[[Params], None] | None,
 ) -> int:
-    with stop_on_signals():
+    with stop_on_signals(), end_with_dvc():
         try:
             params = plan_epochs(load_params(args.params, args.set))  # epochs x 1/f, as the sweeps plan them
             if check is not None:
