@@ -28,7 +28,7 @@ from stages.catalogue import (
     stage_metrics,
     summary_metrics,
 )
-from stages.parent_watch import end_with_dvc
+from stages.parent_watch import DVC_STAGE_ENV, end_with_dvc
 
 
 class StageError(RuntimeError):
@@ -108,6 +108,14 @@ def io_error_line(err: BaseException) -> str | None:
             orig = getattr(e, "orig", None) or e
             return f"tracking store: {orig} (tracking.uri; is another process holding it, or is it damaged?)"
     return None
+
+
+def _under_dvc_hint() -> str:
+    """For a refused params value under DVC, which removed the stage's outputs before starting it: how they
+    come back (DVC's run cache holds every output of a run, ``cache: false`` ones too)."""
+    if not os.environ.get(DVC_STAGE_ENV):
+        return ""
+    return " (put the value back and run dvc repro: DVC's run cache restores this stage's outputs)"
 
 
 def tracking_on(params: Params) -> bool:
@@ -265,7 +273,10 @@ def _stage(
         except Stopped as stop:
             print(f"{name}: stopped by {stop}; run the same command again to continue", file=sys.stderr)
             return stop.exit_status
-        except (ConfigError, StageError, DataError, WorkspaceBusy) as err:
+        except ConfigError as err:
+            print(f"{name}: error: {err}{_under_dvc_hint()}", file=sys.stderr)
+            return 2
+        except (StageError, DataError, WorkspaceBusy) as err:
             print(f"{name}: error: {err}", file=sys.stderr)
             return 2
         except Exception as err:
