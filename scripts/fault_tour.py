@@ -244,6 +244,21 @@ def dangling(rel: str) -> Callable[[Path], None]:
     return do
 
 
+def respec(rel: str, **spec: str) -> Callable[[Path], None]:
+    """Rewrite a checkpoint as another run's (its model_spec changed, its content checksum made anew)."""
+
+    def do(ws: Path) -> None:
+        import torch
+
+        from core.training.checkpoint import atomic_save
+
+        ckpt = torch.load(ws / rel, map_location="cpu", weights_only=False)
+        ckpt.pop("_content_sha256", None)
+        atomic_save({**ckpt, "model_spec": {**ckpt["model_spec"], **spec}}, ws / rel)
+
+    return do
+
+
 def store_held(ws: Path) -> None:
     """Another process holds the sqlite store's write lock for 60 s (killed by the scratch cleanup)."""
     code = ("import sqlite3,sys,time; c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
@@ -445,6 +460,11 @@ def cases() -> list[Case]:
     add(Case("checkpoint write past the file size limit (a full disk)",
              ["prlimit", "--fsize=1000000", *stage("pretrain", "-S", "tracking.enabled=false")], 74,
              remove("runs/pretrain"), may_write=bad))  # fmt: skip
+    # -- inputs of another run in this one's place
+    add(Case("a pretraining checkpoint of another arch at reparam", stage("reparam"), 2,
+             respec("runs/pretrain/ckpt/ckpt-epoch-001.pt", arch="resnet18")))  # fmt: skip
+    add(Case("a cnn-final.pt of another arch at evaluate", stage("evaluate"), 2,
+             respec("runs/pretrain/cnn-final.pt", arch="resnet18")))  # fmt: skip
     # -- stop signals anywhere: runs KILLED, workers ended, 75 / 130
     add(Case("SIGTERM in pretraining", stage("pretrain", "-S", "pretrain.epochs=2"), 75, remove("runs/pretrain"),
              (signal.SIGTERM, "runs/.partial/pretrain"), may_write=bad))  # fmt: skip

@@ -428,6 +428,8 @@ def check(params: Params, root: Path = Path(".")) -> None:
         raise StageError(
             f"missing model checkpoint(s): {', '.join(missing)} (run pretrain, finetune and control)"
         )
+    cnn = model_paths(params, root)["cnn"]  # scored as the CNN and the mCE baseline: the params' own CNN
+    T.check_cnn_checkpoint(T.load_checkpoint(cnn, ("model", "model_spec"), "pretrained CNN"), params, cnn)
     pub = params.robustness.public
     if pub is None or pub.use != "replace":
         check_generated_sets(params, root)

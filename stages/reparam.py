@@ -70,11 +70,7 @@ def load_source(params: Params, root: Path) -> dict[str, Any]:
     """The t1 checkpoint, checked to be what params ask for: an import of this source, or a training run."""
     src = source_path(params, root)
     ckpt = T.load_checkpoint(src, required(params), source_label(params))
-    held = ckpt.get("source") or {}
-    source = params.pretrain.source
-    if source is not None and source.is_file and held.get("sha256") != source.sha256:
-        raise StageError(f"{src}: holds an import of sha256 {held.get('sha256')}, pretrain.source.sha256 is "
-                         f"{source.sha256} (rerun pretrain)")  # fmt: skip
+    T.check_cnn_checkpoint(ckpt, params, src)
     return ckpt
 
 
@@ -254,9 +250,10 @@ class Comparison:
 
 
 def check(params: Params, root: Path = Path(".")) -> None:
-    """Before any run opens: the pretraining checkpoint at t1 exists."""
+    """Before any run opens: the pretraining checkpoint at t1 exists and is this run's (:func:`load_source`)."""
     T.require_checkpoint(source_path(params, root), source_label(params))
     T.require_dataset(params, root)
+    load_source(params, root)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ from pydantic import BaseModel
 
 from core.config import Params
 from core.data import Datasets, load_datasets, make_loader
+from core.models.spec import pretraining_spec
 from core.training import distributed as D
 from core.training.checkpoint import CheckpointError, atomic_save, load
 from core.training.history import csv_text, history_rows_flat
@@ -257,6 +258,30 @@ def load_checkpoint(path: Path, require: tuple[str, ...], what: str) -> dict[str
         return load(path, require=require)
     except CheckpointError as err:
         raise StageError(f"{err} (the {what})") from None
+
+
+def check_cnn_checkpoint(ckpt: dict[str, Any], params: Params, path: Path) -> None:
+    """The pretrained CNN a stage reads (reparam's t1 checkpoint, evaluate's ``cnn-final.pt``) is the one these
+    params make, not a file of another run put in its place: an import of the configured source (its sha256),
+    or a network of the spec the params pretrain (kind, arch, options, image size;
+    `core.models.spec.pretraining_spec`)."""
+    source = params.pretrain.source
+    if params.imports_cnn:
+        held = ckpt.get("source") or {}
+        if source is not None and source.is_file and held.get("sha256") != source.sha256:
+            raise StageError(f"{path}: holds an import of sha256 {held.get('sha256')}, pretrain.source.sha256 is "
+                             f"{source.sha256} (rerun pretrain)")  # fmt: skip
+        return
+    held = ckpt.get("model_spec") or {}
+    m = params.model
+    want = pretraining_spec(m.kind, m.arch, m.options, held.get("num_classes"), held.get("in_chans"),
+                            params.data.image_size)  # fmt: skip
+    differ = sorted(k for k in set(held) | set(want) if held.get(k) != want.get(k))
+    if differ:
+        raise StageError(
+            f"{path}: holds a {held.get('kind')}/{held.get('arch')} network, the params pretrain "
+            f"{want['kind']}/{want['arch']} (it differs in {', '.join(differ)}; rerun pretrain)"
+        )
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
