@@ -40,6 +40,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from stages.store_location import artifact_root, follow_workspace
 from stages.tracking_names import (
     ATTEMPT_TAG,
     CHAIN_TAG,
@@ -127,6 +128,9 @@ class Tracker:
             )
         self.mode = "mlflow"
         with _store_creation_lock(self.uri):  # a new sqlite store: one process creates its schema
+            if self.uri.startswith("sqlite:///") and (moved := follow_workspace(_sqlite_path(self.uri))):
+                print(f"tracking: {_sqlite_path(self.uri)} was copied from {moved}; its artifact locations now "
+                      "point into this workspace's mlartifacts")  # fmt: skip
             self._client = MlflowClient(tracking_uri=self.uri)
             self._client.search_experiments(max_results=1)  # the store (and its schema) exists from here on
             self._experiment_id = self._get_or_create_experiment(experiment)
@@ -164,8 +168,7 @@ class Tracker:
         location = None
         if self.uri.startswith("sqlite:///"):
             # Artifacts next to the database, not in whatever the working directory happens to be.
-            db = Path(self.uri[len("sqlite:///") :])
-            location = (db.parent / "mlartifacts").as_uri()
+            location = artifact_root(_sqlite_path(self.uri))
         try:
             return self._client.create_experiment(
                 name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
@@ -582,6 +585,10 @@ class Tracker:
         )  # MLflow samples every $MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL s (10)
         mlflow.start_run(run_id=run_id, log_system_metrics=True)
         self._fluent = True
+
+
+def _sqlite_path(uri: str) -> Path:
+    return Path(uri[len("sqlite:///") :])
 
 
 @contextlib.contextmanager

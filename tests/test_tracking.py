@@ -523,3 +523,34 @@ def test_experiment_opens_on_training_runs(store: str) -> None:
     legacy = tracker.client.create_experiment("kind-old")  # made before tcnn tagged its experiments
     Tracker(uri=store, experiment="kind-old")
     assert tracker.client.get_experiment(legacy).tags[EXPERIMENT_KIND_TAG] == EXPERIMENT_KIND
+
+
+def test_a_copied_workspace_logs_its_artifacts_into_itself(tmp_path: Path, capsys) -> None:
+    """`cp -a` of a workspace: the copy's store rewrites its artifact locations to the copy's folder (issue 37),
+    so its new runs' artifacts land in the copy's mlartifacts and its old runs read the copied files; the
+    original store and its folder are untouched."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    first = Tracker(uri="sqlite:///mlruns.db", experiment="t", base_dir=a)
+    (a / "note.txt").write_text("from a\n")
+    old = first.client.create_run(first.experiment_id).info.run_id
+    first.client.log_artifact(old, str(a / "note.txt"))
+    first.client.set_terminated(old)
+    before = sorted(p.relative_to(a) for p in (a / "mlartifacts").rglob("*"))
+    shutil.copytree(a, b, symlinks=True)  # as cp -a does
+
+    copy = Tracker(uri="sqlite:///mlruns.db", experiment="t", base_dir=b)
+    assert f"was copied from {a.resolve()}" in capsys.readouterr().out
+    exp = copy.client.get_experiment(copy.experiment_id)
+    assert exp.artifact_location == (b.resolve() / "mlartifacts").as_uri()
+    assert copy.client.get_run(old).info.artifact_uri.startswith((b.resolve() / "mlartifacts").as_uri() + "/")
+    new = copy.client.create_run(copy.experiment_id).info.run_id
+    (b / "new.txt").write_text("from b\n")
+    copy.client.log_artifact(new, str(b / "new.txt"))
+    assert (b / "mlartifacts" / new / "artifacts" / "new.txt").read_text() == "from b\n"
+    assert sorted(p.relative_to(a) for p in (a / "mlartifacts").rglob("*")) == before  # nothing written in a
+    again = Tracker(uri="sqlite:///mlruns.db", experiment="t", base_dir=a)
+    assert "was copied" not in capsys.readouterr().out  # the original stays where it is
+    assert again.client.get_run(old).info.artifact_uri.startswith(
+        (a.resolve() / "mlartifacts").as_uri() + "/"
+    )
