@@ -477,7 +477,39 @@ class Params(_Strict):
         if self.data.name == "imagefolder" and self.data.source is None:
             raise ValueError("data.source: an imagefolder dataset needs the path of its tree")
         self._check_robustness_paths_and_baseline()
+        self._check_public_fits_dataset()
         return self
+
+    def _check_public_fits_dataset(self) -> None:
+        """A published benchmark's images (core.robustness.public_sets.PUBLIC_KINDS) against this dataset's
+        (core.data.importers.DATASETS), where both names say enough: channels, classes and stored size."""
+        pub = self.robustness.public
+        if pub is None:
+            return
+        kind = importlib.import_module("core.robustness.public_sets").PUBLIC_KINDS[pub.kind]
+        data = importlib.import_module("core.data.importers").DATASETS[self.data.name]
+        name = self.data.name
+        for theirs, ours, says in (
+            (
+                kind.channels,
+                data.channels,
+                f"{kind.channels}-channel images, data.name {name} {data.channels}-channel ones",
+            ),
+            (
+                kind.num_classes,
+                data.num_classes,
+                f"{kind.num_classes} classes, data.name {name} {data.num_classes}",
+            ),
+            (
+                kind.image_size,
+                data.image_size,
+                f"{kind.image_size} px images, data.name {name} {data.image_size} px ones",
+            ),
+        ):
+            if None not in (theirs, ours) and theirs != ours:
+                raise ValueError(
+                    f"robustness.public.kind: {pub.kind} holds {says} (it is not of this dataset)"
+                )
 
     def _check_robustness_paths_and_baseline(self) -> None:
         """The corrupted sets live apart from the prepared data (inside it they would change prepare's DVC

@@ -342,7 +342,16 @@ def cases() -> list[Case]:
     public = "robustness.public={kind: cifar10_c, dir: pub, use: add}"
     add(Case("published sets of 32 px RGB on 28 px grayscale", stage("evaluate", "-S", public), 2,
              cifar_c_of((300, 32, 32, 3))))  # fmt: skip
-    add(Case("published sets with float labels", stage("evaluate", "-S", public), 2,
+    add(
+        Case(
+            "validate: CIFAR-10-C for a Fashion-MNIST run",
+            tcnn("validate", "-S", public),
+            2,
+            cifar_c_of((300, 32, 32, 3)),
+        )
+    )
+    # named cifar10, so that the layout fits by name: the arrays are checked against the 28 px test split
+    add(Case("published sets with float labels", stage("evaluate", "-S", public, "-S", "data.name=cifar10"), 2,
              cifar_c_of((300, 28, 28, 1), "float64")))  # fmt: skip
     add(Case("model option drop_rate 2", stage("pretrain", "-S", "model.options={drop_rate: 2}"), 2))
     add(

@@ -55,6 +55,11 @@ def test_the_stage_refuses_before_any_run_opens(tmp_path: Path, data: Path) -> N
     assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]
 
 
+#: The tiny test split is Fashion-MNIST's 28 px grayscale; the layout tests call it cifar10 so that a CIFAR-10-C
+#: layout fits it by name (config), and check the arrays against its real images (evaluate.check_public_sets).
+FITS_BY_NAME = "cifar10"
+
+
 def _sets(root: Path, n: int, seed: int) -> None:
     import numpy as np
 
@@ -126,6 +131,7 @@ def test_published_sets_that_do_not_fit_the_dataset_are_refused_before_evaluatio
         (pub / "contrast.npy").write_bytes(b"not an array")
     raw = tiny_params(data, robustness={"public": {"kind": "cifar10_c", "dir": str(pub), "use": "replace"},
                                         "corruptions": ["contrast"]})  # fmt: skip
+    raw["data"]["name"] = FITS_BY_NAME
     with pytest.raises(StageError, match="robustness.public: ") as info:
         check_public_sets(Params.model_validate(raw), Path("/"))
     assert says in str(info.value) and "\n" not in str(info.value)
@@ -143,7 +149,35 @@ def test_a_published_set_that_fits_passes(tmp_path: Path, data: Path) -> None:
     raw = tiny_params(
         data, robustness={"public": {"kind": "cifar10_c", "dir": str(pub)}, "corruptions": ["contrast"]}
     )
+    raw["data"]["name"] = FITS_BY_NAME
     check_public_sets(Params.model_validate(raw), Path("/"))
+
+
+def test_validate_refuses_a_published_benchmark_of_other_images(data: Path) -> None:
+    """Where the names say enough (core.data.importers.DATASETS, core.robustness.public_sets.PUBLIC_KINDS), a
+    published benchmark of other images is refused when the params are read, before anything runs."""
+    from core.config import ConfigError, validate_params
+
+    for name, kind, says in (
+        (
+            "fashion_mnist",
+            "cifar10_c",
+            "cifar10_c holds 3-channel images, data.name fashion_mnist 1-channel ones",
+        ),
+        ("cifar100", "cifar10_c", "cifar10_c holds 10 classes, data.name cifar100 100"),
+        ("cifar10", "tiny_imagenet_c", "tiny_imagenet_c holds 200 classes, data.name cifar10 10"),
+    ):
+        raw = tiny_params(data, robustness={"public": {"kind": kind, "dir": str(data)}})
+        raw["data"]["name"] = name
+        with pytest.raises(ConfigError, match="robustness.public.kind: ") as info:
+            validate_params(raw)
+        assert says in str(info.value)
+    raw["data"]["name"], raw["robustness"]["public"]["kind"] = (
+        "imagefolder",
+        "imagenet_c",
+    )  # its images: unknown
+    raw["data"]["source"] = str(data)
+    validate_params(raw)
 
 
 def test_a_foreign_pretrained_cnn_is_refused_where_it_is_read(tmp_path: Path, data: Path) -> None:

@@ -20,6 +20,8 @@ published ones. CIFAR archives are compared with the official archive MD5 and th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import contextlib
 import gzip
 import hashlib
@@ -58,7 +60,21 @@ from core.data.shards import (  # noqa: F401  (re-exported: the import path of t
 )
 from core.utils.hashing import file_digest
 
-DATASETS = ("fashion_mnist", "cifar10", "cifar100", "imagefolder")
+@dataclass(frozen=True)
+class DatasetImages:
+    """What a dataset's images are, as far as its name says (None: read from the files, an imagefolder's)."""
+
+    channels: int | None
+    num_classes: int | None
+    image_size: int | None  # the stored images' side in pixels
+
+
+DATASETS = {
+    "fashion_mnist": DatasetImages(1, 10, 28),
+    "cifar10": DatasetImages(3, 10, 32),
+    "cifar100": DatasetImages(3, 100, 32),
+    "imagefolder": DatasetImages(None, None, None),
+}
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 # name: (published MD5 of name.gz, published MD5 of the decompressed file)

@@ -25,7 +25,9 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 from PIL import Image
@@ -292,8 +294,25 @@ read_imagenet_r = read_imagenet_subset
 # Published corrupted sets as an evaluation source (robustness.public)
 # ----------------------------------------------------------------------------------------------------------
 
+
 #: robustness.public.kind -> layout: "npy" (CIFAR-10-C / CIFAR-100-C) or "tree" (ImageNet-C / Tiny-ImageNet-C).
-PUBLIC_KINDS = {"cifar10_c": "npy", "cifar100_c": "npy", "imagenet_c": "tree", "tiny_imagenet_c": "tree"}
+@dataclass(frozen=True)
+class PublicKind:
+    """A published benchmark's layout and images (Hendrycks & Dietterich 2019: CIFAR-10-C and CIFAR-100-C are
+    32 px RGB arrays; ImageNet-C and Tiny-ImageNet-C are trees of RGB JPEGs, resized here)."""
+
+    layout: Literal["npy", "tree"]
+    channels: int
+    num_classes: int
+    image_size: int | None  # the stored arrays' side; None for a tree (images resized and cropped on reading)
+
+
+PUBLIC_KINDS = {
+    "cifar10_c": PublicKind("npy", 3, 10, 32),
+    "cifar100_c": PublicKind("npy", 3, 100, 32),
+    "imagenet_c": PublicKind("tree", 3, 1000, None),
+    "tiny_imagenet_c": PublicKind("tree", 3, 200, None),
+}
 
 
 class PublicSets:
@@ -312,7 +331,7 @@ class PublicSets:
         if kind not in PUBLIC_KINDS:
             raise ValueError(f"robustness.public.kind: {kind!r}; choose from {list(PUBLIC_KINDS)}")
         self.kind, self.root = kind, Path(root)
-        if PUBLIC_KINDS[kind] == "npy":
+        if PUBLIC_KINDS[kind].layout == "npy":
             names = cifar_c_corruptions(self.root)
             if not names:
                 raise FileNotFoundError(f"{self.root}: no <corruption>.npy files (CIFAR-10-C layout)")
@@ -336,7 +355,7 @@ class PublicSets:
         clean test images' shape ([N, H, W, C] channels-last; [N, H, W] for one channel) and ``labels.npy``
         integer labels of the dataset's classes, one per image (headers and labels only; the images are
         memory-mapped, not read). ValueError or FileNotFoundError naming the file otherwise."""
-        if PUBLIC_KINDS[self.kind] != "npy":
+        if PUBLIC_KINDS[self.kind].layout != "npy":
             return
         h, w, c = (int(x) for x in image_shape)
         lpath = self.root / "labels.npy"
@@ -370,7 +389,7 @@ class PublicSets:
     def load(self, corruption: str, severity: int) -> StoredSet:
         if (corruption, severity) not in self.available:
             raise FileNotFoundError(f"{self.root}: the published set has no {corruption} severity {severity}")
-        if PUBLIC_KINDS[self.kind] == "npy":
+        if PUBLIC_KINDS[self.kind].layout == "npy":
             images, labels = read_cifar_c(self.root, corruption, severity)
             images, labels = np.ascontiguousarray(images[self.positions]), labels[self.positions]
         else:
