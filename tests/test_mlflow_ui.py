@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -43,8 +44,6 @@ def _chromium(url: str, tmp: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def _text(dom: str) -> str:
-    import re
-
     return re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", dom))
 
 
@@ -111,6 +110,20 @@ def test_compare_page_shows_runs_params_metrics(
         _chromium(
             compare([parent.info.run_id]), tmp_path, f"--screenshot={tmp_path / 'mlflow-compare-parent.png'}"
         )
+
+        # 3. the README's address, in a browser with no saved preferences (its own new profile): the runs
+        readme = (REPO / "README.md").read_text()
+        (url,) = re.findall(r"<(http://127\.0\.0\.1:5000/#/experiments/\d+/runs\?workflowType=\w+)>", readme)
+        assert url.split("/#/experiments/")[1].split("/")[0] == exp  # a new store's experiment id
+        fresh = tmp_path / "fresh-browser"
+        fresh.mkdir()
+        out = _chromium(url.replace("http://127.0.0.1:5000", base), fresh, "--dump-dom")
+        text = _text(out.stdout)
+        assert f"Runs - Experiment {exp} - MLflow" in text, text[-3000:]  # the page title: the runs tab
+        assert parent.info.run_name in text and "matching runs" in text
+        assert (
+            "Overview" not in text.split("MLflow Assistant")[0]
+        )  # not the GenAI overview it opens on otherwise
     finally:
         subprocess.run([str(script), "stop"], env=env, capture_output=True, timeout=60)
         keep = os.environ.get("TCNN_TEST_ARTIFACTS")
