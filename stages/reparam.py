@@ -70,6 +70,10 @@ def load_source(params: Params, root: Path) -> dict[str, Any]:
     """The t1 checkpoint, checked to be what params ask for: an import of this source, or a training run."""
     src = source_path(params, root)
     ckpt = T.load_checkpoint(src, required(params), source_label(params))
+    held = ckpt.get("model_spec")
+    mismatch = source_mismatch(held, params.model.kind) if isinstance(held, dict) and "kind" in held else None
+    if mismatch is not None:  # the specific word for a checkpoint of another kind
+        raise StageError(f"{src}: {mismatch} (rerun pretrain)")
     T.check_cnn_checkpoint(ckpt, params, src)
     return ckpt
 
@@ -106,9 +110,6 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         raise StageError(f"{src}: cannot rebuild the CNN from this checkpoint ({first})") from None
     kind = params.model.kind
     spec_cnn = ckpt["model_spec"]
-    mismatch = source_mismatch(spec_cnn, kind)
-    if mismatch is not None:
-        raise StageError(f"{src}: {mismatch} (rerun pretrain)")
     ds = T.datasets(params, root)
     device = select_device()
     cnn.eval()
