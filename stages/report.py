@@ -395,13 +395,17 @@ def run(params: Params, *, root: Path = Path("."), run_ids: dict[str, str] | Non
 
 
 def check(params: Params, root: Path = Path(".")) -> None:
-    """Before any run opens: the models and evaluate's metrics exist."""
+    """Before any run opens: the models and evaluate's metrics exist, and every JSON input that exists parses
+    (the run ids aside: the stage rewrites them when its runs open)."""
     paths = input_paths(params, root)
     missing = [str(paths[k]) for k in ("cnn", "tcnn", "metrics") if not paths[k].is_file()]
     if missing:
         raise StageError(
             f"missing required input(s): {', '.join(missing)} (run pretrain, finetune and evaluate)"
         )
+    for key, path in paths.items():
+        if key != "run_ids" and path.suffix == ".json" and path.is_file():
+            _read_json(path, required=False)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -266,34 +266,27 @@ def test_noop_rerun_is_clean_and_opens_no_run(repo: Path) -> None:
     assert "runs/mlflow_runs.json" not in again.stdout + again.stderr
 
 
-def test_lambda_init_reruns_only_reparam_and_after(own_repo: Path) -> None:
-    repo = own_repo
-    params = yaml.safe_load((repo / "params.yaml").read_text())
-    params["reparam"]["lambda_init"] = 2.0
-    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    status = dvc(repo, "status").stdout
-    changed = set(re.findall(r"^(\w+):", status, flags=re.M))
-    assert "reparam" in changed and not changed & {"prepare", "pretrain", "corrupt"}, status
-    out = dvc(repo, "repro").stdout
-    ran = re.findall(r"Running stage '(\w+)'", out)
-    assert ran == ["reparam", "finetune", "evaluate", "report"], out
-    for stage in ("prepare", "pretrain", "corrupt"):
-        assert f"Stage '{stage}' didn't change, skipping" in out
-    all_runs = runs(repo)
-    parents = _parents(all_runs)
-    assert len(parents) == 2 and {p.info.status for p in parents} == {"FINISHED"}
-    new = max(parents, key=lambda r: r.info.start_time)
-    assert new.data.params["lambda_init"] == "2.0"
-    assert sorted(r.data.tags["tcnn.stage"] for r in children(all_runs, new.info.run_id)) == sorted(ran)
-    assert f"<code>{new.info.run_id}</code>" in (repo / "results" / "report.html").read_text()
-
-
-def test_dvc_exp_run_is_its_own_parent_run(own_repo: Path) -> None:
+def test_dvc_exp_run_is_its_own_parent_run_and_reruns_only_reparam_and_after(own_repo: Path) -> None:
+    """`dvc exp run -S reparam.alpha_init=2`: DVC calls reparam changed and not what comes before it, reruns
+    exactly reparam and the stages after it, and MLflow holds one new parent named after the experiment whose
+    children are those stages."""
     repo = own_repo
     before = {r.info.run_id for r in _parents(runs(repo))}
+    text = (repo / "params.yaml").read_text()
+    params = yaml.safe_load(text)
+    params["reparam"]["alpha_init"] = 2.0
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    changed = set(re.findall(r"^(\w+):", dvc(repo, "status").stdout, flags=re.M))
+    assert "reparam" in changed and not changed & {"prepare", "pretrain", "corrupt"}, changed
+    (repo / "params.yaml").write_text(text)  # dvc exp run sets the value itself
     out = dvc(repo, "exp", "run", "-S", "reparam.alpha_init=2")
-    name = re.search(r"Ran experiment\(s\): (\S+)", out.stdout + out.stderr)
-    assert name, out.stdout + out.stderr
+    said = out.stdout + out.stderr
+    name = re.search(r"Ran experiment\(s\): (\S+)", said)
+    assert name, said
+    ran = re.findall(r"Running stage '(\w+)'", said)
+    assert ran == ["reparam", "finetune", "evaluate", "report"], said
+    for stage in ("prepare", "pretrain", "corrupt"):
+        assert f"Stage '{stage}' didn't change, skipping" in said
     all_runs = runs(repo)
     new = [r for r in _parents(all_runs) if r.info.run_id not in before]
     assert len(new) == 1
@@ -301,7 +294,9 @@ def test_dvc_exp_run_is_its_own_parent_run(own_repo: Path) -> None:
     assert parent.info.status == "FINISHED"
     assert parent.data.params["alpha_init"] == "2.0"
     assert parent.data.tags.get("tcnn.dvc_exp_name") == name.group(1) == parent.info.run_name
-    assert {r.info.status for r in children(all_runs, parent.info.run_id)} == {"FINISHED"}
+    kids = children(all_runs, parent.info.run_id)
+    assert sorted(r.data.tags["tcnn.stage"] for r in kids) == sorted(ran)
+    assert {r.info.status for r in kids} == {"FINISHED"}
     assert f"<code>{parent.info.run_id}</code>" in (repo / "results" / "report.html").read_text()
     shown = dvc(repo, "metrics", "show")
     assert "tcnn.mce" in shown.stdout
