@@ -428,8 +428,10 @@ def check(params: Params, root: Path = Path(".")) -> None:
         raise StageError(
             f"missing model checkpoint(s): {', '.join(missing)} (run pretrain, finetune and control)"
         )
-    cnn = model_paths(params, root)["cnn"]  # scored as the CNN and the mCE baseline: the params' own CNN
-    T.check_cnn_checkpoint(T.load_checkpoint(cnn, ("model", "model_spec"), "pretrained CNN"), params, cnn)
+    for name, path in model_paths(params, root).items():  # each read whole: its checksum verified
+        ckpt = T.load_checkpoint(path, ("model", "model_spec"), LABELS[name])
+        if name == "cnn":  # scored as the CNN and the mCE baseline: the params' own CNN
+            T.check_cnn_checkpoint(ckpt, params, path)
     pub = params.robustness.public
     if pub is None or pub.use != "replace":
         check_generated_sets(params, root)
