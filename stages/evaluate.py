@@ -423,12 +423,13 @@ def check(params: Params, root: Path = Path(".")) -> None:
             Baseline.load(root / spec)
         except (FileNotFoundError, ValueError) as err:
             raise StageError(f"robustness.baseline: {err}") from None
-    missing = [str(p) for p in model_paths(params, root).values() if not p.is_file()]
+    paths = model_paths(params, root)
+    missing = [str(p) for p in paths.values() if not p.is_file()]
     if missing:
         raise StageError(
             f"missing model checkpoint(s): {', '.join(missing)} (run pretrain, finetune and control)"
         )
-    for name, path in model_paths(params, root).items():  # each read whole: its checksum verified
+    for name, path in paths.items():  # each read whole: its checksum verified
         ckpt = T.load_checkpoint(path, ("model", "model_spec"), LABELS[name])
         if name == "cnn":  # scored as the CNN and the mCE baseline: the params' own CNN
             T.check_cnn_checkpoint(ckpt, params, path)

@@ -51,11 +51,9 @@ def follow_workspace(db: Path) -> str | None:
         return None
     here = db.parent.resolve()
     with contextlib.closing(sqlite3.connect(db, timeout=30)) as con:
-        try:
+        try:  # no MLflow schema yet, or not a database: MLflow's own error says which
             olds = _old_roots(con, here)
-        except (
-            sqlite3.DatabaseError
-        ):  # no MLflow schema yet, or not a database: MLflow's own error says which
+        except sqlite3.DatabaseError:
             return None
         if not olds:
             return None
