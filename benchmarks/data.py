@@ -107,7 +107,7 @@ def train_vs_loader(
 ) -> tuple[float, float]:
     """Median images/s of SGD training and of the loader, measured in alternating rounds, so that a shared
     machine's changing load hits both alike."""
-    from core.models import build
+    from core.models.factory import build
 
     model = build("cnn", "resnet10_cifar", 10, in_chans=1).train()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from core.models import build
+from core.models.factory import build
 from core.models.reparam import gpsa_modules, to_tcnn
 from core.training.optim import build_adamw
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from tcnn_eval import interleaved
 
-from core.models import build, set_drop_path
+from core.models.factory import build, set_drop_path
 from core.models.reparam import to_tcnn
 from core.training.inference import _ChannelsLast, inference_model
 from core.training.optim import build_adamw

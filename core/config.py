@@ -65,8 +65,13 @@ def _one_of(value: Any, registry: str) -> Any:
 
 
 def _models() -> Any:
-    """`core.models` (the model factory and its kind registry), for the model section's checks."""
-    return importlib.import_module("core.models")
+    """`core.models.factory` (the model factory), for the model section's checks (arch and options)."""
+    return importlib.import_module("core.models.factory")
+
+
+def _kinds() -> Any:
+    """`core.models.kinds`, the kind registry: names and records only (it imports nothing heavy)."""
+    return importlib.import_module("core.models.kinds")
 
 
 class ConfigError(ValueError):
@@ -540,8 +545,8 @@ class Params(_Strict):
             raise ValueError(
                 "finetune.mode: 'continue' resumes a pretraining run, and pretrain.source imports the CNN"
             )
-        if not _models().kinds.get(self.model.kind).pretrains_cnn:
-            takers = [k.name for k in _models().kinds.all_kinds() if k.pretrains_cnn]
+        if not _kinds().get(self.model.kind).pretrains_cnn:
+            takers = [k.name for k in _kinds().all_kinds() if k.pretrains_cnn]
             raise ValueError(
                 f"pretrain.source: imports a CNN for model.kind {takers}, not {self.model.kind!r}"
             )

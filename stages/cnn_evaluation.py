@@ -31,12 +31,11 @@ import numpy as np
 
 from core.config import Params
 from core.data import manifest_fingerprint
-from core.robustness.corruptions import content_digest, set_path
+from core.robustness.corruptions import INDEX, content_digest, set_path
 from core.utils.atomic import atomic_write_json, atomic_write_parquet
 from core.utils.hashing import file_digest, stable_hash
 from core.utils.locks import locked, say
 from core.utils.machine import cpu_model
-from stages.corrupt import INDEX
 from stages.identity import code_digest, key, stage_identity
 
 DIR = "cnn_evaluation"  # the store's directory under sweep.storage (and the cost.csv row of its work)

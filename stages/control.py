@@ -5,7 +5,7 @@
 What attention buys is the T-CNN minus this model ([TCNN21] Table 1 reports the CNN fine-tuned "without SA" next to
 each T-CNN). It starts from the pretraining checkpoint the reparam stage converts
 (``runs/pretrain/ckpt/ckpt-epoch-{t1:03d}.pt``) and runs the finetune stage's own training function
-(`stages.finetune.train`) with the same params: optimizer, lr schedule, epochs, resolution, augmentation,
+(`stages.fine_tuning.train`) with the same params: optimizer, lr schedule, epochs, resolution, augmentation,
 stochastic depth, data order and seeds; only the reparameterization is missing. In "continue" mode it is the
 CNN run continued for the same t2 epochs ([TCNN21] Table 3's CNN row). Names in ``finetune.freeze`` that the CNN
 does not have (the GPSA's attention-only parameters) are skipped.
@@ -26,32 +26,17 @@ from pathlib import Path
 from typing import Any
 
 from core.config import Params
-from core.models import kinds
 from core.training.optim import named_state
 from core.utils.atomic import atomic_write_json, atomic_write_text
-from stages import finetune, reparam
 from stages import training as T
+from stages.fine_tuning import CONTROL, control_checkpoint, control_disabled_reason, train
+from stages.pretrained import load_source, source_label, source_path
 from stages.runner import stage_main
 
-NAME = "control"
-VARIANT = finetune.Variant(NAME, "model/control-final.pt")
-
-
-def checkpoint_path(root: Path) -> Path:
-    """The control's final model (what evaluate compares the T-CNN with)."""
-    return VARIANT.out_dir(root) / VARIANT.final
-
-
-def disabled_reason(params: Params) -> str | None:
-    """Why this config has no control (None: it has one)."""
-    if not params.finetune.control:
-        return "finetune.control is false"
-    if not kinds.get(params.model.kind).has_control:
-        return (
-            f"model.kind={params.model.kind!r} fine-tunes without reparameterization: its fine-tuned model is "
-            "already the control"
-        )
-    return None
+VARIANT = CONTROL
+NAME = CONTROL.name
+checkpoint_path = control_checkpoint
+disabled_reason = control_disabled_reason
 
 
 def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
@@ -59,13 +44,13 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     reason = disabled_reason(params)
     if reason is not None:
         return _disabled(root, reason)
-    src = reparam.source_path(params, root)
-    ckpt = reparam.load_source(params, root)
+    src = source_path(params, root)
+    ckpt = load_source(params, root)
     start = {"model": ckpt["model"], "model_spec": ckpt["model_spec"], "image_size": ckpt.get("image_size")}
     if "optimizer" in ckpt:  # a training checkpoint: what "continue" fine-tuning resumes from
         state = named_state(ckpt["optimizer"], ckpt["param_names"])
         start["carry"] = T.carry(ckpt, state, {k: k for k in state})
-    metrics = finetune.train(params.for_control(), root, start, src, VARIANT, strict_freeze=False)
+    metrics = train(params.for_control(), root, start, src, VARIANT, strict_freeze=False)
     return {"enabled": True, **metrics}
 
 
@@ -86,7 +71,7 @@ def _disabled(root: Path, reason: str) -> dict[str, Any]:
 def check(params: Params, root: Path = Path(".")) -> None:
     """Before any run opens (when there is a control): the pretraining checkpoint at t1 and the data exist."""
     if disabled_reason(params) is None:
-        T.require_checkpoint(reparam.source_path(params, root), reparam.source_label(params))
+        T.require_checkpoint(source_path(params, root), source_label(params))
         T.require_dataset(params, root)
         T.checkpoint_every_steps(params, NAME)
 

@@ -38,7 +38,7 @@ from stages.identity import key, stage_identity
 from stages.runner import StageError, stage_main
 
 CONTACT_SHEET = "contact_sheet.png"
-INDEX = "index.json"
+INDEX = C.INDEX
 SELECTION = "stratified"
 
 

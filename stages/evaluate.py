@@ -70,6 +70,7 @@ from core.utils.hashing import derive_seed
 from core.viz.plots import plot_gains
 from stages import chain, cnn_evaluation
 from stages import training as T
+from stages.fine_tuning import control_checkpoint, control_disabled_reason
 from stages.runner import StageError, stage_main
 
 NAME = "evaluate"
@@ -82,14 +83,12 @@ PAIRS = (("control", "tcnn"), ("cnn", "tcnn"), ("cnn", "control"))
 
 def model_paths(params: Params, root: Path) -> dict[str, Path]:
     """The checkpoints of the models this config compares, in report order (see the module docstring)."""
-    from stages import control
-
     paths = {
         "cnn": root / chain.output("pretrain", "cnn-final.pt"),
-        "control": control.checkpoint_path(root),
+        "control": control_checkpoint(root),
         "tcnn": root / chain.output("finetune", "tcnn-final.pt"),
     }
-    if control.disabled_reason(params) is not None:
+    if control_disabled_reason(params) is not None:
         del paths["control"]
     return paths
 

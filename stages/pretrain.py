@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from core.config import Params
-from core.models import backbone_options, importing, kinds, set_stochastic_depth
+from core.models import importing, kinds
+from core.models.factory import backbone_options, set_stochastic_depth
 from core.models.spec import build_from_spec, pretraining_spec
 from core.training import distributed as D
 from core.training.loop import (

@@ -33,7 +33,7 @@ from core.config import Params
 from core.data import first_batch
 from core.models import kinds
 from core.models.reparam import attention_modules, gpsa_modules
-from core.models.reparameterize import convert_cnn, reparameterize, source_mismatch
+from core.models.reparameterize import convert_cnn, reparameterize
 from core.models.spec import build_from_spec
 from core.training.checkpoint import atomic_save
 from core.training.loop import evaluate, predict, seed_everything, select_device
@@ -42,40 +42,11 @@ from core.utils.atomic import atomic_write_json
 from core.utils.hashing import derive_seed, file_digest
 from stages import chain
 from stages import training as T
+from stages.pretrained import load_source, source_label, source_path
 from stages.runner import StageError, stage_main
 
 NAME = "reparam"
 PROBE = 256  # images in the equivalence batch
-REQUIRED = ("model", "model_spec", "optimizer", "param_names", "scheduler", "rng", "epoch", "global_step")
-IMPORTED = ("model", "model_spec", "source")  # an imported CNN's checkpoint (stages.pretrain.import_cnn)
-
-
-def source_path(params: Params, root: Path) -> Path:
-    """The pretraining checkpoint at t1 (`Params.t1`: reparam.epoch, or the imported CNN's state)."""
-    return root / chain.output("pretrain", "ckpt") / f"ckpt-epoch-{params.t1():03d}.pt"
-
-
-def required(params: Params) -> tuple[str, ...]:
-    """The keys the t1 checkpoint must hold: a training checkpoint's, or an import's (no optimizer to carry)."""
-    return IMPORTED if params.imports_cnn else REQUIRED
-
-
-def source_label(params: Params) -> str:
-    if params.imports_cnn:
-        return "imported CNN written by the pretrain stage (pretrain.source)"
-    return f"pretraining checkpoint at reparam.epoch={params.reparam.epoch}"
-
-
-def load_source(params: Params, root: Path) -> dict[str, Any]:
-    """The t1 checkpoint, checked to be what params ask for: an import of this source, or a training run."""
-    src = source_path(params, root)
-    ckpt = T.load_checkpoint(src, required(params), source_label(params))
-    held = ckpt.get("model_spec")
-    mismatch = source_mismatch(held, params.model.kind) if isinstance(held, dict) and "kind" in held else None
-    if mismatch is not None:  # the specific word for a checkpoint of another kind
-        raise StageError(f"{src}: {mismatch} (rerun pretrain)")
-    T.check_cnn_checkpoint(ckpt, params, src)
-    return ckpt
 
 
 def convert(cnn: torch.nn.Module, params: Params, stride_mode: str | None = None) -> torch.nn.Module:

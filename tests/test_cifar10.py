@@ -331,7 +331,7 @@ def _study_params(tmp_path: Path):
 
 
 def test_study_network_gives_every_gpsa_layer_an_8x8_map_at_32px(tmp_path: Path) -> None:
-    from core.models import build
+    from core.models.factory import build
     from core.reparam import gpsa_modules
 
     p = _study_params(tmp_path)
@@ -362,7 +362,7 @@ def test_study_preset_selects_the_lr_on_validation_over_a_30x_grid(tmp_path: Pat
 def test_gpsa_cache_keeps_autocast_values_apart() -> None:
     """An eval forward under bf16 autocast caches bf16 GEMM weights; a later fp32 forward must not reuse them
     (it crashed with 'expected m1 and m2 to have the same dtype' in the fine-tuning stage's probe)."""
-    from core.models import build
+    from core.models.factory import build
 
     model = build("tcnn", "resnet12_cifar_os16", 10).eval()
     x = torch.randn(3, 3, 32, 32)

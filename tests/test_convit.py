@@ -7,7 +7,8 @@ import timm
 import torch
 from timm.models.convit import GPSA as TimmGPSA
 
-from core.models import ConViT, build
+from core.models.convit import ConViT
+from core.models.factory import build
 from core.nn.gpsa import ALPHA_BETA
 from core.nn.gpsa_convit import ConvitGPSA
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.models import build
+from core.models.factory import build
 from core.models.spec import build_from_spec, make_model_spec
 from core.nn.gpsa import GPSA
 from core.nn.gpsa_convit import ConvitGPSA

@@ -130,7 +130,7 @@ def test_psa_rows_have_no_gate_and_tables_and_figures_build() -> None:
 
 
 def test_convit_layers_are_dissected_on_their_token_grid() -> None:
-    from core.models import build
+    from core.models.factory import build
 
     torch.manual_seed(5)
     m = build("convit", "convit_fmnist", 10, in_chans=1)

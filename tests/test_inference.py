@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from core.models import build
+from core.models.factory import build
 from core.models.he_cifar import resnet20
 from core.models.reparam import to_tcnn
 from core.nn.gpsa import gated_mix

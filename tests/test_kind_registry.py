@@ -1,4 +1,5 @@
-"""Adding a model kind is one registration: a toy two-phase kind registered here, and nowhere else, validates
+"""Adding a model kind is one registration: a toy two-phase kind registered here (its code named by reference,
+"module:attribute", as the built-in records do), and nowhere else, validates
 in params, pretrains, reparameterizes, fine-tunes next to its matched control and is evaluated, through the same
 stage functions as the project's kinds; the registry's records answer what the stages used to branch on."""
 
@@ -39,8 +40,8 @@ def build_toy(arch: str, num_classes: int, *, phase: str = "plain", **options) -
 
 
 TOY = ModelKind(
-    "toy_tempered", build_toy, "a CNN that learns a softmax temperature after pretraining",
-    reparameterize=Tempered, phases=("plain", "tempered"),
+    "toy_tempered", f"{__name__}:build_toy", "a CNN that learns a softmax temperature after pretraining",
+    reparameterize=f"{__name__}:Tempered", phases=("plain", "tempered"),
 )  # fmt: skip
 
 

@@ -12,7 +12,8 @@ from _train_helpers import TEST_DEVICE, tiny_params, write_dataset
 
 from core.config import ConfigError, validate_params
 from core.data import load_datasets, make_loader
-from core.models import build, kinds
+from core.models import kinds
+from core.models.factory import build
 from core.models.spec import pretraining_kind
 from core.reparam import gpsa_modules
 from core.training.checkpoint import load, load_model

@@ -8,7 +8,8 @@ import pytest
 import timm
 import torch
 
-from core.models import PROJECT_ARCHS, build, is_known_arch
+from core.models.factory import build, is_known_arch
+from core.models.resnets import PROJECT_ARCHS
 from core.nn.gpsa import GPSA
 from core.reparam import gpsa_modules
 
@@ -122,7 +123,7 @@ def test_default_model_gpsa_layers_see_at_least_7x7_maps() -> None:
     """At the default resolution the default network's GPSA layers work on maps of 7x7 or more (the paper's
     last stage is 7x7 at 224 px); checked on the layers' real inputs with forward hooks."""
     from core.config import load_params
-    from core.models import build
+    from core.models.factory import build
     from core.reparam import gpsa_modules, to_tcnn
 
     p = load_params(REPO / "params.yaml")

@@ -17,7 +17,8 @@ import torch.nn as nn
 from core.analysis.equivalence import LARGE_INIT, PAPER_INIT
 from core.config import AugmentConfig, validate_params
 from core.data import BatchLoader
-from core.models import build, kinds
+from core.models import kinds
+from core.models.factory import build
 from core.reparam import to_tcnn
 from core.training.checkpoint import load
 from core.training.loop import RESUME_FILE, TIMING_KEYS, Preempted, TrainLoss, evaluate, fit

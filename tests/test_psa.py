@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from test_reparam import _max_logit_diff, _nontrivial_bn
 
-import core.models  # noqa: F401  (registers the project's small nets in timm)
+import core.models.resnets  # noqa: F401  (registers the project's small nets in timm)
 from core.nn.psa import PSA
 from core.reparam import gpsa_modules, to_psa, to_tcnn
 
@@ -133,7 +133,7 @@ def test_gradients_reach_content_projections_and_alpha() -> None:
 
 
 def test_psa_model_kind_and_optimizer_groups() -> None:
-    from core.models import build
+    from core.models.factory import build
     from core.training.optim import param_groups
 
     m = build("psa", "resnet10_cifar", 10, in_chans=1, alpha_init=3.0, stride_mode="s1")

@@ -9,7 +9,7 @@ import timm
 import torch
 import torch.nn as nn
 
-import core.models  # noqa: F401  (registers the project's small nets in timm)
+import core.models.resnets  # noqa: F401  (registers the project's small nets in timm)
 from core.nn.gpsa import GPSA
 from core.reparam import gpsa_modules, model_stages, to_tcnn
 
@@ -147,7 +147,7 @@ def test_parameter_counts_match_paper_table2(arch: str) -> None:
 
 
 def test_state_dict_round_trip_through_build() -> None:
-    from core.models import build
+    from core.models.factory import build
 
     torch.manual_seed(3)
     a = build("tcnn", "resnet10_cifar", 10, in_chans=1, alpha_init=2.0, lambda_init=0.5).eval()

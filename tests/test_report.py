@@ -21,7 +21,7 @@ from core.analysis.dissect import layer_stats as gpsa_stats
 from core.analysis.dissect import long_rows as gpsa_long_rows
 from core.config import validate_params
 from core.data.importers import write_array_dataset
-from core.models import build
+from core.models.factory import build
 from core.models.spec import make_model_spec
 from core.reparam import gpsa_modules, to_tcnn
 from core.robustness.corruptions import CORRUPTIONS, write_set

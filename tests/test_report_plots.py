@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from core.analysis.dissect import centre_query_maps as centre_query_attention
-from core.models import build
+from core.models.factory import build
 from core.reparam import gpsa_modules, to_tcnn
 from core.viz.report_plots import (
     gpsa_dynamics,

@@ -50,7 +50,7 @@ def test_reparam_rejects_a_missing_checkpoint(tmp_path, data_dir, monkeypatch, c
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "no_optimizer"])
 def test_reparam_rejects_a_corrupt_checkpoint(tmp_path, data_dir, monkeypatch, capsys, damage) -> None:
-    from core.models import build
+    from core.models.factory import build
 
     src = tmp_path / "runs" / "pretrain" / "ckpt" / "ckpt-epoch-001.pt"
     ckpt = {"model": build("cnn", "resnet10_cifar", 10, in_chans=1).state_dict()}
@@ -83,7 +83,7 @@ def test_finetune_rejects_a_missing_or_corrupt_input(
 
 
 def test_finetune_continue_needs_the_carried_state(tmp_path, data_dir, monkeypatch, capsys) -> None:
-    from core.models import build
+    from core.models.factory import build
     from core.models.spec import make_model_spec
 
     spec = make_model_spec("cnn", "resnet10_cifar", 10, 1)

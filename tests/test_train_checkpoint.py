@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from core.models import build
+from core.models.factory import build
 from core.models.spec import build_from_spec, make_model_spec
 from core.reparam import to_tcnn
 from core.training.checkpoint import CheckpointError, atomic_save, capture_rng, load, load_model, restore_rng

@@ -9,7 +9,7 @@ import timm
 import torch
 from timm.layers import DropPath
 
-from core.models import build, set_drop_path
+from core.models.factory import build, set_drop_path
 from core.reparam import to_tcnn
 from core.training.optim import (
     WarmupCosine,

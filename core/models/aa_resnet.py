@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from timm.models.resnet import BasicBlock, Bottleneck
 
-from core.models.reparam import model_stages
+from core.models.cnn_layout import model_stages
 from core.models.resnets import PROJECT_ARCHS
 from core.nn.aa import AAConv2d, check_ratios, pool_size
 

@@ -160,7 +160,9 @@ def import_cnn(
     train); the checkpoint's classifier size is read from the file, and when it differs from ``num_classes``
     the classifier is replaced.
     """
-    from core.models import build  # the package's factory (imported here: the package imports its peers)
+    from core.models.factory import (
+        build,
+    )  # the package's factory (imported here: the package imports its peers)
 
     options = dict(options or {})
     if source.is_file:

@@ -2,21 +2,26 @@
 
 Config validation, the model factory (`core.models.build`), checkpoint specs (`core.models.spec`), the stages
 (pretrain, reparam, control), the sweep and the report look a kind up here instead of branching on its name,
-so adding a kind is one `register(ModelKind(...))` call next to its builder (the project's own kinds:
-`core.models.builtin_kinds`, registered when `core.models` is imported) (timm's one-registration-per-model
-idea, `timm.models.register_model`).
+so adding a kind is one record in `BUILTIN_KINDS` below (or one `register(ModelKind(...))` call for a kind of
+your own) next to its builder (timm's one-registration-per-model idea, `timm.models.register_model`).
+
+A record names its code by reference (``"package.module:attribute"``) and this module imports nothing but the
+standard library: the configuration checks kind names without loading any network, and a stage loads only the
+code of the kind it builds (the CNN's pretraining never imports the attention layers, so DVC does not rerun it
+when they change: `ModelKind.code`).
 
 What a record says:
-- ``build(arch, num_classes, **options)``: the kind's network, untrained (converting kinds: the CNN is built by
-  timm and converted with `core.models.reparam.to_tcnn`; see ``attention``).
-- ``archs``: the closed set of arch names, or None for timm's registry (which holds the project's small nets).
+- ``build``: the reference of ``build(arch, num_classes, **options)``, the kind's network, untrained (converting
+  kinds: the CNN is built by timm and converted with `core.models.reparam.to_tcnn`; see ``attention``).
+- ``archs``: the reference of the closed set of arch names, or None for timm's registry (which holds the
+  project's small nets).
 - what pretraining trains: the plain CNN (``pretrains_cnn``; the reparam stage converts it afterwards) or the
   kind's own network from scratch;
 - how it converts: ``attention`` ("gpsa": T-CNN, [TCNN21] Sec. 2; "psa": [Cordonnier20]) with the
   ``conversion`` options of `to_tcnn`, read from the ``reparam`` section (conversion after pretraining) or from
   ``model.options`` (``conversion_in="options"``: the conversion is part of the architecture pretraining
   trains, so it is a model option and changing it re-runs pretraining), or ``reparameterize(model)`` for a
-  two-phase model (``phases``: the pretraining phase and the phase after reparameterization; [Li21]);
+  two-phase model (a reference; ``phases``: the pretraining phase and the phase after reparameterization; [Li21]);
 - whether it has a matched control (`ModelKind.has_control`: the fine-tuned model is a reparameterized
   pretrained network);
 - whether ``model.arch`` may name a user's builder (``builders``, `core.models.builders`);
@@ -26,14 +31,15 @@ What a record says:
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch.nn as nn
-
 __all__ = [
     "ABLATION_SWITCHES",
+    "BUILTIN_KINDS",
+    "CONVERSION",
     "GATING_MODES",
     "REPARAM_KEYS",
     "ModelKind",
@@ -41,6 +47,7 @@ __all__ = [
     "get",
     "kind_names",
     "register",
+    "resolve",
     "unregister",
 ]
 
@@ -53,6 +60,14 @@ ABLATION_SWITCHES: dict[str, str] = {
 GATING_MODES = ("train", "freeze0")
 #: The conversion settings of the ``reparam`` section ([TCNN21] Sec. 2), in `to_tcnn`'s names.
 REPARAM_KEYS = ("alpha_init", "lambda_init", "stages", "stride_mode")
+#: The module that converts a CNN's convs to GPSA / PSA (`to_tcnn`), loaded by the converting kinds only.
+CONVERSION = "core.models.reparam"
+
+
+def resolve(ref: str) -> Any:
+    """The object a ``"package.module:attribute"`` reference names (imported on first use)."""
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 @dataclass(frozen=True)
@@ -60,19 +75,19 @@ class ModelKind:
     """One model kind (see the module docstring for what each field means)."""
 
     name: str
-    build: Callable[..., nn.Module]
+    build: str
     summary: str = ""
-    archs: Collection[str] | None = None
+    archs: str | None = None
     pretrains_cnn: bool = False
     attention: Literal["gpsa", "psa"] | None = None
     conversion: tuple[str, ...] = ()
     conversion_in: Literal["reparam", "options"] = "reparam"
     conversion_defaults: dict[str, Any] = field(default_factory=dict)
-    reparameterize: Callable[[nn.Module], nn.Module] | None = None
+    reparameterize: str | None = None
     phases: tuple[str, str] | None = None
     ablations: tuple[str, ...] = ()
     image_size_option: str | None = None
-    check_options: Callable[[dict[str, Any]], None] | None = None
+    check_options: str | None = None
     builders: bool = (
         False  # model.arch may name a user's builder, package.module:function (core.models.builders)
     )
@@ -85,6 +100,42 @@ class ModelKind:
             raise ValueError(
                 f"kind {self.name!r}: a converting kind names its attention and conversion options"
             )
+
+    def builder(self) -> Callable[..., Any]:
+        """The kind's ``build(arch, num_classes, **options)``."""
+        return resolve(self.build)
+
+    def arch_names(self) -> Collection[str] | None:
+        """The closed set of arch names (None: timm's registry)."""
+        return None if self.archs is None else resolve(self.archs)
+
+    def checker(self) -> Callable[[dict[str, Any]], None] | None:
+        """The kind's own option check, if any."""
+        return None if self.check_options is None else resolve(self.check_options)
+
+    def reparameterizer(self) -> Callable[[Any], Any] | None:
+        """A two-phase kind's map from its first phase to its second ([Li21] Theorem 1)."""
+        return None if self.reparameterize is None else resolve(self.reparameterize)
+
+    def code(self) -> tuple[str, ...]:
+        """The modules that build, check and convert this kind's network (the conversion module when it
+        converts): what a stage that builds it loads, and so its DVC deps."""
+        refs = (self.build, self.archs, self.check_options, self.reparameterize)
+        modules = [r.partition(":")[0] for r in refs if r is not None]
+        if self.attention is not None:
+            modules.append(CONVERSION)
+        return tuple(dict.fromkeys(modules))
+
+    def source_mismatch(self, spec_cnn: dict[str, Any]) -> str | None:
+        """Why a pretraining checkpoint of ``spec_cnn`` cannot be reparameterized to this kind (None: it can)."""
+        converted_already = self.reparameterizes and self.attention is not None and spec_cnn.get("tcnn")
+        if spec_cnn["kind"] == self.pretraining_kind and not converted_already:
+            return None
+        held = "a T-CNN" if spec_cnn.get("tcnn") is not None else f"a {spec_cnn['kind']!r} model"
+        return (
+            f"holds {held} already; model.kind={self.name!r} expects a {self.pretraining_kind!r} "
+            "pretraining checkpoint"
+        )
 
     @property
     def pretraining_kind(self) -> str:
@@ -129,7 +180,41 @@ class ModelKind:
         return conv
 
 
-_REGISTRY: dict[str, ModelKind] = {}
+_CNN = "core.models.cnn:build_cnn"
+#: The project's kinds ([TCNN21] Sec. 2 and Table 3, [Cordonnier20], [ConViT21], [Bello19], [Li21]); what each is
+#: and does: its ``summary`` and `core.models.cnn` (the CNN), `core.models.reparam` (the conversion).
+BUILTIN_KINDS: tuple[ModelKind, ...] = (
+    ModelKind("cnn", _CNN, "a timm CNN (or a project small net)", pretrains_cnn=True, builders=True),
+    ModelKind(
+        "tcnn", _CNN, "the CNN's last-stage 3x3 convs as GPSA after pretraining ([TCNN21] Sec. 2)",
+        pretrains_cnn=True, attention="gpsa", conversion=REPARAM_KEYS, ablations=("gating", "freeze_gpsa"),
+        builders=True,
+    ),
+    ModelKind(
+        "psa", _CNN, "the CNN's convs as ungated positional self-attention ([Cordonnier20])",
+        pretrains_cnn=True, attention="psa", conversion=("alpha_init", "stages", "stride_mode", "qk_init"),
+        ablations=("freeze_gpsa",), check_options=f"{CONVERSION}:check_psa_options", builders=True,
+    ),
+    ModelKind(
+        "hybrid_scratch", _CNN, "the T-CNN architecture trained from scratch ([TCNN21] Table 3, t1 = 0)",
+        attention="gpsa", conversion=REPARAM_KEYS, conversion_in="options",
+        conversion_defaults={"alpha_init": 1.0, "lambda_init": 1.0, "stages": [-1], "stride_mode": "exact"},
+        ablations=("gating", "freeze_gpsa"), check_options=f"{CONVERSION}:check_hybrid_options",
+    ),
+    ModelKind(
+        "convit", "core.models.convit:build_convit", "ConViT ([ConViT21]) on the project's GPSA",
+        archs="core.models.convit:CONVIT_CONFIGS", ablations=("gating", "conv_init", "freeze_gpsa"),
+        image_size_option="img_size",
+    ),
+    ModelKind("aa_resnet", "core.models.aa_resnet:build_aa_resnet", "Attention Augmented ResNet ([Bello19])"),
+    ModelKind(
+        "cmhsa", "core.nn.cmhsa:build_cmhsa", "convolution phase -> self-attention phase ([Li21] Theorem 1)",
+        archs="core.nn.cmhsa:CMHSA_ARCHS", reparameterize="core.nn.cmhsa:to_mhsa", phases=("conv", "mhsa"),
+        check_options="core.nn.cmhsa:check_phase_option",
+    ),
+)  # fmt: skip
+
+_REGISTRY: dict[str, ModelKind] = {k.name: k for k in BUILTIN_KINDS}
 
 
 def register(kind: ModelKind) -> ModelKind:

@@ -16,15 +16,16 @@ module-name patterns (``reparam.stages: ["features.7.*"]``).
 from __future__ import annotations
 
 import copy
-import fnmatch
 from collections.abc import Sequence
+from typing import Any
 
 import torch.nn as nn
 
-from core.nn.gpsa import GPSA
+from core.models.cnn_layout import conversion_targets, model_stages
+from core.nn.attention_layers import attention_modules, gpsa_modules
 from core.nn.gpsa_tcnn import TcnnGPSA
 from core.nn.positional import STRIDE_MODES
-from core.nn.psa import PSA
+from core.nn.psa import PSA, QK_INITS
 
 __all__ = [
     "ATTENTIONS",
@@ -37,61 +38,6 @@ __all__ = [
 ]
 
 ATTENTIONS = ("gpsa", "psa")
-
-
-def model_stages(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The ResNet stages ``layer1`` ... ``layerN`` of ``model`` in order, as (name, module)."""
-    stages = []
-    i = 1
-    while isinstance(getattr(model, f"layer{i}", None), nn.Module):
-        stages.append((f"layer{i}", getattr(model, f"layer{i}")))
-        i += 1
-    return stages
-
-
-def _spatial_convs(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Conv2d]]:
-    """The k x k convolutions (k > 1) under ``module``, as (qualified name, conv)."""
-    return [
-        (f"{prefix}{name}", m)
-        for name, m in module.named_modules()
-        if isinstance(m, nn.Conv2d) and max(m.kernel_size) > 1
-    ]
-
-
-def conversion_targets(model: nn.Module, stages: Sequence[int | str]) -> list[tuple[str, nn.Conv2d]]:
-    """The convolutions `to_tcnn` converts: every k x k conv (k > 1) of the ResNet stages ``stages`` indexes
-    (layer1..layerN, negative from the end), and every one whose module name matches a pattern of
-    ``stages`` (fnmatch, e.g. ``"features.7.*"``), for a net that is not ResNet-like. One-line ValueErrors."""
-    patterns = [s for s in stages if isinstance(s, str)]
-    indices = [int(s) for s in stages if not isinstance(s, str)]
-    targets: dict[str, nn.Conv2d] = {}
-    if indices:
-        all_stages = model_stages(model)
-        if not all_stages:
-            raise ValueError(
-                f"to_tcnn: {type(model).__name__} has no ResNet stages (layer1, layer2, ...); name the convs "
-                "by module-name patterns instead"
-            )
-        n = len(all_stages)
-        picked: list[int] = []
-        for s in indices:
-            if not -n <= s < n:
-                raise ValueError(f"to_tcnn: stage index {s} out of range for {n} stages")
-            if s % n not in picked:
-                picked.append(s % n)
-        for idx in sorted(picked):
-            stage_name, stage = all_stages[idx]
-            targets.update(_spatial_convs(stage, f"{stage_name}."))
-        if not targets:
-            raise ValueError(f"to_tcnn: no k x k convolutions (k > 1) in stages {sorted(picked)}")
-    for pattern in patterns:
-        found = [(name, m) for name, m in _spatial_convs(model) if fnmatch.fnmatchcase(name, pattern)]
-        if not found:
-            raise ValueError(f"to_tcnn: no k x k convolution (k > 1) matches {pattern!r}")
-        targets.update(found)
-    if not targets:
-        raise ValueError("to_tcnn: no stages selected")
-    return list(targets.items())
 
 
 def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -159,18 +105,29 @@ def to_psa(
     )
 
 
-def gpsa_modules(model: nn.Module) -> list[tuple[str, GPSA | PSA]]:
-    """All positional self-attention layers of ``model`` (GPSA, T-CNN or ConViT, and PSA) as (qualified
-    name, module), in module order. They share the analysis accessors (alpha, gate, centers, attention_maps,
-    nonlocality) and `positional_parameter_names` / `gating_parameter_names` (a PSA has no gate)."""
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, (GPSA, PSA))]
+def check_psa_options(options: dict[str, Any]) -> None:
+    if "lambda_init" in options:
+        raise ValueError("options.lambda_init: kind 'psa' has no gate (no lambda)")
+    if "qk_init" in options and options["qk_init"] not in QK_INITS:
+        raise ValueError(f"options.qk_init: must be one of {list(QK_INITS)}, got {options['qk_init']!r}")
 
 
-def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every attention layer that can show its attention: GPSA / PSA and any module (e.g. of core.nn.aa,
-    core.nn.cmhsa) exposing an ``attention_maps(x)`` method; (qualified name, module) in module order."""
-    return [
-        (name, m)
-        for name, m in model.named_modules()
-        if isinstance(m, (GPSA, PSA)) or callable(getattr(m, "attention_maps", None))
-    ]
+def check_hybrid_options(options: dict[str, Any]) -> None:
+    """The conversion settings a hybrid_scratch model carries in ``model.options`` ([TCNN21] Table 3, t1 = 0)."""
+    a = options.get("alpha_init", 1.0)
+    if isinstance(a, bool) or not isinstance(a, int | float) or not a > 0:
+        raise ValueError(f"options.alpha_init: must be a number > 0, got {a!r}")
+    lam = options.get("lambda_init", 1.0)
+    if isinstance(lam, bool) or not isinstance(lam, int | float):
+        raise ValueError(f"options.lambda_init: must be a number, got {lam!r}")
+    st = options.get("stages", [-1])
+    if (
+        not isinstance(st, list | tuple)
+        or not st
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in st)
+    ):
+        raise ValueError(f"options.stages: must be a non-empty list of stage indices, got {st!r}")
+    if options.get("stride_mode", "exact") not in STRIDE_MODES:
+        raise ValueError(
+            f"options.stride_mode: must be one of {list(STRIDE_MODES)}, got {options['stride_mode']!r}"
+        )

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from core.models import convert, kinds
+from core.models import kinds
+from core.models.factory import convert
 from core.models.kinds import ABLATION_SWITCHES, REPARAM_KEYS
 from core.models.spec import build_from_spec, make_model_spec
 
@@ -33,12 +34,7 @@ class Reparameterized:
 
 def source_mismatch(spec_cnn: dict[str, Any], kind: str) -> str | None:
     """Why a pretraining checkpoint of ``spec_cnn`` cannot be reparameterized to ``kind`` (None: it can)."""
-    record = kinds.get(kind)
-    converted_already = record.reparameterizes and record.attention is not None and spec_cnn.get("tcnn")
-    if spec_cnn["kind"] == record.pretraining_kind and not converted_already:
-        return None
-    held = "a T-CNN" if spec_cnn.get("tcnn") is not None else f"a {spec_cnn['kind']!r} model"
-    return f"holds {held} already; model.kind={kind!r} expects a {record.pretraining_kind!r} pretraining checkpoint"
+    return kinds.get(kind).source_mismatch(spec_cnn)
 
 
 def switches(kind: str, options: dict[str, Any]) -> dict[str, Any]:
@@ -73,7 +69,7 @@ def reparameterize(
         spec = make_model_spec(kind, arch, n, chans, spec_options, section)
         return Reparameterized(model, spec, converted=True, carry_by_name=False)
     if record.reparameterize is not None and record.phases is not None:
-        model = record.reparameterize(cnn)
+        model = record.reparameterizer()(cnn)
         spec = make_model_spec(kind, arch, n, chans, spec_cnn["options"], phase=record.phases[1])
         note = f"{kind}: {record.phases[0]} phase -> {record.phases[1]} phase ({record.summary})"
         return Reparameterized(model, spec, converted=True, carry_by_name=True, note=note)

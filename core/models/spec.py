@@ -16,7 +16,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from core.models import backbone_options, build, kinds
+from core.models import kinds
+from core.models.factory import backbone_options, build
 
 MODEL_SPEC_KEYS = ("kind", "arch", "num_classes", "in_chans", "options", "tcnn")
 TCNN_SPEC_KEYS = ("alpha_init", "lambda_init", "stages", "stride_mode")

@@ -53,7 +53,16 @@ from timm.layers import DropPath, Mlp, PatchEmbed, trunc_normal_
 
 from core.nn.locality import grid_distances, nonlocality
 
-__all__ = ["CMHSA", "CMHSA_ARCHS", "ConvMixer", "RelPosMHSA", "build_cmhsa", "mhsa_modules", "to_mhsa"]
+__all__ = [
+    "CMHSA",
+    "CMHSA_ARCHS",
+    "ConvMixer",
+    "RelPosMHSA",
+    "build_cmhsa",
+    "check_phase_option",
+    "mhsa_modules",
+    "to_mhsa",
+]
 
 PHASES = ("conv", "mhsa")
 
@@ -402,3 +411,8 @@ def to_mhsa(model: CMHSA, *, bias_init: float = 40.0) -> CMHSA:
 def mhsa_modules(model: nn.Module) -> list[tuple[str, RelPosMHSA]]:
     """All `RelPosMHSA` layers of ``model`` as (name, module)."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, RelPosMHSA)]
+
+
+def check_phase_option(options: dict[str, Any]) -> None:
+    if options.get("phase", "conv") not in ("conv", "mhsa"):
+        raise ValueError(f"options.phase: must be 'conv' or 'mhsa', got {options['phase']!r}")

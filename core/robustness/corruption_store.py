@@ -20,6 +20,7 @@ from core.utils.atomic import atomic_write
 # Stored sets: <dir>/<corruption>/<severity>.parquet (and <dir>/clean.parquet)
 # ----------------------------------------------------------------------------------------------------------
 
+INDEX = "index.json"  # <dir>/index.json: the sets of a folder, their sha256 and the identity that made them
 SET_FORMAT = 3  # 3: the stored content's sha256 in the metadata, verified on every read
 _META_KEY = b"tcnn.corrupted_set"
 

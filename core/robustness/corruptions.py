@@ -85,6 +85,7 @@ from core.robustness.corruption_ops import (
 )
 from core.robustness.corruption_sets import default_workers, iter_sets
 from core.robustness.corruption_store import (
+    INDEX,
     SET_FORMAT,
     StoredSet,
     content_digest,
@@ -117,6 +118,7 @@ from core.robustness.corruption_tables import (
 )
 
 __all__ = [
+    "INDEX",
     "BANDS", "BENCHMARK_CORRUPTIONS", "CATEGORIES", "CATEGORY_OF", "COLOUR_ONLY", "CONSTANTS", "CORRUPTIONS",
     "CORRUPTION_VERSION", "EXTRA_CORRUPTIONS", "FROST_TEXTURES", "LUMA", "NON_MONOTONE", "SET_FORMAT", "SEVERITIES",
     "StoredSet", "band_for_size", "content_digest", "corrupt", "corrupt_batch", "default_workers", "fingerprint",

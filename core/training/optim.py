@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from core.models.reparam import gpsa_modules
+from core.nn.attention_layers import gpsa_modules
 
 # ---------------------------------------------------------------------------------------------------------
 # Schedule

@@ -1,0 +1,215 @@
+"""Model factory: `build(kind, arch, num_classes, **options)` for every kind of the registry
+(`core.models.kinds`, where the project's kinds are listed with what each means).
+
+Converting kinds (a record with ``attention``: "tcnn", "psa", "hybrid_scratch") build the CNN with timm and
+convert it with `core.models.reparam.to_tcnn` ([TCNN21] Sec. 2; loaded only for them); their conversion options go to `to_tcnn`, the rest
+to the CNN. Every other kind's record builds its network directly.
+
+Ablation switches ([ConViT21] Table 3; `core.models.kinds.ABLATION_SWITCHES`), options of the kinds whose
+record lists them:
+- ``gating``: "train" (default) or "freeze0": every gating parameter lambda is set to 0 and frozen, so each
+  head pays the same attention to content and position ([ConViT21] Table 3 footnote 4: "no gating").
+- ``conv_init``: true (default) or false: false drops the convolutional (locality) init of [ConViT21] Eq. 5: W_val
+  and the positional embedding v_pos get timm's ViT init (truncated normal, std 0.02) like every other
+  linear layer; v_pos is then stored raw (``positional="linear"``) since a random one may be anti-local.
+- ``freeze_gpsa``: false (default) or true: every parameter of every GPSA (PSA) layer is frozen
+  (requires_grad False; the optimizers skip them).
+The switches act at build time, so a model rebuilt from its checkpoint spec is frozen the same way.
+
+Small CIFAR-style ResNets (3x3 stride-1 stem, no max-pool; for 28-64 px inputs) are registered in timm's
+registry, so `timm.create_model("resnet10_cifar")` works like any timm name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import timm
+import torch
+import torch.nn as nn
+from timm.layers import DropPath
+
+from core.models import kinds
+from core.models.builders import is_builder, load_builder
+from core.models.kinds import ABLATION_SWITCHES, CONVERSION, GATING_MODES, REPARAM_KEYS, ModelKind
+from core.models.resnets import PROJECT_ARCHS
+from core.nn.attention_layers import gpsa_modules
+
+__all__ = [
+    "apply_ablations",
+    "backbone_options",
+    "build",
+    "check_arch",
+    "check_options",
+    "convert",
+    "is_known_arch",
+    "set_drop_path",
+    "set_stochastic_depth",
+]
+
+
+def is_known_arch(arch: str, kind: str | None = None) -> bool:
+    """Whether ``arch`` names a model of ``kind`` (its record's closed set, else timm's registry, which holds
+    the project's small nets); None: of any kind."""
+    if kind is None:
+        return any(is_known_arch(arch, k.name) for k in kinds.all_kinds())
+    if is_builder(arch):
+        return kinds.get(kind).builders
+    archs = kinds.get(kind).arch_names()
+    return arch in archs if archs is not None else (arch in PROJECT_ARCHS or timm.is_model(arch))
+
+
+def check_arch(kind: str, arch: str) -> None:
+    """One-line ValueError unless ``arch`` is a model of ``kind`` (a user's builder ``module:function`` is
+    imported here, for the kinds that take one)."""
+    if is_builder(arch):
+        if not kinds.get(kind).builders:
+            takers = [k.name for k in kinds.all_kinds() if k.builders]
+            raise ValueError(f"a user's builder ({arch}) serves kinds {takers}, not {kind!r}")
+        load_builder(arch)
+        return
+    if not is_known_arch(arch, kind):
+        archs = kinds.get(kind).arch_names()
+        if archs is not None:
+            raise ValueError(f"unknown arch {arch!r} for kind {kind!r} (choose from {sorted(archs)})")
+        raise ValueError(f"unknown arch {arch!r} (not a timm model name nor a project-registered net)")
+
+
+def check_options(kind: str, options: dict[str, Any]) -> None:
+    """Validate the ablation switches and conversion options of ``kind`` (one-line ValueError naming the key).
+
+    Options the switches do not know are left to the constructors (timm kwargs etc.)."""
+    record = kinds.get(kind)
+    for key in ABLATION_SWITCHES:
+        if key in options and key not in record.ablations:
+            takers = [k.name for k in kinds.all_kinds() if key in k.ablations]
+            raise ValueError(f"options.{key}: applies to kinds {takers}, not {kind!r}")
+    if "gating" in options and options["gating"] not in GATING_MODES:
+        raise ValueError(f"options.gating: must be one of {list(GATING_MODES)}, got {options['gating']!r}")
+    for key in ("conv_init", "freeze_gpsa"):
+        if key in options and not isinstance(options[key], bool):
+            raise ValueError(f"options.{key}: must be true or false, got {options[key]!r}")
+    checker = record.checker()
+    if checker is not None:
+        checker(options)
+
+
+def check_model_options(kind: str, options: dict[str, Any]) -> None:
+    """`check_options` for ``model.options`` of params.yaml: a converting kind whose conversion follows
+    pretraining takes the `reparam` section's keys from there, never from the options."""
+    check_options(kind, options)
+    record = kinds.get(kind)
+    foreign = sorted(set(options) & _conversion_keys() - set(REPARAM_KEYS) - set(record.conversion))
+    if foreign:
+        takers = [k.name for k in kinds.all_kinds() if foreign[0] in k.conversion]
+        raise ValueError(f"options.{foreign[0]}: applies to kinds {takers}, not {kind!r}")
+    if record.conversion_in == "reparam":
+        bad = [k for k in REPARAM_KEYS if k in options and k in record.conversion]
+        if bad:
+            raise ValueError(
+                f"options.{bad[0]}: kind {kind!r} converts with reparam.{bad[0]}; set that instead"
+            )
+    if record.phases is not None and "phase" in options:
+        raise ValueError(
+            f"options.phase: set by the stages (pretrain: {record.phases[0]}, reparam onwards: "
+            f"{record.phases[1]}), not an option"
+        )
+
+
+#: The switches `apply_ablations` applies to a built model (``conv_init`` acts inside the builder).
+POST_BUILD_SWITCHES = ("gating", "freeze_gpsa")
+
+
+def _conversion_keys() -> set[str]:
+    return {key for k in kinds.all_kinds() for key in k.conversion}
+
+
+def backbone_options(kind: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The options of ``kind`` that the underlying CNN takes (ablation and conversion keys removed)."""
+    drop = set(ABLATION_SWITCHES) | set(kinds.get(kind).conversion)
+    return {k: v for k, v in options.items() if k not in drop}
+
+
+def apply_ablations(model: nn.Module, *, gating: str = "train", freeze_gpsa: bool = False) -> nn.Module:
+    """[ConViT21] Table 3 switches on the GPSA / PSA layers of ``model`` (in place; see the module docstring)."""
+    if gating not in GATING_MODES:
+        raise ValueError(f"gating must be one of {list(GATING_MODES)}, got {gating!r}")
+    layers = gpsa_modules(model)
+    if (gating != "train" or freeze_gpsa) and not layers:
+        raise ValueError("ablation switches need a model with GPSA layers")
+    for _, m in layers:
+        if gating == "freeze0":
+            if not hasattr(m, "gating_param"):
+                raise ValueError(f"gating='freeze0': {type(m).__name__} has no gate")
+            with torch.no_grad():
+                m.gating_param.zero_()
+            m.gating_param.requires_grad_(False)
+        if freeze_gpsa:
+            for p in m.parameters():
+                p.requires_grad_(False)
+    return model
+
+
+def set_drop_path(model: nn.Module, rate: float) -> int:
+    """Stochastic depth with timm's linear rule: block i of n drops its residual branch with rate*i/(n-1).
+
+    Applies to every module with a `drop_path` attribute (timm ResNet BasicBlock / Bottleneck), in
+    definition order; rate 0 removes it. Returns the number of blocks touched.
+    """
+    blocks = [m for m in model.modules() if hasattr(m, "drop_path") and not isinstance(m, DropPath)]
+    n = len(blocks)
+    for i, block in enumerate(blocks):
+        r = rate * i / (n - 1) if n > 1 else rate
+        block.drop_path = DropPath(r) if r > 0 else None
+    return n
+
+
+def set_stochastic_depth(model: nn.Module, rate: float) -> int:
+    """`set_drop_path` (timm's linear rule over the blocks) for every kind: blocks whose forward
+    calls ``self.drop_path(...)`` unconditionally (ConViT, cmhsa) get ``nn.Identity`` where the rule gives 0
+    (timm's ResNet blocks take None). Returns the number of blocks touched."""
+    from timm.models.resnet import BasicBlock as TimmBasic
+    from timm.models.resnet import Bottleneck
+
+    n = set_drop_path(model, rate)
+    for m in model.modules():
+        if hasattr(m, "drop_path") and m.drop_path is None and not isinstance(m, (TimmBasic, Bottleneck)):
+            m.drop_path = nn.Identity()
+    return n
+
+
+def convert(cnn: nn.Module, kind: str, **options: Any) -> nn.Module:
+    """The conversion of a converting kind (its record's ``attention``: GPSA or PSA, `to_tcnn`) followed by
+    the ablation switches: a NEW module (``cnn`` untouched). ``options``: conversion keys and switches."""
+    record = kinds.get(kind)
+    if record.attention is None:
+        raise ValueError(f"kind {kind!r} does not convert a CNN")
+    check_options(kind, options)
+    conv = {k: options.pop(k) for k in record.conversion if k in options}
+    ablate = {k: options.pop(k) for k in POST_BUILD_SWITCHES if k in options}
+    if options:
+        raise ValueError(f"kind {kind!r}: unknown conversion option(s) {sorted(options)}")
+    if "stages" in conv:
+        conv["stages"] = tuple(conv["stages"])  # indices or module-name patterns (to_tcnn)
+    to_tcnn = kinds.resolve(f"{CONVERSION}:to_tcnn")  # the attention code, loaded by converting kinds only
+    return apply_ablations(to_tcnn(cnn, attention=record.attention, **conv), **ablate)
+
+
+def build(kind: str, arch: str, num_classes: int, **options: Any) -> nn.Module:
+    """Build a model of ``kind`` (its registry record, `core.models.kinds`) on ``arch`` with ``num_classes``.
+
+    ``options`` go to the kind's builder (timm kwargs such as ``in_chans``, ``drop_path_rate`` (alias
+    ``drop_path``), ``img_size``; convit's ``positional``, ``attn_impl``; aa_resnet's and cmhsa's own), except
+    a converting kind's conversion keys (to `to_tcnn`) and the ablation switches.
+    """
+    options = dict(options)
+    record: ModelKind = kinds.get(kind)
+    check_options(kind, options)
+    check_arch(kind, arch)
+    if "drop_path" in options:  # params.yaml's model.drop_path is timm's drop_path_rate
+        options["drop_path_rate"] = options.pop("drop_path")
+    ablate = {k: options.pop(k) for k in POST_BUILD_SWITCHES if k in options}
+    if record.attention is not None:
+        conv = {k: options.pop(k) for k in record.conversion if k in options}
+        return convert(record.builder()(arch, num_classes, **options), kind, **conv, **ablate)
+    return apply_ablations(record.builder()(arch, num_classes, **options), **ablate)

@@ -1,0 +1,36 @@
+"""Finding a network's attention layers by what they can do, not by their class, so that code which only
+needs to find them (the optimizer's parameter groups, the ablation switches, the dissection) does not import
+the attention layers themselves: a CNN's training never loads the GPSA code.
+
+- positional self-attention layers (T-CNN and ConViT GPSA, [TCNN21] Sec. 2, [ConViT21] Eq. 5; PSA,
+  [Cordonnier20]) name their positional and gating parameters (``positional_parameter_names``,
+  ``gating_parameter_names``; a PSA has no gate) and share the analysis accessors;
+- every attention layer that can show its attention has ``attention_maps(x)`` (GPSA, PSA, Attention Augmented
+  convolutions [Bello19], [Li21]'s MHSA).
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+__all__ = ["attention_modules", "gpsa_modules"]
+
+
+def _positional(m: nn.Module) -> bool:
+    return callable(getattr(m, "positional_parameter_names", None))
+
+
+def gpsa_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """All positional self-attention layers of ``model`` (GPSA, T-CNN or ConViT, and PSA) as (qualified
+    name, module), in module order."""
+    return [(name, m) for name, m in model.named_modules() if _positional(m)]
+
+
+def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every attention layer that can show its attention: GPSA / PSA and any module (e.g. of core.nn.aa,
+    core.nn.cmhsa) exposing an ``attention_maps(x)`` method; (qualified name, module) in module order."""
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if _positional(m) or callable(getattr(m, "attention_maps", None))
+    ]

@@ -1,0 +1,295 @@
+"""Fine-tuning, shared by the finetune stage (the T-CNN) and the control stage (the same pretrained CNN, no
+attention): one training function, one identity, one seed stream, so the two arms differ only in the network
+([TCNN21] Table 1, "without SA"). The recipe and what the outputs hold: the finetune stage's docstring.
+
+It imports no attention code: the T-CNN's per-layer statistics come in through its `Variant`, so the control
+(and its DVC deps) do not change when the attention layers do.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.config import Params
+from core.data import first_batch
+from core.models import kinds
+from core.models.factory import set_stochastic_depth
+from core.models.spec import build_from_spec
+from core.training import distributed as D
+from core.training import early_stop, recipes
+from core.training.checkpoint import restore_rng
+from core.training.history import summarize_gpsa
+from core.training.loop import (
+    TrainLoss,
+    deterministic,
+    fit,
+    seed_everything,
+)
+from core.training.optim import freeze_parameters
+from core.utils.hashing import derive_seed, file_digest, stable_hash
+from stages import chain
+from stages import training as T
+from stages.identity import stage_identity
+from stages.runner import StageError
+
+NAME = "finetune"  # the params section and the seed stream of both variants (the T-CNN and its control)
+PROBE = 128  # validation images fed through the network for the per-epoch nonlocality
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Which network a fine-tuning run trains, and where its files go (the T-CNN, or the matched control)."""
+
+    name: str  # work dir runs/.partial/<name>, outputs runs/<name>/, progress label
+    final: str  # the final model checkpoint, relative to runs/<name>/
+    #: Per attention layer statistics each epoch and their long table (`core.analysis.dissect.layer_stats`,
+    #: `long_rows`), given by the finetune stage; None for the control, which has no attention layer.
+    layer_stats: Callable[[torch.nn.Module, Any], dict[str, Any]] | None = None
+    long_rows: Callable[[list[dict[str, Any]]], list[dict[str, Any]]] | None = None
+
+    def out_dir(self, root: Path) -> Path:
+        return root / chain.run_dir(self.name)
+
+    def work_dir(self, root: Path) -> Path:
+        return root / chain.partial_dir(self.name)
+
+
+def identity(
+    params: Params,
+    inputs: Mapping[str, Any],
+    device: str,
+    *,
+    freeze: Sequence[str] = (),
+    variant: str = NAME,
+    workers: int | None = None,
+) -> dict[str, Any]:
+    """What a fine-tuning run's result depends on (`stages.identity`), for the T-CNN (``variant`` finetune) and
+    its matched control (control): the seed, the data's meaning, the recipe (`finetune.mode`: fresh takes the
+    finetune section and its augmentation, continue the pretraining's), the frozen names, and ``inputs``: the
+    network it starts from (the DVC path: the checkpoint's sha256; a sweep's control: its pretraining's key
+    and t1)."""
+    parts: dict[str, Any] = {
+        "seed": params.seed,
+        "data": T.data_identity(params),
+        "mode": params.finetune.mode,
+        "freeze": sorted(freeze),
+    }
+    if params.cnn_seed != params.seed:  # the CNN's own seed sets the split (absent: identities as before)
+        parts["cnn_seed"] = params.pretrain.seed
+    if params.finetune.mode == "fresh":
+        # stop: below; control_lr: the control's params carry it as lr (Params.for_control)
+        skip = ("stop", "control_lr")
+        parts["finetune"] = {k: v for k, v in T.section_identity(params.finetune).items() if k not in skip}
+        parts["augment"] = params.augment_for("finetune").model_dump(mode="json")
+    else:
+        parts["pretrain"] = {k: v for k, v in T.section_identity(params.pretrain).items() if k != "seed"}
+        parts["augment"] = params.augment_for("pretrain").model_dump(mode="json")
+        parts["drop_path"] = params.model.drop_path
+    if (
+        params.finetune.stop is not None
+    ):  # absent: the identities of runs made before the option stay the same
+        parts["stop"] = params.finetune.stop.model_dump(mode="json")
+    execution = T.execution_identity(params, workers)
+    return stage_identity(variant, parts, inputs=inputs, device=device, execution=execution)
+
+
+CONTROL = Variant("control", "model/control-final.pt")
+
+
+def control_checkpoint(root: Path) -> Path:
+    """The control's final model (what evaluate compares the T-CNN with)."""
+    return CONTROL.out_dir(root) / CONTROL.final
+
+
+def control_disabled_reason(params: Params) -> str | None:
+    """Why this config has no matched control (None: it has one)."""
+    if not params.finetune.control:
+        return "finetune.control is false"
+    if not kinds.get(params.model.kind).has_control:
+        return (
+            f"model.kind={params.model.kind!r} fine-tunes without reparameterization: its fine-tuned model is "
+            "already the control"
+        )
+    return None
+
+
+def _build(ckpt: dict[str, Any], src: Path) -> torch.nn.Module:
+    try:
+        model = build_from_spec(ckpt["model_spec"])
+        model.load_state_dict(ckpt["model"])
+    except (ValueError, TypeError, KeyError, RuntimeError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise StageError(f"{src}: cannot rebuild the model from this checkpoint ({first})") from None
+    return model
+
+
+def train(
+    params: Params,
+    root: Path,
+    ckpt: dict[str, Any],
+    src: Path,
+    variant: Variant,
+    *,
+    freeze: Sequence[str] = (),
+    strict_freeze: bool = True,
+) -> dict[str, Any]:
+    """Fine-tune the model of `ckpt` (read from `src`: {"model", "model_spec"[, "carry"]}) with the recipe of
+    `finetune.mode` and publish it under runs/<variant.name>/. `strict_freeze`: a freeze name that matches
+    no parameter is an error (the control passes False: the T-CNN's attention-only names do not exist there)."""
+    t_wall = time.perf_counter()
+    out_dir, work_dir = variant.out_dir(root), variant.work_dir(root)
+    mode = params.finetune.mode
+    seed = derive_seed(params.seed, NAME)  # one stream for every variant (the control matches the T-CNN)
+    seed_everything(seed)
+    model = _build(ckpt, src)
+    spec = ckpt["model_spec"]
+    ds = T.datasets(params, root)
+    device = T.training_device()
+    f, p = params.finetune, params.pretrain
+    freeze = sorted({*freeze, *f.freeze})
+    frozen = freeze_parameters(model, freeze) if freeze else []
+    if freeze and not frozen and strict_freeze:
+        raise StageError(f"finetune.freeze: no parameter of the model is named {freeze}")
+
+    if mode == "fresh":
+        size, batch, drop_path = f.image_size or params.data.image_size, f.batch_size, f.drop_path
+        augment, order_seed, key = params.augment_for("finetune"), seed, "finetune.batch_size"
+    else:
+        carry = ckpt["carry"]
+        if int(carry["epoch"]) != params.reparam.epoch:
+            raise StageError(
+                f"{src}: was converted at epoch {int(carry['epoch'])} but reparam.epoch={params.reparam.epoch}; "
+                "rerun the reparam stage"
+            )
+        size, batch, drop_path = (
+            int(ckpt.get("image_size") or params.data.image_size),
+            p.batch_size,
+            params.model.drop_path,
+        )
+        augment, order_seed, key = params.augment_for("pretrain"), params.seed, "pretrain.batch_size"
+    set_stochastic_depth(model, drop_path)
+    loaders = T.loaders(params, ds, batch_size=batch, seed=order_seed, augment=augment, size=size)
+    spe = _steps(loaders, batch, ds, key)
+    try:
+        recipe = recipes.fresh(model, f, spe) if mode == "fresh" else recipes.continued(model, p, carry, spe)
+    except ValueError as err:
+        raise StageError(f"{src}: {err}") from None
+    optimizer, scheduler, epochs, info = recipe.optimizer, recipe.scheduler, recipe.epochs, recipe.info
+
+    channels_last = T.use_channels_last(device)
+    extra = T.extra_state(spec, ds, size)
+    model.to(device)
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
+    if f.stop is not None and loaders.val is None:
+        raise StageError("finetune.stop: early stopping needs a validation split (data.val_size > 0)")
+    probe = first_batch(loaders.val if loaders.val is not None else loaders.test, PROBE)
+
+    def stats(m: torch.nn.Module, label: int) -> dict[str, Any]:
+        s = variant.layer_stats(m, probe) if variant.layer_stats is not None else None  # on its real input
+        return {"finetune_epoch": label - epochs.start, **({"gpsa": s} if s else {})}
+
+    with deterministic(device):
+        start = {"epoch": epochs.start, "step": scheduler.last_step}
+        if loaders.val is not None:
+            v = T.evaluate_split(model, loaders.val, device, channels_last, params)
+            start.update(val_loss=v["loss"], val_acc=v["acc"])
+        start.update(stats(model, epochs.start))
+        if mode == "fresh":
+            seed_everything(seed)  # building the model drew from the stream: restart it (see the docstring)
+        else:
+            restore_rng(carry["rng"])  # the pretraining run's RNG states at t1
+        result = fit(
+            model,
+            optimizer,
+            scheduler,
+            loaders.train,
+            epochs=epochs,
+            work_dir=work_dir,
+            run_hash=stable_hash(
+                identity(
+                    params, {"checkpoint": file_digest(src)}, device.type, freeze=freeze, variant=variant.name
+                )
+            ),
+            loss_fn=TrainLoss(augment.label_smoothing),
+            val_loader=loaders.val,
+            device=device,
+            channels_last=channels_last,
+            precision=params.precision,
+            checkpoint_every_steps=T.checkpoint_every_steps(params, NAME),
+            extra_state=extra,
+            epoch_stats=stats,
+            history_start=[start],
+            early_stop=f.stop,
+            desc=f"{variant.name}[{mode}]",
+        )
+        test = T.evaluate_split(model, loaders.test, device, channels_last, params)
+
+    last = result.history[-1]
+    trained = result.history[1:]
+    stopping: dict[str, Any] = {}
+    if result.early_stop is not None:  # the published model is the best-validation epoch's
+        last = next(r for r in result.history[1:] if r["epoch"] == result.early_stop["best_epoch"])
+        stopping = _stop_metrics(result.early_stop, trained, last, f.stop, mode)
+    metrics: dict[str, Any] = {
+        "mode": mode,
+        "epochs_run": len(trained) if stopping else len(epochs),
+        **info,
+        "train_loss": last.get("train_loss"),
+        "train_acc": last.get("train_acc"),
+        "val_loss": last.get("val_loss"),
+        "val_acc": last.get("val_acc"),
+        "val_acc_start": result.history[0].get("val_acc"),
+        "test_loss": test["loss"],
+        "test_acc": test["acc"],
+        "steps": result.global_step,
+        "image_size": size,
+        "params_count": sum(t.numel() for t in model.parameters()),
+        "device": device.type,
+        "workers": D.world().size,
+        "resumed": result.resumed_from is not None,
+        "frozen_parameters": len(frozen),
+        **summarize_gpsa(last.get("gpsa") or {}),
+        "images_per_s": T.mean_rate(trained),
+        "train_time_s": sum(r["train_time_s"] for r in trained),
+        "wall_s": time.perf_counter() - t_wall,
+        **stopping,
+    }
+    final = {"kind": "model", "model": T.cpu_state(model), **extra, "source": {"checkpoint": str(src)}}
+    T.publish(
+        work_dir,
+        out_dir,
+        objects={variant.final: final},
+        history=result.history,
+        csvs={"gpsa.csv": variant.long_rows(result.history)} if variant.long_rows is not None else None,
+        metrics=metrics,
+    )
+    return metrics
+
+
+def _stop_metrics(
+    state: dict[str, Any], trained: list[dict[str, Any]], best: dict[str, Any], stop: Any, mode: str
+) -> dict[str, Any]:
+    """What the early-stopping rule did, in fine-tuning epochs (1 = the first epoch fine-tuned)."""
+    kw = {"patience": stop.patience, "min_delta_images": stop.min_delta_images}
+    return {
+        "stopped_epoch": trained[-1]["finetune_epoch"],
+        "best_epoch": best["finetune_epoch"],
+        "best_val_accuracy": best["val_acc"],
+        "stop_reason": early_stop.reason(
+            state, **kw, max_key="finetune.epochs" if mode == "fresh" else "pretrain.epochs"
+        ),
+    }
+
+
+def _steps(loaders: T.Loaders, batch: int, ds: Any, key: str) -> int:
+    spe = len(loaders.train)
+    if spe == 0:
+        raise StageError(f"{key}: {batch} exceeds the {len(ds.train_y)} training images (no full batch)")
+    return spe
