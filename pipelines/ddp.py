@@ -27,7 +27,7 @@ from typing import Any
 
 from core.config import Params
 from core.utils.atomic import append_json_line, atomic_write_json
-from stages import chain
+from stages.harness import chain
 
 RESULT = "result-{}.json"  # rank 0's return value, handed to the trial through the trial directory
 NODES = "nodes-{}.json"  # the ranks' nodes, gathered by rank 0

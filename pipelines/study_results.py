@@ -45,7 +45,7 @@ import numpy as np
 
 from core.utils.atomic import atomic_write_text
 from core.utils.machine import cpu_model
-from stages import chain
+from stages.harness import chain
 
 ARMS = ("tcnn", "control")
 MODELS = ("cnn", "tcnn", "control")
@@ -86,7 +86,7 @@ def export(sweep_dir: Path, out: Path, cpu: str | None = None) -> list[Path]:
     import pyarrow.parquet as pq
 
     from pipelines.sweep_select import pair_metrics
-    from stages.catalogue import summary_metrics
+    from stages.harness.catalogue import summary_metrics
 
     spec = _json(sweep_dir / "sweep.json")
     over = list((spec.get("select") or {}).get("over") or [])

@@ -61,7 +61,7 @@ from pipelines.sweep_plan import (
     spec_difference,
     trial_label,
 )
-from stages.runner import Stopped, stop_on_signals
+from stages.harness.runner import Stopped, stop_on_signals
 
 SWEEP_JSON = "sweep.json"
 TUNE_DIR = "tune"
@@ -98,7 +98,7 @@ def build_spec(
 ) -> dict:
     """Validate and plan the sweep; the returned spec is all a driver and its trials need (JSON-able).
     ``placement``: how Ray places a trial's data-parallel workers (pipelines.ddp.PLACEMENTS)."""
-    from stages.tracking_names import resolve_uri
+    from stages.harness.tracking_names import resolve_uri
 
     cwd = Path(cwd or Path.cwd()).resolve()
     sw = params.sweep
@@ -322,8 +322,8 @@ def driver_lock(sweep_dir: Path) -> Any:
 
 
 def _open_parent(spec: dict) -> Any:
-    from stages.tracking import Tracker
-    from stages.tracking_names import UV_LOCK_FILE, UV_LOCK_TAG, digest_if_present
+    from stages.harness.tracking import Tracker
+    from stages.harness.tracking_names import UV_LOCK_FILE, UV_LOCK_TAG, digest_if_present
 
     t = spec["tracking"]
     tracker = Tracker(enabled=t["enabled"], uri=t["uri"], experiment=t["experiment"])
@@ -719,7 +719,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def _run_here(spec: dict, args: argparse.Namespace, address: str) -> dict:
-    """The sweep driven from this process: a stop signal (stages.runner.STAGE_SIGNALS) anywhere in it ends
+    """The sweep driven from this process: a stop signal (stages.harness.runner.STAGE_SIGNALS) anywhere in it ends
     the trials, closes the MLflow runs KILLED and exits 75 (130 for Ctrl-C) -- Tune's own Ctrl-C handler,
     which would let the driver go on to a summary of a half-run grid, is turned off."""
     os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"

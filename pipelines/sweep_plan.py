@@ -6,7 +6,7 @@ fails with one line and nothing written, and every trial (on any node) finds its
 Shared work (issue 7): trials whose pretraining has the same identity -- the pretrain stage's own
 (`stages.pretrain.identity`: seed, data content and meaning, the network pretraining builds, the pretrain
 section minus which epochs are kept, the device, the stage's code) -- form one *group*. A group pretrains
-once, in the content-addressed directory ``<storage>/pretrain/<key>/`` (`stages.identity.key`), keeping a
+once, in the content-addressed directory ``<storage>/pretrain/<key>/`` (`stages.harness.identity.key`), keeping a
 checkpoint at every t1 its trials ask for; later sweeps with the same identity reuse it. Matched controls
 (`stages.finetune.identity`) and corrupted sets (`stages.corrupt.identity`) are shared the same way: the
 identity a stage's DVC-path resume checks is the one that names its shared directory.
@@ -30,7 +30,7 @@ from core.config import ConfigError, Params, plan_epochs, validate_params
 from core.data import manifest_fingerprint
 from core.models.builders import is_builder
 from core.utils.hashing import stable_hash
-from stages.identity import key as identity_key
+from stages.harness.identity import key as identity_key
 
 PLAN_VERSION = 1
 SHORT = {

@@ -32,7 +32,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from stages import chain
+from stages.harness import chain
 
 ARMS = ("tcnn", "control")
 SEED = "seed"

@@ -33,7 +33,7 @@ from core.utils.locks import locked
 from core.utils.locks import say as _say
 from core.utils.machine import cpu_model
 from pipelines.ddp import node_name, run_stage
-from stages import chain
+from stages.harness import chain
 
 COMPLETE = "complete.json"
 EXECUTIONS = "executions.jsonl"

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from core.utils.atomic import atomic_write
 from pipelines.sweep_plan import SHORT
 from pipelines.sweep_trial import HEADLINE
-from stages import chain
+from stages.harness import chain
 
 METRIC_COLUMNS = HEADLINE  # the numbers every trial reports last
 SEED = "seed"

@@ -1,5 +1,5 @@
 """One sweep trial: the DVC chain's stage functions in the trial's directory, the stages and their order read
-from dvc.yaml (`stages.chain.trial_stages`: pretrain -> reparam -> finetune -> control -> evaluate by default).
+from dvc.yaml (`stages.harness.chain.trial_stages`: pretrain -> reparam -> finetune -> control -> evaluate by default).
 
 Runs inside a Ray Tune function trainable. Its directory ``<sweep>/trials/<tid>/`` is the ``root`` of every
 stage call (runs/..., results/...), with ``runs/pretrain`` a link to the shared pretraining of its group,
@@ -48,17 +48,23 @@ from core.utils.machine import cpu_model
 from pipelines.ddp import node_name, run_stage, worker_nodes
 from pipelines.sweep_plan import trial_label, trial_params
 from pipelines.sweep_shared import ENSURE, append_line, link_pretraining, published, runs_log
-from stages import chain
-from stages.catalogue import SUMMARY_METRICS, epoch_metrics, numeric_metrics, stage_artifacts, summary_metrics
-from stages.chain import sweep_role, trains, trial_stages
-from stages.runner import Stopped
+from stages.harness import chain
+from stages.harness.catalogue import (
+    SUMMARY_METRICS,
+    epoch_metrics,
+    numeric_metrics,
+    stage_artifacts,
+    summary_metrics,
+)
+from stages.harness.chain import sweep_role, trains, trial_stages
+from stages.harness.runner import Stopped
 
 STATE = "trial.json"
 DONE = "done.json"
 STAGE_LOG = "stages.jsonl"
 LOG = "trial.log"
 #: The headline numbers every trial reports last (also the summary table's columns): the DVC path's summary
-#: metrics, under the same names (stages.catalogue.SUMMARY_METRICS).
+#: metrics, under the same names (stages.harness.catalogue.SUMMARY_METRICS).
 HEADLINE = tuple(SUMMARY_METRICS)
 NODE_TAG = "tcnn.node"  # MLflow tags of a trial's run: the node of its current attempt, and of every attempt
 ATTEMPT_NODES_TAG = "tcnn.attempt_nodes"
@@ -77,7 +83,7 @@ def read_json(path: Path) -> dict[str, Any] | None:
 
 
 def numeric(obj: Any, prefix: str = "") -> dict[str, float]:
-    """A stage's returned metrics flattened to MLflow numbers (the DVC path's names: stages.catalogue)."""
+    """A stage's returned metrics flattened to MLflow numbers (the DVC path's names: stages.harness.catalogue)."""
     return {f"{prefix}{k}": v for k, v in numeric_metrics(obj).items()}
 
 
@@ -99,7 +105,7 @@ def open_run(
 ) -> Any:
     """The trial's MLflow child run under the sweep's parent: reopened when the trial ran before.
     ``nodes``: the node of every attempt so far, this one last (tags ``tcnn.node``, ``tcnn.attempt_nodes``)."""
-    from stages.tracking import Tracker, TrackingError
+    from stages.harness.tracking import Tracker, TrackingError
 
     cfg = spec["tracking"]
     tracker = Tracker(enabled=cfg["enabled"], uri=cfg["uri"], experiment=cfg["experiment"])
@@ -140,7 +146,7 @@ def close_run(spec: dict[str, Any], run_id: str | None) -> None:
     cfg = spec["tracking"]
     if not cfg["enabled"] or not run_id:
         return
-    from stages.tracking import Tracker
+    from stages.harness.tracking import Tracker
 
     tracker = Tracker(enabled=True, uri=cfg["uri"], experiment=cfg["experiment"])
     if tracker.client.get_run(run_id).info.status != "FINISHED":
@@ -327,7 +333,7 @@ class TrialRunner:
         return done
 
     def _stages(self, tracker: Any, report: Reporter) -> dict:
-        """The stages dvc.yaml gives a trial (`stages.chain.trial_stages`), in the chain's order: a shared one
+        """The stages dvc.yaml gives a trial (`stages.harness.chain.trial_stages`), in the chain's order: a shared one
         (``group``) from its shared directory, the others in the trial's directory."""
         results: dict[str, dict[str, Any]] = {}
         for name in trial_stages():
@@ -397,7 +403,7 @@ class TrialRunner:
         state the stage rewrites at every epoch end)."""
 
         def emit(row: dict[str, Any]) -> None:
-            m = epoch_metrics(row)  # the DVC path's per-epoch names (stages.catalogue)
+            m = epoch_metrics(row)  # the DVC path's per-epoch names (stages.harness.catalogue)
             epoch = int(row.get("finetune_epoch", 0))
             tracker.log_metrics(m, step=epoch)
             keys = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
@@ -447,7 +453,7 @@ def last_trial_stage() -> str:
 
 def trial_artifacts(stages: tuple[str, ...], params: Params, root: Path) -> list[tuple[Path, str]]:
     """The files a trial logs on its run: what its stages log on the DVC path
-    (`stages.catalogue.stage_artifacts`) but checkpoints, which stay in the trial's directory, each under its
+    (`stages.harness.catalogue.stage_artifacts`) but checkpoints, which stay in the trial's directory, each under its
     folder relative to ``root`` (runs/finetune/metrics.json -> runs/finetune)."""
     values = params.model_dump(mode="json")
     out = []

@@ -2,7 +2,7 @@
 and `main(argv)` for `python -m stages.<name> [--params FILE]`.
 
 Importing this package first, as ``python -m stages.<name>`` does, installs a stop-signal handler for the
-seconds the stage spends importing torch, MLflow and the rest, before `stages.runner.stage_main` installs its
+seconds the stage spends importing torch, MLflow and the rest, before `stages.harness.runner.stage_main` installs its
 own: a signal then ends the process with one line and the stage's usual status (75, or 130 for Ctrl-C), not a
 traceback or a bare death by signal. Nothing is open or written at that point.
 """

@@ -36,7 +36,7 @@ from core.utils.atomic import atomic_write_json, atomic_write_parquet
 from core.utils.hashing import file_digest, stable_hash
 from core.utils.locks import locked, say
 from core.utils.machine import cpu_model
-from stages.identity import code_digest, key, stage_identity
+from stages.harness.identity import code_digest, key, stage_identity
 
 DIR = "cnn_evaluation"  # the store's directory under sweep.storage (and the cost.csv row of its work)
 SUITE = "generated"  # the suite that is shared: the corrupt stage's sets (stages.evaluate.Suite)
@@ -51,7 +51,7 @@ Tables = tuple[Any, Any]  # (counts, per-image) pyarrow tables
 def identity(
     params: Params, root: Path, cnn: Path, manifest: dict[str, Any], norm: dict[str, Any], device: str
 ) -> dict[str, Any]:
-    """What the CNN's evaluation on the generated sets depends on (`stages.identity`): the checkpoint's bytes
+    """What the CNN's evaluation on the generated sets depends on (`stages.harness.identity`): the checkpoint's bytes
     (its sha256: the same pretraining or import read anywhere), the test split's content (its manifest), the
     corrupted sets (the corrupt stage's identity and each set's sha256), which corruptions and severities in
     which order, the resolution, the normalization, the batch size, the precision, the device kind, the size

@@ -28,10 +28,10 @@ from typing import Any
 from core.config import Params
 from core.training.optim import named_state
 from core.utils.atomic import atomic_write_json, atomic_write_text
-from stages import training as T
 from stages.fine_tuning import CONTROL, control_checkpoint, control_disabled_reason, train
+from stages.harness import training as T
+from stages.harness.runner import stage_main
 from stages.pretrained import load_source, source_label, source_path
-from stages.runner import stage_main
 
 VARIANT = CONTROL
 NAME = CONTROL.name

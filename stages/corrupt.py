@@ -34,8 +34,8 @@ from core.data import manifest_fingerprint
 from core.robustness import corruptions as C
 from core.utils.atomic import atomic_write_json
 from core.utils.hashing import file_digest
-from stages.identity import key, stage_identity
-from stages.runner import StageError, stage_main
+from stages.harness.identity import key, stage_identity
+from stages.harness.runner import StageError, stage_main
 
 CONTACT_SHEET = "contact_sheet.png"
 INDEX = C.INDEX
@@ -60,7 +60,7 @@ def _decode_size(params: Params, manifest: dict[str, Any]) -> int | None:
 
 
 def identity(params: Params, manifest: dict[str, Any]) -> dict[str, Any]:
-    """What the corrupted sets depend on (`stages.identity`): the test split's content (``manifest``), which
+    """What the corrupted sets depend on (`stages.harness.identity`): the test split's content (``manifest``), which
     images are chosen (n_images, the selection), the seed, the decode size of encoded images, and the
     corruption algorithms' version (``core.robustness.corruptions.CORRUPTION_VERSION``). That version stands
     for the code, not the stage's files: the sets take minutes, and an edit of the contact sheet or of

@@ -68,10 +68,11 @@ from core.training.loop import select_device
 from core.utils.atomic import atomic_write_json, atomic_write_parquet, atomic_write_text
 from core.utils.hashing import derive_seed
 from core.viz.plots import plot_gains
-from stages import chain, cnn_evaluation
-from stages import training as T
+from stages import cnn_evaluation
 from stages.fine_tuning import control_checkpoint, control_disabled_reason
-from stages.runner import StageError, stage_main
+from stages.harness import chain
+from stages.harness import training as T
+from stages.harness.runner import StageError, stage_main
 
 NAME = "evaluate"
 

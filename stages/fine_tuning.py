@@ -33,10 +33,10 @@ from core.training.loop import (
 )
 from core.training.optim import freeze_parameters
 from core.utils.hashing import derive_seed, file_digest, stable_hash
-from stages import chain
-from stages import training as T
-from stages.identity import stage_identity
-from stages.runner import StageError
+from stages.harness import chain
+from stages.harness import training as T
+from stages.harness.identity import stage_identity
+from stages.harness.runner import StageError
 
 NAME = "finetune"  # the params section and the seed stream of both variants (the T-CNN and its control)
 PROBE = 128  # validation images fed through the network for the per-epoch nonlocality
@@ -69,7 +69,7 @@ def identity(
     variant: str = NAME,
     workers: int | None = None,
 ) -> dict[str, Any]:
-    """What a fine-tuning run's result depends on (`stages.identity`), for the T-CNN (``variant`` finetune) and
+    """What a fine-tuning run's result depends on (`stages.harness.identity`), for the T-CNN (``variant`` finetune) and
     its matched control (control): the seed, the data's meaning, the recipe (`finetune.mode`: fresh takes the
     finetune section and its augmentation, continue the pretraining's), the frozen names, and ``inputs``: the
     network it starts from (the DVC path: the checkpoint's sha256; a sweep's control: its pretraining's key

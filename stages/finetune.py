@@ -46,10 +46,10 @@ from typing import Any
 
 from core.analysis.dissect import layer_stats, long_rows
 from core.config import Params
-from stages import chain
-from stages import training as T
 from stages.fine_tuning import NAME, Variant, identity, train
-from stages.runner import stage_main
+from stages.harness import chain
+from stages.harness import training as T
+from stages.harness.runner import stage_main
 
 __all__ = ["NAME", "TCNN", "check", "identity", "main", "run", "source_path"]
 

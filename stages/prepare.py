@@ -16,7 +16,7 @@ from typing import Any
 
 from core.config import Params
 from core.data import DataError, import_dataset
-from stages.runner import StageError, stage_main
+from stages.harness.runner import StageError, stage_main
 
 
 def _progress_bar() -> tuple[Any, Any]:

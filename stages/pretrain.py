@@ -37,10 +37,10 @@ from core.training.loop import (
 )
 from core.training.optim import WarmupCosine, build_sgd, param_groups
 from core.utils.hashing import stable_hash
-from stages import chain
-from stages import training as T
-from stages.identity import stage_identity
-from stages.runner import StageError, stage_main
+from stages.harness import chain
+from stages.harness import training as T
+from stages.harness.identity import stage_identity
+from stages.harness.runner import StageError, stage_main
 
 NAME = "pretrain"
 
@@ -71,7 +71,7 @@ def gate_lr(params: Params) -> float | None:
 def identity(
     params: Params, spec: dict[str, Any], data_fingerprint: str, device: str, workers: int | None = None
 ) -> dict[str, Any]:
-    """What pretraining's result depends on (`stages.identity`): the seed, the data's meaning and content, the
+    """What pretraining's result depends on (`stages.harness.identity`): the seed, the data's meaning and content, the
     network it trains (``spec``, `model_spec`: kinds cnn, tcnn and psa pretrain the same CNN) with its
     drop_path, the pretrain section and its effective augmentation, and the gate lr the stage derives. Which
     epochs are kept is not part of it (a sweep's group keeps every t1 its trials need); the resume hash

@@ -10,9 +10,9 @@ from typing import Any
 
 from core.config import Params
 from core.models import kinds
-from stages import chain
-from stages import training as T
-from stages.runner import StageError
+from stages.harness import chain
+from stages.harness import training as T
+from stages.harness.runner import StageError
 
 __all__ = ["load_source", "required", "source_label", "source_path"]
 

@@ -40,10 +40,10 @@ from core.training.loop import evaluate, predict, seed_everything, select_device
 from core.training.optim import map_state_to_tcnn, named_state
 from core.utils.atomic import atomic_write_json
 from core.utils.hashing import derive_seed, file_digest
-from stages import chain
-from stages import training as T
+from stages.harness import chain
+from stages.harness import training as T
+from stages.harness.runner import StageError, stage_main
 from stages.pretrained import load_source, source_label, source_path
-from stages.runner import StageError, stage_main
 
 NAME = "reparam"
 PROBE = 256  # images in the equivalence batch

@@ -35,8 +35,8 @@ from typing import Any
 
 from core.config import Params
 from core.viz.report_html import FIGURES, MODEL_LABELS, Inputs, model_names, render_html
-from stages import chain
-from stages.runner import StageError, stage_main
+from stages.harness import chain
+from stages.harness.runner import StageError, stage_main
 
 NAME = "report"
 RUN_IDS_FILE = Path(chain.RUN_IDS_FILE)

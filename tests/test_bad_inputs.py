@@ -11,8 +11,8 @@ import pytest
 from _train_helpers import stage_env, tiny_params, write_dataset, write_params
 
 from core.config import Params
+from stages.harness.runner import StageError
 from stages.pretrain import check_network
-from stages.runner import StageError
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +185,7 @@ def test_a_foreign_pretrained_cnn_is_refused_where_it_is_read(tmp_path: Path, da
     opens), nor converted (reparam's t1 checkpoint goes through the same check); this run's own passes."""
     from core.training.checkpoint import atomic_save
     from stages import evaluate, pretrain
-    from stages import training as T
+    from stages.harness import training as T
 
     params = Params.model_validate(tiny_params(data, robustness={"baseline": "cnn"}))
     for path in evaluate.model_paths(params, tmp_path).values():

@@ -1,5 +1,5 @@
 """dvc.yaml is the one graph: the stage order, each stage's outputs and folders, how a sweep runs each stage, and
-what MLflow logs are read from it (stages/chain.py, stages/catalogue.py). These tests hold the reading against
+what MLflow logs are read from it (stages/harness/chain.py, stages/harness/catalogue.py). These tests hold the reading against
 the file itself and against small dvc.yaml files written here."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from pipelines.sweep_shared import ENSURE
-from stages import catalogue, chain
+from stages.harness import catalogue, chain
 
 REPO = Path(__file__).resolve().parents[1]
 

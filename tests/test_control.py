@@ -15,7 +15,7 @@ from core.config import validate_params
 from core.data import first_batch, load_datasets, make_loader
 from core.training.checkpoint import load, load_model
 from stages import control, finetune, pretrain, reparam
-from stages import training as T
+from stages.harness import training as T
 
 # GPSA parameters a CNN does not have (W_qry, W_key, W_val live in qkv_weight).
 ATTENTION_ONLY = ("qkv_weight", "gating_param", "pos_alpha", "pos_center")

@@ -12,7 +12,7 @@ import pytest
 from core.config import Params
 from core.robustness import corruptions as C
 from stages import corrupt
-from stages.runner import StageError
+from stages.harness.runner import StageError
 
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
 

@@ -2,7 +2,7 @@
 before it runs the stage's command, so a refusal cannot come before that removal; what makes them restorable is
 DVC's run cache, which holds every output of every run, `cache: false` ones (metrics, plot tables) included:
 put the value back and `dvc repro` checks them all out again without running the stage. The refusal says so.
-A real `dvc repro` in a tiny DVC project, around the real stage harness (stages.runner.stage_main)."""
+A real `dvc repro` in a tiny DVC project, around the real stage harness (stages.harness.runner.stage_main)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from _train_helpers import repo_pythonpath, stage_env, tiny_params, write_params
 STAGE = textwrap.dedent(
     """
     import json, pathlib, sys
-    from stages.runner import stage_main
+    from stages.harness.runner import stage_main
 
     def run(params):
         runs = pathlib.Path("runs.log")

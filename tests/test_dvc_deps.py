@@ -21,10 +21,10 @@ PACKAGES = ("core", "stages")  # science and stage code; pipelines/ (sweeps, SLU
 #: tracking adapter must not invalidate every cached stage), and neither is what only it imports (loading a
 #: checkpoint's model to log it to MLflow).
 REPORTING_ONLY = {
-    "stages/tracking.py",
-    "stages/tracking_names.py",
-    "stages/stage_run.py",
-    "stages/catalogue.py",
+    "stages/harness/tracking.py",
+    "stages/harness/tracking_names.py",
+    "stages/harness/stage_run.py",
+    "stages/harness/catalogue.py",
 }
 
 
@@ -140,7 +140,7 @@ def test_editing_a_file_or_folder_dep_or_the_gpsa_code_makes_dvc_status_report_t
     assert json.loads(dvc(repo, "status", "--json").stdout or "{}") == {}
     folder_dep = next(d for d in _stages()["pretrain"]["deps"] if isinstance(d, str) and (REPO / d).is_dir())
     picked = (
-        "stages/chain.py",
+        "stages/harness/chain.py",
         next(f for f in sorted(imported_files("pretrain")) if f.startswith(folder_dep)),
     )
     for rel in (*picked, "core/nn/gpsa.py"):

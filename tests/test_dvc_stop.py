@@ -1,7 +1,7 @@
 """A stage dies with the `dvc repro` that started it (issue 37): SIGTERM to DVC alone (not its process group)
 ends DVC at once; the stage finds its DVC ancestor gone, stops itself as a stop signal would, closes its MLflow
 runs KILLED and exits 75, instead of running on for a `dvc.lock` nobody records. The real harness
-(stages.runner.stage_main) around a run that waits, under a real `dvc repro` in a tiny DVC project."""
+(stages.harness.runner.stage_main) around a run that waits, under a real `dvc repro` in a tiny DVC project."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ import psutil
 import yaml
 from _train_helpers import repo_pythonpath, stage_env, tiny_params, write_params
 
-from stages.parent_watch import dvc_ancestor
+from stages.harness.parent_watch import dvc_ancestor
 
 STAGE = textwrap.dedent(
     """
     import pathlib, sys, time
-    from stages.runner import stage_main
+    from stages.harness.runner import stage_main
 
     def run(params):
         pathlib.Path("started").write_text(str(__import__("os").getpid()))

@@ -146,7 +146,7 @@ def test_identity_leaves_an_absent_stop_out() -> None:
 def test_both_arms_record_the_rule(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The T-CNN and its control stop by the same rule, each on its own validation curve, and say so."""
     from stages import control, finetune, pretrain, reparam
-    from stages.catalogue import stage_metrics
+    from stages.harness.catalogue import stage_metrics
 
     monkeypatch.setenv("TCNN_QUIET", "1")
     monkeypatch.setenv("TCNN_DEVICE", TEST_DEVICE)

@@ -192,7 +192,7 @@ def test_published_sets_next_to_the_generated_ones(chain, tmp_path) -> None:
     d = public["comparisons"]["tcnn-control"]["mca"]
     assert d["diff"] == pytest.approx(public["tcnn"]["mca"] - public["control"]["mca"])
     assert d["low"] <= d["diff"] <= d["high"]
-    from stages.catalogue import summary_metrics
+    from stages.harness.catalogue import summary_metrics
 
     head = summary_metrics(chain)
     assert head["public_tcnn_minus_control_mca"] == pytest.approx(d["diff"])

@@ -116,8 +116,8 @@ def _results(root: Path) -> dict:
 
 
 def test_interval_ends_reach_the_mlflow_parent_as_low_and_high(tmp_path: Path) -> None:
-    from stages.runner import _log_outputs
-    from stages.tracking import Tracker
+    from stages.harness.runner import _log_outputs
+    from stages.harness.tracking import Tracker
 
     comps = _results(tmp_path)
     tracker = Tracker(uri=f"sqlite:///{tmp_path / 'm.db'}", experiment="t")
@@ -140,7 +140,7 @@ def test_interval_ends_reach_the_sweep_summary_as_low_and_high(tmp_path: Path) -
 
     comps = _results(tmp_path / "sw" / "trials" / "t0")
     root = tmp_path / "sw" / "trials" / "t0"
-    from stages.catalogue import summary_metrics
+    from stages.harness.catalogue import summary_metrics
 
     (root / "done.json").write_text(json.dumps({"headline": summary_metrics(root)}))
     p = {

@@ -1,7 +1,7 @@
 """I/O and tracking-store faults end a stage with one line naming the file, exit 74 (sysexits EX_IOERR), and no
 MLflow run left RUNNING (issue 37). The faults are real ones: a file-size limit (RLIMIT_FSIZE, what a full disk
 does to a writer), a file where a folder must be, a folder where the lock file must be, a damaged sqlite store.
-The stage here is the real harness (stages.runner.stage_main, MLflow on a sqlite store) around a trivial run."""
+The stage here is the real harness (stages.harness.runner.stage_main, MLflow on a sqlite store) around a trivial run."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from core.utils.workspace import LOCK_FILE
 STAGE = textwrap.dedent(
     """
     import sys
-    from stages.runner import stage_main
+    from stages.harness.runner import stage_main
     sys.exit(stage_main("prepare", lambda params: {"ok": 1}, sys.argv[1:]))
     """
 )

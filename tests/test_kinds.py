@@ -138,7 +138,7 @@ def test_stage_refuses_a_checkpoint_of_another_kind(shared: dict[str, Path], tmp
     from core.models.spec import make_model_spec
     from core.training.checkpoint import atomic_save
     from core.training.optim import optimizer_param_names
-    from stages.runner import StageError
+    from stages.harness.runner import StageError
 
     params = validate_params(_raw(shared, "psa"))
     model = build("convit", "convit_fmnist", 10, in_chans=1)

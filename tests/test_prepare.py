@@ -13,8 +13,8 @@ from _train_helpers import repo_pythonpath
 
 from core.config import load_params
 from core.data import load_split, read_manifest
+from stages.harness.runner import StageError
 from stages.prepare import main, run
-from stages.runner import StageError
 
 REPO = Path(__file__).resolve().parents[1]
 FMNIST = Path("/usr/share/datasets/fashion-mnist")

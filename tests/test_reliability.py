@@ -78,7 +78,7 @@ def test_a_stop_signal_outside_the_training_loop_ends_everything(
 
 
 def test_a_superseded_parent_closes_its_children(tmp_path: Path) -> None:
-    from stages.tracking import Tracker
+    from stages.harness.tracking import Tracker
 
     uri = f"sqlite:///{tmp_path / 'm.db'}"
     old = Tracker(uri=uri, experiment="t")
@@ -219,7 +219,7 @@ def test_a_new_mlflow_store_survives_four_processes_at_once(tmp_path: Path) -> N
     code = (
         "import os, sys, time\n"
         "while not os.path.exists(sys.argv[2]): time.sleep(0.01)\n"
-        "from stages.tracking import Tracker\n"
+        "from stages.harness.tracking import Tracker\n"
         "t = Tracker(uri='sqlite:///' + sys.argv[1], experiment='e')\n"
         "t.start_parent('p'); t.end_parent()\n"
     )

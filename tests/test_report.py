@@ -31,8 +31,8 @@ from core.utils.atomic import atomic_write_json
 from core.viz.plots import plot_gains
 from core.viz.report_html import section_runs
 from stages import report
-from stages import training as T
-from stages.runner import StageError
+from stages.harness import training as T
+from stages.harness.runner import StageError
 
 LABELS = ["t-shirt", "trouser", "pullover", "dress", "coat", "sandal", "shirt", "sneaker", "bag", "boot"]
 PARENT = "0123456789abcdef0123456789abcdef"
@@ -403,8 +403,8 @@ def test_read_run_ids(tmp_path) -> None:
 
 
 def test_run_ids_file_written_by_the_tracking_layer(tmp_path) -> None:
-    """stages.stage_run.record_run_ids writes what the report reads; its meta shows as the UI location."""
-    from stages.stage_run import record_run_ids
+    """stages.harness.stage_run.record_run_ids writes what the report reads; its meta shows as the UI location."""
+    from stages.harness.stage_run import record_run_ids
 
     f = tmp_path / "runs" / "mlflow_runs.json"
     meta = {

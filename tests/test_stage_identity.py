@@ -1,4 +1,4 @@
-"""One identity per stage (stages/identity.py): the DVC path's resume hash, the sweep's shared directories and
+"""One identity per stage (stages/harness/identity.py): the DVC path's resume hash, the sweep's shared directories and
 the corrupted-set cache all come from the stage's own identity function, so they cannot drift apart."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from core.data import read_manifest
 from core.robustness import corruptions as C
 from pipelines.sweep_plan import make_plan
 from stages import control, corrupt, finetune, pretrain
-from stages import training as T
-from stages.identity import code_digest, key
+from stages.harness import training as T
+from stages.harness.identity import code_digest, key
 
 
 def test_the_sweep_names_shared_work_by_the_stages_own_identities(tmp_path: Path) -> None:

@@ -50,7 +50,7 @@ def _params(tree: Path, workers: int) -> object:
 
 def test_streamed_imagefolder_trains_through_the_stages(tree: Path, tmp_path: Path) -> None:
     from stages import finetune, prepare, pretrain, reparam
-    from stages import training as T
+    from stages.harness import training as T
 
     finals = []
     for workers in (0, 2):

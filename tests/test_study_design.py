@@ -17,7 +17,7 @@ from core.config import Params, load_params
 from pipelines.sweep_plan import make_plan
 from pipelines.sweep_select import choose, markdown, over_seeds, pooled
 from stages import finetune, pretrain
-from stages import training as T
+from stages.harness import training as T
 
 D = "tcnn_minus_control_clean_accuracy"
 

@@ -189,7 +189,7 @@ def _sweep(tmp: Path) -> tuple[Path, dict]:
     this sweep's ``<stage>_runs.jsonl``, each trial's own stages in its directory with its stages.jsonl. Another
     sweep's execution sits in the same storage."""
     from pipelines.sweep_shared import EXECUTIONS, link_pretraining, runs_log
-    from stages import chain
+    from stages.harness import chain
 
     storage = tmp / "sweeps"
     sweep = storage / "toy"
@@ -323,7 +323,7 @@ def test_cost_csv_has_a_row_per_trial_and_stage_and_recomputes_compute_hours(
     the pretrained CNN's evaluation; a shared run carries the same key in every trial that used it and its
     recorded numbers; the trial's own stages their own; evaluate's times leave out the CNN evaluation it made,
     which its row carries once per key; the corrupted sets their driver's records."""
-    from stages import chain
+    from stages.harness import chain
 
     sweep, out, spec = _export(tmp_path, monkeypatch)
     rows = S.load(out)["cost"]

@@ -17,7 +17,7 @@ import pytest
 from test_sweep import TCNN, make_project, sweep_env
 
 from core.config import load_params
-from stages.tracking_names import flatten_params
+from stages.harness.tracking_names import flatten_params
 
 pytestmark = pytest.mark.slow
 

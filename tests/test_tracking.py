@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from core.config import Params
-from stages.stage_run import stage_run
-from stages.tracking import Tracker, TrackingError
-from stages.tracking_names import (
+from stages.harness.stage_run import stage_run
+from stages.harness.tracking import Tracker, TrackingError
+from stages.harness.tracking_names import (
     ATTEMPT_TAG,
     CHAIN_TAG,
     EXPERIMENT_KIND,
@@ -276,7 +276,7 @@ def test_activate_for_fluent_calls_keeps_run_open(store: str) -> None:
 _STAGE_SCRIPT = textwrap.dedent(
     """
     import sys, time
-    from stages.tracking import Tracker
+    from stages.harness.tracking import Tracker
     uri, mode, on_stale = sys.argv[1], sys.argv[2], sys.argv[3]
     t = Tracker(uri=uri, experiment="killed")
     parent = t.start_parent("pipeline", key="workspace")

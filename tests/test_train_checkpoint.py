@@ -48,7 +48,7 @@ def test_failed_write_keeps_the_old_file_and_removes_the_temp(tmp_path: Path) ->
 def test_publish_removes_temps_a_killed_publish_left(tmp_path: Path) -> None:
     """A SIGKILL during atomic_write leaves its temp file (nobody is left to remove it); the next publish of
     the stage's outputs clears those and only those."""
-    from stages.training import publish
+    from stages.harness.training import publish
 
     out = tmp_path / "runs" / "finetune"
     (out / "ckpt").mkdir(parents=True)

@@ -1,7 +1,7 @@
 """Data-parallel training (PyTorch DDP) inside an existing process group.
 
 tcnn never builds a process group by hand: a launcher does (torchrun under ``dvc repro`` -- see
-``stages.runner`` -- or Ray Train's ``TorchTrainer`` in a sweep trial -- see ``pipelines.ddp``), and these helpers
+``stages.harness.runner`` -- or Ray Train's ``TorchTrainer`` in a sweep trial -- see ``pipelines.ddp``), and these helpers
 only read it. Without a group, or with one process, every helper is the single-process identity, so the
 training loop has one code path.
 

@@ -230,7 +230,7 @@ class StopSignals:
         if self.received is None:
             return
         prev = self._previous.get(self.received)
-        # The stage process's own handler (stages.runner.stop_on_signals) would only raise: Preempted says it.
+        # The stage process's own handler (stages.harness.runner.stop_on_signals) would only raise: Preempted says it.
         if (
             callable(prev)
             and prev is not signal.default_int_handler

@@ -27,7 +27,7 @@ from core.training.checkpoint import CheckpointError, atomic_save, load
 from core.training.history import csv_text, history_rows_flat
 from core.training.loop import evaluate, select_device
 from core.utils.atomic import atomic_write_json, atomic_write_text, remove_stale_temps
-from stages.runner import EXIT_PREEMPTED, RANK_STATUS_ENV, STAGE_SIGNALS, StageError
+from stages.harness.runner import EXIT_PREEMPTED, RANK_STATUS_ENV, STAGE_SIGNALS, StageError
 
 EVAL_BATCH = 500
 
@@ -46,7 +46,7 @@ DATA_LOCATION_KEYS = ("dir", "source", "shard_rows")
 
 
 def data_identity(params: Params) -> dict[str, Any]:
-    """What the data section means for a training run (stages.identity): no location, no operational keys."""
+    """What the data section means for a training run (stages.harness.identity): no location, no operational keys."""
     return {k: v for k, v in section_identity(params.data).items() if k not in DATA_LOCATION_KEYS}
 
 
@@ -127,7 +127,7 @@ def _torchrun(name: str, workers: int, argv: list[str]) -> None:
     makes the process group and forwards a stop signal to every rank (which checkpoints and stops); this
     process forwards the signals it gets to torchrun, waits, and exits 75 when every rank stopped resumably
     (torchrun itself reports 1 for any failing rank). Each rank records its status in $TCNN_RANK_STATUS_DIR
-    (stages.runner.stage_main)."""
+    (stages.harness.runner.stage_main)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}"]
     print(f"{name}: {workers} data-parallel workers (torchrun)", file=sys.stderr, flush=True)
     sys.stdout.flush()

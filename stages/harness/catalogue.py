@@ -1,7 +1,7 @@
-"""The one catalogue of what a run reports, used by the DVC path (stages/runner.py) and the Ray path
+"""The one catalogue of what a run reports, used by the DVC path (stages/harness/runner.py) and the Ray path
 (pipelines/sweep_trial.py) alike, so MLflow's compare view lines every run up: the artifacts and models each
 stage logs, and the summary metrics with their stable names, read from the stages' output files. Which files
-a stage writes is dvc.yaml's to say (`stages.chain.outputs`); this module only says how each is logged."""
+a stage writes is dvc.yaml's to say (`stages.harness.chain.outputs`); this module only says how each is logged."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from stages import chain
+from stages.harness import chain
 
 #: Where an output file of a stage (dvc.yaml outs and metrics) goes among its run's artifacts, by suffix
 #: (others: the run's top level); a file in an output directory goes under ``<folder>/<directory name>``.
@@ -24,7 +24,7 @@ OPTIONAL_ARTIFACTS: dict[str, tuple[tuple[str, str], ...]] = {"evaluate": (("res
 
 def stage_artifacts(stage: str, params: dict[str, Any], root: Path) -> list[tuple[Path, str | None]]:
     """The files a finished stage logs to MLflow as (path, artifact folder): its dvc.yaml outs and metrics
-    (`stages.chain.outputs`, ``${...}`` filled from ``params``, a params.yaml mapping) that exist under
+    (`stages.harness.chain.outputs`, ``${...}`` filled from ``params``, a params.yaml mapping) that exist under
     ``root``, output directories by their :data:`DIR_FILE_SUFFIXES` files, and its optional extras."""
     out: list[tuple[Path, str | None]] = []
     for rel in chain.outputs(stage):
@@ -58,7 +58,7 @@ def final_model(stage: str, params: dict[str, Any], root: Path) -> Path | None:
 
 #: Final metrics with stable names, logged on the parent run at the end of the chain so that the compare
 #: view of pipeline executions lines them up: name -> (the stage whose metrics file holds it, key path in that
-#: JSON; the file is the stage's dvc.yaml ``metrics:`` entry, `stages.chain.metrics_file`).
+#: JSON; the file is the stage's dvc.yaml ``metrics:`` entry, `stages.harness.chain.metrics_file`).
 SUMMARY_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "cnn_test_acc": ("pretrain", ("test_acc",)),
     "tcnn_test_acc": ("finetune", ("test_acc",)),

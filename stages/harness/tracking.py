@@ -1,5 +1,5 @@
 """The one tracking adapter: stages and sweeps log through it, and it works without MLflow. What runs are
-called and keyed by is stages/tracking_names.py; the DVC path's per-stage protocol is stages/stage_run.py.
+called and keyed by is stages/harness/tracking_names.py; the DVC path's per-stage protocol is stages/harness/stage_run.py.
 
 Modes (``Tracker.mode``):
 
@@ -40,8 +40,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from stages.store_location import artifact_root, follow_workspace
-from stages.tracking_names import (
+from stages.harness.store_location import artifact_root, follow_workspace
+from stages.harness.tracking_names import (
     ATTEMPT_TAG,
     CHAIN_TAG,
     EXPERIMENT_KIND,

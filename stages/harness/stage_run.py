@@ -10,8 +10,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from stages.tracking import Tracker
-from stages.tracking_names import (
+from stages.harness.tracking import Tracker
+from stages.harness.tracking_names import (
     CHAIN_TAG,
     DVC_EXP_TAG,
     DVC_LOCK_TAG,

@@ -15,8 +15,8 @@ from core.config import ConfigError, Params, load_params, plan_epochs
 from core.data.importers import DataError
 from core.utils.hashing import file_digest
 from core.utils.workspace import WorkspaceBusy, workspace_lock
-from stages import chain
-from stages.catalogue import (
+from stages.harness import chain
+from stages.harness.catalogue import (
     PARENT_ARTIFACTS,
     STAGE_DATASETS,
     STAGE_HISTORIES,
@@ -28,7 +28,7 @@ from stages.catalogue import (
     stage_metrics,
     summary_metrics,
 )
-from stages.parent_watch import DVC_STAGE_ENV, end_with_dvc
+from stages.harness.parent_watch import DVC_STAGE_ENV, end_with_dvc
 
 
 class StageError(RuntimeError):
@@ -38,7 +38,9 @@ class StageError(RuntimeError):
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: stopped, run the same command again (core.training.loop)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: the shell's status for Ctrl-C
 EXIT_IOERR = 74  # sysexits.h EX_IOERR: a file or the tracking store could not be read or written
-RANK_STATUS_ENV = "TCNN_RANK_STATUS_DIR"  # where each torchrun rank records its exit status (stages.training)
+RANK_STATUS_ENV = (
+    "TCNN_RANK_STATUS_DIR"  # where each torchrun rank records its exit status (stages.harness.training)
+)
 #: Signals that stop a stage process wherever it is: SIGINT (Ctrl-C), SIGTERM (kill, SLURM's time limit),
 #: SIGHUP (the terminal went away), SIGUSR1/SIGUSR2 (SLURM --signal, submitit). Inside the training loop
 #: its own handler (core.training.loop.StopSignals) takes SIGTERM/SIGHUP/SIGUSR* first and checkpoints.
@@ -129,7 +131,9 @@ def _tracked(params: Params, name: str) -> Iterator[Any]:
     if not tracking_on(params) or int(os.environ.get("RANK", "0") or 0) != 0:  # one run: DDP rank 0's
         yield None
         return
-    from stages.stage_run import stage_run  # the tracking adapter's stage protocol; stages work without it
+    from stages.harness.stage_run import (
+        stage_run,  # the tracking adapter's stage protocol; stages work without it
+    )
 
     with stage_run(
         params, name, root=".", end_parent=name == chain.last_stage(), system_metrics=True
@@ -236,7 +240,7 @@ def stage_main(
 ) -> int:
     """Parse, validate, run and track a stage. `check` (raising StageError) runs before anything is opened or
     written: what can be known to fail from the params and the inputs on disk fails there, not after the
-    MLflow runs were opened. `data_parallel` (the training stages pass stages.training.data_parallel) wraps
+    MLflow runs were opened. `data_parallel` (the training stages pass stages.harness.training.data_parallel) wraps
     the run: it may relaunch the stage as several DDP processes."""
     parser = argparse.ArgumentParser(prog=f"python -m stages.{name}")
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
@@ -280,7 +284,9 @@ def _stage(
             print(f"{name}: error: {err}", file=sys.stderr)
             return 2
         except Exception as err:
-            if type(err).__name__ == "TrackingError":  # stages.tracking's; MLflow is not imported here
+            if (
+                type(err).__name__ == "TrackingError"
+            ):  # stages.harness.tracking's; MLflow is not imported here
                 print(f"{name}: error: {err}", file=sys.stderr)
                 return 2
             if type(err).__name__ == "Preempted":  # core.training.loop.Preempted: checkpointed, resumable

@@ -12,8 +12,8 @@ same result?" all call it:
   only under the same key.
 
 What every identity holds is added here: the stage, its inputs' content (a file's or an upstream identity's
-hash), the device and how the run executes (a training stage passes stages.training.execution_identity), and
-its code: the files dvc.yaml lists as the stage's deps (stages.chain.code_files), as DVC itself hashes them.
+hash), the device and how the run executes (a training stage passes stages.harness.training.execution_identity), and
+its code: the files dvc.yaml lists as the stage's deps (stages.harness.chain.code_files), as DVC itself hashes them.
 This module imports no science, so the stages that train nothing (corrupt) can use it without depending on
 torch code.
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from core.utils.hashing import stable_hash
-from stages import chain
+from stages.harness import chain
 
 VERSION = 2  # the layout of an identity; bumping it renames every shared directory and voids partial runs
 

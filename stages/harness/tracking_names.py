@@ -1,6 +1,6 @@
 """What tracked runs are called and keyed by, the same on the DVC path and in sweeps: MLflow tag names,
 params flattened to stable names (:func:`flatten_params`), a parent run's label, and the keys that find a
-workspace's open parent. No MLflow here (stages/tracking.py is the adapter, stages/stage_run.py the DVC
+workspace's open parent. No MLflow here (stages/harness/tracking.py is the adapter, stages/harness/stage_run.py the DVC
 path's run protocol)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from core.utils.hashing import file_digest, stable_hash
-from stages import chain
+from stages.harness import chain
 
 PARENT_TAG = "mlflow.parentRunId"
 RUN_NAME_TAG = "mlflow.runName"

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CODE_PACKAGES = ("core/", "stages/")
 
 
