@@ -167,7 +167,7 @@ def junit_table(junit: Path) -> list[str]:
 
 
 def readme_table(table: str) -> str:
-    """The README's summary of a committed gpu_check table: per network and mode, CNN / T-CNN img/s (and their
+    """The summary in docs/scale.md of a committed gpu_check table: per network and mode, CNN / T-CNN img/s (and their
     ratio) in fp32, bf16 and bf16 + channels-last, and the T-CNN's peak memory in bf16 + channels-last."""
     cells: dict[tuple[str, str], dict[tuple[str, str], list[str]]] = {}
     for line in table.splitlines():

@@ -6,7 +6,7 @@ seeds is itself uncertain: its one-sided 80% upper confidence bound ``s sqrt((n-
 (scipy.stats.chi2) shows how many seeds a pessimistic reading asks for, which is why the second study
 re-estimates the SD from its own pilot before fixing ``n`` (an internal pilot, Wittes & Brittain 1990).
 
-    .venv/bin/python -m pipelines.study_sizing pipelines/studies/cifar10_lr   # the README's sizing table
+    .venv/bin/python -m pipelines.study_sizing pipelines/studies/cifar10_lr   # the sizing table in docs/studies.md
 """
 
 from __future__ import annotations

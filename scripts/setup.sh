@@ -38,7 +38,7 @@ if [ -z "$UV" ] || [ "$("$UV" --version | cut -d' ' -f2)" != "$uv_pin" ]; then
     .tools/bin/python -m pip install -q "uv==$uv_pin"
   fi
 fi
-# Exactly the lock: --locked refuses a uv.lock that no longer matches pyproject.toml (README "Updating the
-# lock"); packages the lock does not name are removed. A no-op when .venv already matches.
+# Exactly the lock: --locked refuses a uv.lock that no longer matches pyproject.toml (docs/environment.md,
+# "Updating the lock"); packages the lock does not name are removed. A no-op when .venv already matches.
 echo "setup: .venv <- uv.lock (uv sync --locked)"
 UV_PYTHON_DOWNLOADS=never "$UV" sync --locked --extra dev --python "$PY" --quiet

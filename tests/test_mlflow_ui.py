@@ -111,9 +111,15 @@ def test_compare_page_shows_runs_params_metrics(
             compare([parent.info.run_id]), tmp_path, f"--screenshot={tmp_path / 'mlflow-compare-parent.png'}"
         )
 
-        # 3. the README's address, in a browser with no saved preferences (its own new profile): the runs
-        readme = (REPO / "README.md").read_text()
-        (url,) = re.findall(r"<(http://127\.0\.0\.1:5000/#/experiments/\d+/runs\?workflowType=\w+)>", readme)
+        # 3. the address the README and docs/pipeline.md give, in a browser with no saved preferences (its
+        # own new profile): the runs
+        pages = [(REPO / page).read_text() for page in ("README.md", "docs/pipeline.md")]
+        shown = [
+            re.findall(r"<(http://127\.0\.0\.1:5000/#/experiments/\d+/runs\?workflowType=\w+)>", p)
+            for p in pages
+        ]
+        assert shown[0] == shown[1] and len(shown[0]) == 1, shown
+        (url,) = shown[0]
         assert url.split("/#/experiments/")[1].split("/")[0] == exp  # a new store's experiment id
         fresh = tmp_path / "fresh-browser"
         fresh.mkdir()

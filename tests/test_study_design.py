@@ -145,8 +145,8 @@ POWER = Path(__file__).resolve().parents[1] / "pipelines" / "studies" / "cifar10
 
 def test_the_power_study_preset_is_the_stated_design(tmp_path: Path) -> None:
     """pipelines/studies/cifar10_power.yaml: one CNN for every seed, 10,000 validation images, corrupted sets at
-    CIFAR-10-C's size, early stopping for both arms, the lr bracketed; its phase-2 overrides (README) validate,
-    give the control its own lr and select nothing."""
+    CIFAR-10-C's size, early stopping for both arms, the lr bracketed; its phase-2 overrides (docs/studies.md)
+    validate, give the control its own lr and select nothing."""
     p = load_params(POWER)
     assert p.pretrain.seed == 0 and p.sweep.grid["seed"] == [0, 1, 2] and "pretrain.seed" not in p.sweep.grid
     assert (p.data.val_size, p.robustness.n_images, p.precision) == (10_000, 10_000, "fp32")
@@ -167,7 +167,7 @@ def test_the_power_study_preset_is_the_stated_design(tmp_path: Path) -> None:
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_sizing_is_students_t_and_the_readme_table_is_generated_from_the_first_study() -> None:
+def test_sizing_is_students_t_and_the_docs_table_is_generated_from_the_first_study() -> None:
     from pipelines import study_sizing as Z
 
     # 0.39 pp: t(0.975, 4) = 2.776 -> 2.776 x 0.39 / sqrt(5) = 0.484 pp; 4 seeds would give 0.62 pp
@@ -180,18 +180,18 @@ def test_sizing_is_students_t_and_the_readme_table_is_generated_from_the_first_s
     assert rows[1]["sd"] == pytest.approx(
         np.std([float(r["tcnn_minus_control_mca"]) for r in committed], ddof=1)
     )
-    readme = (REPO / "README.md").read_text()
-    block = readme.split("<!-- sizing:cifar10-lr:begin -->\n")[1].split("<!-- sizing:cifar10-lr:end -->")[0]
+    studies = (REPO / "docs" / "studies.md").read_text()
+    block = studies.split("<!-- sizing:cifar10-lr:begin -->\n")[1].split("<!-- sizing:cifar10-lr:end -->")[0]
     assert block == Z.markdown(rows)
     assert Z.main([]) == 2
 
 
-def test_the_readme_cost_table_is_the_committed_benchmark_run() -> None:
+def test_the_docs_cost_table_is_the_committed_benchmark_run() -> None:
     run = (REPO / "benchmarks" / "results" / "trial_cost_epyc_avx2.txt").read_text()
     table = [line for line in run.splitlines() if line.startswith("|")]
     assert len(table) == 9 and "trial before / after" in run
-    readme = (REPO / "README.md").read_text()
-    assert "\n".join(table) in readme
+    studies = (REPO / "docs" / "studies.md").read_text()
+    assert "\n".join(table) in studies
 
 
 def test_the_sweep_summary_over_seeds_takes_the_cnn_as_its_unit_too() -> None:

@@ -14,7 +14,7 @@ Decoder: ``torchvision.io.decode_image`` (libjpeg-turbo, bundled with torchvisio
 torchvision's tensor ``resized_crop``, rather than PIL decode + PIL ``RandomResizedCrop`` (the textbook
 ImageFolder path): decode_image returns the pixels channels-last, which torch's vectorized uint8 antialiased
 bilinear resize reads directly, where PIL's resize of a large crop is the slow half of its pipeline
-(``benchmarks/loader.py`` measures the two side by side; the README gives the figures). Formats
+(``benchmarks/loader.py`` measures the two side by side; docs/scale.md gives the figures). Formats
 torchvision does not decode (BMP, TIFF, ...) fall back to PIL. The tensor and PIL resizes differ by rounding.
 
 Shuffle and I/O locality: a row group (~4 MiB, ~32 ImageNet JPEGs) is the unit Parquet reads, so a uniformly
