@@ -1,1 +1,2 @@
-"""Composition: the chain a trial runs, the Ray Tune sweep, SLURM launch, the tracking adapter."""
+"""Composition: the chain a trial runs, the Ray Tune sweep and its studies, SLURM launch, the `tcnn` command.
+The MLflow adapter both paths use is the stage harness's (`stages.harness.tracking`)."""

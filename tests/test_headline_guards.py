@@ -164,7 +164,7 @@ def test_the_control_trains_with_the_tcnn_lr_schedule_and_data_order(tmp_path: P
     and the same batches (the first three compared image for image); only the network differs."""
     from _train_helpers import tiny_params, write_dataset
 
-    from stages import control, finetune, pretrain, reparam
+    from stages import control, fine_tuning, finetune, pretrain, reparam
 
     data = write_dataset(tmp_path / "data", n_train=300, n_test=50)
     params = validate_params(tiny_params(data, pretrain={"epochs": 1}, reparam={"epoch": 1},
@@ -186,7 +186,7 @@ def test_the_control_trains_with_the_tcnn_lr_schedule_and_data_order(tmp_path: P
                                           "warmup": scheduler.warmup_steps, "epochs": list(kw["epochs"]), "batches": batches}  # fmt: skip
         raise Seen
 
-    monkeypatch.setattr(finetune, "fit", spy)
+    monkeypatch.setattr(fine_tuning, "fit", spy)
     for stage in (finetune, control):
         with pytest.raises(Seen):
             stage.run(params, root=tmp_path)
