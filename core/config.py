@@ -41,7 +41,7 @@ DEFAULT_ARCH = "resnet10_cifar_os16"
 REGISTRIES: dict[str, tuple[str, str]] = {
     "datasets": ("core.data.importers", "DATASETS"),
     "model_kinds": ("core.models.kinds", "kind_names"),
-    "stride_modes": ("core.nn.positional", "STRIDE_MODES"),
+    "stride_modes": ("core.nn.attention_layers", "STRIDE_MODES"),
     "corruptions": ("core.robustness.suite", "CORRUPTIONS"),
     "public_sets": ("core.robustness.public_sets", "PUBLIC_KINDS"),
     "precisions": ("core.training.precision", "PRECISIONS"),

@@ -39,7 +39,7 @@ from core.training.optim import WarmupCosine, build_sgd, param_groups
 from core.utils.hashing import stable_hash
 from stages.harness import chain
 from stages.harness import training as T
-from stages.harness.identity import stage_identity
+from stages.harness.identity import network_code, stage_identity
 from stages.harness.runner import StageError, stage_main
 
 NAME = "pretrain"
@@ -113,6 +113,11 @@ def import_identity(
     return stage_identity(NAME, parts, inputs={"data": data_fingerprint}, device=device)
 
 
+def _network_code(params: Params) -> dict[str, str]:
+    """The pretraining network's code that dvc.yaml does not list (`stages.harness.identity.network_code`)."""
+    return network_code(NAME, kinds.get(kinds.get(params.model.kind).pretraining_kind).code())
+
+
 def run_hash(params: Params, spec: dict[str, Any], data_fingerprint: str, device: str) -> str:
     """The resume identity of a run: :func:`identity` and the epochs it keeps."""
     return stable_hash(
@@ -156,7 +161,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         optimizer = torch.optim.SGD(groups, lr=p.lr, momentum=p.momentum, weight_decay=0.0)
     scheduler = WarmupCosine(optimizer, total_steps=p.epochs * spe, warmup_steps=round(p.warmup_epochs * spe))
     channels_last = T.use_channels_last(device)
-    extra = T.extra_state(spec, ds, image_size)
+    extra = {**T.extra_state(spec, ds, image_size), "network_code": _network_code(params)}
 
     with deterministic(device):
         result = fit(
@@ -242,7 +247,8 @@ def import_cnn(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     origin = {"weights": source.weights, "sha256": imported.sha256, "arch": params.model.arch,
               "classifier": imported.classifier, "source_classes": imported.source_classes,
               "head_replaced": imported.head_replaced}  # fmt: skip
-    extra = {**T.extra_state(spec, ds, params.data.image_size), "source": origin}
+    extra = {**T.extra_state(spec, ds, params.data.image_size), "source": origin,
+             "network_code": _network_code(params)}  # fmt: skip
     state = {"kind": "model", "model": T.cpu_state(model), **extra, "epoch": params.t1(), "global_step": 0}
     metrics = {
         "imported": True,

@@ -1,6 +1,7 @@
 """The pretrained network at t1 that the reparam stage converts and the control fine-tunes unconverted ([TCNN21]
 Sec. 2: the CNN's checkpoint at epoch t1 = reparam.epoch; or the imported CNN, `pretrain.source`): where it is,
-what it must hold, and loading it checked against params (its kind, its spec or import digest).
+what it must hold, and loading it checked against params (its kind, its spec or import digest) and against
+the network code it was pretrained with where DVC does not track it (`stages.harness.identity.network_code`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from core.config import Params
 from core.models import kinds
 from stages.harness import chain
 from stages.harness import training as T
+from stages.harness.identity import stale_network_code
 from stages.harness.runner import StageError
 
 __all__ = ["load_source", "required", "source_label", "source_path"]
@@ -49,4 +51,10 @@ def load_source(params: Params, root: Path) -> dict[str, Any]:
     if mismatch is not None:  # the specific word for a checkpoint of another kind
         raise StageError(f"{src}: {mismatch} (rerun pretrain)")
     T.check_cnn_checkpoint(ckpt, params, src)
+    stale = stale_network_code(ckpt.get("network_code") or {})
+    if stale:
+        raise StageError(
+            f"{src}: pretrained with another {stale[0]} (model.kind={params.model.kind!r} loads code dvc.yaml "
+            "lists for params.yaml's kind only); rerun pretraining: dvc repro -f pretrain"
+        )
     return ckpt

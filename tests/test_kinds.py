@@ -109,6 +109,11 @@ def test_every_kind_runs_the_same_stages(kind: str, shared: dict[str, Path], tmp
         assert rep["attention_layers"] and not rep["gpsa_layers"]
     else:
         assert not rep["converted"] and rep["max_abs_logit_diff"] == 0.0
+    # The pretraining network's code that dvc.yaml does not list (it lists params.yaml's kind's): recorded, so
+    # that a later edit of it refuses the checkpoint (test_an_edit_of_untracked_network_code_refuses_...).
+    recorded = load(tmp_path / "runs/pretrain/ckpt/ckpt-epoch-001.pt")["network_code"]
+    assert ("core/nn/gpsa.py" in recorded) == (kind in ("hybrid_scratch", "convit"))
+    assert (recorded == {}) == (kind in ("cnn", "tcnn", "psa"))
     if kind == "hybrid_scratch":  # the T-CNN architecture was what pretraining trained
         assert spec_pre["tcnn"] == {"alpha_init": 1.0, "lambda_init": 1.0, "stages": [-1],
                                     "stride_mode": "exact", "attention": "gpsa"}  # fmt: skip
@@ -149,6 +154,35 @@ def test_stage_refuses_a_checkpoint_of_another_kind(shared: dict[str, Path], tmp
             "global_step": 4}  # fmt: skip
     atomic_save(ckpt, tmp_path / "runs/pretrain/ckpt/ckpt-epoch-001.pt")
     with pytest.raises(StageError, match=r"holds a 'convit' model already; model.kind='psa' expects a 'cnn'"):
+        reparam.run(params, root=tmp_path)
+    assert not (tmp_path / "runs/reparam").exists()
+
+
+def test_an_edit_of_untracked_network_code_refuses_the_pretraining_checkpoint(
+    shared: dict[str, Path], tmp_path: Path
+) -> None:
+    """dvc.yaml lists the code of params.yaml's kind only (an edit of GPSA must not rerun a CNN's pretraining),
+    so a hybrid_scratch pretraining (GPSA from scratch) records the GPSA files it was built with; once one
+    differs, reparam refuses the checkpoint in one line that says how to rerun, before writing anything."""
+    from core.models.spec import build_from_spec
+    from core.training.checkpoint import atomic_save
+    from core.training.optim import optimizer_param_names
+    from stages.harness.identity import network_code
+    from stages.harness.runner import StageError
+
+    params = validate_params(_raw(shared, "hybrid_scratch"))
+    spec = pretrain.model_spec(params, 10, 1)
+    model = build_from_spec(spec)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    code = network_code("pretrain", kinds.get("hybrid_scratch").code())
+    assert "core/nn/gpsa.py" in code and not any(
+        f in code for f in ("core/models/cnn.py", "core/nn/attention_layers.py")
+    )
+    ckpt = {"model": model.state_dict(), "model_spec": spec, "optimizer": opt.state_dict(),
+            "param_names": optimizer_param_names(opt, model), "scheduler": {}, "rng": {}, "epoch": 1,
+            "global_step": 4, "network_code": {**code, "core/nn/gpsa.py": "0" * 64}}  # fmt: skip
+    atomic_save(ckpt, tmp_path / "runs/pretrain/ckpt/ckpt-epoch-001.pt")
+    with pytest.raises(StageError, match=r"pretrained with another core/nn/gpsa.py .*dvc repro -f pretrain$"):
         reparam.run(params, root=tmp_path)
     assert not (tmp_path / "runs/reparam").exists()
 

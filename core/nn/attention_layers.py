@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-__all__ = ["attention_modules", "gpsa_modules"]
+__all__ = ["STRIDE_MODES", "attention_modules", "gpsa_modules"]
+
+#: How a strided conv's positional attention keeps its stride (`core.nn.positional`): "exact" (stride-1
+#: attention then [::s, ::s]; function-preserving) or "s1" (BoTNet-style, then s x s average pooling). Here,
+#: in a module that loads no layer, so the configuration checks the names without the attention code.
+STRIDE_MODES = ("exact", "s1")
 
 
 def _positional(m: nn.Module) -> bool:

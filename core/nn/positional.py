@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from core.nn.attention_layers import STRIDE_MODES
+
 M = TypeVar("M", bound=nn.Module)
 
 __all__ = [
@@ -30,7 +32,6 @@ __all__ = [
 
 ALPHA_BETA = 5.0  # softplus sharpness for the locality strength ([TCNN21], footnote 1)
 ALPHA_MIN = 1e-6  # floor added to the softplus: in fp32 softplus(x) underflows to exactly 0 for x < ~-18
-STRIDE_MODES = ("exact", "s1")  # the one list: exact (function-preserving) and s1 (BoTNet-style)
 
 
 def softplus_inverse(alpha: torch.Tensor | float, beta: float = ALPHA_BETA) -> torch.Tensor:

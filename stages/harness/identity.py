@@ -21,8 +21,11 @@ torch code.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+import importlib
+import sys
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from core.utils.hashing import stable_hash
@@ -67,3 +70,50 @@ def stage_identity(
 def key(identity: Mapping[str, Any]) -> str:
     """The short name of an identity (16 hex digits of its stable hash): a shared directory's name."""
     return stable_hash(dict(identity))[:16]
+
+
+#: The network code a model kind loads by reference (`core.models.kinds.ModelKind.code`).
+NETWORK_CODE = ("core/models/", "core/nn/")
+
+
+def _closure(modules: Iterable[str]) -> set[ModuleType]:
+    """The given modules and every project module their names come from, recursively (the import graph as the
+    modules' namespaces bind it: the same whatever else the process loaded before)."""
+    todo = [importlib.import_module(m) for m in modules]
+    seen: set[ModuleType] = set()
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        for value in vars(module).values():
+            name = value.__name__ if isinstance(value, ModuleType) else getattr(value, "__module__", None)
+            if isinstance(name, str) and name.startswith(("core.", "stages.")) and name in sys.modules:
+                todo.append(sys.modules[name])
+    return seen
+
+
+def network_code(stage: str, modules: Iterable[str], repo: Path = chain.REPO) -> dict[str, str]:
+    """sha256 of each network-code file that ``modules`` (a kind's `ModelKind.code`) load and that dvc.yaml
+    does not list for ``stage``.
+
+    dvc.yaml lists the code of params.yaml's model kind; another kind (`-S model.kind=convit`) loads its own by
+    reference, which DVC cannot see. A pretraining checkpoint records these files, and what starts from it
+    (`stale_network_code`) refuses it once they changed, instead of DVC silently reusing it."""
+    listed = set(chain.code_files(stage, repo))
+    found: dict[str, str] = {}
+    for module in _closure(modules):
+        path = Path(module.__file__ or "").resolve()
+        rel = str(path.relative_to(repo)) if path.is_relative_to(repo) else ""
+        if rel.startswith(NETWORK_CODE) and rel not in listed and not rel.endswith("__init__.py"):
+            found[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return dict(sorted(found.items()))
+
+
+def stale_network_code(recorded: Mapping[str, str], repo: Path = chain.REPO) -> list[str]:
+    """The files of ``recorded`` (`network_code`) whose content differs now, or that are gone."""
+    return [
+        rel
+        for rel, digest in recorded.items()
+        if not (repo / rel).is_file() or hashlib.sha256((repo / rel).read_bytes()).hexdigest() != digest
+    ]
