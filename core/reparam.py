@@ -1,6 +1,6 @@
 """Public import path of the conv -> attention conversion (DESIGN section 4: ``core.reparam.to_tcnn``); the
 code lives in `core.models.reparam`."""
 
-from core.models.reparam import attention_modules, gpsa_modules, model_stages, to_psa, to_tcnn
+from core.models.reparam import attention_modules, gpsa_modules, model_stages, to_attention, to_tcnn
 
-__all__ = ["attention_modules", "gpsa_modules", "model_stages", "to_psa", "to_tcnn"]
+__all__ = ["attention_modules", "gpsa_modules", "model_stages", "to_attention", "to_tcnn"]

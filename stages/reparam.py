@@ -32,8 +32,9 @@ from core.analysis.equivalence import LARGE_INIT, PAPER_INIT, agreement, feature
 from core.config import Params
 from core.data import first_batch
 from core.models import kinds
-from core.models.reparam import attention_modules, gpsa_modules
-from core.models.reparameterize import convert_cnn, reparameterize
+from core.models.kinds import Conversion
+from core.models.reparam import attention_modules, gpsa_modules, to_attention
+from core.models.reparameterize import reparameterize
 from core.models.spec import build_from_spec
 from core.training.checkpoint import atomic_save
 from core.training.loop import evaluate, predict, seed_everything, select_device
@@ -49,9 +50,9 @@ NAME = "reparam"
 PROBE = 256  # images in the equivalence batch
 
 
-def convert(cnn: torch.nn.Module, params: Params, stride_mode: str | None = None) -> torch.nn.Module:
-    """The converted network of ``cnn`` for a converting model.kind, with the reparam section's settings."""
-    return convert_cnn(cnn, params.model.kind, params.reparam, params.model.options, stride_mode)
+def conversion(params: Params) -> Conversion:
+    """The conversion params ask for (model.kind's record, the reparam section, model.options)."""
+    return kinds.get(params.model.kind).conversion_of(params.reparam, params.model.options)
 
 
 def _carry_by_name(state: dict[str, dict[str, Any]], model: torch.nn.Module) -> dict[str, dict[str, Any]]:
@@ -136,7 +137,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     if made.converted and kinds.get(kind).attention is not None:
         other = "s1" if params.reparam.stride_mode == "exact" else "exact"
         try:
-            alt = convert(cnn, params, other).to(device)
+            alt = to_attention(cnn, conversion(params).replace(stride_mode=other)).to(device)
             report[f"max_abs_logit_diff_{other}"] = agreement(logits_cnn, compare(alt, probe))[
                 "max_abs_logit_diff"
             ]
@@ -195,7 +196,7 @@ def _other_inits(
     for label, (a, lam) in (("paper", PAPER_INIT), ("large", LARGE_INIT)):
         if (a, lam) == configured:
             continue
-        other = convert(cnn, params.with_overrides({"reparam.alpha_init": a, "reparam.lambda_init": lam}))
+        other = to_attention(cnn, conversion(params).replace(alpha_init=a, lambda_init=lam))
         other = other.to(device).eval()
         near = agreement(logits_cnn, compare(other, probe))
         row = {"init": label, "alpha_init": a, "lambda_init": lam}

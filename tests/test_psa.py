@@ -13,7 +13,7 @@ from test_reparam import _max_logit_diff, _nontrivial_bn
 
 import core.models.resnets  # noqa: F401  (registers the project's small nets in timm)
 from core.nn.psa import PSA
-from core.reparam import gpsa_modules, to_psa, to_tcnn
+from core.reparam import gpsa_modules, to_tcnn
 
 CASES = [
     pytest.param("resnet10_cifar", 1, [(28, 28), (27, 21)], id="resnet10_cifar"),
@@ -23,13 +23,13 @@ CASES = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,in_chans,sizes", CASES)
-def test_to_psa_is_exact_at_large_alpha(arch: str, in_chans: int, sizes: list) -> None:
+def test_psa_conversion_is_exact_at_large_alpha(arch: str, in_chans: int, sizes: list) -> None:
     """[Cordonnier20] Eq. 5: centres on the taps, W_val = I, zero content logits -> at alpha = 50 the logits equal the
     CNN's (<= 1e-4) at any resolution, the strided conv and the zero-padded borders included."""
     torch.manual_seed(0)
     cnn = _nontrivial_bn(timm.create_model(arch, num_classes=10, in_chans=in_chans), in_chans, sizes[0])
     before = copy.deepcopy(cnn.state_dict())
-    psa = to_psa(cnn, alpha_init=50.0).eval()
+    psa = to_tcnn(cnn, attention="psa", alpha_init=50.0).eval()
     assert all(torch.equal(before[k], v) for k, v in cnn.state_dict().items())  # input untouched
     layers = gpsa_modules(psa)
     assert [n for n, _ in layers] == [n for n, _ in gpsa_modules(to_tcnn(cnn))]
@@ -42,9 +42,13 @@ def test_to_psa_is_exact_at_large_alpha(arch: str, in_chans: int, sizes: list) -
         assert scale > 0.05
         assert err <= 1e-4, f"{arch} at {hw}: max |logit diff| = {err:.2e}"
     # not function-preserving: the paper's alpha = 1, and the BoTNet-style stride
-    err1, _ = _max_logit_diff(cnn, to_psa(cnn, alpha_init=1.0), torch.randn(2, in_chans, *sizes[1]))
+    err1, _ = _max_logit_diff(
+        cnn, to_tcnn(cnn, attention="psa", alpha_init=1.0), torch.randn(2, in_chans, *sizes[1])
+    )
     err_s1, _ = _max_logit_diff(
-        cnn, to_psa(cnn, alpha_init=50.0, stride_mode="s1"), torch.randn(2, in_chans, *sizes[1])
+        cnn,
+        to_tcnn(cnn, attention="psa", alpha_init=50.0, stride_mode="s1"),
+        torch.randn(2, in_chans, *sizes[1]),
     )
     assert min(err1, err_s1) > 1e-2
 

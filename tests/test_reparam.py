@@ -161,20 +161,28 @@ def test_state_dict_round_trip_through_build() -> None:
 
 
 def test_attention_switch_keeps_the_gpsa_default() -> None:
-    """to_tcnn(attention="psa") == to_psa: PSA layers at the same paths; the default stays GPSA."""
+    """to_attention(Conversion(attention="psa")) == to_tcnn(attention="psa"): PSA layers at the same paths and
+    the same function; the default stays GPSA; a Conversion's switches act on the converted layers."""
+    from core.models.kinds import Conversion
     from core.nn.psa import PSA
-    from core.reparam import to_psa
+    from core.reparam import to_attention
 
-    cnn = timm.create_model("resnet10_cifar", num_classes=10, in_chans=1)
-    a, b = to_tcnn(cnn, attention="psa", alpha_init=2.0), to_psa(cnn, alpha_init=2.0)
+    cnn = timm.create_model("resnet10_cifar", num_classes=10, in_chans=1).eval()
+    a = to_tcnn(cnn, attention="psa", alpha_init=2.0).eval()
+    b = to_attention(cnn, Conversion(attention="psa", alpha_init=2.0)).eval()
     assert [type(m) for _, m in gpsa_modules(a)] == [PSA, PSA]
     assert (
         [n for n, _ in gpsa_modules(a)]
         == [n for n, _ in gpsa_modules(b)]
         == ["layer4.0.conv1", "layer4.0.conv2"]
     )
+    x = torch.randn(2, 1, 28, 28)
+    torch.testing.assert_close(a(x), b(x), rtol=0, atol=0)
     assert all(isinstance(m, GPSA) for _, m in gpsa_modules(to_tcnn(cnn)))
     assert set(a.state_dict()) == set(b.state_dict())
+    frozen = to_attention(cnn, Conversion(gating="freeze0"))
+    gates = [m.gating_param for _, m in gpsa_modules(frozen)]
+    assert gates and all(not g.requires_grad and float(g.abs().max()) == 0.0 for g in gates)
     with pytest.raises(ValueError, match="attention must be one of"):
         to_tcnn(cnn, attention="sa")
 

@@ -41,7 +41,6 @@ __all__ = [
     "build",
     "check_arch",
     "check_options",
-    "convert",
     "is_known_arch",
     "set_drop_path",
     "set_stochastic_depth",
@@ -178,29 +177,13 @@ def set_stochastic_depth(model: nn.Module, rate: float) -> int:
     return n
 
 
-def convert(cnn: nn.Module, kind: str, **options: Any) -> nn.Module:
-    """The conversion of a converting kind (its record's ``attention``: GPSA or PSA, `to_tcnn`) followed by
-    the ablation switches: a NEW module (``cnn`` untouched). ``options``: conversion keys and switches."""
-    record = kinds.get(kind)
-    if record.attention is None:
-        raise ValueError(f"kind {kind!r} does not convert a CNN")
-    check_options(kind, options)
-    conv = {k: options.pop(k) for k in record.conversion if k in options}
-    ablate = {k: options.pop(k) for k in POST_BUILD_SWITCHES if k in options}
-    if options:
-        raise ValueError(f"kind {kind!r}: unknown conversion option(s) {sorted(options)}")
-    if "stages" in conv:
-        conv["stages"] = tuple(conv["stages"])  # indices or module-name patterns (to_tcnn)
-    to_tcnn = kinds.resolve(f"{CONVERSION}:to_tcnn")  # the attention code, loaded by converting kinds only
-    return apply_ablations(to_tcnn(cnn, attention=record.attention, **conv), **ablate)
-
-
 def build(kind: str, arch: str, num_classes: int, **options: Any) -> nn.Module:
     """Build a model of ``kind`` (its registry record, `core.models.kinds`) on ``arch`` with ``num_classes``.
 
     ``options`` go to the kind's builder (timm kwargs such as ``in_chans``, ``drop_path_rate`` (alias
     ``drop_path``), ``img_size``; convit's ``positional``, ``attn_impl``; aa_resnet's and cmhsa's own), except
-    a converting kind's conversion keys (to `to_tcnn`) and the ablation switches.
+    a converting kind's conversion keys and switches (its `core.models.kinds.Conversion`, to
+    `core.models.reparam.to_attention`) and the ablation switches.
     """
     options = dict(options)
     record: ModelKind = kinds.get(kind)
@@ -208,8 +191,10 @@ def build(kind: str, arch: str, num_classes: int, **options: Any) -> nn.Module:
     check_arch(kind, arch)
     if "drop_path" in options:  # params.yaml's model.drop_path is timm's drop_path_rate
         options["drop_path_rate"] = options.pop("drop_path")
+    if record.attention is not None:  # a CNN converted: its conversion keys and switches make the Conversion
+        conversion = record.conversion_of(None, options)
+        taken = {*record.conversion, *POST_BUILD_SWITCHES}
+        cnn = record.builder()(arch, num_classes, **{k: v for k, v in options.items() if k not in taken})
+        return kinds.resolve(f"{CONVERSION}:to_attention")(cnn, conversion)  # loaded by converting kinds only
     ablate = {k: options.pop(k) for k in POST_BUILD_SWITCHES if k in options}
-    if record.attention is not None:
-        conv = {k: options.pop(k) for k in record.conversion if k in options}
-        return convert(record.builder()(arch, num_classes, **options), kind, **conv, **ablate)
     return apply_ablations(record.builder()(arch, num_classes, **options), **ablate)

@@ -31,8 +31,9 @@ What a record says:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -40,6 +41,7 @@ __all__ = [
     "ABLATION_SWITCHES",
     "BUILTIN_KINDS",
     "CONVERSION",
+    "Conversion",
     "GATING_MODES",
     "REPARAM_KEYS",
     "ModelKind",
@@ -68,6 +70,43 @@ def resolve(ref: str) -> Any:
     """The object a ``"package.module:attribute"`` reference names (imported on first use)."""
     module, _, attr = ref.partition(":")
     return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """How a CNN's k x k convs become positional attention, and the switches on the result: GPSA ([TCNN21]
+    Sec. 2: locality strength alpha, gate lambda, Eq. 7) or ungated PSA ([Cordonnier20]; ``qk_init``), which
+    stages (indices or module-name patterns), how strides are kept, and [ConViT21] Table 3's ``gating`` /
+    ``freeze_gpsa``. Built once from params or options (`ModelKind.conversion_of`), whose checks validated
+    every value, and handed whole to `core.models.reparam.to_attention`."""
+
+    attention: Literal["gpsa", "psa"] = "gpsa"
+    alpha_init: float = 1.0
+    lambda_init: float = 1.0
+    stages: tuple[int | str, ...] = (-1,)
+    stride_mode: str = "exact"
+    qk_init: str | None = None  # PSA only; None: the layer's default
+    gating: str = "train"
+    freeze_gpsa: bool = False
+
+    def replace(self, **changes: Any) -> Conversion:
+        """This conversion with some settings changed (the reparam stage's other inits and stride mode)."""
+        return dataclasses.replace(self, **changes)
+
+    def layers(self) -> dict[str, Any]:
+        """The layer settings of `core.models.reparam.to_tcnn`."""
+        out = {"attention": self.attention, "alpha_init": self.alpha_init, "lambda_init": self.lambda_init,
+               "stages": self.stages, "stride_mode": self.stride_mode}  # fmt: skip
+        return out if self.qk_init is None else {**out, "qk_init": self.qk_init}
+
+    def switches(self) -> dict[str, Any]:
+        """The ablation switches on the converted network (`core.models.factory.apply_ablations`)."""
+        return {"gating": self.gating, "freeze_gpsa": self.freeze_gpsa}
+
+    def section(self) -> dict[str, Any]:
+        """The checkpoint spec's conversion section (`core.models.spec`)."""
+        return {"alpha_init": float(self.alpha_init), "lambda_init": float(self.lambda_init),
+                "stages": list(self.stages), "stride_mode": self.stride_mode, "attention": self.attention}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -164,20 +203,20 @@ class ModelKind:
         """The fine-tuned network is a T-CNN (GPSA converted from a CNN, after or before pretraining)."""
         return self.attention == "gpsa"
 
-    def conversion_from(self, reparam: Any, options: dict[str, Any]) -> dict[str, Any]:
-        """This kind's `to_tcnn` settings from the ``reparam`` section and ``model.options``: the reparam keys
-        from their home (`conversion_in`), every other conversion key (psa's ``qk_init``) from the options."""
-        conv: dict[str, Any] = {}
-        for key in self.conversion:
-            if key in REPARAM_KEYS and self.conversion_in == "reparam":
-                conv[key] = getattr(reparam, key)
-            elif key in options:
-                conv[key] = options[key]
-            elif key in self.conversion_defaults:
-                conv[key] = self.conversion_defaults[key]
-        if "stages" in conv:
-            conv["stages"] = [s if isinstance(s, str) else int(s) for s in conv["stages"]]
-        return conv
+    def conversion_of(self, reparam: Any, options: Mapping[str, Any]) -> Conversion:
+        """This kind's `Conversion`: the reparam keys from the ``reparam`` section (``conversion_in="reparam"``;
+        None: from ``options`` too), every other conversion key (psa's ``qk_init``) and the switches from the
+        options, the record's defaults for what neither gives."""
+        if self.attention is None:
+            raise ValueError(f"kind {self.name!r} does not convert a CNN")
+        values: dict[str, Any] = dict(self.conversion_defaults)
+        from_reparam = reparam is not None and self.conversion_in == "reparam"
+        if from_reparam:
+            values.update({k: getattr(reparam, k) for k in REPARAM_KEYS})
+        keys = [k for k in self.conversion if not (from_reparam and k in REPARAM_KEYS)]
+        values.update({k: options[k] for k in (*keys, "gating", "freeze_gpsa") if k in options})
+        stages = tuple(s if isinstance(s, str) else int(s) for s in values.pop("stages", (-1,)))
+        return Conversion(attention=self.attention, stages=stages, **values)
 
 
 _CNN = "core.models.cnn:build_cnn"

@@ -22,7 +22,10 @@ from typing import Any
 import torch.nn as nn
 
 from core.models.cnn_layout import conversion_targets, model_stages
+from core.models.factory import apply_ablations
+from core.models.kinds import Conversion
 from core.nn.attention_layers import attention_modules, gpsa_modules
+from core.nn.gpsa import GPSA
 from core.nn.gpsa_tcnn import TcnnGPSA
 from core.nn.positional import STRIDE_MODES
 from core.nn.psa import PSA, QK_INITS
@@ -33,11 +36,17 @@ __all__ = [
     "conversion_targets",
     "gpsa_modules",
     "model_stages",
-    "to_psa",
+    "to_attention",
     "to_tcnn",
 ]
 
-ATTENTIONS = ("gpsa", "psa")
+#: Each attention a conv can become: its layer class (built by ``from_conv``) and the settings only it takes.
+#: A new attention type is one entry here (and its name in `core.models.kinds.Conversion`).
+LAYERS: dict[str, tuple[type[GPSA | PSA], tuple[str, ...]]] = {
+    "gpsa": (TcnnGPSA, ("lambda_init",)),  # [TCNN21] Sec. 2
+    "psa": (PSA, ("qk_init",)),  # [Cordonnier20], [ConViT21] Appendix A
+}
+ATTENTIONS = tuple(LAYERS)
 
 
 def _set_submodule(root: nn.Module, path: str, module: nn.Module) -> None:
@@ -79,30 +88,22 @@ def to_tcnn(
     targets = conversion_targets(new, stages)
     for path, conv in targets:
         try:
-            if attention == "gpsa":
-                gpsa = TcnnGPSA.from_conv(
-                    conv, alpha_init=alpha_init, lambda_init=lambda_init, stride_mode=stride_mode
-                )
-            else:
-                gpsa = PSA.from_conv(conv, alpha_init=alpha_init, stride_mode=stride_mode, qk_init=qk_init)
+            layer, own = LAYERS[attention]
+            settings = {"lambda_init": lambda_init, "qk_init": qk_init}
+            gpsa = layer.from_conv(
+                conv, alpha_init=alpha_init, stride_mode=stride_mode, **{k: settings[k] for k in own}
+            )
         except (TypeError, ValueError) as e:
             raise ValueError(f"to_tcnn: cannot convert {path}: {e}") from None
         _set_submodule(new, path, gpsa)
     return new
 
 
-def to_psa(
-    model: nn.Module,
-    *,
-    alpha_init: float = 1.0,
-    stages: Sequence[int] = (-1,),
-    stride_mode: str = "exact",
-    qk_init: str = "zero_key",
-) -> nn.Module:
-    """`to_tcnn` with ungated positional self-attention (`core.nn.psa.PSA`; [Cordonnier20], [ConViT21] Appendix A)."""
-    return to_tcnn(
-        model, alpha_init=alpha_init, stages=stages, stride_mode=stride_mode, attention="psa", qk_init=qk_init
-    )
+def to_attention(cnn: nn.Module, conversion: Conversion) -> nn.Module:
+    """The project's one conversion: a NEW module where ``conversion`` turned the chosen convs of ``cnn`` into
+    GPSA ([TCNN21] Sec. 2) or PSA ([Cordonnier20]) layers (`to_tcnn`) and set its switches ([ConViT21] Table 3,
+    `core.models.factory.apply_ablations`); ``cnn`` is untouched."""
+    return apply_ablations(to_tcnn(cnn, **conversion.layers()), **conversion.switches())
 
 
 def check_psa_options(options: dict[str, Any]) -> None:

@@ -1,7 +1,7 @@
 """The reparameterization step of every model kind, as its registry record says (`core.models.kinds`).
 
-- a kind that converts its pretrained CNN (``pretrains_cnn`` and ``attention``): `core.reparam.to_tcnn` with
-  the conversion settings ([TCNN21] Sec. 2: GPSA; [Cordonnier20]: PSA), then the ablation switches;
+- a kind that converts its pretrained CNN (``pretrains_cnn`` and ``attention``): `core.models.reparam.to_attention`
+  with its `Conversion` ([TCNN21] Sec. 2: GPSA; [Cordonnier20]: PSA), then the ablation switches;
 - a two-phase kind (``reparameterize``): its own map, e.g. [Li21] Theorem 1's convolution -> self-attention;
 - every other kind: the pretrained network passes through unchanged.
 """
@@ -14,8 +14,7 @@ from typing import Any
 import torch.nn as nn
 
 from core.models import kinds
-from core.models.factory import convert
-from core.models.kinds import ABLATION_SWITCHES, REPARAM_KEYS
+from core.models.kinds import ABLATION_SWITCHES, CONVERSION, REPARAM_KEYS
 from core.models.spec import build_from_spec, make_model_spec
 
 
@@ -43,17 +42,6 @@ def switches(kind: str, options: dict[str, Any]) -> dict[str, Any]:
     return {k: options[k] for k in ABLATION_SWITCHES if k in record.ablations and k in options}
 
 
-def convert_cnn(
-    cnn: nn.Module, kind: str, reparam: Any, options: dict[str, Any], stride_mode: str | None = None
-) -> nn.Module:
-    """``cnn`` converted as ``kind``'s record says, with the ``reparam`` section's settings (``stride_mode``
-    overrides its stride mode) and the switches of ``options``: a new module."""
-    conv = kinds.get(kind).conversion_from(reparam, options)
-    if stride_mode is not None:
-        conv["stride_mode"] = stride_mode
-    return convert(cnn, kind, **conv, **switches(kind, options))
-
-
 def reparameterize(
     cnn: nn.Module, spec_cnn: dict[str, Any], kind: str, reparam: Any, options: dict[str, Any]
 ) -> Reparameterized:
@@ -61,12 +49,13 @@ def reparameterize(
     record = kinds.get(kind)
     arch, n, chans = spec_cnn["arch"], spec_cnn["num_classes"], spec_cnn["in_chans"]
     if record.reparameterizes and record.attention is not None:
-        conv = record.conversion_from(reparam, options)
-        model = convert(cnn, kind, **conv, **switches(kind, options))
-        section = {**{k: getattr(reparam, k) for k in REPARAM_KEYS}, **conv, "attention": record.attention}
-        extra = {k: v for k, v in conv.items() if k not in REPARAM_KEYS}  # e.g. psa's qk_init
+        conversion = record.conversion_of(reparam, options)
+        model = kinds.resolve(f"{CONVERSION}:to_attention")(cnn, conversion)
+        extra = {
+            k: options[k] for k in record.conversion if k not in REPARAM_KEYS and k in options
+        }  # qk_init
         spec_options = {**spec_cnn["options"], **switches(kind, options), **extra}
-        spec = make_model_spec(kind, arch, n, chans, spec_options, section)
+        spec = make_model_spec(kind, arch, n, chans, spec_options, conversion.section())
         return Reparameterized(model, spec, converted=True, carry_by_name=False)
     if record.reparameterize is not None and record.phases is not None:
         model = record.reparameterizer()(cnn)

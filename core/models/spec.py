@@ -18,9 +18,10 @@ import torch.nn as nn
 
 from core.models import kinds
 from core.models.factory import backbone_options, build
+from core.models.kinds import REPARAM_KEYS
 
 MODEL_SPEC_KEYS = ("kind", "arch", "num_classes", "in_chans", "options", "tcnn")
-TCNN_SPEC_KEYS = ("alpha_init", "lambda_init", "stages", "stride_mode")
+TCNN_SPEC_KEYS = REPARAM_KEYS  # the conversion section holds the reparam section's settings
 
 
 def make_model_spec(
