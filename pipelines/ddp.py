@@ -49,12 +49,16 @@ def run_stage(
     workers: int | None = None,
     options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """``stages.<stage>.run(params, root=root, **options)`` on `workers` (default ``params.workers_per_trial``)
+    """``stages.<stage>.check(params, root)`` then ``stages.<stage>.run(params, root=root, **options)``, as the DVC
+    path runs them (`stages.harness.runner.stage_main`), on `workers` (default ``params.workers_per_trial``)
     Ray Train workers; in the trial's own process when ``workers_per_trial`` is 1. ``options``: JSON-able
     keyword arguments of the stage function (evaluate's ``shared`` store)."""
     options = dict(options or {})
+    module = importlib.import_module(f"stages.{stage}")
+    if getattr(module, "check", None) is not None:
+        module.check(params, root)  # what run needs, before it starts: run does not test it again
     if params.workers_per_trial <= 1:
-        return importlib.import_module(f"stages.{stage}").run(params, root=root, **options)
+        return module.run(params, root=root, **options)
     workers = params.workers_per_trial if workers is None else workers
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer

@@ -311,16 +311,12 @@ def score(params: Params, table: pa.Table, per_image: pa.Table, models: Sequence
 
 def run(params: Params, *, root: Path = Path("."), shared: Path | str | None = None) -> dict[str, Any]:
     """Evaluate and score every model, write the outputs (module docstring); returns metrics.json's content.
+    Its inputs are what `check` found readable (the DVC and sweep paths run it first).
     ``shared``: the store of the pretrained CNN's shared evaluation (stages.cnn_evaluation; a sweep's), else
     the CNN is evaluated here as every other model."""
     t_start = time.perf_counter()
     root = Path(root)
-    paths = model_paths(params, root)
-    missing = [str(p) for p in paths.values() if not p.is_file()]
-    if missing:
-        raise StageError(
-            f"missing model checkpoint(s): {', '.join(missing)} (run pretrain, finetune and control)"
-        )
+    paths = model_paths(params, root)  # each checked by `check` first (DVC and sweep paths alike)
     results, note = evaluate_models(params, root, paths, shared=Path(shared) if shared else None)
     out = root / chain.run_dir(NAME)
     main_name = next(iter(results))

@@ -312,12 +312,7 @@ def _placeholder(text: str) -> bytes:
 def run(params: Params, *, root: Path = Path("."), run_ids: dict[str, str] | None = None) -> dict[str, Any]:
     """Write results/report.html and the report's PNGs; returns what was rendered and the notes."""
     root = Path(root)
-    paths = input_paths(params, root)
-    missing = [str(paths[k]) for k in ("cnn", "tcnn", "metrics") if not paths[k].is_file()]
-    if missing:
-        raise StageError(
-            f"missing required input(s): {', '.join(missing)} (run pretrain, finetune and evaluate)"
-        )
+    paths = input_paths(params, root)  # the required ones checked by `check`, which the DVC path runs first
     metrics = _read_json(paths["metrics"], required=True)
     if not isinstance(metrics, dict) or not model_names(metrics):
         raise StageError(f"{paths['metrics']}: expected an object of per-model metrics (written by evaluate)")
