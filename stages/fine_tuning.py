@@ -129,6 +129,44 @@ def _build(ckpt: dict[str, Any], src: Path) -> torch.nn.Module:
     return model
 
 
+@dataclass(frozen=True)
+class _Recipe:
+    """What `finetune.mode` takes from where: "fresh" the finetune section ([TCNN21] Sec. 3), "continue" the
+    pretraining run's own settings at t1 ([TCNN21] Table 3)."""
+
+    size: int
+    batch: int
+    drop_path: float
+    augment: Any
+    order_seed: int
+    batch_key: str
+    carry: dict[str, Any] | None
+
+
+def _recipe(params: Params, ckpt: dict[str, Any], src: Path, seed: int) -> _Recipe:
+    f, p = params.finetune, params.pretrain
+    if params.finetune.mode == "fresh":
+        size = f.image_size or params.data.image_size
+        return _Recipe(size, f.batch_size, f.drop_path, params.augment_for("finetune"), seed,
+                       "finetune.batch_size", None)  # fmt: skip
+    carry = ckpt["carry"]
+    if int(carry["epoch"]) != params.reparam.epoch:
+        raise StageError(
+            f"{src}: was converted at epoch {int(carry['epoch'])} but reparam.epoch={params.reparam.epoch}; "
+            "rerun the reparam stage"
+        )
+    size = int(ckpt.get("image_size") or params.data.image_size)
+    return _Recipe(size, p.batch_size, params.model.drop_path, params.augment_for("pretrain"), params.seed,
+                   "pretrain.batch_size", carry)  # fmt: skip
+
+
+def _frozen(model: torch.nn.Module, names: list[str], strict: bool) -> list[str]:
+    frozen = freeze_parameters(model, names) if names else []
+    if names and not frozen and strict:
+        raise StageError(f"finetune.freeze: no parameter of the model is named {names}")
+    return frozen
+
+
 def train(
     params: Params,
     root: Path,
@@ -143,52 +181,49 @@ def train(
     `finetune.mode` and publish it under runs/<variant.name>/. `strict_freeze`: a freeze name that matches
     no parameter is an error (the control passes False: the T-CNN's attention-only names do not exist there)."""
     t_wall = time.perf_counter()
-    out_dir, work_dir = variant.out_dir(root), variant.work_dir(root)
-    mode = params.finetune.mode
     seed = derive_seed(params.seed, NAME)  # one stream for every variant (the control matches the T-CNN)
     seed_everything(seed)
     model = _build(ckpt, src)
-    spec = ckpt["model_spec"]
     ds = T.datasets(params, root)
     device = T.training_device()
-    f, p = params.finetune, params.pretrain
-    freeze = sorted({*freeze, *f.freeze})
-    frozen = freeze_parameters(model, freeze) if freeze else []
-    if freeze and not frozen and strict_freeze:
-        raise StageError(f"finetune.freeze: no parameter of the model is named {freeze}")
-
-    if mode == "fresh":
-        size, batch, drop_path = f.image_size or params.data.image_size, f.batch_size, f.drop_path
-        augment, order_seed, key = params.augment_for("finetune"), seed, "finetune.batch_size"
-    else:
-        carry = ckpt["carry"]
-        if int(carry["epoch"]) != params.reparam.epoch:
-            raise StageError(
-                f"{src}: was converted at epoch {int(carry['epoch'])} but reparam.epoch={params.reparam.epoch}; "
-                "rerun the reparam stage"
-            )
-        size, batch, drop_path = (
-            int(ckpt.get("image_size") or params.data.image_size),
-            p.batch_size,
-            params.model.drop_path,
-        )
-        augment, order_seed, key = params.augment_for("pretrain"), params.seed, "pretrain.batch_size"
-    set_stochastic_depth(model, drop_path)
-    loaders = T.loaders(params, ds, batch_size=batch, seed=order_seed, augment=augment, size=size)
-    spe = _steps(loaders, batch, ds, key)
+    freeze = sorted({*freeze, *params.finetune.freeze})
+    frozen = _frozen(model, freeze, strict_freeze)
+    r = _recipe(params, ckpt, src, seed)
+    set_stochastic_depth(model, r.drop_path)
+    loaders = T.loaders(params, ds, batch_size=r.batch, seed=r.order_seed, augment=r.augment, size=r.size)
+    spe = _steps(loaders, r.batch, ds, r.batch_key)
     try:
-        recipe = recipes.fresh(model, f, spe) if mode == "fresh" else recipes.continued(model, p, carry, spe)
+        recipe = (recipes.fresh(model, params.finetune, spe) if r.carry is None
+                  else recipes.continued(model, params.pretrain, r.carry, spe))  # fmt: skip
     except ValueError as err:
         raise StageError(f"{src}: {err}") from None
-    optimizer, scheduler, epochs, info = recipe.optimizer, recipe.scheduler, recipe.epochs, recipe.info
-
     channels_last = T.use_channels_last(device)
-    extra = T.extra_state(spec, ds, size)
+    extra = T.extra_state(ckpt["model_spec"], ds, r.size)
     model.to(device)
     if channels_last:
         model.to(memory_format=torch.channels_last)
-    if f.stop is not None and loaders.val is None:
+    if params.finetune.stop is not None and loaders.val is None:
         raise StageError("finetune.stop: early stopping needs a validation split (data.val_size > 0)")
+    run_hash = stable_hash(
+        identity(params, {"checkpoint": file_digest(src)}, device.type, freeze=freeze, variant=variant.name)
+    )
+    work_dir = variant.work_dir(root)
+    result, test = _fit(params, model, recipe, loaders, r, variant, seed, run_hash, extra, device, work_dir)
+    metrics = _metrics(params, result, test, recipe, model, r.size, len(frozen), device, t_wall)
+    final = {"kind": "model", "model": T.cpu_state(model), **extra, "source": {"checkpoint": str(src)}}
+    csvs = {"gpsa.csv": variant.long_rows(result.history)} if variant.long_rows is not None else None
+    T.publish(work_dir, variant.out_dir(root), objects={variant.final: final},
+              history=result.history, csvs=csvs, metrics=metrics)  # fmt: skip
+    return metrics
+
+
+def _fit(
+    params: Params, model: torch.nn.Module, recipe: Any, loaders: T.Loaders, r: _Recipe, variant: Variant,
+    seed: int, run_hash: str, extra: dict[str, Any], device: torch.device, work_dir: Path,
+) -> tuple[Any, dict[str, Any]]:  # fmt: skip
+    """The training loop from the state right after reparameterization (history's first row), then the test
+    split; the random streams restarted as the module docstring says (the control matches the T-CNN)."""
+    epochs, scheduler, channels_last = recipe.epochs, recipe.scheduler, T.use_channels_last(device)
     probe = first_batch(loaders.val if loaders.val is not None else loaders.test, PROBE)
 
     def stats(m: torch.nn.Module, label: int) -> dict[str, Any]:
@@ -201,23 +236,19 @@ def train(
             v = T.evaluate_split(model, loaders.val, device, channels_last, params)
             start.update(val_loss=v["loss"], val_acc=v["acc"])
         start.update(stats(model, epochs.start))
-        if mode == "fresh":
+        if r.carry is None:
             seed_everything(seed)  # building the model drew from the stream: restart it (see the docstring)
         else:
-            restore_rng(carry["rng"])  # the pretraining run's RNG states at t1
+            restore_rng(r.carry["rng"])  # the pretraining run's RNG states at t1
         result = fit(
             model,
-            optimizer,
+            recipe.optimizer,
             scheduler,
             loaders.train,
             epochs=epochs,
             work_dir=work_dir,
-            run_hash=stable_hash(
-                identity(
-                    params, {"checkpoint": file_digest(src)}, device.type, freeze=freeze, variant=variant.name
-                )
-            ),
-            loss_fn=TrainLoss(augment.label_smoothing),
+            run_hash=run_hash,
+            loss_fn=TrainLoss(r.augment.label_smoothing),
             val_loader=loaders.val,
             device=device,
             channels_last=channels_last,
@@ -226,21 +257,27 @@ def train(
             extra_state=extra,
             epoch_stats=stats,
             history_start=[start],
-            early_stop=f.stop,
-            desc=f"{variant.name}[{mode}]",
+            early_stop=params.finetune.stop,
+            desc=f"{variant.name}[{params.finetune.mode}]",
         )
         test = T.evaluate_split(model, loaders.test, device, channels_last, params)
+    return result, test
 
-    last = result.history[-1]
-    trained = result.history[1:]
+
+def _metrics(
+    params: Params, result: Any, test: dict[str, Any], recipe: Any, model: torch.nn.Module, size: int,
+    frozen: int, device: torch.device, t_wall: float,
+) -> dict[str, Any]:  # fmt: skip
+    """metrics.json: the published epoch (the best-validation one under early stopping) and the run."""
+    last, trained = result.history[-1], result.history[1:]
     stopping: dict[str, Any] = {}
     if result.early_stop is not None:  # the published model is the best-validation epoch's
         last = next(r for r in result.history[1:] if r["epoch"] == result.early_stop["best_epoch"])
-        stopping = _stop_metrics(result.early_stop, trained, last, f.stop, mode)
-    metrics: dict[str, Any] = {
-        "mode": mode,
-        "epochs_run": len(trained) if stopping else len(epochs),
-        **info,
+        stopping = _stop_metrics(result.early_stop, trained, last, params.finetune.stop, params.finetune.mode)
+    return {
+        "mode": params.finetune.mode,
+        "epochs_run": len(trained) if stopping else len(recipe.epochs),
+        **recipe.info,
         "train_loss": last.get("train_loss"),
         "train_acc": last.get("train_acc"),
         "val_loss": last.get("val_loss"),
@@ -254,23 +291,13 @@ def train(
         "device": device.type,
         "workers": D.world().size,
         "resumed": result.resumed_from is not None,
-        "frozen_parameters": len(frozen),
+        "frozen_parameters": frozen,
         **summarize_gpsa(last.get("gpsa") or {}),
         "images_per_s": T.mean_rate(trained),
         "train_time_s": sum(r["train_time_s"] for r in trained),
         "wall_s": time.perf_counter() - t_wall,
         **stopping,
     }
-    final = {"kind": "model", "model": T.cpu_state(model), **extra, "source": {"checkpoint": str(src)}}
-    T.publish(
-        work_dir,
-        out_dir,
-        objects={variant.final: final},
-        history=result.history,
-        csvs={"gpsa.csv": variant.long_rows(result.history)} if variant.long_rows is not None else None,
-        metrics=metrics,
-    )
-    return metrics
 
 
 def _stop_metrics(
