@@ -45,8 +45,78 @@ def _conv_input_sizes(model: nn.Module, names: Sequence[str], img_size: tuple[in
     return sizes
 
 
+def _aa_options(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the AA options with their defaults, the rest for ``timm.create_model``); the attention ratios are
+    checked here."""
+    opts = dict(options)
+    aa = {
+        "kappa": opts.pop("kappa", 0.25),
+        "upsilon": opts.pop("upsilon", 0.25),
+        "num_heads": opts.pop("num_heads", 8),
+        "stages": tuple(opts.pop("stages", (-3, -2, -1))),
+        "relative": bool(opts.pop("relative", True)),
+        "downsample_first": opts.pop("downsample_first_stage", None),
+        "img_size": opts.pop("img_size", None),
+    }
+    check_ratios(aa["kappa"], aa["upsilon"], aa["num_heads"])
+    return aa, opts
+
+
+def _input_hw(img_size: Any, model: nn.Module, project_net: bool) -> tuple[int, int]:
+    """The input (H, W) the relative embeddings are sized for: `img_size` (int or pair), default the arch's
+    timm input size, 32 for the project's nets."""
+    if img_size is None:
+        img_size = 32 if project_net else model.pretrained_cfg.get("input_size", (3, 224, 224))[-1]
+    return (int(img_size), int(img_size)) if isinstance(img_size, int | float) else tuple(map(int, img_size))
+
+
+def _target_convs(
+    model: nn.Module, arch: str, stages: tuple, downsample_first: bool
+) -> list[tuple[str, nn.Conv2d, bool]]:
+    """(name, conv, downsample) of the 3x3 conv of every block of the chosen stages, in module order;
+    downsample only in the first chosen stage, when `downsample_first`."""
+    all_stages = model_stages(model)
+    n = len(all_stages)
+    if not all_stages:
+        raise ValueError(f"aa_resnet: {arch} has no ResNet stages (layer1, layer2, ...)")
+    picked = sorted({int(s) % n for s in stages if -n <= int(s) < n})
+    if len(picked) != len(stages) or not picked:
+        raise ValueError(f"aa_resnet: stages {stages} out of range for {n} stages (or repeated)")
+    targets: list[tuple[str, nn.Conv2d, bool]] = []
+    for rank, idx in enumerate(picked):
+        stage_name, stage = all_stages[idx]
+        for block_name, block in stage.named_children():
+            conv_name = f"{stage_name}.{block_name}.{_target_conv(block)}"
+            conv = model.get_submodule(conv_name)
+            if conv.groups != 1 or conv.dilation != (1, 1) or conv.kernel_size[0] != conv.kernel_size[1]:
+                raise ValueError(f"aa_resnet: {conv_name} is grouped, dilated or non-square; not supported")
+            targets.append((conv_name, conv, downsample_first and rank == 0))
+    return targets
+
+
+def _aa_conv(conv: nn.Conv2d, in_hw: tuple[int, int], down: bool, aa: dict[str, Any]) -> AAConv2d:
+    """The `AAConv2d` replacing `conv`, its attention sized for the feature map it attends over: the conv's
+    input (`in_hw`) pooled once for a stride of 2 and once more when it downsamples."""
+    h, w = in_hw
+    for _ in range(int(conv.stride[0] == 2) + int(down)):
+        h, w = pool_size(h), pool_size(w)
+    return AAConv2d(
+        conv.in_channels,
+        conv.out_channels,
+        conv.kernel_size[0],
+        conv.stride[0],
+        kappa=aa["kappa"],
+        upsilon=aa["upsilon"],
+        num_heads=aa["num_heads"],
+        feat_size=(h, w),
+        relative=aa["relative"],
+        downsample=down,
+    )
+
+
 def build_aa_resnet(arch: str, num_classes: int, **options: Any) -> nn.Module:
-    """AA-ResNet ([Bello19], Sec. 4.2): a timm ResNet whose 3x3 convs of the chosen stages are `AAConv2d`.
+    """AA-ResNet (Bello et al. 2019, "Attention augmented convolutional networks", [Bello19] Sec. 4.2): a timm
+    ResNet whose 3x3 convs of the chosen stages are `AAConv2d`.
 
     Args:
         arch: timm ResNet-family name (``resnet50`` = AA-ResNet-50) or a project small net
@@ -64,63 +134,24 @@ def build_aa_resnet(arch: str, num_classes: int, **options: Any) -> nn.Module:
     The result is a pure function of (arch, num_classes, options) up to the random init, so a state_dict loads
     into a model rebuilt from the same arguments.
     """
-    opts = dict(options)
-    kappa = opts.pop("kappa", 0.25)
-    upsilon = opts.pop("upsilon", 0.25)
-    num_heads = opts.pop("num_heads", 8)
-    stages = tuple(opts.pop("stages", (-3, -2, -1)))
-    relative = bool(opts.pop("relative", True))
-    downsample_first = opts.pop("downsample_first_stage", None)
-    img_size = opts.pop("img_size", None)
-    check_ratios(kappa, upsilon, num_heads)
+    aa, timm_opts = _aa_options(options)
     if not (arch in PROJECT_ARCHS or timm.is_model(arch)):
         raise ValueError(f"aa_resnet: unknown arch {arch!r}")
     project_net = arch in PROJECT_ARCHS
-    model = timm.create_model(arch, num_classes=num_classes, **opts)
-    if downsample_first is None:
-        downsample_first = not project_net
-    if img_size is None:
-        img_size = 32 if project_net else model.pretrained_cfg.get("input_size", (3, 224, 224))[-1]
-    img_hw = (
-        (int(img_size), int(img_size)) if isinstance(img_size, int | float) else tuple(map(int, img_size))
-    )
-
-    all_stages = model_stages(model)
-    n = len(all_stages)
-    if not all_stages:
-        raise ValueError(f"aa_resnet: {arch} has no ResNet stages (layer1, layer2, ...)")
-    picked = sorted({int(s) % n for s in stages if -n <= int(s) < n})
-    if len(picked) != len(stages) or not picked:
-        raise ValueError(f"aa_resnet: stages {stages} out of range for {n} stages (or repeated)")
-    targets: list[tuple[str, nn.Conv2d, bool]] = []
-    for rank, idx in enumerate(picked):
-        stage_name, stage = all_stages[idx]
-        for block_name, block in stage.named_children():
-            conv_name = f"{stage_name}.{block_name}.{_target_conv(block)}"
-            conv = model.get_submodule(conv_name)
-            if conv.groups != 1 or conv.dilation != (1, 1) or conv.kernel_size[0] != conv.kernel_size[1]:
-                raise ValueError(f"aa_resnet: {conv_name} is grouped, dilated or non-square; not supported")
-            targets.append((conv_name, conv, downsample_first and rank == 0))
+    model = timm.create_model(arch, num_classes=num_classes, **timm_opts)
+    downsample_first = not project_net if aa["downsample_first"] is None else aa["downsample_first"]
+    img_hw = _input_hw(aa["img_size"], model, project_net)
+    targets = _target_convs(model, arch, aa["stages"], downsample_first)
     sizes = _conv_input_sizes(model, [t[0] for t in targets], img_hw)
     for conv_name, conv, down in targets:
-        h, w = sizes[conv_name]
-        for _ in range(int(conv.stride[0] == 2) + int(down)):
-            h, w = pool_size(h), pool_size(w)
-        aa = AAConv2d(
-            conv.in_channels,
-            conv.out_channels,
-            conv.kernel_size[0],
-            conv.stride[0],
-            kappa=kappa,
-            upsilon=upsilon,
-            num_heads=num_heads,
-            feat_size=(h, w),
-            relative=relative,
-            downsample=down,
-        )
         parent, _, leaf = conv_name.rpartition(".")
-        setattr(model.get_submodule(parent), leaf, aa)
+        setattr(model.get_submodule(parent), leaf, _aa_conv(conv, sizes[conv_name], down, aa))
     model.aa_config = dict(
-        kappa=kappa, upsilon=upsilon, num_heads=num_heads, stages=stages, img_size=img_hw, relative=relative
+        kappa=aa["kappa"],
+        upsilon=aa["upsilon"],
+        num_heads=aa["num_heads"],
+        stages=aa["stages"],
+        img_size=img_hw,
+        relative=aa["relative"],
     )
     return model

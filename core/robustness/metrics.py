@@ -415,27 +415,17 @@ def relative_corruption_error(
     return float(sum(e - clean_error for e in errors) / den)
 
 
-def summarize(
-    table: pa.Table | Iterable[Mapping[str, Any]],
-    baseline: Baseline | str | Mapping[str, Any] | pa.Table | None = None,
-    *,
-    model: str | None = None,
-) -> dict[str, Any]:
-    """Robustness summary of one model of an :func:`evaluate_model` table (see the module docstring).
-
-    `baseline`: a :class:`Baseline`, "alexnet", a baseline JSON path, a baseline model's table, a dict in
-    the reference layout, or None (accuracies only; CE entries are None). CE of a corruption is None when
-    the baseline lacks one of its evaluated severities; mCE / relative mCE are None unless every evaluated
-    benchmark corruption has one. Keys: model, baseline, clean_accuracy, clean_error, mca, mce,
-    relative_mce, per_corruption, per_category, per_severity, extra, excluded, corruptions, complete.
-    """
-    rows = _rows(table, model)
-    name = rows[0]["model"]
-    base = _as_baseline(baseline)
+def _clean_error(rows: list[dict[str, Any]], name: str) -> float:
+    """The error of the model's one clean row."""
     clean = [r for r in rows if r["corruption"] == "clean"]
     if len(clean) != 1:
         raise ValueError(f"model {name!r}: expected one clean row, found {len(clean)}")
-    clean_err = float(clean[0]["error"])
+    return float(clean[0]["error"])
+
+
+def _error_cells(rows: list[dict[str, Any]]) -> tuple[dict[str, dict[int, float]], set[str]]:
+    """(``cells[corruption][severity]`` = error of every meaningful corrupted row, the corruptions none of whose
+    rows is meaningful). A cell flagged not meaningful (saturate on grayscale data) is left out of every number."""
     cells: dict[str, dict[int, float]] = {}
     excluded: set[str] = set()
     for r in rows:
@@ -447,48 +437,62 @@ def summarize(
             continue
         cells.setdefault(c, {})[int(r["severity"])] = float(r["error"])
     excluded -= set(cells)  # only fully excluded corruptions
-    present = [c for c in CORRUPTIONS if c in cells]
+    return cells, excluded
 
-    per_corruption: dict[str, dict[str, Any]] = {}
-    for c in present:
-        sev = sorted(cells[c])
-        errs = [cells[c][s] for s in sev]
-        ce = rce = None
-        if base is not None and c in base.errors and all(s in base.errors[c] for s in sev):
-            b = [base.errors[c][s] for s in sev]
-            ce = corruption_error(errs, b)
-            rce = relative_corruption_error(errs, clean_err, b, base.clean_error)
-        per_corruption[c] = {
-            "category": CATEGORY_OF[c],
-            "accuracy": 1.0 - float(np.mean(errs)),
-            "error": float(np.mean(errs)),
-            "ce": ce,
-            "relative_ce": rce,
-            "per_severity": {str(s): 1.0 - cells[c][s] for s in sev},
-        }
 
-    bench = [c for c in present if c in BENCHMARK_CORRUPTIONS]
-    extra = [c for c in present if c in EXTRA_CORRUPTIONS]
+def _corruption_entry(
+    c: str, cells: Mapping[int, float], clean_err: float, base: Baseline | None
+) -> dict[str, Any]:
+    """One ``per_corruption`` entry: mean accuracy and error over the evaluated severities, CE and relative CE
+    (Hendrycks & Dietterich 2019; None unless the baseline has every one of those severities), and the
+    accuracy per severity."""
+    sev = sorted(cells)
+    errs = [cells[s] for s in sev]
+    ce = rce = None
+    if base is not None and c in base.errors and all(s in base.errors[c] for s in sev):
+        b = [base.errors[c][s] for s in sev]
+        ce = corruption_error(errs, b)
+        rce = relative_corruption_error(errs, clean_err, b, base.clean_error)
+    return {
+        "category": CATEGORY_OF[c],
+        "accuracy": 1.0 - float(np.mean(errs)),
+        "error": float(np.mean(errs)),
+        "ce": ce,
+        "relative_ce": rce,
+        "per_severity": {str(s): 1.0 - cells[s] for s in sev},
+    }
 
-    def group_mce(cs: list[str], key: str) -> float | None:
-        vals = [per_corruption[c][key] for c in cs]
-        return float(np.mean(vals)) if cs and all(v is not None for v in vals) else None
 
-    def group_acc(cs: list[str]) -> float | None:
-        vals = [1.0 - e for c in cs for e in cells[c].values()]
-        return float(np.mean(vals)) if vals else None
+def _group_mce(per_corruption: Mapping[str, Mapping[str, Any]], cs: list[str], key: str) -> float | None:
+    """Mean of the corruptions' `key` ("ce": mCE, "relative_ce": relative mCE): a mean of ratios, None
+    unless every one of them has it."""
+    vals = [per_corruption[c][key] for c in cs]
+    return float(np.mean(vals)) if cs and all(v is not None for v in vals) else None
 
-    per_category = {}
-    for cat, members in CATEGORIES.items():
-        cs = [c for c in present if c in members]
-        if cs:
-            per_category[cat] = {
-                "accuracy": group_acc(cs),
-                "mce": group_mce(cs, "ce"),
-                "relative_mce": group_mce(cs, "relative_ce"),
-                "corruptions": cs,
-            }
 
+def _group_accuracy(cells: Mapping[str, Mapping[int, float]], cs: list[str]) -> float | None:
+    """Mean accuracy over every (corruption, severity) cell of the corruptions (mCA when they are the 15)."""
+    vals = [1.0 - e for c in cs for e in cells[c].values()]
+    return float(np.mean(vals)) if vals else None
+
+
+def _group(
+    cells: Mapping[str, Mapping[int, float]], per_corruption: Mapping[str, Mapping[str, Any]], cs: list[str]
+) -> dict[str, Any]:
+    """Accuracy, mCE and relative mCE of a group of corruptions (a category, or the extras)."""
+    return {
+        "accuracy": _group_accuracy(cells, cs),
+        "mce": _group_mce(per_corruption, cs, "ce"),
+        "relative_mce": _group_mce(per_corruption, cs, "relative_ce"),
+        "corruptions": cs,
+    }
+
+
+def _per_severity(
+    cells: Mapping[str, Mapping[int, float]], bench: list[str], base: Baseline | None
+) -> dict[str, dict[str, float | None]]:
+    """Per severity s, over the benchmark corruptions evaluated at s: mean accuracy, mean error and
+    mCE_s = mean of E(f, s, c) / E(base, s, c) (None unless the baseline has every one, non-zero)."""
     per_severity = {}
     for s in sorted({s for c in bench for s in cells[c]}):
         cs = [c for c in bench if s in cells[c]]
@@ -501,7 +505,38 @@ def summarize(
             "error": float(np.mean([cells[c][s] for c in cs])),
             "mce": float(np.mean(ratios)) if ratios and all(v is not None for v in ratios) else None,
         }
+    return per_severity
 
+
+def summarize(
+    table: pa.Table | Iterable[Mapping[str, Any]],
+    baseline: Baseline | str | Mapping[str, Any] | pa.Table | None = None,
+    *,
+    model: str | None = None,
+) -> dict[str, Any]:
+    """Robustness summary of one model of an :func:`evaluate_model` table: the metrics of Hendrycks &
+    Dietterich 2019 (see the module docstring).
+
+    `baseline`: a :class:`Baseline`, "alexnet", a baseline JSON path, a baseline model's table, a dict in
+    the reference layout, or None (accuracies only; CE entries are None). CE of a corruption is None when
+    the baseline lacks one of its evaluated severities; mCE / relative mCE are None unless every evaluated
+    benchmark corruption has one. Keys: model, baseline, clean_accuracy, clean_error, mca, mce,
+    relative_mce, per_corruption, per_category, per_severity, extra, excluded, corruptions, complete.
+    """
+    rows = _rows(table, model)
+    name = rows[0]["model"]
+    base = _as_baseline(baseline)
+    clean_err = _clean_error(rows, name)
+    cells, excluded = _error_cells(rows)
+    present = [c for c in CORRUPTIONS if c in cells]
+    per_corruption = {c: _corruption_entry(c, cells[c], clean_err, base) for c in present}
+    bench = [c for c in present if c in BENCHMARK_CORRUPTIONS]
+    extra = [c for c in present if c in EXTRA_CORRUPTIONS]
+    per_category = {}
+    for cat, members in CATEGORIES.items():
+        cs = [c for c in present if c in members]
+        if cs:
+            per_category[cat] = _group(cells, per_corruption, cs)
     complete = set(bench) == set(BENCHMARK_CORRUPTIONS) and all(
         sorted(cells[c]) == [1, 2, 3, 4, 5] for c in bench
     )
@@ -510,18 +545,13 @@ def summarize(
         "baseline": base.name if base is not None else None,
         "clean_accuracy": 1.0 - clean_err,
         "clean_error": clean_err,
-        "mca": group_acc(bench),
-        "mce": group_mce(bench, "ce"),
-        "relative_mce": group_mce(bench, "relative_ce"),
+        "mca": _group_accuracy(cells, bench),
+        "mce": _group_mce(per_corruption, bench, "ce"),
+        "relative_mce": _group_mce(per_corruption, bench, "relative_ce"),
         "per_corruption": per_corruption,
         "per_category": per_category,
-        "per_severity": per_severity,
-        "extra": {
-            "accuracy": group_acc(extra),
-            "mce": group_mce(extra, "ce"),
-            "relative_mce": group_mce(extra, "relative_ce"),
-            "corruptions": extra,
-        },
+        "per_severity": _per_severity(cells, bench, base),
+        "extra": _group(cells, per_corruption, extra),
         "excluded": sorted(excluded, key=CORRUPTIONS.index),
         "corruptions": bench,
         "complete": complete,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import matplotlib
 
@@ -30,6 +30,110 @@ def save_png(fig: Any, path: Path, dpi: int) -> Path:
         plt.close(fig)
 
 
+class _Tiles(NamedTuple):
+    """The sheet's geometry: tiles of ``th`` x ``tw`` px (the image upscaled ``scale`` times), ``cols`` per
+    example image (clean, then each severity), ``gap`` px between tiles and ``group_gap`` more between the
+    example images' groups."""
+
+    scale: int
+    th: int
+    tw: int
+    cols: int
+    gap: int = 2
+    group_gap: int = 10
+
+    def x(self, group: int, col: int) -> int:
+        """Left edge of tile `col` of example image `group`."""
+        return group * (self.cols * (self.tw + self.gap) + self.group_gap) + col * (self.tw + self.gap)
+
+    def y(self, row: int) -> int:
+        """Top edge of the tiles of row `row` (one corruption)."""
+        return row * (self.th + self.gap)
+
+
+def _shown(
+    sets: Mapping[tuple[str, int], np.ndarray],
+    corruptions: Sequence[str] | None,
+    severities: Sequence[int] | None,
+) -> tuple[Sequence[str], Sequence[int]]:
+    """The rows and severities to show: by default every corruption with a set (benchmark order) and every
+    severity any of them has."""
+    if corruptions is None:
+        corruptions = [x for x in CORRUPTIONS if any((x, s) in sets for s in SEVERITIES)]
+    if severities is None:
+        severities = sorted({s for (x, s) in sets if x in corruptions})
+    if not corruptions or not severities:
+        raise ValueError("contact_sheet: no corrupted sets to show")
+    return corruptions, severities
+
+
+def _mosaic(
+    clean: np.ndarray,
+    sets: Mapping[tuple[str, int], np.ndarray],
+    corruptions: Sequence[str],
+    severities: Sequence[int],
+    tiles: _Tiles,
+) -> np.ndarray:
+    """The sheet's pixels, uint8 RGB on white: nearest-neighbour upscaled tiles (grayscale repeated to RGB);
+    a missing set leaves its tiles white."""
+    k = len(clean)
+    width = k * tiles.cols * (tiles.tw + tiles.gap) + (k - 1) * tiles.group_gap
+    height = len(corruptions) * (tiles.th + tiles.gap)
+    mosaic = np.full((height, width, 3), 255, dtype=np.uint8)
+
+    def put(img: np.ndarray, row: int, col: int, group: int) -> None:
+        img = np.repeat(np.repeat(img, tiles.scale, axis=0), tiles.scale, axis=1)
+        if img.shape[2] == 1:
+            img = np.repeat(img, 3, axis=2)
+        y, x = tiles.y(row), tiles.x(group, col)
+        mosaic[y : y + tiles.th, x : x + tiles.tw] = img
+
+    for r, name in enumerate(corruptions):
+        for g in range(k):
+            put(clean[g], r, 0, g)
+            for j, s in enumerate(severities):
+                imgs = sets.get((name, s))
+                if imgs is not None:
+                    im = np.asarray(imgs)[g]
+                    put(im if im.ndim == 3 else im[..., None], r, j + 1, g)
+    return mosaic
+
+
+def _sheet_figure(
+    mosaic: np.ndarray,
+    tiles: _Tiles,
+    k: int,
+    corruptions: Sequence[str],
+    severities: Sequence[int],
+    title: str | None,
+    dpi: int,
+) -> Any:
+    """The mosaic at one figure pixel per mosaic pixel, on a fixed 0..255 scale, corruption names on the left
+    and "clean" / severity labels on top of each example image's tiles."""
+    height, width = mosaic.shape[:2]
+    left, top = 1.6, 0.5 if title is None else 0.8
+    fig = plt.figure(figsize=(width / dpi + left + 0.2, height / dpi + top + 0.2), dpi=dpi)
+    ax = fig.add_axes(
+        (left / fig.get_figwidth(), 0.2 / fig.get_figheight(), width / dpi / fig.get_figwidth(),
+         height / dpi / fig.get_figheight())
+    )  # fmt: skip
+    ax.imshow(mosaic, interpolation="nearest", vmin=0, vmax=255)
+    ax.set_yticks([tiles.y(r) + tiles.th / 2 for r in range(len(corruptions))], list(corruptions), fontsize=9)
+    xticks, xlabels = [], []
+    for g in range(k):
+        for j, lab in enumerate(["clean", *[str(s) for s in severities]]):
+            xticks.append(tiles.x(g, j) + tiles.tw / 2)
+            xlabels.append(lab)
+    ax.set_xticks(xticks, xlabels, fontsize=9)
+    ax.xaxis.tick_top()
+    ax.tick_params(length=0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    if title:
+        fig.suptitle(title, fontsize=11, y=1 - 0.15 / fig.get_figheight(), va="top")
+    return fig
+
+
 def contact_sheet(
     clean: np.ndarray,
     sets: Mapping[tuple[str, int], np.ndarray],
@@ -40,7 +144,8 @@ def contact_sheet(
     title: str | None = None,
     tile: int = 84,
 ) -> Path:
-    """A grid of images: one row per corruption, for each example image the clean one then its severities.
+    """A grid of images: one row per corruption, for each example image the clean one then its severities
+    (a visual check of the corrupted sets, as in Hendrycks & Dietterich 2019, Fig. 1).
 
     `clean` is uint8 [K, H, W, C] (K example images), ``sets[(corruption, severity)]`` uint8 [K, H, W, C]
     (the same K images corrupted). Tiles are upscaled to about `tile` px with nearest-neighbour so a 28 px
@@ -51,57 +156,12 @@ def contact_sheet(
     if clean.ndim == 3:
         clean = clean[..., None]
     k, h, w, c = clean.shape
-    if corruptions is None:
-        corruptions = [x for x in CORRUPTIONS if any((x, s) in sets for s in SEVERITIES)]
-    if severities is None:
-        severities = sorted({s for (x, s) in sets if x in corruptions})
-    if not corruptions or not severities:
-        raise ValueError("contact_sheet: no corrupted sets to show")
+    corruptions, severities = _shown(sets, corruptions, severities)
     scale = max(1, round(tile / max(h, w)))
-    th, tw, gap, group_gap = h * scale, w * scale, 2, 10
-    cols = 1 + len(severities)
-    width = k * cols * (tw + gap) + (k - 1) * group_gap
-    height = len(corruptions) * (th + gap)
-    mosaic = np.full((height, width, 3), 255, dtype=np.uint8)
-
-    def put(img: np.ndarray, row: int, col: int, group: int) -> None:
-        img = np.repeat(np.repeat(img, scale, axis=0), scale, axis=1)
-        if img.shape[2] == 1:
-            img = np.repeat(img, 3, axis=2)
-        y = row * (th + gap)
-        x = group * (cols * (tw + gap) + group_gap) + col * (tw + gap)
-        mosaic[y : y + th, x : x + tw] = img
-
-    for r, name in enumerate(corruptions):
-        for g in range(k):
-            put(clean[g], r, 0, g)
-            for j, s in enumerate(severities):
-                imgs = sets.get((name, s))
-                if imgs is not None:
-                    im = np.asarray(imgs)[g]
-                    put(im if im.ndim == 3 else im[..., None], r, j + 1, g)
-
+    tiles = _Tiles(scale, h * scale, w * scale, 1 + len(severities))
+    mosaic = _mosaic(clean, sets, corruptions, severities, tiles)
     dpi = 100
-    left, top = 1.6, 0.5 if title is None else 0.8
-    fig = plt.figure(figsize=(width / dpi + left + 0.2, height / dpi + top + 0.2), dpi=dpi)
-    ax = fig.add_axes(
-        (left / fig.get_figwidth(), 0.2 / fig.get_figheight(), width / dpi / fig.get_figwidth(),
-         height / dpi / fig.get_figheight())
-    )  # fmt: skip
-    ax.imshow(mosaic, interpolation="nearest", vmin=0, vmax=255)
-    ax.set_yticks([r * (th + gap) + th / 2 for r in range(len(corruptions))], list(corruptions), fontsize=9)
-    xticks, xlabels = [], []
-    for g in range(k):
-        for j, lab in enumerate(["clean", *[str(s) for s in severities]]):
-            xticks.append(g * (cols * (tw + gap) + group_gap) + j * (tw + gap) + tw / 2)
-            xlabels.append(lab)
-    ax.set_xticks(xticks, xlabels, fontsize=9)
-    ax.xaxis.tick_top()
-    ax.tick_params(length=0)
-    for side in ax.spines.values():
-        side.set_visible(False)
-    if title:
-        fig.suptitle(title, fontsize=11, y=1 - 0.15 / fig.get_figheight(), va="top")
+    fig = _sheet_figure(mosaic, tiles, k, corruptions, severities, title, dpi)
     return save_png(fig, Path(path), dpi)
 
 
