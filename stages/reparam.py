@@ -69,62 +69,90 @@ def _carry_by_name(state: dict[str, dict[str, Any]], model: torch.nn.Module) -> 
 
 
 def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
+    """Convert the t1 checkpoint (module docstring), measure how far the result is from the CNN, and write
+    ``tcnn.pt`` and ``equivalence.json``; returns the equivalence report."""
     t_wall = time.perf_counter()
     root = Path(root)
-    out_dir = root / chain.run_dir(NAME)
     src = source_path(params, root)
     ckpt = load_source(params, root)
+    cnn = _load_cnn(ckpt, src)
+    ds = T.datasets(params, root)
+    device = select_device()
+    seed_everything(derive_seed(params.seed, NAME))  # the new W_qry, W_key (and such) draw from this stream
+    made, state, moved, note = _convert(params, cnn, ckpt, src)
+    tcnn = made.model
+    # Equivalence report (eval mode: BN uses running statistics, so both compute deterministic functions).
+    size = ckpt.get("image_size") or ds.image_size
+    loaders = T.loaders(params, ds, batch_size=T.EVAL_BATCH, seed=params.seed, augment=None, size=size)
+    probe = first_batch(loaders.val if loaders.val is not None else loaders.test, PROBE)
+    cnn.to(device)
+    tcnn.to(device)
+    compare = Comparison(ckpt.get("source"))
+    logits_cnn = compare(cnn, probe)
+    report = _equivalence(params, ckpt, cnn, made, probe, logits_cnn, compare)
+    report["optimizer_state_renamed"] = {k: v for k, v in moved.items() if k != v}
+    if made.converted and kinds.get(params.model.kind).attention is not None:
+        report.update(_other_modes(params, cnn, probe, logits_cnn, loaders, device, compare))
+    report.update(_accuracies(cnn, tcnn, loaders, device))
+    if note:
+        report["note"] = note
+    report["wall_s"] = time.perf_counter() - t_wall
+    _write(root, src, ckpt, made.spec, tcnn, ds, int(size), state, moved)
+    atomic_write_json(root / chain.run_dir(NAME) / "equivalence.json", report)
+    return report
+
+
+def _load_cnn(ckpt: dict[str, Any], src: Path) -> torch.nn.Module:
     try:
         cnn = build_from_spec(ckpt["model_spec"])
         cnn.load_state_dict(ckpt["model"])
     except (ValueError, TypeError, KeyError, RuntimeError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise StageError(f"{src}: cannot rebuild the CNN from this checkpoint ({first})") from None
-    kind = params.model.kind
-    spec_cnn = ckpt["model_spec"]
-    ds = T.datasets(params, root)
-    device = select_device()
-    cnn.eval()
+    return cnn.eval()
 
-    seed_everything(derive_seed(params.seed, NAME))  # the new W_qry, W_key (and such) draw from this stream
+
+def _convert(
+    params: Params, cnn: torch.nn.Module, ckpt: dict[str, Any], src: Path
+) -> tuple[Any, dict[str, Any], dict[str, str], str | None]:
+    """The kind's network made from the CNN (`core.models.reparameterize`) and the optimizer state for
+    "continue" fine-tuning, keyed by its parameter names ([TCNN21] Table 3)."""
+    kind, spec_cnn = params.model.kind, ckpt["model_spec"]
     state_in = named_state(ckpt["optimizer"], ckpt["param_names"]) if "optimizer" in ckpt else {}
     try:
         made = reparameterize(cnn, spec_cnn, kind, params.reparam, params.model.options)
     except ValueError as err:
         raise StageError(f"reparam: cannot convert {spec_cnn['arch']!r} to kind {kind!r} ({err})") from None
-    tcnn, spec, note = made.model, made.spec, made.note
+    note = made.note
     if made.carry_by_name:
-        dropped = sorted(set(state_in) - set(_carry_by_name(state_in, tcnn)))
-        state_in = _carry_by_name(state_in, tcnn)
+        dropped = sorted(set(state_in) - set(_carry_by_name(state_in, made.model)))
+        state_in = _carry_by_name(state_in, made.model)
         note = f"{note}; no optimizer state for {dropped}"
-    tcnn.eval()
-
-    # Optimizer state for "continue" fine-tuning, keyed by the new network's parameter names.
+    made.model.eval()
     try:
-        state, moved = map_state_to_tcnn(state_in, tcnn)
+        state, moved = map_state_to_tcnn(state_in, made.model)
     except KeyError as err:
         raise StageError(f"{src}: optimizer state does not map onto the T-CNN ({err})") from None
+    return made, state, moved, note
 
-    # Equivalence report (eval mode: BN uses running statistics, so both compute deterministic functions).
-    size = ckpt.get("image_size") or ds.image_size
-    loaders = T.loaders(params, ds, batch_size=T.EVAL_BATCH, seed=params.seed, augment=None, size=size)
-    probe_loader = loaders.val if loaders.val is not None else loaders.test
-    probe = first_batch(probe_loader, PROBE)
-    cnn.to(device)
-    tcnn.to(device)
-    compare = Comparison(ckpt.get("source"))
-    logits_cnn = compare(cnn, probe)
-    report: dict[str, Any] = {
+
+def _equivalence(
+    params: Params, ckpt: dict[str, Any], cnn: torch.nn.Module, made: Any, probe: torch.Tensor,
+    logits_cnn: torch.Tensor, compare: Comparison,
+) -> dict[str, Any]:  # fmt: skip
+    """How close the converted network computes the CNN's function on the probe batch ([TCNN21] Sec. 2)."""
+    tcnn, r = made.model, params.reparam
+    return {
         "reparam_epoch": params.t1(),
         "imported": params.imports_cnn,
         "source": ckpt.get("source"),
         "normalization": T.input_normalization(params),
         "compared": compare.what,
-        "alpha_init": params.reparam.alpha_init,
-        "lambda_init": params.reparam.lambda_init,
-        "stride_mode": params.reparam.stride_mode,
-        "stages": list(params.reparam.stages),
-        "kind": kind,
+        "alpha_init": r.alpha_init,
+        "lambda_init": r.lambda_init,
+        "stride_mode": r.stride_mode,
+        "stages": list(r.stages),
+        "kind": params.model.kind,
         "converted": made.converted,
         "probe_images": int(probe.shape[0]),
         **agreement(logits_cnn, compare(tcnn, probe)),
@@ -132,40 +160,54 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         "attention_layers": [name for name, _ in attention_modules(tcnn)],
         "params_cnn": sum(p.numel() for p in cnn.parameters()),
         "params_tcnn": sum(p.numel() for p in tcnn.parameters()),
-        "optimizer_state_renamed": {k: v for k, v in moved.items() if k != v},
     }
-    if made.converted and kinds.get(kind).attention is not None:
-        other = "s1" if params.reparam.stride_mode == "exact" else "exact"
-        try:
-            alt = to_attention(cnn, conversion(params).replace(stride_mode=other)).to(device)
-            report[f"max_abs_logit_diff_{other}"] = agreement(logits_cnn, compare(alt, probe))[
-                "max_abs_logit_diff"
-            ]
-        except (ValueError, NotImplementedError) as err:
-            report[f"max_abs_logit_diff_{other}"] = None
-            report[f"{other}_error"] = str(err)
-        report["inits"] = _other_inits(cnn, params, probe, logits_cnn, loaders.test, device, compare)
+
+
+def _other_modes(
+    params: Params, cnn: torch.nn.Module, probe: torch.Tensor, logits_cnn: torch.Tensor, loaders: Any,
+    device: Any, compare: Comparison,
+) -> dict[str, Any]:  # fmt: skip
+    """The same distance with the other stride mode and at the paper's and a large init (`_other_inits`)."""
+    other = "s1" if params.reparam.stride_mode == "exact" else "exact"
+    out: dict[str, Any] = {}
+    try:
+        alt = to_attention(cnn, conversion(params).replace(stride_mode=other)).to(device)
+        out[f"max_abs_logit_diff_{other}"] = agreement(logits_cnn, compare(alt, probe))["max_abs_logit_diff"]
+    except (ValueError, NotImplementedError) as err:
+        out[f"max_abs_logit_diff_{other}"] = None
+        out[f"{other}_error"] = str(err)
+    out["inits"] = _other_inits(cnn, params, probe, logits_cnn, loaders.test, device, compare)
+    return out
+
+
+def _accuracies(cnn: torch.nn.Module, tcnn: torch.nn.Module, loaders: Any, device: Any) -> dict[str, Any]:
+    """Validation and test accuracy and loss of both networks right after the conversion."""
     cl = T.use_channels_last(device)  # the accuracies: fast layout (the logit diffs above use NCHW)
     if cl:
         cnn.to(memory_format=torch.channels_last)
         tcnn.to(memory_format=torch.channels_last)
+    out: dict[str, Any] = {}
     for split, loader in (("val", loaders.val), ("test", loaders.test)):
         if loader is None:
             continue
         a = evaluate(cnn, loader.batches(0), device=device, channels_last=cl)
         b = evaluate(tcnn, loader.batches(0), device=device, channels_last=cl)
-        report[f"{split}_acc_cnn"], report[f"{split}_acc_tcnn"] = a["acc"], b["acc"]
-        report[f"{split}_loss_cnn"], report[f"{split}_loss_tcnn"] = a["loss"], b["loss"]
-    if note:
-        report["note"] = note
-    report["wall_s"] = time.perf_counter() - t_wall
+        out[f"{split}_acc_cnn"], out[f"{split}_acc_tcnn"] = a["acc"], b["acc"]
+        out[f"{split}_loss_cnn"], out[f"{split}_loss_tcnn"] = a["loss"], b["loss"]
+    return out
 
+
+def _write(
+    root: Path, src: Path, ckpt: dict[str, Any], spec: dict[str, Any], tcnn: torch.nn.Module, ds: Any,
+    size: int, state: dict[str, Any], moved: dict[str, str],
+) -> None:  # fmt: skip
+    """``tcnn.pt``: the converted network, where it came from, and what "continue" fine-tuning carries."""
     out = {
         "kind": "model",
         "model": T.cpu_state(tcnn),
         "model_spec": spec,
         "normalization": ckpt.get("normalization", {"mean": ds.mean, "std": ds.std}),
-        "image_size": int(size),
+        "image_size": size,
         "source": {
             "checkpoint": str(src.relative_to(root)) if src.is_relative_to(root) else str(src),
             "sha256": file_digest(src),
@@ -173,10 +215,9 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         },
         "carry": T.carry(ckpt, state, moved) if "optimizer" in ckpt else None,
     }
+    out_dir = root / chain.run_dir(NAME)
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_save(out, out_dir / "tcnn.pt")
-    atomic_write_json(out_dir / "equivalence.json", report)
-    return report
 
 
 def _other_inits(
