@@ -309,188 +309,289 @@ def fit(
     Resumes from `work_dir/resume.pt` when its `run_hash` matches (else starts fresh and says so).
     Raises `Preempted` after checkpointing when a stop signal arrives, `TrainingError` on a NaN/inf loss.
     """
-    work_dir = Path(work_dir)
     device = device or next(model.parameters()).device
-    loss_fn = loss_fn or TrainLoss()
-    scaler = scaler or grad_scaler(device, precision)
-    world = D.world()
-    if not world.main:  # one voice: rank 0 logs and draws the progress bar
-        log = _silent
-    spe = len(train_loader)
-    if spe <= 0:
-        raise TrainingError(f"{desc}: the training set yields no full batch (steps per epoch = 0)")
-    keep = {int(e) for e in epoch_checkpoints if epochs.start <= int(e) <= epochs.stop}
-    extra_state = dict(extra_state or {})
-    param_names = optimizer_param_names(optimizer, model)
-    resume_path = work_dir / RESUME_FILE
-    notes: list[str] = []
-
-    history: list[dict[str, Any]] = []
-    saved: dict[int, Path] = {}
-    epoch, step, global_step = epochs.start, 0, 0
-    accum = _new_accum()
-    resumed_from = None
-    if early_stop is not None and val_loader is None:
-        raise TrainingError(f"{desc}: early stopping needs a validation split")
-    plateau = {"rule": ES.new_state(), "best_model": None} if early_stop is not None else None
-
-    model.to(device)  # before loading optimizer state, which follows its parameters' device
-    state_to_parameter_devices(optimizer)  # state loaded before the move (carried "continue" momentum)
-    state = _try_resume(resume_path, run_hash, log, notes)
-    if len(set(D.gather(state is None))) > 1:  # every rank read the same file: they must agree
-        raise TrainingError(f"{desc}: the ranks disagree on whether {resume_path} can be resumed")
-    if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        _restore_rank_rng(state, world)
-        epoch, step, global_step = state["epoch"], state["step"], state["global_step"]
-        # the checkpoint holds the ranks' summed epoch accumulators: rank 0 carries them, the others add to 0
-        accum = _accum_from_state(state["accum"] if world.main else _zero_accum(state["accum"]), device)
-        history = list(state["history"])
-        saved = {int(k): work_dir / v for k, v in state["epoch_checkpoints"].items()}
-        resumed_from = (epoch, step)
-        plateau = state.get("early_stop") if plateau is not None else None
-        if plateau is None and early_stop is not None:  # the run_hash covers the rule: cannot happen
-            raise TrainingError(f"{desc}: {resume_path} holds no early-stopping state")
-        log(
-            f"{desc}: resuming from {resume_path} at epoch {epoch + 1} step {step} (global step {global_step})"
-        )
-    else:
-        D.barrier()  # every rank has read the old state before rank 0 clears it
-        if world.main:
-            if work_dir.exists():
-                shutil.rmtree(work_dir)
-            work_dir.mkdir(parents=True, exist_ok=True)
-        if world.parallel and not world.main:  # own dropout / drop-path draws per rank, fixed by (seed, rank)
-            seed_everything(torch.initial_seed() + 1_000_003 * world.rank)
-        accum = _new_accum(device)
-        history = [dict(r) for r in history_start or []]
-
-    def snapshot(ep: int, st: int) -> dict[str, Any]:
-        """The full training state; a collective under DDP (every rank calls it, rank 0 writes it)."""
-        rng_ranks = D.gather(capture_rng())
-        return {
-            "format": STATE_FORMAT,
-            "run_hash": run_hash,
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "param_names": param_names,
-            "scheduler": scheduler.state_dict(),
-            "scaler": scaler.state_dict(),
-            "epoch": ep,
-            "step": st,
-            "global_step": global_step,
-            "steps_per_epoch": spe,
-            "rng": rng_ranks[0],
-            **({"rng_ranks": rng_ranks} if world.parallel else {}),
-            "accum": _accum_to_state(_reduced(accum)),
-            "history": history,
-            "epoch_checkpoints": {k: p.name for k, p in saved.items()},
-            **({"early_stop": plateau} if plateau is not None else {}),
-            **extra_state,
-        }
-
-    def save(snap: dict[str, Any], path: Path) -> None:
-        if world.main:
-            atomic_save(snap, path)
-        D.barrier()  # no rank runs ahead of a checkpoint (a kill then loses at most the current step)
-
-    def save_epoch_checkpoint(label: int) -> None:
-        path = work_dir / f"ckpt-epoch-{label:03d}.pt"
-        snap = snapshot(label, 0)
-        snap["kind"] = "epoch"
-        save(snap, path)
-        saved[label] = path
-
-    if channels_last:
-        model.to(memory_format=torch.channels_last)
-    model.train()
-    net = D.wrap(model, device)  # DDP when several ranks: averages gradients in backward
-
+    job = _Job(
+        model=model, optimizer=optimizer, scheduler=scheduler, train_loader=train_loader, epochs=epochs,
+        work_dir=Path(work_dir), run_hash=run_hash, loss_fn=loss_fn or TrainLoss(), val_loader=val_loader,
+        device=device, channels_last=channels_last, precision=precision,
+        scaler=scaler or grad_scaler(device, precision), checkpoint_every_steps=checkpoint_every_steps,
+        epoch_checkpoints=epoch_checkpoints, extra_state=dict(extra_state or {}), epoch_stats=epoch_stats,
+        on_step=on_step, early_stop=early_stop, desc=desc, log=log,
+    )  # fmt: skip
+    run = _start(job, history_start)
+    net = _training_net(job)
     with StopSignals() as stop:
-        if state is None and epochs.start in keep:
-            save_epoch_checkpoint(epochs.start)
-        while epoch < epochs.stop and not _stopped(plateau):
-            bar = _progress(desc, epoch, epochs.stop, spe, step) if world.main else None
-            t_start = time.perf_counter()
-            n_timed = 0
-            for x, y in train_loader.batches(epoch, step):
-                x = _to_device(x, device, channels_last)
-                y = y.to(device, non_blocking=True)
-                with autocast(device, precision):
-                    logits = net(x)
-                loss = loss_fn(logits, y)
-                optimizer.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-                accum["lr"] = float(optimizer.param_groups[0]["lr"])  # the lr this step used
-                scheduler.step()
-                step += 1
-                global_step += 1
-                b = int(y.shape[0])
-                accum["loss_sum"] += loss.detach().double() * b
-                accum["correct"] += (logits.detach().argmax(-1) == _hard(y)).sum()
-                accum["images"] += b
-                n_timed += b
-                if on_step is not None:
-                    on_step(StepInfo(epoch, step, global_step, loss.detach(), stop))
+        if run.resumed_from is None and epochs.start in job.keep:
+            _save_epoch_checkpoint(job, run, epochs.start)
+        while run.epoch < epochs.stop and not _stopped(run.plateau):
+            _train_epoch(job, run, net, stop)
+            _end_epoch(job, run, stop)
+    return _finish(job, run)
+
+
+@dataclass
+class _Job:
+    """What one `fit` call trains with and where it keeps its state: `fit`'s arguments with their defaults
+    filled in, plus what follows from them. Fixed for the whole call; `__post_init__` refuses a job that
+    cannot run (no full batch per epoch; early stopping without a validation split)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: WarmupCosine
+    train_loader: Any
+    epochs: range
+    work_dir: Path
+    run_hash: str
+    loss_fn: nn.Module
+    val_loader: Any | None
+    device: torch.device
+    channels_last: bool
+    precision: str
+    scaler: torch.amp.GradScaler
+    checkpoint_every_steps: int
+    epoch_checkpoints: Iterable[int]
+    extra_state: dict[str, Any]
+    epoch_stats: Callable[[nn.Module, int], dict[str, Any]] | None
+    on_step: Callable[[StepInfo], None] | None
+    early_stop: Any | None
+    desc: str
+    log: Callable[[str], None]
+    world: D.World = field(init=False)
+    spe: int = field(init=False)  # optimizer steps per epoch
+    keep: set[int] = field(init=False)  # the epoch labels whose ckpt-epoch-XXX.pt is kept
+    param_names: list[str] = field(init=False)  # what the optimizer state's indices stand for
+    resume_path: Path = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.world = D.world()
+        if not self.world.main:  # one voice: rank 0 logs and draws the progress bar
+            self.log = _silent
+        self.spe = len(self.train_loader)
+        if self.spe <= 0:
+            raise TrainingError(f"{self.desc}: the training set yields no full batch (steps per epoch = 0)")
+        start, stop = self.epochs.start, self.epochs.stop
+        self.keep = {int(e) for e in self.epoch_checkpoints if start <= int(e) <= stop}
+        self.param_names = optimizer_param_names(self.optimizer, self.model)
+        self.resume_path = self.work_dir / RESUME_FILE
+        if self.early_stop is not None and self.val_loader is None:
+            raise TrainingError(f"{self.desc}: early stopping needs a validation split")
+
+
+@dataclass
+class _Run:
+    """Where the loop stands: what `resume.pt` holds besides the model, optimizer, scheduler, scaler and RNG
+    states, plus what the call reports (`resumed_from`, `notes`)."""
+
+    epoch: int  # data epoch (0-based) in progress
+    step: int  # steps done within it
+    global_step: int
+    accum: dict[str, Any]  # the epoch's running sums (_new_accum)
+    history: list[dict[str, Any]]
+    saved: dict[int, Path]  # epoch label -> its ckpt-epoch-XXX.pt
+    plateau: dict[str, Any] | None  # early stopping's rule state and best weights, when the rule is on
+    resumed_from: tuple[int, int] | None
+    notes: list[str]
+
+
+def _start(job: _Job, history_start: list[dict[str, Any]] | None) -> _Run:
+    """The loop's starting point: `resume.pt` when it belongs to this run (same `run_hash`), else a fresh
+    start in an emptied work directory. Under DDP every rank must reach the same verdict."""
+    job.model.to(job.device)  # before loading optimizer state, which follows its parameters' device
+    state_to_parameter_devices(job.optimizer)  # state loaded before the move (carried "continue" momentum)
+    notes: list[str] = []
+    state = _try_resume(job.resume_path, job.run_hash, job.log, notes)
+    if len(set(D.gather(state is None))) > 1:  # every rank read the same file: they must agree
+        raise TrainingError(f"{job.desc}: the ranks disagree on whether {job.resume_path} can be resumed")
+    if state is not None:
+        return _resume(job, state, notes)
+    return _fresh(job, history_start, notes)
+
+
+def _resume(job: _Job, state: dict[str, Any], notes: list[str]) -> _Run:
+    """Load the checkpointed model, optimizer, scheduler, scaler and RNG states; the loop goes on from the
+    checkpoint's (epoch, step) with its epoch sums, history, epoch checkpoints and early-stopping state."""
+    world = job.world
+    job.model.load_state_dict(state["model"])
+    job.optimizer.load_state_dict(state["optimizer"])
+    job.scheduler.load_state_dict(state["scheduler"])
+    job.scaler.load_state_dict(state["scaler"])
+    _restore_rank_rng(state, world)
+    epoch, step, global_step = state["epoch"], state["step"], state["global_step"]
+    # the checkpoint holds the ranks' summed epoch accumulators: rank 0 carries them, the others add to 0
+    accum = _accum_from_state(state["accum"] if world.main else _zero_accum(state["accum"]), job.device)
+    history = list(state["history"])
+    saved = {int(k): job.work_dir / v for k, v in state["epoch_checkpoints"].items()}
+    plateau = state.get("early_stop") if job.early_stop is not None else None
+    if plateau is None and job.early_stop is not None:  # the run_hash covers the rule: cannot happen
+        raise TrainingError(f"{job.desc}: {job.resume_path} holds no early-stopping state")
+    job.log(
+        f"{job.desc}: resuming from {job.resume_path} at epoch {epoch + 1} step {step} (global step {global_step})"
+    )
+    return _Run(epoch, step, global_step, accum, history, saved, plateau, (epoch, step), notes)
+
+
+def _fresh(job: _Job, history_start: list[dict[str, Any]] | None, notes: list[str]) -> _Run:
+    """A start from the first epoch of `job.epochs` with an emptied work directory; `history_start` opens the
+    history."""
+    world = job.world
+    D.barrier()  # every rank has read the old state before rank 0 clears it
+    if world.main:
+        if job.work_dir.exists():
+            shutil.rmtree(job.work_dir)
+        job.work_dir.mkdir(parents=True, exist_ok=True)
+    if world.parallel and not world.main:  # own dropout / drop-path draws per rank, fixed by (seed, rank)
+        seed_everything(torch.initial_seed() + 1_000_003 * world.rank)
+    history = [dict(r) for r in history_start or []]
+    plateau = {"rule": ES.new_state(), "best_model": None} if job.early_stop is not None else None
+    return _Run(job.epochs.start, 0, 0, _new_accum(job.device), history, {}, plateau, None, notes)
+
+
+def _training_net(job: _Job) -> nn.Module:
+    """`job.model` in train mode (channels-last when asked), wrapped for data parallelism: what the steps
+    call. Under several ranks it is DDP, which averages the gradients in backward."""
+    if job.channels_last:
+        job.model.to(memory_format=torch.channels_last)
+    job.model.train()
+    return D.wrap(job.model, job.device)
+
+
+def _finish(job: _Job, run: _Run) -> FitResult:
+    """The call's result; with early stopping on, the best-validation epoch's weights go back into the model."""
+    if run.plateau is not None:
+        job.model.load_state_dict(run.plateau["best_model"])
+    rule = run.plateau["rule"] if run.plateau is not None else None
+    saved = dict(sorted(run.saved.items()))
+    return FitResult(run.history, saved, run.resumed_from, run.global_step, job.work_dir, run.notes, rule)
+
+
+def _snapshot(job: _Job, run: _Run, epoch: int, step: int) -> dict[str, Any]:
+    """The full training state at (data epoch `epoch`, `step`); a collective under DDP (every rank calls it,
+    rank 0 writes it)."""
+    rng_ranks = D.gather(capture_rng())
+    return {
+        "format": STATE_FORMAT,
+        "run_hash": job.run_hash,
+        "model": job.model.state_dict(),
+        "optimizer": job.optimizer.state_dict(),
+        "param_names": job.param_names,
+        "scheduler": job.scheduler.state_dict(),
+        "scaler": job.scaler.state_dict(),
+        "epoch": epoch,
+        "step": step,
+        "global_step": run.global_step,
+        "steps_per_epoch": job.spe,
+        "rng": rng_ranks[0],
+        **({"rng_ranks": rng_ranks} if job.world.parallel else {}),
+        "accum": _accum_to_state(_reduced(run.accum)),
+        "history": run.history,
+        "epoch_checkpoints": {k: p.name for k, p in run.saved.items()},
+        **({"early_stop": run.plateau} if run.plateau is not None else {}),
+        **job.extra_state,
+    }
+
+
+def _save(job: _Job, snap: dict[str, Any], path: Path) -> None:
+    if job.world.main:
+        atomic_save(snap, path)
+    D.barrier()  # no rank runs ahead of a checkpoint (a kill then loses at most the current step)
+
+
+def _save_epoch_checkpoint(job: _Job, run: _Run, label: int) -> None:
+    """Keep the state after `label` epochs as `ckpt-epoch-XXX.pt` (an epoch-start state, step 0)."""
+    path = job.work_dir / f"ckpt-epoch-{label:03d}.pt"
+    snap = _snapshot(job, run, label, 0)
+    snap["kind"] = "epoch"
+    _save(job, snap, path)
+    run.saved[label] = path
+
+
+def _train_epoch(job: _Job, run: _Run, net: nn.Module, stop: StopSignals) -> None:
+    """The rest of data epoch `run.epoch`, from step `run.step`. Writes `resume.pt` every
+    `checkpoint_every_steps` global steps and, when a stop signal arrived on any rank, raises `Preempted`
+    after writing it (an epoch's last step is left to `_end_epoch`, which checkpoints anyway)."""
+    bar = _progress(job.desc, run.epoch, job.epochs.stop, job.spe, run.step) if job.world.main else None
+    t_start = time.perf_counter()
+    n_timed = 0
+    every = job.checkpoint_every_steps
+    for x, y in job.train_loader.batches(run.epoch, run.step):
+        loss, b = _train_step(job, run, net, x, y)
+        n_timed += b
+        if job.on_step is not None:
+            job.on_step(StepInfo(run.epoch, run.step, run.global_step, loss.detach(), stop))
+        if bar is not None:
+            _bar_update(bar, run.step, loss, n_timed, t_start, run.accum)
+        stopping = D.any_rank(stop.received is not None, job.device)
+        if run.step < job.spe and (stopping or (every > 0 and run.global_step % every == 0)):
+            run.accum["time_s"] += time.perf_counter() - t_start
+            t_start, n_timed = time.perf_counter(), 0
+            _save(job, _snapshot(job, run, run.epoch, run.step), job.resume_path)
+            if stopping:
                 if bar is not None:
-                    _bar_update(bar, step, loss, n_timed, t_start, accum)
-                stopping = D.any_rank(stop.received is not None, device)
-                if step < spe and (
-                    stopping or (checkpoint_every_steps > 0 and global_step % checkpoint_every_steps == 0)
-                ):
-                    accum["time_s"] += time.perf_counter() - t_start
-                    t_start, n_timed = time.perf_counter(), 0
-                    save(snapshot(epoch, step), resume_path)
-                    if stopping:
-                        if bar is not None:
-                            bar.close()
-                        stop.chain()
-                        raise Preempted(_signum(stop), resume_path, epoch, step)
-            accum["time_s"] += time.perf_counter() - t_start
-            if bar is not None:
-                bar.close()
-
-            label = epoch + 1
-            row = _epoch_row(label, global_step, _reduced(accum), scheduler)
-            if not math.isfinite(row["train_loss"]):
-                raise TrainingError(f"{desc}: training loss became {row['train_loss']} in epoch {label}")
-            if val_loader is not None:
-                val = evaluate(
-                    model,
-                    val_loader.batches(0),
-                    device=device,
-                    channels_last=channels_last,
-                    precision=precision,
-                )
-                row["val_loss"], row["val_acc"] = val["loss"], val["acc"]
-            if epoch_stats is not None:
-                row.update(epoch_stats(model, label))
-            history.append(row)
-            log(_epoch_line(desc, row, epochs.stop))
-            if plateau is not None:
-                plateau = _plateau_step(plateau, model, label, val, early_stop, desc, log)
-            epoch, step = epoch + 1, 0
-            accum = _new_accum(device)
-            if label in keep:
-                save_epoch_checkpoint(label)
-            save(snapshot(epoch, 0), resume_path)
-            if (
-                D.any_rank(stop.received is not None, device)
-                and epoch < epochs.stop
-                and not _stopped(plateau)
-            ):
+                    bar.close()
                 stop.chain()
-                raise Preempted(_signum(stop), resume_path, epoch, 0)
+                raise Preempted(_signum(stop), job.resume_path, run.epoch, run.step)
+    run.accum["time_s"] += time.perf_counter() - t_start
+    if bar is not None:
+        bar.close()
 
-    if plateau is not None:  # the best-validation epoch's weights
-        model.load_state_dict(plateau["best_model"])
-    rule = plateau["rule"] if plateau is not None else None
-    return FitResult(history, dict(sorted(saved.items())), resumed_from, global_step, work_dir, notes, rule)
+
+def _train_step(
+    job: _Job, run: _Run, net: nn.Module, x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, int]:
+    """One optimizer step on the batch (x, y), then one scheduler step; adds the batch to the epoch sums.
+    Returns the loss and the batch size."""
+    x = _to_device(x, job.device, job.channels_last)
+    y = y.to(job.device, non_blocking=True)
+    with autocast(job.device, job.precision):
+        logits = net(x)
+    loss = job.loss_fn(logits, y)
+    job.optimizer.zero_grad(set_to_none=True)
+    job.scaler.scale(loss).backward()
+    job.scaler.step(job.optimizer)
+    job.scaler.update()
+    run.accum["lr"] = float(job.optimizer.param_groups[0]["lr"])  # the lr this step used
+    job.scheduler.step()
+    run.step += 1
+    run.global_step += 1
+    b = int(y.shape[0])
+    run.accum["loss_sum"] += loss.detach().double() * b
+    run.accum["correct"] += (logits.detach().argmax(-1) == _hard(y)).sum()
+    run.accum["images"] += b
+    return loss, b
+
+
+def _end_epoch(job: _Job, run: _Run, stop: StopSignals) -> None:
+    """Close data epoch `run.epoch`: its history row (train figures, validation, `epoch_stats`), the
+    early-stopping rule, the epoch checkpoint when kept, and `resume.pt` at the next epoch's start. A stop
+    signal then raises `Preempted`, unless the run has nothing left to train."""
+    label = run.epoch + 1
+    row = _epoch_row(label, run.global_step, _reduced(run.accum), job.scheduler)
+    if not math.isfinite(row["train_loss"]):
+        raise TrainingError(f"{job.desc}: training loss became {row['train_loss']} in epoch {label}")
+    if job.val_loader is not None:
+        val = evaluate(
+            job.model,
+            job.val_loader.batches(0),
+            device=job.device,
+            channels_last=job.channels_last,
+            precision=job.precision,
+        )
+        row["val_loss"], row["val_acc"] = val["loss"], val["acc"]
+    if job.epoch_stats is not None:
+        row.update(job.epoch_stats(job.model, label))
+    run.history.append(row)
+    job.log(_epoch_line(job.desc, row, job.epochs.stop))
+    if run.plateau is not None:
+        run.plateau = _plateau_step(run.plateau, job.model, label, val, job.early_stop, job.desc, job.log)
+    run.epoch, run.step = run.epoch + 1, 0
+    run.accum = _new_accum(job.device)
+    if label in job.keep:
+        _save_epoch_checkpoint(job, run, label)
+    _save(job, _snapshot(job, run, run.epoch, 0), job.resume_path)
+    more = run.epoch < job.epochs.stop and not _stopped(run.plateau)
+    if D.any_rank(stop.received is not None, job.device) and more:
+        stop.chain()
+        raise Preempted(_signum(stop), job.resume_path, run.epoch, 0)
 
 
 def _stopped(plateau: dict[str, Any] | None) -> bool:
