@@ -3,7 +3,7 @@ network a run pretrains for each model kind.
 
 A spec is ``{"kind", "arch", "num_classes", "in_chans", "options",
 "tcnn": {"alpha_init", "lambda_init", "stages", "stride_mode", "attention"} | None, "phase": "conv" | "mhsa"}``.
-``tcnn`` is the conversion section of the kinds built by converting a CNN (`core.models.convert`): "tcnn" and
+``tcnn`` is the conversion section of the kinds built by converting a CNN (`core.models.kinds.Conversion`): "tcnn" and
 "hybrid_scratch" (attention "gpsa") and "psa" (attention "psa"; lambda_init unused); ``phase`` the phase of a
 "cmhsa" model ([Li21]). Older specs without "attention" / "phase" read as "gpsa" / None. ``options`` holds the
 backbone options and the ablation switches (`core.models`), which the rebuild applies again (frozen
@@ -68,8 +68,8 @@ def build_from_spec(spec: dict[str, Any]) -> nn.Module:
     """Build the (untrained) module a `model_spec` describes, of any kind (`core.models.build`).
 
     A spec with a ``tcnn`` section builds the CNN of its options and converts it (``to_tcnn`` with the
-    section's settings, GPSA or PSA); an old spec of a non-converting kind with a section reads as "tcnn" (or
-    "psa" for attention "psa"); a two-phase spec builds its ``phase``.
+    section's settings, GPSA or PSA); an old spec of a non-converting kind with a section reads as the kind that
+    converts a pretrained CNN with its attention ("tcnn" or "psa"); a two-phase spec builds its ``phase``.
     """
 
     missing = [k for k in MODEL_SPEC_KEYS if k not in spec]
@@ -82,7 +82,7 @@ def build_from_spec(spec: dict[str, Any]) -> nn.Module:
     if tcnn is not None:
         attention = tcnn.get("attention", "gpsa")
         if kinds.get(kind).attention != attention:
-            kind = "psa" if attention == "psa" else "tcnn"
+            kind = next(k.name for k in kinds.all_kinds() if k.pretrains_cnn and k.attention == attention)
         record = kinds.get(kind)
         section = {k: tcnn[k] for k in TCNN_SPEC_KEYS if k in record.conversion}
         section["stages"] = tuple(section["stages"])
@@ -115,7 +115,9 @@ def pretraining_spec(
     options = dict(options)
     record = kinds.get(kind)
     if record.pretrains_cnn:
-        return make_model_spec("cnn", arch, num_classes, in_chans, backbone_options(kind, options))
+        return make_model_spec(
+            record.pretraining_kind, arch, num_classes, in_chans, backbone_options(kind, options)
+        )
     if record.attention is not None:
         conv = {
             **record.conversion_defaults,
