@@ -168,3 +168,28 @@ def assert_same_outputs(got: Path, ref: Path) -> None:
             ]
         else:
             raise AssertionError(f"{name}: output not compared by this test")
+
+
+def tracked_workspace(tmp: Path, n_test: int = 2000, **robustness) -> Path:
+    """A workspace (data, params.yaml) whose stages track to a sqlite MLflow store inside it."""
+    write_dataset(tmp / "data", n_train=300, n_test=n_test)
+    raw = tiny_params(tmp / "data", robustness={"dir": "c", "n_images": n_test, "workers": 2, **robustness},
+                      tracking={"enabled": True, "uri": "sqlite:///mlruns.db", "experiment": "t"})  # fmt: skip
+    write_params(tmp / "params.yaml", raw)
+    return tmp
+
+
+def tracked_runs(ws: Path) -> list:
+    """Every MLflow run of a `tracked_workspace`."""
+    from mlflow import MlflowClient
+
+    if not (ws / "mlruns.db").exists():
+        return []
+    client = MlflowClient(f"sqlite:///{ws / 'mlruns.db'}")
+    exps = client.search_experiments()
+    return client.search_runs([e.experiment_id for e in exps]) if exps else []
+
+
+def stderr_lines(text: str) -> list[str]:
+    """stderr without MLflow's own INFO logging of its system-metrics thread."""
+    return [ln for ln in text.strip().splitlines() if ln.strip() and " INFO mlflow." not in ln]

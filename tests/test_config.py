@@ -351,3 +351,26 @@ def test_values_validation_let_through_are_one_line(
     err = capsys.readouterr().err
     assert fragment in err and err.count("\n") == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("pretrain: {epochs: 1, epochs: 7}\n", "not valid YAML at line 1: key 'epochs' given twice"),
+        ("seed: 0\ndata:\n  name: [fashion_mnist\n", "not valid YAML at line 3: expected ',' or ']'"),
+        ("seed: 0\npretrain:\n  epochs: 2\n  epochs: 3\n", "key 'epochs' given twice (lines 3 and 4)"),
+    ],
+)
+def test_bad_params_files_give_one_line(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(text)
+    proc = subprocess.run([sys.executable, "-m", "pipelines.cli", "validate", str(path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and message in proc.stderr
+
+
+def test_validate_a_directory_is_one_line(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "pipelines.cli", "validate", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"tcnn validate: error: {tmp_path}: is a directory, not a params file"

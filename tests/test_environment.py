@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -42,3 +43,21 @@ def test_lock_pins_the_tested_torch_and_uv() -> None:
         assert versions[name] == version, pin
     uv_version = subprocess.run([_uv(), "--version"], capture_output=True, text=True).stdout.split()[1]
     assert f"=={uv_version}" == PYPROJECT["tool"]["uv"]["required-version"]
+
+
+def test_dvc_stage_command_finds_the_project_interpreter_or_says_what_to_do(tmp_path: Path) -> None:
+    clean = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "CONDA_PREFIX", "TCNN_PYTHON")}
+    clean["PATH"] = "/usr/bin:/bin"
+    ok = subprocess.run([str(REPO / "scripts" / "stage"), "prepare", "--help"], cwd=REPO, env=clean,
+                        capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert ok.returncode == 0 and "python -m stages.prepare" in ok.stdout
+    (tmp_path / "scripts").mkdir()
+    lone = tmp_path / "scripts" / "stage"
+    lone.write_bytes((REPO / "scripts" / "stage").read_bytes())
+    lone.chmod(0o755)
+    bad = subprocess.run([str(lone), "prepare"], cwd=tmp_path, env=clean, capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == [
+        "stage prepare: no project interpreter (.venv/bin/python not found here or above): run 'make setup' "
+        "first, or set TCNN_PYTHON"
+    ]

@@ -5,6 +5,7 @@ The stage here is the real harness (stages.harness.runner.stage_main, MLflow on 
 
 from __future__ import annotations
 
+import os
 import resource
 import shutil
 import subprocess
@@ -112,3 +113,17 @@ def test_io_and_store_faults_are_one_line_and_close_every_run(
         assert sorted(_statuses(ws)) == ["FAILED", "FAILED", "FINISHED", "FINISHED"]
     elif fault == "the lock path is a folder":  # refused before any run opened
         assert sorted(_statuses(ws)) == ["FINISHED", "FINISHED"]
+
+
+def test_atomic_writes_get_the_umask_permissions(tmp_path: Path) -> None:
+    from core.utils.atomic import atomic_write_json
+
+    old = os.umask(0o022)
+    try:
+        atomic_write_json(tmp_path / "a.json", {"x": 1})
+        assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o644
+        os.umask(0o077)
+        atomic_write_json(tmp_path / "b.json", {"x": 1})
+        assert (tmp_path / "b.json").stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(old)
