@@ -85,9 +85,6 @@ def export(sweep_dir: Path, out: Path, cpu: str | None = None) -> list[Path]:
     trials ran on where their records do not (records made before they carried ``cpu``)."""
     import pyarrow.parquet as pq
 
-    from pipelines.sweep_select import pair_metrics
-    from stages.harness.catalogue import summary_metrics
-
     spec = _json(sweep_dir / "sweep.json")
     over = list((spec.get("select") or {}).get("over") or [])
     if len(over) != 1:
@@ -98,6 +95,23 @@ def export(sweep_dir: Path, out: Path, cpu: str | None = None) -> list[Path]:
     if not (sweep_dir / "selected.parquet").is_file():
         raise StudyError(f"{sweep_dir}: no selected.parquet (has the sweep finished?)")
     chosen = pq.read_table(sweep_dir / "selected.parquet").to_pylist()
+    rows, history, attention = _grid_rows(sweep_dir, spec, key, chosen)
+    rows += _chosen_rows(chosen, key)
+    out.mkdir(parents=True, exist_ok=True)
+    rates = ["images_per_s"] if any(h.get("images_per_s") is not None for h in history) else []
+    written = [_write_csv(out / "results.csv", rows, _columns()),
+               _write_csv(out / "history.csv", history, [*HISTORY, *rates]),
+               _write_csv(out / "attention.csv", attention, list(attention[0]) if attention else ["seed"]),
+               _write_csv(out / "cost.csv", cost_rows(sweep_dir, spec, key), list(COST))]  # fmt: skip
+    atomic_write_text(out / "meta.json", json.dumps(_meta(sweep_dir, spec, key, cpu), indent=1) + "\n")
+    return [*written, out / "meta.json"]
+
+
+def _grid_rows(
+    sweep_dir: Path, spec: dict[str, Any], key: str, chosen: list[dict[str, Any]]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """results.csv's ``grid`` rows (one per trial, grid order), history.csv's rows and attention.csv's (the
+    GPSA heads of each seed's chosen T-CNN). Every trial must have finished."""
     picks = {(c["seed"], arm): c[f"{arm}_trial"] for c in chosen for arm in ARMS}
     rows, history, attention = [], [], []
     for tid, t in spec["trials"].items():
@@ -105,22 +119,37 @@ def export(sweep_dir: Path, out: Path, cpu: str | None = None) -> list[Path]:
         if not (root / "done.json").is_file():
             raise StudyError(f"{root}: trial not finished; resume the sweep first")
         seed, value = t["params"]["seed"], t["overrides"][key]
-        p = t["params"]
-        head = summary_metrics(root)
-        row: dict[str, Any] = {"row": "grid", "seed": seed, "tcnn_value": value, "control_value": value,
-                               "tcnn_trial": tid, "control_trial": tid}  # fmt: skip
-        row |= {f"{arm}_selected": picks.get((seed, arm)) == tid for arm in ARMS}
-        row |= {f"{m}_val_accuracy": head.get(f"{m}_val_accuracy") for m in MODELS}
-        from core.utils.hashing import derive_seed
-
-        row |= pair_metrics(root, root, replicates=int(p["robustness"]["bootstrap"]),
-                            seed=derive_seed(int(seed), "bootstrap"))  # fmt: skip
-        rows.append(row)
+        rows.append(_grid_row(root, tid, t["params"], value, picks))
         history += _history_rows(root, seed, value)
         gpsa = root / chain.output("finetune", "gpsa.csv")
         if picks.get((seed, "tcnn")) == tid and gpsa.is_file():
             with open(gpsa) as fh:
                 attention += [{"seed": seed, **r} for r in csv.DictReader(fh)]
+    return rows, history, attention
+
+
+def _grid_row(root: Path, tid: str, p: dict[str, Any], value: Any, picks: dict[tuple[Any, str], str]) -> dict:
+    """The ``grid`` row of trial ``tid`` (params ``p``) at ``value``: each model's validation accuracy and
+    T-CNN - control with its paired bootstrap interval, re-run from the trial's per-image table."""
+    from core.utils.hashing import derive_seed
+    from pipelines.sweep_select import pair_metrics
+    from stages.harness.catalogue import summary_metrics
+
+    seed = p["seed"]
+    head = summary_metrics(root)
+    row: dict[str, Any] = {"row": "grid", "seed": seed, "tcnn_value": value, "control_value": value,
+                           "tcnn_trial": tid, "control_trial": tid}  # fmt: skip
+    row |= {f"{arm}_selected": picks.get((seed, arm)) == tid for arm in ARMS}
+    row |= {f"{m}_val_accuracy": head.get(f"{m}_val_accuracy") for m in MODELS}
+    row |= pair_metrics(root, root, replicates=int(p["robustness"]["bootstrap"]),
+                        seed=derive_seed(int(seed), "bootstrap"))  # fmt: skip
+    return row
+
+
+def _chosen_rows(chosen: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
+    """results.csv's ``selected`` rows: per seed, each arm at its validation-chosen ``key`` value
+    (selected.parquet's rows)."""
+    rows = []
     for c in chosen:
         row = {"row": "selected", "seed": c["seed"], "tcnn_selected": True, "control_selected": True}
         row |= {f"{arm}_value": c[f"{arm}_{key}"] for arm in ARMS} | {
@@ -128,20 +157,17 @@ def export(sweep_dir: Path, out: Path, cpu: str | None = None) -> list[Path]:
         }
         row |= {k: c.get(k) for k in _columns() if k in c and k not in row}
         rows.append(row)
-    out.mkdir(parents=True, exist_ok=True)
-    rates = ["images_per_s"] if any(h.get("images_per_s") is not None for h in history) else []
-    written = [_write_csv(out / "results.csv", rows, _columns()),
-               _write_csv(out / "history.csv", history, [*HISTORY, *rates]),
-               _write_csv(out / "attention.csv", attention, list(attention[0]) if attention else ["seed"]),
-               _write_csv(out / "cost.csv", cost_rows(sweep_dir, spec, key), list(COST))]  # fmt: skip
+    return rows
+
+
+def _meta(sweep_dir: Path, spec: dict[str, Any], key: str, cpu: str | None) -> dict[str, Any]:
+    """meta.json: the sweep, its selected key, commit, CPUs, compute hours and wall times."""
     metrics = _json(sweep_dir / "metrics.json") if (sweep_dir / "metrics.json").is_file() else {}
-    meta = {"sweep": spec["name"], "selected_key": key, "commit": _commit(sweep_dir),
+    return {"sweep": spec["name"], "selected_key": key, "commit": _commit(sweep_dir),
             "cpus": _cpus(sweep_dir, spec["name"]) or ([cpu] if cpu else []), "export_cpu": cpu_model(),
             "trials": len(spec["trials"]), "compute_h": compute_hours(sweep_dir, spec),
             "wall_s_last_driver": metrics.get("wall_s"),
             "first_trial_start": _first_start(sweep_dir), "last_trial_end": _last_end(sweep_dir)}  # fmt: skip
-    atomic_write_text(out / "meta.json", json.dumps(meta, indent=1) + "\n")
-    return [*written, out / "meta.json"]
 
 
 def _seconds(v: Any) -> str | None:

@@ -45,6 +45,7 @@ import signal
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -354,8 +355,6 @@ def run_sweep(
     """
     import ray
 
-    from pipelines import sweep_bracket, sweep_report, sweep_select, sweep_shared, sweep_summary
-
     spec = reconcile(spec, resume)
     owns = connect_ray(address, num_cpus, object_store_mb) if address is not None else False
     tracker: Any = None
@@ -369,107 +368,12 @@ def run_sweep(
             tracker = _open_parent(spec)
             spec["tracking"]["parent_run_id"] = tracker.parent_run_id
             atomic_write_json(sweep_dir / SWEEP_JSON, spec)
-            n = len(spec["trials"])
-            groups = len(spec["groups"]) if spec["share_pretraining"] else n
-            say(
-                f"{spec['name']}: {n} trials, {groups} pretraining group(s), {nodes} Ray node(s), "
-                f"{spec['resources']['cpu']} CPU / {spec['resources']['gpu']} GPU per trial -> {sweep_dir}"
-            )
+            _announce(spec, nodes, sweep_dir)
             _ensure_corrupted(spec, list(spec["corrupt"]))
             t0 = time.monotonic()
             spec, status = _run_rounds(spec)
             atomic_write_json(sweep_dir / SWEEP_JSON, spec)  # with why bracketing stopped
-            n = len(spec["trials"])
-            rows = sweep_summary.summary_rows(spec, status)
-            srows = sweep_summary.seed_rows(spec, rows)
-            summary = sweep_summary.write_table(
-                sweep_summary.with_seed_columns(rows, srows, spec), sweep_dir / "summary.parquet"
-            )
-            krows = sweep_summary.kind_rows(spec, rows)
-            try:
-                plots = sweep_summary.make_plots(spec, rows, sweep_dir / "plots", krows)
-            except Exception as err:  # a plot must not cost the sweep its summary and parent run
-                say(f"warning: plots failed ({type(err).__name__}: {err})")
-                plots = []
-            kind_files = sweep_summary.write_kinds(krows, sweep_dir) if krows else []
-            kind_files += sweep_summary.write_seeds(srows, sweep_dir) if srows else []
-            bracketed = spec.get("bracket") is not None or bool(sweep_bracket.rounds(spec))
-            notes = sweep_bracket.notes(spec) if bracketed else []
-            if bracketed:
-                kind_files.append(atomic_write_json(sweep_dir / "bracket.json", sweep_bracket.record(spec)))
-            chosen = sweep_select.selected_rows(spec, rows)
-            chosen_seeds = sweep_select.over_seeds(chosen)
-            if chosen:
-                over = spec["select"]["over"]
-                sel = spec["select"]
-                done = [r for r in rows if r["status"] == "finished"]
-                pool = sweep_select.pooled(done, list(spec["grid"]), over, sel.get("by", "val_accuracy"))
-                kind_files += sweep_select.write(chosen, chosen_seeds, over, sweep_dir, notes, pool)
-            picked = (
-                sweep_report.selected_table(chosen, chosen_seeds, spec["select"]["over"], notes)
-                if chosen
-                else None
-            )
-            kind_files.append(sweep_report.write_report(spec, rows, krows, plots, sweep_dir, srows, picked))
-            finished = sum(r["status"] == "finished" for r in rows)
-            runs = sweep_shared.pretrain_runs(sweep_dir)
-            metrics = {
-                "trials": n,
-                "pretrain_runs": runs,
-                "trials_finished": finished,
-                "trials_failed": n - finished,
-            }
-            accs = [  # the fine-tuned model's accuracy; in a kind grid only T-CNN-architecture trials count
-                r["tcnn_clean_accuracy"]
-                for r in rows
-                if r["tcnn_clean_accuracy"] is not None and _final_is_tcnn(r.get("model_kind"))
-            ]
-            if accs:
-                metrics["best_tcnn_clean_accuracy"] = max(accs)
-            metrics.update(sweep_summary.kind_metrics(krows))
-            metrics.update(sweep_summary.seed_metrics(srows))
-            metrics.update(sweep_select.selection_metrics(chosen, chosen_seeds))
-            if bracketed:
-                metrics["bracket_rounds"] = len(sweep_bracket.rounds(spec))
-                tracker.set_tags(sweep_bracket.tags(spec))
-            metrics["wall_s"] = time.monotonic() - t0
-            tracker.log_metrics(metrics)
-            if tracker.enabled:
-                tracker.log_artifact(summary)
-                for p in plots:
-                    tracker.log_artifact(p, "plots")
-                for p in kind_files:
-                    tracker.log_artifact(p)
-                tracker.log_dict(spec["grid"], "grid.json")
-                tracker.end_parent("FINISHED" if finished == n else "FAILED")
-            atomic_write_json(sweep_dir / "metrics.json", metrics)
-            print(sweep_summary.format_table(rows, list(spec["grid"])), flush=True)
-            if krows:
-                print(sweep_summary.kinds_markdown(krows), flush=True)
-            if srows:
-                print(sweep_summary.seeds_markdown(srows), flush=True)
-            if chosen:
-                print(sweep_select.markdown(chosen, chosen_seeds, spec["select"]["over"], notes), flush=True)
-            elif notes:
-                print("\n".join(["Bracketing:", *notes]), flush=True)
-            say(
-                f"{finished}/{n} trials finished, {runs} pretraining run(s) executed; summary {summary}"
-                + (
-                    f"; MLflow parent run {spec['tracking']['parent_run_id']} in {spec['tracking']['uri']}"
-                    if tracker.enabled
-                    else ""
-                )
-            )
-            return {
-                "trials": n,
-                "finished": finished,
-                "failed": n - finished,
-                "pretrain_runs": runs,
-                "sweep_dir": str(sweep_dir),
-                "summary": str(summary),
-                "plots": [str(p) for p in plots],
-                "parent_run_id": spec["tracking"]["parent_run_id"],
-            }
+            return _finish(spec, status, tracker, sweep_dir, t0)
     except (Stopped, SystemError) as err:
         stop = _stop_of(err)
         if stop is None:
@@ -482,6 +386,176 @@ def run_sweep(
     finally:
         if owns:
             ray.shutdown()
+
+
+def _announce(spec: dict, nodes: int, sweep_dir: Path) -> None:
+    """The driver's first line: how many trials and pretraining groups, on how many nodes, with what."""
+    n = len(spec["trials"])
+    groups = len(spec["groups"]) if spec["share_pretraining"] else n
+    say(
+        f"{spec['name']}: {n} trials, {groups} pretraining group(s), {nodes} Ray node(s), "
+        f"{spec['resources']['cpu']} CPU / {spec['resources']['gpu']} GPU per trial -> {sweep_dir}"
+    )
+
+
+@dataclass
+class _Outputs:
+    """What the end of a sweep wrote in its directory: the parent run logs it and the driver prints it."""
+
+    rows: list[dict]  # summary rows, one per trial
+    srows: list[dict]  # over-seed rows (sweep_summary.seed_rows)
+    krows: list[dict]  # model-kind rows (sweep_summary.kind_rows)
+    summary: Path  # summary.parquet
+    plots: list[Path]
+    files: list[Path]  # the other artifacts of the parent run (kinds, seeds, bracket, selection, report)
+    bracketed: bool
+    notes: list[str]  # what bracketing added and why
+    chosen: list[dict]  # the validation-chosen rows (sweep_select.selected_rows)
+    chosen_seeds: list[dict]  # their over-seed rows
+
+
+def _finish(spec: dict, status: dict[str, str], tracker: Any, sweep_dir: Path, t0: float) -> dict:
+    """The end of a sweep whose trials ran: its outputs, the parent run's metrics, tags and artifacts (the
+    parent ends FINISHED when every trial finished, FAILED otherwise), metrics.json, the printed tables and
+    the last line. Returns run_sweep's result."""
+    from pipelines import sweep_bracket, sweep_shared
+
+    n = len(spec["trials"])
+    out = _write_outputs(spec, status, sweep_dir)
+    finished = sum(r["status"] == "finished" for r in out.rows)
+    runs = sweep_shared.pretrain_runs(sweep_dir)
+    metrics = _parent_metrics(spec, out, n, finished, runs)
+    if out.bracketed:
+        tracker.set_tags(sweep_bracket.tags(spec))
+    metrics["wall_s"] = time.monotonic() - t0
+    _log_parent(tracker, spec, out, metrics, "FINISHED" if finished == n else "FAILED")
+    atomic_write_json(sweep_dir / "metrics.json", metrics)
+    _print_outputs(spec, out)
+    say(
+        f"{finished}/{n} trials finished, {runs} pretraining run(s) executed; summary {out.summary}"
+        + (
+            f"; MLflow parent run {spec['tracking']['parent_run_id']} in {spec['tracking']['uri']}"
+            if tracker.enabled
+            else ""
+        )
+    )
+    return {
+        "trials": n,
+        "finished": finished,
+        "failed": n - finished,
+        "pretrain_runs": runs,
+        "sweep_dir": str(sweep_dir),
+        "summary": str(out.summary),
+        "plots": [str(p) for p in out.plots],
+        "parent_run_id": spec["tracking"]["parent_run_id"],
+    }
+
+
+def _write_outputs(spec: dict, status: dict[str, str], sweep_dir: Path) -> _Outputs:
+    """summary.parquet, the plots (a failed plot only warns: it must not cost the sweep its summary and
+    parent run), the kind and seed tables, bracket.json, the selection and report.html in ``sweep_dir``."""
+    from pipelines import sweep_bracket, sweep_report, sweep_select, sweep_summary
+
+    rows = sweep_summary.summary_rows(spec, status)
+    srows = sweep_summary.seed_rows(spec, rows)
+    summary = sweep_summary.write_table(
+        sweep_summary.with_seed_columns(rows, srows, spec), sweep_dir / "summary.parquet"
+    )
+    krows = sweep_summary.kind_rows(spec, rows)
+    try:
+        plots = sweep_summary.make_plots(spec, rows, sweep_dir / "plots", krows)
+    except Exception as err:  # a plot must not cost the sweep its summary and parent run
+        say(f"warning: plots failed ({type(err).__name__}: {err})")
+        plots = []
+    files = sweep_summary.write_kinds(krows, sweep_dir) if krows else []
+    files += sweep_summary.write_seeds(srows, sweep_dir) if srows else []
+    bracketed = spec.get("bracket") is not None or bool(sweep_bracket.rounds(spec))
+    notes = sweep_bracket.notes(spec) if bracketed else []
+    if bracketed:
+        files.append(atomic_write_json(sweep_dir / "bracket.json", sweep_bracket.record(spec)))
+    chosen = sweep_select.selected_rows(spec, rows)
+    chosen_seeds = sweep_select.over_seeds(chosen)
+    if chosen:
+        files += _write_selection(spec, rows, chosen, chosen_seeds, sweep_dir, notes)
+    picked = (
+        sweep_report.selected_table(chosen, chosen_seeds, spec["select"]["over"], notes) if chosen else None
+    )
+    files.append(sweep_report.write_report(spec, rows, krows, plots, sweep_dir, srows, picked))
+    return _Outputs(rows, srows, krows, summary, plots, files, bracketed, notes, chosen, chosen_seeds)
+
+
+def _write_selection(
+    spec: dict,
+    rows: list[dict],
+    chosen: list[dict],
+    chosen_seeds: list[dict],
+    sweep_dir: Path,
+    notes: list[str],
+) -> list[Path]:
+    """The validation-chosen rows, their over-seed rows and the finished trials pooled per value
+    (pipelines/sweep_select.py); returns the files written."""
+    from pipelines import sweep_select
+
+    over = spec["select"]["over"]
+    sel = spec["select"]
+    done = [r for r in rows if r["status"] == "finished"]
+    pool = sweep_select.pooled(done, list(spec["grid"]), over, sel.get("by", "val_accuracy"))
+    return sweep_select.write(chosen, chosen_seeds, over, sweep_dir, notes, pool)
+
+
+def _parent_metrics(spec: dict, out: _Outputs, n: int, finished: int, runs: int) -> dict[str, Any]:
+    """The parent run's metrics (all but ``wall_s``): trial counts, the best fine-tuned T-CNN's clean
+    accuracy, the kind, seed and selection metrics and, bracketed, how many rounds ran."""
+    from pipelines import sweep_bracket, sweep_select, sweep_summary
+
+    metrics: dict[str, Any] = {
+        "trials": n,
+        "pretrain_runs": runs,
+        "trials_finished": finished,
+        "trials_failed": n - finished,
+    }
+    accs = [  # the fine-tuned model's accuracy; in a kind grid only T-CNN-architecture trials count
+        r["tcnn_clean_accuracy"]
+        for r in out.rows
+        if r["tcnn_clean_accuracy"] is not None and _final_is_tcnn(r.get("model_kind"))
+    ]
+    if accs:
+        metrics["best_tcnn_clean_accuracy"] = max(accs)
+    metrics.update(sweep_summary.kind_metrics(out.krows))
+    metrics.update(sweep_summary.seed_metrics(out.srows))
+    metrics.update(sweep_select.selection_metrics(out.chosen, out.chosen_seeds))
+    if out.bracketed:
+        metrics["bracket_rounds"] = len(sweep_bracket.rounds(spec))
+    return metrics
+
+
+def _log_parent(tracker: Any, spec: dict, out: _Outputs, metrics: dict[str, Any], end: str) -> None:
+    """Log ``metrics`` on the parent run and, tracking on, the outputs and the grid; then end it ``end``."""
+    tracker.log_metrics(metrics)
+    if tracker.enabled:
+        tracker.log_artifact(out.summary)
+        for p in out.plots:
+            tracker.log_artifact(p, "plots")
+        for p in out.files:
+            tracker.log_artifact(p)
+        tracker.log_dict(spec["grid"], "grid.json")
+        tracker.end_parent(end)
+
+
+def _print_outputs(spec: dict, out: _Outputs) -> None:
+    """The summary table, then the kind, seed and selection tables (or the bracketing notes) there are."""
+    from pipelines import sweep_select, sweep_summary
+
+    print(sweep_summary.format_table(out.rows, list(spec["grid"])), flush=True)
+    if out.krows:
+        print(sweep_summary.kinds_markdown(out.krows), flush=True)
+    if out.srows:
+        print(sweep_summary.seeds_markdown(out.srows), flush=True)
+    if out.chosen:
+        over = spec["select"]["over"]
+        print(sweep_select.markdown(out.chosen, out.chosen_seeds, over, out.notes), flush=True)
+    elif out.notes:
+        print("\n".join(["Bracketing:", *out.notes]), flush=True)
 
 
 def _ensure_corrupted(spec: dict, keys: list[str]) -> None:

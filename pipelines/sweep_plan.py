@@ -174,7 +174,36 @@ def make_plan(
     trial's robustness.dir is the shared corrupted-set directory of its corrupt key.
     """
     cwd = Path(cwd or Path.cwd()).resolve()
-    # Trials run in Ray workers whose working directory is not ours: input paths resolve against cwd here.
+    base = _absolute_inputs(base, cwd)
+    grid = dict(base.sweep.grid)
+    bad = [k for k in grid if k.split(".")[0] in ("sweep", "tracking")]
+    if bad:
+        raise SweepError(f"sweep.grid.{bad[0]}: sweep.* and tracking.* settings cannot vary within a sweep")
+    storage = (cwd / base.sweep.storage).resolve()
+    # A trial is one point of the grid: no grid of its own, nothing to select.
+    fixed: dict[str, Any] = {"sweep.grid": {}, "sweep.select.over": [], "sweep.select.bracket": None,
+                             "sweep.storage": str(storage)}  # fmt: skip
+    if tracking_uri is not None:
+        fixed["tracking.uri"] = tracking_uri
+    manifests: dict[Path, dict[str, Any]] = {}
+    trials: list[TrialPlan] = []
+    identities: dict[str, dict[str, Any]] = {}
+    corrupt: dict[str, Params] = {}
+    controls: dict[str, dict[str, Any]] = {}
+    for i, combo in enumerate(expand_grid(grid) if grid else [{}]):
+        p, ident, pkey, ckey = _trial_params(
+            base, combo, cwd=cwd, storage=storage, fixed=fixed, manifests=manifests, device=device
+        )
+        xkey = _add_control(controls, p, pkey, trial_id(i, combo), device) if has_control(p) else None
+        trials.append(TrialPlan(i, trial_id(i, combo), combo, p, pkey, ckey, xkey))
+        identities[pkey] = ident
+        corrupt[ckey] = _all_sets(corrupt.get(ckey), p)
+    return SweepPlan(base, grid, storage, trials, _groups(trials, identities), corrupt, controls)
+
+
+def _absolute_inputs(base: Params, cwd: Path) -> Params:
+    """``base`` with its input paths absolute against ``cwd``, and ``cwd`` on PYTHONPATH for a user's model
+    builder: trials run in Ray workers whose working directory is not ours."""
     if base.data.source is not None:
         base = _override(base, {"data.source": str((cwd / base.data.source).resolve())}, "data.source")
     source = base.pretrain.source
@@ -188,46 +217,52 @@ def make_plan(
     if base.robustness.public is not None:
         where = str((cwd / base.robustness.public.dir).resolve())
         base = _override(base, {"robustness.public.dir": where}, "robustness.public.dir")
-    grid = dict(base.sweep.grid)
-    bad = [k for k in grid if k.split(".")[0] in ("sweep", "tracking")]
-    if bad:
-        raise SweepError(f"sweep.grid.{bad[0]}: sweep.* and tracking.* settings cannot vary within a sweep")
-    storage = (cwd / base.sweep.storage).resolve()
-    # A trial is one point of the grid: no grid of its own, nothing to select.
-    fixed: dict[str, Any] = {"sweep.grid": {}, "sweep.select.over": [], "sweep.select.bracket": None,
-                             "sweep.storage": str(storage)}  # fmt: skip
-    if tracking_uri is not None:
-        fixed["tracking.uri"] = tracking_uri
-    manifests: dict[Path, dict[str, Any]] = {}
-    trials: list[TrialPlan] = []
+    return base
+
+
+def _trial_params(
+    base: Params,
+    combo: dict[str, Any],
+    *,
+    cwd: Path,
+    storage: Path,
+    fixed: dict[str, Any],
+    manifests: dict[Path, dict[str, Any]],
+    device: str,
+) -> tuple[Params, dict[str, Any], str, str]:
+    """One grid point's validated params (``fixed`` settings, absolute data.dir, planned epochs, its shared
+    corrupted-set directory), its pretraining identity and key, and its corrupt key. ``manifests`` caches
+    the data manifests read so far, by data directory."""
+    label = f"sweep.grid ({trial_label(combo)})"
+    p = _override(base, combo, label)
+    data_dir = (cwd / p.data.dir).resolve()
+    if data_dir not in manifests:
+        manifests[data_dir] = read_manifest(data_dir)
+    manifest = manifests[data_dir]
+    p = _override(p, {**fixed, "data.dir": str(data_dir)}, label)
+    p = planned(p, label)
+    ident = pretrain_identity(p, manifest, device)
+    pkey = identity_key(ident)
+    ckey = identity_key(corrupt_identity(p, manifest))
+    p = _override(p, {"robustness.dir": str(storage / "corrupt" / ckey)}, label)
+    return p, ident, pkey, ckey
+
+
+def _add_control(controls: dict[str, dict[str, Any]], p: Params, pkey: str, tid: str, device: str) -> str:
+    """Add trial ``tid`` (params ``p``, pretraining ``pkey``) to its shared matched control in ``controls``
+    (created by its first trial); returns the control's key."""
+    xident = control_identity(p, pkey, device)
+    xkey = identity_key(xident)
+    controls.setdefault(xkey, {"params": p, "pretrain_key": pkey, "identity": xident, "trials": []})
+    controls[xkey]["trials"].append(tid)
+    return xkey
+
+
+def _groups(trials: list[TrialPlan], identities: dict[str, dict[str, Any]]) -> dict[str, PretrainGroup]:
+    """The pretraining groups of ``trials`` (by pretrain key, in order of their first trial)."""
     members: dict[str, list[TrialPlan]] = {}
-    identities: dict[str, dict[str, Any]] = {}
-    corrupt: dict[str, Params] = {}
-    controls: dict[str, dict[str, Any]] = {}
-    for i, combo in enumerate(expand_grid(grid) if grid else [{}]):
-        label = f"sweep.grid ({trial_label(combo)})"
-        p = _override(base, combo, label)
-        data_dir = (cwd / p.data.dir).resolve()
-        if data_dir not in manifests:
-            manifests[data_dir] = read_manifest(data_dir)
-        manifest = manifests[data_dir]
-        p = _override(p, {**fixed, "data.dir": str(data_dir)}, label)
-        p = planned(p, label)
-        ident = pretrain_identity(p, manifest, device)
-        pkey = identity_key(ident)
-        ckey = identity_key(corrupt_identity(p, manifest))
-        p = _override(p, {"robustness.dir": str(storage / "corrupt" / ckey)}, label)
-        xkey = None
-        if has_control(p):
-            xident = control_identity(p, pkey, device)
-            xkey = identity_key(xident)
-            controls.setdefault(xkey, {"params": p, "pretrain_key": pkey, "identity": xident, "trials": []})
-            controls[xkey]["trials"].append(trial_id(i, combo))
-        t = TrialPlan(i, trial_id(i, combo), combo, p, pkey, ckey, xkey)
-        trials.append(t)
-        members.setdefault(pkey, []).append(t)
-        identities[pkey] = ident
-        corrupt[ckey] = _all_sets(corrupt.get(ckey), p)
+    for t in trials:
+        members.setdefault(t.pretrain_key, []).append(t)
     groups = {}
     for key, ts in members.items():
         # The group pretrains with its first trial's params, keeping a checkpoint at every t1 of its trials
@@ -236,7 +271,7 @@ def make_plan(
         norm = {"pretrain.checkpoint_epochs": epochs, "reparam.epoch": epochs[0]}
         gp = _override(ts[0].params, norm, f"pretraining group {key}")
         groups[key] = PretrainGroup(key, gp, epochs, [t.tid for t in ts], identities[key])
-    return SweepPlan(base, grid, storage, trials, groups, corrupt, controls)
+    return groups
 
 
 def _all_sets(have: Params | None, params: Params) -> Params:

@@ -337,40 +337,7 @@ def markdown(
     """Per seed and over seeds: the chosen values and T-CNN - control at them, with intervals; ``notes``:
     what bracketing added and why (pipelines/sweep_bracket.py)."""
     keys = ", ".join(over)
-    lines = [
-        f"| config | seed | T-CNN {keys} | control {keys} | T-CNN val / test | control val / test "
-        "| T-CNN - control clean (pp) | mCA T-CNN / control | T-CNN - control mCA (pp) | T-CNN - control mCE (pp) "
-        "| won by (val images) T-CNN / control |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-
-    def d(r: dict[str, Any], m: str, suffix: str = "") -> str:
-        mean, lo, hi = (
-            r.get(f"{DIFF}_{m}{suffix}{e}")
-            for e in (("", "_ci_low", "_ci_high") if not suffix else ("_mean", "_ci_low", "_ci_high"))
-        )
-        return f"{_pp(mean, True)} [{_pp(lo, True)}, {_pp(hi, True)}]"
-
-    for r in srows:
-        lines.append(
-            f"| {r['config']} | {r[SEED]} | {', '.join(str(r.get(f'tcnn_{k}')) for k in over)} "
-            f"| {', '.join(str(r.get(f'control_{k}')) for k in over)} "
-            f"| {_pp(r.get('tcnn_val_accuracy'))} / {_pp(r.get('tcnn_clean_accuracy'))} "
-            f"| {_pp(r.get('control_val_accuracy'))} / {_pp(r.get('control_clean_accuracy'))} "
-            f"| {d(r, 'clean_accuracy')} | {_pp(r.get('tcnn_mca'))} / {_pp(r.get('control_mca'))} "
-            f"| {d(r, 'mca')} | {d(r, 'mce')} "
-            f"| {_images(r.get('tcnn_margin_images'))} / {_images(r.get('control_margin_images'))} |"
-        )
-    for a in agg:
-        lines.append(
-            f"| {a['config']} | {mean_label(a)} | | "
-            f"| {_pp(a.get('tcnn_val_accuracy_seeds_mean'))} / {_pp(a.get('tcnn_clean_accuracy_seeds_mean'))} "
-            f"| {_pp(a.get('control_val_accuracy_seeds_mean'))} / {_pp(a.get('control_clean_accuracy_seeds_mean'))} "
-            f"| **{d(a, 'clean_accuracy', '_seeds')}** "
-            f"| {_pp(a.get('tcnn_mca_seeds_mean'))} / {_pp(a.get('control_mca_seeds_mean'))} "
-            f"| **{d(a, 'mca', '_seeds')}** | **{d(a, 'mce', '_seeds')}** | |"
-        )
-    text = "\n".join(lines) + "\n\n"
+    text = _selected_table(srows, agg, over) + "\n\n"
     text += (
         f"Each arm at the {keys} with the best validation accuracy for its seed (the test split only reports). "
         "Per seed: paired bootstrap 95% interval over test images; mean row: Student's 95% t-interval over "
@@ -389,6 +356,48 @@ def markdown(
             f"- {n}\n" for n in notes
         )
     return text
+
+
+def _selected_table(srows: list[dict[str, Any]], agg: list[dict[str, Any]], over: list[str]) -> str:
+    """The table of :func:`markdown`: one row per (configuration, seed), then each configuration's mean row
+    (its differences in bold)."""
+    keys = ", ".join(over)
+    lines = [
+        f"| config | seed | T-CNN {keys} | control {keys} | T-CNN val / test | control val / test "
+        "| T-CNN - control clean (pp) | mCA T-CNN / control | T-CNN - control mCA (pp) | T-CNN - control mCE (pp) "
+        "| won by (val images) T-CNN / control |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in srows:
+        lines.append(
+            f"| {r['config']} | {r[SEED]} | {', '.join(str(r.get(f'tcnn_{k}')) for k in over)} "
+            f"| {', '.join(str(r.get(f'control_{k}')) for k in over)} "
+            f"| {_pp(r.get('tcnn_val_accuracy'))} / {_pp(r.get('tcnn_clean_accuracy'))} "
+            f"| {_pp(r.get('control_val_accuracy'))} / {_pp(r.get('control_clean_accuracy'))} "
+            f"| {_diff_cell(r, 'clean_accuracy')} | {_pp(r.get('tcnn_mca'))} / {_pp(r.get('control_mca'))} "
+            f"| {_diff_cell(r, 'mca')} | {_diff_cell(r, 'mce')} "
+            f"| {_images(r.get('tcnn_margin_images'))} / {_images(r.get('control_margin_images'))} |"
+        )
+    for a in agg:
+        lines.append(
+            f"| {a['config']} | {mean_label(a)} | | "
+            f"| {_pp(a.get('tcnn_val_accuracy_seeds_mean'))} / {_pp(a.get('tcnn_clean_accuracy_seeds_mean'))} "
+            f"| {_pp(a.get('control_val_accuracy_seeds_mean'))} / {_pp(a.get('control_clean_accuracy_seeds_mean'))} "
+            f"| **{_diff_cell(a, 'clean_accuracy', '_seeds')}** "
+            f"| {_pp(a.get('tcnn_mca_seeds_mean'))} / {_pp(a.get('control_mca_seeds_mean'))} "
+            f"| **{_diff_cell(a, 'mca', '_seeds')}** | **{_diff_cell(a, 'mce', '_seeds')}** | |"
+        )
+    return "\n".join(lines)
+
+
+def _diff_cell(r: dict[str, Any], m: str, suffix: str = "") -> str:
+    """T-CNN - control in metric ``m`` with its interval, in pp: a seed's row (``suffix`` "") or the mean
+    over seeds (``suffix`` "_seeds")."""
+    mean, lo, hi = (
+        r.get(f"{DIFF}_{m}{suffix}{e}")
+        for e in (("", "_ci_low", "_ci_high") if not suffix else ("_mean", "_ci_low", "_ci_high"))
+    )
+    return f"{_pp(mean, True)} [{_pp(lo, True)}, {_pp(hi, True)}]"
 
 
 def mean_label(a: dict[str, Any]) -> str:
