@@ -25,11 +25,13 @@ from typing import Any
 import torch
 
 from core.config import Params
+from core.data import Datasets
 from core.models import importing, kinds
 from core.models.factory import backbone_options, set_stochastic_depth
 from core.models.spec import build_from_spec, pretraining_spec
 from core.training import distributed as D
 from core.training.loop import (
+    FitResult,
     TrainLoss,
     deterministic,
     fit,
@@ -126,6 +128,8 @@ def run_hash(params: Params, spec: dict[str, Any], data_fingerprint: str, device
 
 
 def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
+    """Pretrain the CNN that reparam converts into a T-CNN at epoch t1 ([TCNN21]), resuming an interrupted run
+    of the same identity, and publish its checkpoints, history and metrics; an imported CNN: `import_cnn`."""
     if params.imports_cnn:
         return import_cnn(params, root=root)
     t_wall = time.perf_counter()
@@ -138,28 +142,11 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
 
     seed_everything(params.cnn_seed)
     spec = model_spec(params, ds.num_classes, ds.in_chans)
-    try:
-        model = build_from_spec(spec)
-    except (ValueError, TypeError) as err:
-        raise StageError(f"model: cannot build {params.model.arch!r} ({err})") from None
-    set_stochastic_depth(model, params.model.drop_path)
-
+    model = _build_model(params, spec)
     image_size = params.data.image_size
     augment = params.augment_for(NAME)
-    loaders = T.loaders(
-        params, ds, batch_size=p.batch_size, seed=params.cnn_seed, augment=augment, size=image_size
-    )
-    spe = len(loaders.train)
-    if spe == 0:
-        raise StageError(
-            f"pretrain.batch_size: {p.batch_size} exceeds the {len(ds.train_y)} training images (no full batch)"
-        )
-    if gate_lr(params) is None:
-        optimizer = build_sgd(model, lr=p.lr, momentum=p.momentum, weight_decay=p.weight_decay)
-    else:  # GPSA groups: no decay on alpha / lambda / centres, gates at their own lr (as build_adamw)
-        groups = param_groups(model, lr=p.lr, weight_decay=p.weight_decay, gate_lr=gate_lr(params))
-        optimizer = torch.optim.SGD(groups, lr=p.lr, momentum=p.momentum, weight_decay=0.0)
-    scheduler = WarmupCosine(optimizer, total_steps=p.epochs * spe, warmup_steps=round(p.warmup_epochs * spe))
+    loaders, spe = _loaders(params, ds, augment)
+    optimizer, scheduler = _optimization(params, model, spe)
     channels_last = T.use_channels_last(device)
     extra = {**T.extra_state(spec, ds, image_size), "network_code": _network_code(params)}
 
@@ -184,15 +171,76 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         )
         test = T.evaluate_split(model, loaders.test, device, channels_last, params)
 
+    metrics = _metrics(params, ds, model, result, test, keep, device, t_wall)
+    _publish(work_dir, out_dir, model, extra, result, metrics)
+    return metrics
+
+
+def _build_model(params: Params, spec: dict[str, Any]) -> torch.nn.Module:
+    """The network of ``spec`` (a bad model section: one-line StageError), with ``model.drop_path``'s
+    stochastic depth."""
+    try:
+        model = build_from_spec(spec)
+    except (ValueError, TypeError) as err:
+        raise StageError(f"model: cannot build {params.model.arch!r} ({err})") from None
+    set_stochastic_depth(model, params.model.drop_path)
+    return model
+
+
+def _loaders(params: Params, ds: Datasets, augment: Any) -> tuple[T.Loaders, int]:
+    """The train, validation and test loaders at ``pretrain.batch_size``, and the optimizer steps per epoch
+    (a batch size above the training set: StageError)."""
+    p = params.pretrain
+    loaders = T.loaders(
+        params,
+        ds,
+        batch_size=p.batch_size,
+        seed=params.cnn_seed,
+        augment=augment,
+        size=params.data.image_size,
+    )
+    spe = len(loaders.train)
+    if spe == 0:
+        raise StageError(
+            f"pretrain.batch_size: {p.batch_size} exceeds the {len(ds.train_y)} training images (no full batch)"
+        )
+    return loaders, spe
+
+
+def _optimization(params: Params, model: torch.nn.Module, spe: int) -> tuple[torch.optim.SGD, WarmupCosine]:
+    """SGD with momentum, and its schedule: linear warmup over ``pretrain.warmup_epochs``, then a per-step
+    cosine to the last of ``pretrain.epochs`` (``spe``: steps per epoch)."""
+    p = params.pretrain
+    if gate_lr(params) is None:
+        optimizer = build_sgd(model, lr=p.lr, momentum=p.momentum, weight_decay=p.weight_decay)
+    else:  # GPSA groups: no decay on alpha / lambda / centres, gates at their own lr (as build_adamw)
+        groups = param_groups(model, lr=p.lr, weight_decay=p.weight_decay, gate_lr=gate_lr(params))
+        optimizer = torch.optim.SGD(groups, lr=p.lr, momentum=p.momentum, weight_decay=0.0)
+    scheduler = WarmupCosine(optimizer, total_steps=p.epochs * spe, warmup_steps=round(p.warmup_epochs * spe))
+    return optimizer, scheduler
+
+
+def _metrics(
+    params: Params,
+    ds: Datasets,
+    model: torch.nn.Module,
+    result: FitResult,
+    test: dict[str, float],
+    keep: list[int],
+    device: torch.device,
+    t_wall: float,
+) -> dict[str, Any]:
+    """metrics.json of a trained CNN: the last epoch's train/val and the test loss and accuracy, the run's
+    size, the epochs kept (``keep``), where and how fast it ran (``wall_s`` since ``t_wall``)."""
     last = result.history[-1]
-    metrics = {
+    return {
         "train_loss": last["train_loss"],
         "train_acc": last["train_acc"],
         "val_loss": last.get("val_loss"),
         "val_acc": last.get("val_acc"),
         "test_loss": test["loss"],
         "test_acc": test["acc"],
-        "epochs": p.epochs,
+        "epochs": params.pretrain.epochs,
         "steps": result.global_step,
         "train_images": int(len(ds.train_y)),
         "checkpoint_epochs": keep,
@@ -204,6 +252,18 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         "train_time_s": sum(r["train_time_s"] for r in result.history),
         "wall_s": time.perf_counter() - t_wall,
     }
+
+
+def _publish(
+    work_dir: Path,
+    out_dir: Path,
+    model: torch.nn.Module,
+    extra: dict[str, Any],
+    result: FitResult,
+    metrics: dict,
+) -> None:
+    """Publish the run into ``runs/pretrain/``: the kept epoch checkpoints (stale ones removed),
+    ``cnn-final.pt``, history and metrics."""
     final = {"model": T.cpu_state(model), **extra, "kind": "model"}
     T.publish(
         work_dir,
@@ -214,7 +274,6 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         history=result.history,
         metrics=metrics,
     )
-    return metrics
 
 
 def import_cnn(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:

@@ -310,16 +310,50 @@ def _placeholder(text: str) -> bytes:
 
 # ------------------------------------------------------------------------------------------------ stage
 def run(params: Params, *, root: Path = Path("."), run_ids: dict[str, str] | None = None) -> dict[str, Any]:
-    """Write results/report.html and the report's PNGs; returns what was rendered and the notes."""
+    """Write results/report.html and the report's PNGs ([TCNN21] Figs. 3-5 and [ConViT21]'s nonlocality,
+    where this run has their data); returns what was rendered and the notes."""
     root = Path(root)
     paths = input_paths(params, root)  # the required ones checked by `check`, which the DVC path runs first
-    metrics = _read_json(paths["metrics"], required=True)
-    if not isinstance(metrics, dict) or not model_names(metrics):
-        raise StageError(f"{paths['metrics']}: expected an object of per-model metrics (written by evaluate)")
-    _check_comparisons(params, metrics, paths["metrics"])
+    metrics = _required_metrics(params, paths["metrics"])
     cnn, cnn_meta = _load_model(paths["cnn"])
     tcnn, tcnn_meta = _load_model(paths["tcnn"])
+    inputs = _optional_inputs(params, paths, metrics, root)
+    figs = _training_figures(params, paths, inputs)
+    figs["fig5"] = _figure5(paths, cnn, tcnn, tcnn_meta, cnn_meta, inputs)
+    figs["contours"], figs["nonlocality"] = _dissection_figures(inputs)
+    inputs.figures = figs
 
+    if run_ids is None:
+        run_ids, ids_note = read_run_ids(root)
+    else:
+        run_ids, ids_note = ({str(k): str(v) for k, v in run_ids.items() if v} or None), None
+    meta = read_run_meta(root) if run_ids and run_ids.get("parent") == _recorded_parent(root) else {}
+    text = render_html(inputs, run_ids, ids_note, meta, chain.stage_names())
+    out = _write_outputs(root, inputs, figs, text)
+    notes = [n for section in inputs.notes.values() for n in section]
+    return {
+        "report": str(out["html"]),
+        "report_bytes": len(text.encode()),
+        "figures": {k: bool(v) for k, v in figs.items()},
+        "run_ids": run_ids or {},
+        "attention": inputs.attention_stats,
+        "notes": notes,
+    }
+
+
+def _required_metrics(params: Params, path: Path) -> dict[str, Any]:
+    """evaluate's per-model metrics, with the comparisons the params ask for (else StageError)."""
+    metrics = _read_json(path, required=True)
+    if not isinstance(metrics, dict) or not model_names(metrics):
+        raise StageError(f"{path}: expected an object of per-model metrics (written by evaluate)")
+    _check_comparisons(params, metrics, path)
+    return metrics
+
+
+def _optional_inputs(params: Params, paths: dict[str, Path], metrics: dict[str, Any], root: Path) -> Inputs:
+    """The report's inputs: params, ``metrics`` and the optional files (reparam's equivalence, the training
+    histories and metrics, the control's when evaluate compared one, the robustness summary, the GPSA rows);
+    a missing or malformed optional file becomes a note."""
     inputs = Inputs(params=params.model_dump(mode="json"), metrics=metrics, root=root)
     inputs.equivalence = _dict_or_note(
         _read_json(paths["equivalence"], required=False, inputs=inputs, section="equivalence"),
@@ -338,13 +372,13 @@ def run(params: Params, *, root: Path = Path("."), run_ids: dict[str, str] | Non
         _read_json(paths["summary"], required=False), paths["summary"], inputs, "robustness"
     )
     inputs.gpsa_rows = _read_csv(paths["gpsa"], inputs, "fig4")
+    return inputs
 
-    from core.viz.report_plots import (
-        gpsa_dynamics,
-        plot_gpsa_dynamics,
-        plot_training_curves,
-        write_bytes_atomic,
-    )
+
+def _training_figures(params: Params, paths: dict[str, Path], inputs: Inputs) -> dict[str, bytes | None]:
+    """The training curves with t1 marked ([TCNN21] Fig. 4A), Fig. 3 (`_gain_png`) and the GPSA dynamics over
+    fine-tuning (Fig. 4B-C); None, with a note, for a figure without data."""
+    from core.viz.report_plots import gpsa_dynamics, plot_gpsa_dynamics, plot_training_curves
 
     figs: dict[str, bytes | None] = {}
     t1 = (inputs.equivalence or {}).get("reparam_epoch", params.reparam.epoch)
@@ -362,31 +396,20 @@ def run(params: Params, *, root: Path = Path("."), run_ids: dict[str, str] | Non
             figs["fig4"] = plot_gpsa_dynamics(gpsa_dynamics(inputs.gpsa_rows))
         except (ValueError, KeyError) as err:
             inputs.note("fig4", f"{inputs.rel(paths['gpsa'])}: cannot plot ({err}).")
-    figs["fig5"] = _figure5(paths, cnn, tcnn, tcnn_meta, cnn_meta, inputs)
-    figs["contours"], figs["nonlocality"] = _dissection_figures(inputs)
-    inputs.figures = figs
+    return figs
 
-    if run_ids is None:
-        run_ids, ids_note = read_run_ids(root)
-    else:
-        run_ids, ids_note = ({str(k): str(v) for k, v in run_ids.items() if v} or None), None
-    meta = read_run_meta(root) if run_ids and run_ids.get("parent") == _recorded_parent(root) else {}
-    text = render_html(inputs, run_ids, ids_note, meta, chain.stage_names())
+
+def _write_outputs(root: Path, inputs: Inputs, figs: dict[str, bytes | None], text: str) -> dict[str, Path]:
+    """Write every figure's PNG (a placeholder naming why for one without data), then the HTML; returns the
+    output paths."""
+    from core.viz.report_plots import write_bytes_atomic
 
     out = output_paths(root)
     for key in FIGURES:
         why = " ".join(inputs.notes.get(key if key != "training_curves" else "training", [])) or "no data"
         write_bytes_atomic(figs.get(key) or _placeholder(f"{key}: not available ({why})"), out[key])
     write_bytes_atomic(text.encode(), out["html"])
-    notes = [n for section in inputs.notes.values() for n in section]
-    return {
-        "report": str(out["html"]),
-        "report_bytes": len(text.encode()),
-        "figures": {k: bool(v) for k, v in figs.items()},
-        "run_ids": run_ids or {},
-        "attention": inputs.attention_stats,
-        "notes": notes,
-    }
+    return out
 
 
 def check(params: Params, root: Path = Path(".")) -> None:

@@ -87,18 +87,15 @@ def stage_run(
 
     Parent: the *open* parent of this workspace (a chain whose last stage has not run: the earlier stages
     closed it, a failed or preempted stage interrupted it, or a SIGKILL left it RUNNING) when its params
-    match; else a new one, named ``parent_name`` or the DVC experiment's name or :func:`run_label`. It
-    carries all params, :data:`PARAMS_HASH_TAG`, MLflow's context tags (git commit, branch, source) and ``tcnn.git_dirty``, the sha256 of ``dvc.lock``
-    (:data:`DVC_LOCK_TAG`, updated at every stage; at the end of the chain it is the lock of every stage but
-    the last, which DVC records after the process exits), and under ``dvc exp run`` the experiment's name
-    (:data:`DVC_EXP_TAG`). The stage's child run logs all params, resumes a killed attempt, and ends
+    match; else a new one, named ``parent_name`` or the DVC experiment's name or :func:`run_label`, tagged
+    as :func:`_parent_tags` says. The stage's child run logs all params, resumes a killed attempt, and ends
     FINISHED, and so does the parent: a process closes what it opened, whichever stage it ran (also one run
     by hand); on an exception the child and the parent end FAILED (KILLED when preempted), and the next run of
     the chain continues that parent. ``end_parent=True`` (the last stage) logs ``dvc.lock`` and
     ``params.yaml`` on the parent and marks the chain complete (:data:`CHAIN_TAG`), so the next execution
-    opens a new parent. The ids go to ``run_ids_file``
-    (relative to ``root``; None: not written). The sqlite store resolves against ``base_dir``, default
-    ``$DVC_ROOT`` (the main repository, also for ``dvc exp run --temp``) or ``root``.
+    opens a new parent. The ids go to ``run_ids_file`` (relative to ``root``; None: not written). The sqlite
+    store resolves against ``base_dir``, default ``$DVC_ROOT`` (the main repository, also for
+    ``dvc exp run --temp``) or ``root``.
     """
     root = Path(root)
     base = base_dir if base_dir is not None else (os.environ.get("DVC_ROOT") or root)
@@ -108,7 +105,28 @@ def stage_run(
         return
     exp_name = os.environ.get("DVC_EXP_NAME") or None
     name = parent_name or exp_name or run_label(params)
-    tags = {
+    tags = _parent_tags(params, root, name, exp_name, parent_tags)
+    tracker.start_parent(name, tags, key=workspace_key(root), params=params)
+    parent = tracker.parent_run_id
+    assert parent is not None
+    try:  # from here on whatever ends the process (also writing the run ids into a broken runs/) closes the runs
+        _open_child(tracker, params, stage, root, parent, exp_name, run_ids_file, child_kwargs)
+        yield tracker
+    except BaseException as err:
+        _close_failed(tracker, stage, parent, err)
+        raise
+    _close_finished(tracker, root, parent, end_parent)
+
+
+def _parent_tags(
+    params: Any, root: Path, name: str, exp_name: str | None, parent_tags: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """The parent's tags besides all params and MLflow's context tags (git commit, branch, source): its
+    name, ``tcnn.git_dirty``, the sha256 of ``dvc.lock`` (:data:`DVC_LOCK_TAG`, updated at every stage; at
+    the end of the chain it is the lock of every stage but the last, which DVC records after the process
+    exits) and of ``uv.lock``, under ``dvc exp run`` the experiment's name (:data:`DVC_EXP_TAG`),
+    :data:`PARAMS_HASH_TAG`, then ``parent_tags``."""
+    return {
         RUN_NAME_TAG: name,
         "tcnn.git_dirty": git_dirty(root),
         DVC_LOCK_TAG: digest_if_present(root / "dvc.lock"),
@@ -117,42 +135,69 @@ def stage_run(
         PARAMS_HASH_TAG: params_hash(params),
         **(parent_tags or {}),
     }
-    tracker.start_parent(name, tags, key=workspace_key(root), params=params)
-    parent = tracker.parent_run_id
-    assert parent is not None
-    try:  # from here on whatever ends the process (also writing the run ids into a broken runs/) closes the runs
-        if tracker.parent_created:
-            tracker.log_environment(root, run_id=parent)
-        child_kwargs.setdefault("params", params)
-        child = tracker.start_child(stage, **child_kwargs)
-        if run_ids_file is not None and child is not None:
-            meta = {"experiment": tracker.experiment, "experiment_id": tracker.experiment_id,
-                    "tracking_uri": tracker.uri, "dvc_exp_name": exp_name}  # fmt: skip
-            record_run_ids(root / run_ids_file, parent, stage, child, meta)
-        yield tracker
-    except BaseException as err:
-        status = _end_status(err)
+
+
+def _open_child(
+    tracker: Tracker,
+    params: Any,
+    stage: str,
+    root: Path,
+    parent: str,
+    exp_name: str | None,
+    run_ids_file: str | os.PathLike | None,
+    child_kwargs: dict[str, Any],
+) -> None:
+    """Log the environment on ``parent`` when this process created it, open the stage's child run (all params
+    logged unless ``child_kwargs`` names others) and record its id with the tracking context in
+    ``run_ids_file``."""
+    if tracker.parent_created:
+        tracker.log_environment(root, run_id=parent)
+    child_kwargs.setdefault("params", params)
+    child = tracker.start_child(stage, **child_kwargs)
+    if run_ids_file is not None and child is not None:
+        meta = {"experiment": tracker.experiment, "experiment_id": tracker.experiment_id,
+                "tracking_uri": tracker.uri, "dvc_exp_name": exp_name}  # fmt: skip
+        record_run_ids(root / run_ids_file, parent, stage, child, meta)
+
+
+def _close_failed(tracker: Tracker, stage: str, parent: str, err: BaseException) -> None:
+    """After ``err`` ended the stage: tag the parent with the stage and the error, and end the child and the
+    parent FAILED (KILLED when resumable, :func:`_end_status`). The store may be what failed: its errors are
+    swallowed here, and the caller re-raises ``err``."""
+    status = _end_status(err)
+    with contextlib.suppress(Exception):
+        tracker.set_tags({"tcnn.failed_stage": stage, "tcnn.error": str(err)[:500]}, run_id=parent)
+    for close in (tracker.end, tracker.end_parent):
         with contextlib.suppress(Exception):
-            tracker.set_tags({"tcnn.failed_stage": stage, "tcnn.error": str(err)[:500]}, run_id=parent)
-        for close in (tracker.end, tracker.end_parent):  # the store may be what failed: its error is raised
-            with contextlib.suppress(Exception):
-                close(status)
-        raise
+            close(status)
+
+
+def _close_finished(tracker: Tracker, root: Path, parent: str, end_parent: bool) -> None:
+    """End the child and the parent FINISHED (every stage closes what it opened; the chain's next stage
+    reopens the parent); with ``end_parent``, first :func:`_complete_chain`. A stop signal (or an error) while
+    closing still leaves nothing RUNNING."""
     try:
         tracker.end("FINISHED")
         if end_parent:
-            tracker.set_tags(
-                {DVC_LOCK_TAG: digest_if_present(root / "dvc.lock"), CHAIN_TAG: "complete"}, run_id=parent
-            )
-            for tag in ("tcnn.failed_stage", "tcnn.error"):  # an earlier interruption, since continued
-                with contextlib.suppress(Exception):
-                    tracker.client.delete_tag(parent, tag)
-            for name in ("dvc.lock", "params.yaml"):
-                if (root / name).is_file():
-                    tracker.log_artifact(root / name, run_id=parent)
-        tracker.end_parent("FINISHED")  # every stage closes what it opened; the chain's next stage reopens it
-    except BaseException as err:  # a stop signal (or an error) while closing: nothing is left RUNNING
+            _complete_chain(tracker, root, parent)
+        tracker.end_parent("FINISHED")
+    except BaseException as err:
         with contextlib.suppress(Exception):
             tracker.end(_end_status(err))
             tracker.end_parent(_end_status(err))
         raise
+
+
+def _complete_chain(tracker: Tracker, root: Path, parent: str) -> None:
+    """The last stage's close: the parent gets the final ``dvc.lock`` digest and :data:`CHAIN_TAG` complete,
+    loses the failure tags of an earlier interruption since continued, and logs ``dvc.lock`` and
+    ``params.yaml``."""
+    tracker.set_tags(
+        {DVC_LOCK_TAG: digest_if_present(root / "dvc.lock"), CHAIN_TAG: "complete"}, run_id=parent
+    )
+    for tag in ("tcnn.failed_stage", "tcnn.error"):
+        with contextlib.suppress(Exception):
+            tracker.client.delete_tag(parent, tag)
+    for name in ("dvc.lock", "params.yaml"):
+        if (root / name).is_file():
+            tracker.log_artifact(root / name, run_id=parent)

@@ -319,19 +319,37 @@ class Tracker:
         assert self.parent_run_id is not None
         flat = flatten_params(params) if params is not None else {}
         if run_id is not None:
-            from mlflow.exceptions import MlflowException
+            self._reopen_existing(run_id, tags)
+            child = run_id
+        else:
+            child = self._stale_child(stage, flat, on_stale)
+            if child is not None:
+                self._reopen(child, tags)
+            else:
+                child = self._create_child(stage, tags, run_name)
+        self.run_id = child
+        if flat:
+            self.log_params(flat)
+        if system_metrics:
+            self._start_system_metrics(child)
+        return child
 
-            try:
-                self._client.get_run(run_id)
-            except MlflowException:
-                raise TrackingError(f"tracking: run {run_id} does not exist in {self.uri}") from None
-            self._reopen(run_id, tags)
-            self.run_id = run_id
-            if flat:
-                self.log_params(flat)
-            if system_metrics:
-                self._start_system_metrics(run_id)
-            return run_id
+    def _reopen_existing(self, run_id: str, tags: Mapping[str, Any] | None) -> None:
+        """Reopen the run ``run_id`` whatever its state (TrackingError when the store has no such run)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self._client.get_run(run_id)
+        except MlflowException:
+            raise TrackingError(f"tracking: run {run_id} does not exist in {self.uri}") from None
+        self._reopen(run_id, tags)
+
+    def _stale_child(
+        self, stage: str, flat: Mapping[str, str], on_stale: Literal["resume", "fail"]
+    ) -> str | None:
+        """The RUNNING run of ``stage`` under the parent to resume: with ``on_stale="resume"``, the newest
+        whose logged params agree with ``flat``. Every other RUNNING one (a killed attempt) is tagged
+        ``tcnn.stale`` and marked FAILED, so no stage gets two live runs."""
         stale = self._search(
             f"tags.`{PARENT_TAG}` = {_quote(self.parent_run_id)} and tags.`{STAGE_TAG}` = {_quote(stage)} "
             "and attributes.status = 'RUNNING'"
@@ -344,27 +362,22 @@ class Tracker:
             else:
                 self._client.set_tag(run.info.run_id, "tcnn.stale", "killed attempt, superseded")
                 self._client.set_terminated(run.info.run_id, status="FAILED")
-        if resume_id is not None:
-            self._reopen(resume_id, tags)
-        else:
-            all_tags = {
-                PARENT_TAG: self.parent_run_id,
-                KIND_TAG: "stage",
-                STAGE_TAG: stage,
-                ATTEMPT_TAG: "1",
-                **self._process_tags(),
-                **(tags or {}),
-            }
-            run = self._client.create_run(
-                self._experiment_id, run_name=run_name or stage, tags=str_tags(all_tags)
-            )
-            resume_id = run.info.run_id
-        self.run_id = resume_id
-        if flat:
-            self.log_params(flat)
-        if system_metrics:
-            self._start_system_metrics(resume_id)
         return resume_id
+
+    def _create_child(self, stage: str, tags: Mapping[str, Any] | None, run_name: str | None) -> str:
+        """A new run of ``stage`` under the parent (named ``run_name``, default the stage), attempt 1."""
+        all_tags = {
+            PARENT_TAG: self.parent_run_id,
+            KIND_TAG: "stage",
+            STAGE_TAG: stage,
+            ATTEMPT_TAG: "1",
+            **self._process_tags(),
+            **(tags or {}),
+        }
+        run = self._client.create_run(
+            self._experiment_id, run_name=run_name or stage, tags=str_tags(all_tags)
+        )
+        return run.info.run_id
 
     def find_child(self, stage: str, *, status: str | None = None) -> list[Any]:
         """The child runs of the parent for ``stage`` (newest first), optionally only those in ``status``."""
