@@ -34,9 +34,8 @@ import torch
 import torch.nn as nn
 
 from core.models.reparam import attention_modules
-from core.nn.gpsa import GPSA
+from core.nn.attention_layers import is_positional
 from core.nn.locality import grid_distances, nonlocality
-from core.nn.psa import PSA
 
 __all__ = [
     "Contour",
@@ -54,10 +53,6 @@ CONTOUR_LEVELS = (0.9, 0.5, 0.1)
 
 
 # ------------------------------------------------------------------------------------------ geometry
-def _is_positional(m: nn.Module) -> bool:
-    return isinstance(m, (GPSA, PSA))
-
-
 def _square_grid(m: nn.Module, x: torch.Tensor, n_keys: int) -> tuple[int, int]:
     """The (h, w) attention grid of a layer attending over ``n_keys`` keys: its input grid (NCHW) or that grid
     pooled k times by a stride-2 operator (ceil(n / 2) per pooling, [Bello19] Sec. 3.2); tokens: the module's
@@ -162,7 +157,7 @@ def layer_stats(model: nn.Module, probe: torch.Tensor) -> dict[str, dict[str, li
             nl = m.nonlocality(x)
         else:
             attn = m.attention_maps(x)
-            if _is_positional(m):
+            if is_positional(m):
                 h, w, s = *attention_grid(m, x), _stride(m)
             else:
                 (h, w), s = _square_grid(m, x, int(attn.shape[-1])), 1
@@ -246,7 +241,7 @@ def centre_query_maps(model: nn.Module, x: torch.Tensor) -> tuple[list[Any], tor
             continue
         inp = inputs[name]
         att = m.attention_maps(inp)[0].double().cpu()  # [heads, Lq, L]
-        if _is_positional(m):
+        if is_positional(m):
             h, w = attention_grid(m, inp)
             s = _stride(m)
         else:  # e.g. AA layers attend on their (pooled) attention grid, queries = keys

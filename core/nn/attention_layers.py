@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-__all__ = ["STRIDE_MODES", "attention_modules", "gpsa_modules"]
+__all__ = ["STRIDE_MODES", "attention_modules", "gpsa_modules", "is_positional"]
 
 #: How a strided conv's positional attention keeps its stride (`core.nn.positional`): "exact" (stride-1
 #: attention then [::s, ::s]; function-preserving) or "s1" (BoTNet-style, then s x s average pooling). Here,
@@ -21,14 +21,15 @@ __all__ = ["STRIDE_MODES", "attention_modules", "gpsa_modules"]
 STRIDE_MODES = ("exact", "s1")
 
 
-def _positional(m: nn.Module) -> bool:
+def is_positional(m: nn.Module) -> bool:
+    """A positional self-attention layer (GPSA or PSA, or a new type with the same accessors)."""
     return callable(getattr(m, "positional_parameter_names", None))
 
 
 def gpsa_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """All positional self-attention layers of ``model`` (GPSA, T-CNN or ConViT, and PSA) as (qualified
     name, module), in module order."""
-    return [(name, m) for name, m in model.named_modules() if _positional(m)]
+    return [(name, m) for name, m in model.named_modules() if is_positional(m)]
 
 
 def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -37,5 +38,5 @@ def attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [
         (name, m)
         for name, m in model.named_modules()
-        if _positional(m) or callable(getattr(m, "attention_maps", None))
+        if is_positional(m) or callable(getattr(m, "attention_maps", None))
     ]
