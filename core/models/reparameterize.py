@@ -31,11 +31,6 @@ class Reparameterized:
     note: str | None = None
 
 
-def source_mismatch(spec_cnn: dict[str, Any], kind: str) -> str | None:
-    """Why a pretraining checkpoint of ``spec_cnn`` cannot be reparameterized to ``kind`` (None: it can)."""
-    return kinds.get(kind).source_mismatch(spec_cnn)
-
-
 def switches(kind: str, options: dict[str, Any]) -> dict[str, Any]:
     """The ablation switches of ``options`` that act on the converted network of ``kind``."""
     record = kinds.get(kind)

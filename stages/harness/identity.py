@@ -28,7 +28,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from core.utils.hashing import stable_hash
+from core.utils.hashing import file_digest, stable_hash
 from stages.harness import chain
 
 VERSION = 2  # the layout of an identity; bumping it renames every shared directory and voids partial runs
@@ -106,7 +106,7 @@ def network_code(stage: str, modules: Iterable[str], repo: Path = chain.REPO) ->
         path = Path(module.__file__ or "").resolve()
         rel = str(path.relative_to(repo)) if path.is_relative_to(repo) else ""
         if rel.startswith(NETWORK_CODE) and rel not in listed and not rel.endswith("__init__.py"):
-            found[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+            found[rel] = file_digest(path)
     return dict(sorted(found.items()))
 
 
@@ -115,5 +115,5 @@ def stale_network_code(recorded: Mapping[str, str], repo: Path = chain.REPO) -> 
     return [
         rel
         for rel, digest in recorded.items()
-        if not (repo / rel).is_file() or hashlib.sha256((repo / rel).read_bytes()).hexdigest() != digest
+        if not (repo / rel).is_file() or file_digest(repo / rel) != digest
     ]
