@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from stages.harness.tracking import store_client
+
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("prepare", "pretrain", "reparam", "finetune", "control", "corrupt", "evaluate", "report")
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -116,9 +118,7 @@ def dvc(repo: Path, *args: str, check: bool = True, timeout: float = 900, **extr
 
 
 def client(repo: Path):
-    from mlflow import MlflowClient
-
-    return MlflowClient(tracking_uri=f"sqlite:///{repo / 'mlruns.db'}")
+    return store_client(f"sqlite:///{repo / 'mlruns.db'}")
 
 
 def runs(repo: Path, experiment: str = "tcnn") -> list[Any]:

@@ -16,6 +16,7 @@ import yaml
 
 from core.training.checkpoint import load
 from core.training.loop import TIMING_KEYS
+from stages.harness.tracking import store_client
 
 REPO = Path(__file__).resolve().parents[1]
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -181,11 +182,9 @@ def tracked_workspace(tmp: Path, n_test: int = 2000, **robustness) -> Path:
 
 def tracked_runs(ws: Path) -> list:
     """Every MLflow run of a `tracked_workspace`."""
-    from mlflow import MlflowClient
-
     if not (ws / "mlruns.db").exists():
         return []
-    client = MlflowClient(f"sqlite:///{ws / 'mlruns.db'}")
+    client = store_client(f"sqlite:///{ws / 'mlruns.db'}")
     exps = client.search_experiments()
     return client.search_runs([e.experiment_id for e in exps]) if exps else []
 

@@ -19,6 +19,7 @@ import yaml
 from _train_helpers import repo_pythonpath, stage_env, tiny_params, write_params
 
 from stages.harness.parent_watch import dvc_ancestor
+from stages.harness.tracking import store_client
 
 STAGE = textwrap.dedent(
     """
@@ -36,9 +37,7 @@ STAGE = textwrap.dedent(
 
 
 def _statuses(ws: Path) -> list[str]:
-    from mlflow import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{ws / 'mlruns.db'}")
+    client = store_client(f"sqlite:///{ws / 'mlruns.db'}")
     exps = [e.experiment_id for e in client.search_experiments()]
     return sorted(r.info.status for r in client.search_runs(exps))
 

@@ -17,6 +17,7 @@ import pytest
 from _train_helpers import repo_pythonpath, stage_env, tiny_params, write_params
 
 from core.utils.workspace import LOCK_FILE
+from stages.harness.tracking import store_client
 
 STAGE = textwrap.dedent(
     """
@@ -51,9 +52,7 @@ def _lines(proc: subprocess.CompletedProcess) -> list[str]:
 
 
 def _statuses(ws: Path) -> list[str]:
-    from mlflow import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{ws / 'mlruns.db'}")
+    client = store_client(f"sqlite:///{ws / 'mlruns.db'}")
     exps = [e.experiment_id for e in client.search_experiments()]
     return [r.info.status for r in client.search_runs(exps)]
 

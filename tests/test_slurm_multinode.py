@@ -36,6 +36,7 @@ from test_sweep import TCNN, make_project, sweep_env
 from test_sweep_ray import GRID, pretrain_epoch_lines, stage_counts
 
 from pipelines.slurm import RayClusterConfig, RayPorts, launch_ray_cluster, make_executor, wait_result
+from stages.harness.tracking import store_client
 
 
 def _say(line: str) -> None:
@@ -177,9 +178,7 @@ def resumes(trial: Path) -> list[tuple[int, int]]:
 
 def mlflow_runs(uri: str, sweep: str) -> tuple[Any, list[Any], list[Any]]:
     """The sweep's parent run, its children, and every run of the experiment."""
-    from mlflow import MlflowClient
-
-    client = MlflowClient(uri)
+    client = store_client(uri)
     exp = client.get_experiment_by_name("sweeps")
     runs = list(client.search_runs([exp.experiment_id], max_results=1000))
     (parent,) = [

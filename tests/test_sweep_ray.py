@@ -17,6 +17,7 @@ import pytest
 from test_sweep import TCNN, make_project, sweep_env
 
 from core.config import load_params
+from stages.harness.tracking import store_client
 from stages.harness.tracking_names import flatten_params
 
 pytestmark = pytest.mark.slow
@@ -25,9 +26,9 @@ GRID = {"reparam.epoch": [1, 2], "reparam.alpha_init": [0.5, 2.0]}
 
 
 def mlflow_runs(root: Path, experiment: str = "sweeps") -> list[Any]:
-    from mlflow import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{root / 'mlruns.db'}")
+    client = store_client(
+        f"sqlite:///{root / 'mlruns.db'}"
+    )  # under the store lock: the driver may be creating it
     exp = client.get_experiment_by_name(experiment)
     return list(client.search_runs([exp.experiment_id], max_results=1000)) if exp else []
 
@@ -156,9 +157,7 @@ def test_sweep_2x2_one_pretraining_mlflow_parent_children_and_reuse(tmp_path: Pa
 
 
 def _artifacts(root: Path, run_id: str) -> list[Any]:
-    from mlflow import MlflowClient
-
-    return MlflowClient(f"sqlite:///{root / 'mlruns.db'}").list_artifacts(run_id)
+    return store_client(f"sqlite:///{root / 'mlruns.db'}").list_artifacts(run_id)
 
 
 @contextlib.contextmanager

@@ -557,3 +557,37 @@ def test_a_copied_workspace_logs_its_artifacts_into_itself(tmp_path: Path, capsy
     assert again.client.get_run(old).info.artifact_uri.startswith(
         (a.resolve() / "mlartifacts").as_uri() + "/"
     )
+
+
+_READER_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import mlflow  # imported before READY: what follows READY is only the store's creation
+    from stages.harness.tracking import store_client
+    print("READY", flush=True)
+    client = store_client(sys.argv[1])
+    print("EXPERIMENTS", len(client.search_experiments()), flush=True)
+    """
+)
+
+
+def test_a_reader_does_not_create_a_store_a_writer_is_creating(tmp_path: Path) -> None:
+    """A script reading a new sqlite store (a test polling a running sweep, a user's notebook) waits for the lock
+    a Tracker holds while it creates the schema, instead of migrating it alongside (sqlite: 'database is
+    locked', seen when a poll raced a sweep driver)."""
+    from filelock import FileLock
+
+    db = tmp_path / "mlruns.db"
+    with FileLock(str(db) + ".lock"):  # what a Tracker holds while it creates the store
+        reader = subprocess.Popen(
+            [sys.executable, "-c", _READER_SCRIPT, f"sqlite:///{db}"],
+            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO,
+        )  # fmt: skip
+        assert reader.stdout is not None and reader.stdout.readline().strip() == "READY"
+        time.sleep(2.0)
+        assert reader.poll() is None and not db.exists(), "the reader opened the store past the creation lock"
+    out, _ = reader.communicate(timeout=120)
+    assert reader.returncode == 0 and out.split() == [
+        "EXPERIMENTS",
+        "1",
+    ]  # it created the store after the lock

@@ -604,6 +604,18 @@ def _sqlite_path(uri: str) -> Path:
     return Path(uri[len("sqlite:///") :])
 
 
+def store_client(uri: str) -> Any:
+    """An ``MlflowClient`` on ``uri`` whose store exists: a new sqlite store's schema is created under the same
+    lock a ``Tracker`` takes, so a reader (a script polling a running sweep) never migrates the schema while a
+    writer does (sqlite: 'database is locked')."""
+    from mlflow import MlflowClient
+
+    with _store_creation_lock(uri):
+        client = MlflowClient(tracking_uri=uri)
+        client.search_experiments(max_results=1)
+    return client
+
+
 @contextlib.contextmanager
 def _store_creation_lock(uri: str) -> Iterator[None]:
     """For a sqlite store: an exclusive lock next to the database (``<db>.lock``, filelock) while a client
