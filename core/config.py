@@ -12,7 +12,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import (
@@ -24,6 +24,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+if TYPE_CHECKING:  # the registry is looked up by importlib at run time (see REGISTRIES)
+    from core.models.kinds import ModelKind
 
 FINETUNE_MODES = ("fresh", "continue")  # [TCNN21] Sec. 3 ("fresh") and Table 3 ("continue")
 TIMM_WEIGHTS = "timm"  # pretrain.source.weights: timm's own pretrained weights for model.arch (a download)
@@ -137,6 +140,11 @@ class ModelConfig(_Strict):
     drop_path: float = Field(0.0, ge=0.0, lt=1.0)
     options: dict[str, Any] = Field(default_factory=dict)
 
+    @property
+    def record(self) -> ModelKind:
+        """The `core.models.kinds.ModelKind` record of ``kind``: what the stages hand to the model code."""
+        return _kinds().get(self.kind)
+
     @field_validator("kind")
     @classmethod
     def _known_kind(cls, v: str) -> str:
@@ -147,7 +155,7 @@ class ModelConfig(_Strict):
     def _known_arch(cls, v: str, info: ValidationInfo) -> str:
         kind = info.data.get("kind")
         if kind is not None:
-            _models().check_arch(kind, v)
+            _models().check_arch(_kinds().get(kind), v)
         return v
 
     @field_validator("options")
@@ -158,7 +166,7 @@ class ModelConfig(_Strict):
         kind = info.data.get("kind")
         if kind is not None:
             try:
-                _models().check_model_options(kind, v)
+                _models().check_model_options(_kinds().get(kind), v)
             except ValueError as err:
                 raise ValueError(str(err).removeprefix("options.")) from None
         return v
@@ -545,7 +553,7 @@ class Params(_Strict):
             raise ValueError(
                 "finetune.mode: 'continue' resumes a pretraining run, and pretrain.source imports the CNN"
             )
-        if not _kinds().get(self.model.kind).pretrains_cnn:
+        if not self.model.record.pretrains_cnn:
             takers = [k.name for k in _kinds().all_kinds() if k.pretrains_cnn]
             raise ValueError(
                 f"pretrain.source: imports a CNN for model.kind {takers}, not {self.model.kind!r}"

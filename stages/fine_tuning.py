@@ -18,7 +18,6 @@ import torch
 
 from core.config import Params
 from core.data import first_batch
-from core.models import kinds
 from core.models.factory import set_stochastic_depth
 from core.models.spec import build_from_spec
 from core.training import distributed as D
@@ -111,7 +110,7 @@ def control_disabled_reason(params: Params) -> str | None:
     """Why this config has no matched control (None: it has one)."""
     if not params.finetune.control:
         return "finetune.control is false"
-    if not kinds.get(params.model.kind).has_control:
+    if not params.model.record.has_control:
         return (
             f"model.kind={params.model.kind!r} fine-tunes without reparameterization: its fine-tuned model is "
             "already the control"

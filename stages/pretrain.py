@@ -26,7 +26,7 @@ import torch
 
 from core.config import Params
 from core.data import Datasets
-from core.models import importing, kinds
+from core.models import importing
 from core.models.factory import backbone_options, set_stochastic_depth
 from core.models.spec import build_from_spec, pretraining_spec
 from core.training import distributed as D
@@ -61,13 +61,13 @@ def checkpoint_epochs(params: Params) -> list[int]:
 def model_spec(params: Params, num_classes: int, in_chans: int) -> dict[str, Any]:
     """The spec of the network this config pretrains (`core.models.spec.pretraining_spec`)."""
     m = params.model
-    return pretraining_spec(m.kind, m.arch, m.options, num_classes, in_chans, params.data.image_size)
+    return pretraining_spec(m.record, m.arch, m.options, num_classes, in_chans, params.data.image_size)
 
 
 def gate_lr(params: Params) -> float | None:
     """A kind that pretrains gated attention (hybrid_scratch) trains its gates at finetune.gate_lr (the
     fine-tuning recipe's gate lr, [TCNN21] Sec. 3); other kinds: one lr for every parameter."""
-    return params.finetune.gate_lr if kinds.get(params.model.kind).pretrains_attention else None
+    return params.finetune.gate_lr if params.model.record.pretrains_attention else None
 
 
 def identity(
@@ -117,7 +117,7 @@ def import_identity(
 
 def _network_code(params: Params) -> dict[str, str]:
     """The pretraining network's code that dvc.yaml does not list (`stages.harness.identity.network_code`)."""
-    return network_code(NAME, kinds.get(kinds.get(params.model.kind).pretraining_kind).code())
+    return network_code(NAME, params.model.record.pretraining_record().code())
 
 
 def run_hash(params: Params, spec: dict[str, Any], data_fingerprint: str, device: str) -> str:
@@ -289,7 +289,7 @@ def import_cnn(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     spec = model_spec(params, ds.num_classes, ds.in_chans)
     try:
         imported = importing.import_cnn(params.model.arch, source, ds.num_classes, ds.in_chans,
-                                        backbone_options(params.model.kind, params.model.options))  # fmt: skip
+                                        backbone_options(params.model.record, params.model.options))  # fmt: skip
     except ValueError as err:
         raise StageError(str(err)) from None
     t_import = time.perf_counter() - t_wall

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 from core.config import Params
-from core.models import kinds
 from stages.harness import chain
 from stages.harness import training as T
 from stages.harness.identity import stale_network_code
@@ -44,9 +43,7 @@ def load_source(params: Params, root: Path) -> dict[str, Any]:
     ckpt = T.load_checkpoint(src, required(params), source_label(params))
     held = ckpt.get("model_spec")
     mismatch = (
-        kinds.get(params.model.kind).source_mismatch(held)
-        if isinstance(held, dict) and "kind" in held
-        else None
+        params.model.record.source_mismatch(held) if isinstance(held, dict) and "kind" in held else None
     )
     if mismatch is not None:  # the specific word for a checkpoint of another kind
         raise StageError(f"{src}: {mismatch} (rerun pretrain)")

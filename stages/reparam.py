@@ -31,7 +31,6 @@ import torch
 from core.analysis.equivalence import LARGE_INIT, PAPER_INIT, agreement, features_before
 from core.config import Params
 from core.data import first_batch
-from core.models import kinds
 from core.models.kinds import Conversion
 from core.models.reparam import attention_modules, gpsa_modules, to_attention
 from core.models.reparameterize import reparameterize
@@ -52,7 +51,7 @@ PROBE = 256  # images in the equivalence batch
 
 def conversion(params: Params) -> Conversion:
     """The conversion params ask for (model.kind's record, the reparam section, model.options)."""
-    return kinds.get(params.model.kind).conversion_of(params.reparam, params.model.options)
+    return params.model.record.conversion_of(params.reparam, params.model.options)
 
 
 def _carry_by_name(state: dict[str, dict[str, Any]], model: torch.nn.Module) -> dict[str, dict[str, Any]]:
@@ -91,7 +90,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     logits_cnn = compare(cnn, probe)
     report = _equivalence(params, ckpt, cnn, made, probe, logits_cnn, compare)
     report["optimizer_state_renamed"] = {k: v for k, v in moved.items() if k != v}
-    if made.converted and kinds.get(params.model.kind).attention is not None:
+    if made.converted and params.model.record.attention is not None:
         report.update(_other_modes(params, cnn, probe, logits_cnn, loaders, device, compare))
     report.update(_accuracies(cnn, tcnn, loaders, device))
     if note:
@@ -117,12 +116,14 @@ def _convert(
 ) -> tuple[Any, dict[str, Any], dict[str, str], str | None]:
     """The kind's network made from the CNN (`core.models.reparameterize`) and the optimizer state for
     "continue" fine-tuning, keyed by its parameter names ([TCNN21] Table 3)."""
-    kind, spec_cnn = params.model.kind, ckpt["model_spec"]
+    kind, spec_cnn = params.model.record, ckpt["model_spec"]
     state_in = named_state(ckpt["optimizer"], ckpt["param_names"]) if "optimizer" in ckpt else {}
     try:
         made = reparameterize(cnn, spec_cnn, kind, params.reparam, params.model.options)
     except ValueError as err:
-        raise StageError(f"reparam: cannot convert {spec_cnn['arch']!r} to kind {kind!r} ({err})") from None
+        raise StageError(
+            f"reparam: cannot convert {spec_cnn['arch']!r} to kind {kind.name!r} ({err})"
+        ) from None
     note = made.note
     if made.carry_by_name:
         dropped = sorted(set(state_in) - set(_carry_by_name(state_in, made.model)))

@@ -151,12 +151,10 @@ def _read_csv(path: Path, inputs: Inputs, section: str) -> list[dict[str, Any]] 
 def _check_comparisons(params: Params, metrics: dict[str, Any], path: Path) -> None:
     """evaluate's metrics hold the comparisons the params ask for: with a matched control, the control and
     T-CNN - control (else the report would say "no matched control" for a run that has one)."""
-    from core.models import kinds
-
     comps = metrics.get("comparisons")
     if not isinstance(comps, dict | list) or not comps:
         raise StageError(f"{path}: lacks its comparisons (damaged, or not evaluate's; rerun evaluate)")
-    wants_control = params.finetune.control and kinds.get(params.model.kind).has_control
+    wants_control = params.finetune.control and params.model.record.has_control
     if wants_control and ("control" not in metrics or "tcnn-control" not in comps):
         raise StageError(f"{path}: has no matched control, but the params have one (rerun evaluate)")
 

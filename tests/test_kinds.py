@@ -14,7 +14,6 @@ from core.config import ConfigError, validate_params
 from core.data import load_datasets, make_loader
 from core.models import kinds
 from core.models.factory import build
-from core.models.spec import pretraining_kind
 from core.reparam import gpsa_modules
 from core.training.checkpoint import load, load_model
 from core.training.loop import evaluate
@@ -97,7 +96,7 @@ def test_every_kind_runs_the_same_stages(kind: str, shared: dict[str, Path], tmp
 
     spec_pre = load(tmp_path / "runs/pretrain/cnn-final.pt")["model_spec"]
     spec = load(tmp_path / "runs/finetune/tcnn-final.pt")["model_spec"]
-    assert spec["kind"] == kind and spec_pre["kind"] == pretraining_kind(params.model.kind)
+    assert spec["kind"] == kind and spec_pre["kind"] == params.model.record.pretraining_kind
     assert spec_pre["kind"] == ("cnn" if kind in ("cnn", "tcnn", "psa") else kind)
     if kind in ("tcnn", "psa"):
         assert rep["converted"] and spec["tcnn"]["attention"] == ("psa" if kind == "psa" else "gpsa")

@@ -47,71 +47,69 @@ __all__ = [
 ]
 
 
-def is_known_arch(arch: str, kind: str | None = None) -> bool:
+def is_known_arch(arch: str, kind: ModelKind | None = None) -> bool:
     """Whether ``arch`` names a model of ``kind`` (its record's closed set, else timm's registry, which holds
     the project's small nets); None: of any kind."""
     if kind is None:
-        return any(is_known_arch(arch, k.name) for k in kinds.all_kinds())
+        return any(is_known_arch(arch, k) for k in kinds.all_kinds())
     if is_builder(arch):
-        return kinds.get(kind).builders
-    archs = kinds.get(kind).arch_names()
+        return kind.builders
+    archs = kind.arch_names()
     return arch in archs if archs is not None else (arch in PROJECT_ARCHS or timm.is_model(arch))
 
 
-def check_arch(kind: str, arch: str) -> None:
+def check_arch(kind: ModelKind, arch: str) -> None:
     """One-line ValueError unless ``arch`` is a model of ``kind`` (a user's builder ``module:function`` is
     imported here, for the kinds that take one)."""
     if is_builder(arch):
-        if not kinds.get(kind).builders:
+        if not kind.builders:
             takers = [k.name for k in kinds.all_kinds() if k.builders]
-            raise ValueError(f"a user's builder ({arch}) serves kinds {takers}, not {kind!r}")
+            raise ValueError(f"a user's builder ({arch}) serves kinds {takers}, not {kind.name!r}")
         load_builder(arch)
         return
     if not is_known_arch(arch, kind):
-        archs = kinds.get(kind).arch_names()
+        archs = kind.arch_names()
         if archs is not None:
-            raise ValueError(f"unknown arch {arch!r} for kind {kind!r} (choose from {sorted(archs)})")
+            raise ValueError(f"unknown arch {arch!r} for kind {kind.name!r} (choose from {sorted(archs)})")
         raise ValueError(f"unknown arch {arch!r} (not a timm model name nor a project-registered net)")
 
 
-def check_options(kind: str, options: dict[str, Any]) -> None:
+def check_options(kind: ModelKind, options: dict[str, Any]) -> None:
     """Validate the ablation switches and conversion options of ``kind`` (one-line ValueError naming the key).
 
     Options the switches do not know are left to the constructors (timm kwargs etc.)."""
-    record = kinds.get(kind)
     for key in ABLATION_SWITCHES:
-        if key in options and key not in record.ablations:
+        if key in options and key not in kind.ablations:
             takers = [k.name for k in kinds.all_kinds() if key in k.ablations]
-            raise ValueError(f"options.{key}: applies to kinds {takers}, not {kind!r}")
+            raise ValueError(f"options.{key}: applies to kinds {takers}, not {kind.name!r}")
     if "gating" in options and options["gating"] not in GATING_MODES:
         raise ValueError(f"options.gating: must be one of {list(GATING_MODES)}, got {options['gating']!r}")
     for key in ("conv_init", "freeze_gpsa"):
         if key in options and not isinstance(options[key], bool):
             raise ValueError(f"options.{key}: must be true or false, got {options[key]!r}")
-    checker = record.checker()
+    checker = kind.checker()
     if checker is not None:
         checker(options)
 
 
-def check_model_options(kind: str, options: dict[str, Any]) -> None:
+def check_model_options(kind: ModelKind, options: dict[str, Any]) -> None:
     """`check_options` for ``model.options`` of params.yaml: a converting kind whose conversion follows
     pretraining takes the `reparam` section's keys from there, never from the options."""
     check_options(kind, options)
-    record = kinds.get(kind)
-    foreign = sorted(set(options) & _conversion_keys() - set(REPARAM_KEYS) - set(record.conversion))
+    foreign = sorted(set(options) & _conversion_keys() - set(REPARAM_KEYS) - set(kind.conversion))
     if foreign:
         takers = [k.name for k in kinds.all_kinds() if foreign[0] in k.conversion]
-        raise ValueError(f"options.{foreign[0]}: applies to kinds {takers}, not {kind!r}")
-    if record.conversion_in == "reparam":
-        bad = [k for k in REPARAM_KEYS if k in options and k in record.conversion]
+        raise ValueError(f"options.{foreign[0]}: applies to kinds {takers}, not {kind.name!r}")
+    if kind.conversion_in == "reparam":
+        bad = [k for k in REPARAM_KEYS if k in options and k in kind.conversion]
         if bad:
             raise ValueError(
-                f"options.{bad[0]}: kind {kind!r} converts with reparam.{bad[0]}; set that instead"
+                f"options.{bad[0]}: kind {kind.name!r} converts with reparam.{bad[0]}; set that instead"
             )
-    if record.phases is not None and "phase" in options:
+    if kind.phases is not None and "phase" in options:
         raise ValueError(
-            f"options.phase: set by the stages (pretrain: {record.phases[0]}, reparam onwards: "
-            f"{record.phases[1]}), not an option"
+            f"options.phase: set by the stages (pretrain: {kind.phases[0]}, reparam onwards: "
+            f"{kind.phases[1]}), not an option"
         )
 
 
@@ -123,9 +121,9 @@ def _conversion_keys() -> set[str]:
     return {key for k in kinds.all_kinds() for key in k.conversion}
 
 
-def backbone_options(kind: str, options: dict[str, Any]) -> dict[str, Any]:
+def backbone_options(kind: ModelKind, options: dict[str, Any]) -> dict[str, Any]:
     """The options of ``kind`` that the underlying CNN takes (ablation and conversion keys removed)."""
-    drop = set(ABLATION_SWITCHES) | set(kinds.get(kind).conversion)
+    drop = set(ABLATION_SWITCHES) | set(kind.conversion)
     return {k: v for k, v in options.items() if k not in drop}
 
 
@@ -177,8 +175,9 @@ def set_stochastic_depth(model: nn.Module, rate: float) -> int:
     return n
 
 
-def build(kind: str, arch: str, num_classes: int, **options: Any) -> nn.Module:
-    """Build a model of ``kind`` (its registry record, `core.models.kinds`) on ``arch`` with ``num_classes``.
+def build(kind: str | ModelKind, arch: str, num_classes: int, **options: Any) -> nn.Module:
+    """Build a model of ``kind`` (its registry record or name, `core.models.kinds`) on ``arch`` with
+    ``num_classes``.
 
     ``options`` go to the kind's builder (timm kwargs such as ``in_chans``, ``drop_path_rate`` (alias
     ``drop_path``), ``img_size``; convit's ``positional``, ``attn_impl``; aa_resnet's and cmhsa's own), except
@@ -186,9 +185,9 @@ def build(kind: str, arch: str, num_classes: int, **options: Any) -> nn.Module:
     `core.models.reparam.to_attention`) and the ablation switches.
     """
     options = dict(options)
-    record: ModelKind = kinds.get(kind)
-    check_options(kind, options)
-    check_arch(kind, arch)
+    record = kinds.record(kind)
+    check_options(record, options)
+    check_arch(record, arch)
     if "drop_path" in options:  # params.yaml's model.drop_path is timm's drop_path_rate
         options["drop_path_rate"] = options.pop("drop_path")
     if record.attention is not None:  # a CNN converted: its conversion keys and switches make the Conversion

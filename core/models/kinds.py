@@ -48,6 +48,7 @@ __all__ = [
     "all_kinds",
     "get",
     "kind_names",
+    "record",
     "register",
     "resolve",
     "unregister",
@@ -181,6 +182,10 @@ class ModelKind:
         """The kind of the network pretraining trains: "cnn" when this kind converts a pretrained CNN."""
         return "cnn" if self.pretrains_cnn else self.name
 
+    def pretraining_record(self) -> ModelKind:
+        """The record of `pretraining_kind` (the CNN's, for the kinds that convert it after pretraining)."""
+        return get(self.pretraining_kind)
+
     @property
     def reparameterizes(self) -> bool:
         """Whether the reparam stage turns the pretrained network into a different one ([TCNN21] Sec. 2,
@@ -275,6 +280,12 @@ def get(name: str) -> ModelKind:
         return _REGISTRY[name]
     except (KeyError, TypeError):
         raise ValueError(f"unknown model kind {name!r} (choose from {kind_names()})") from None
+
+
+def record(kind: str | ModelKind) -> ModelKind:
+    """The record ``kind`` is or names: what the public entry points (`core.models.build`, the spec maker) take,
+    so a caller holding the record (``params.model.record``) passes it and nothing looks it up again."""
+    return kind if isinstance(kind, ModelKind) else get(kind)
 
 
 def kind_names() -> list[str]:

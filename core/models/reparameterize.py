@@ -14,7 +14,7 @@ from typing import Any
 import torch.nn as nn
 
 from core.models import kinds
-from core.models.kinds import ABLATION_SWITCHES, CONVERSION, REPARAM_KEYS
+from core.models.kinds import ABLATION_SWITCHES, CONVERSION, REPARAM_KEYS, ModelKind
 from core.models.spec import build_from_spec, make_model_spec
 
 
@@ -31,33 +31,29 @@ class Reparameterized:
     note: str | None = None
 
 
-def switches(kind: str, options: dict[str, Any]) -> dict[str, Any]:
+def switches(kind: ModelKind, options: dict[str, Any]) -> dict[str, Any]:
     """The ablation switches of ``options`` that act on the converted network of ``kind``."""
-    record = kinds.get(kind)
-    return {k: options[k] for k in ABLATION_SWITCHES if k in record.ablations and k in options}
+    return {k: options[k] for k in ABLATION_SWITCHES if k in kind.ablations and k in options}
 
 
 def reparameterize(
-    cnn: nn.Module, spec_cnn: dict[str, Any], kind: str, reparam: Any, options: dict[str, Any]
+    cnn: nn.Module, spec_cnn: dict[str, Any], kind: ModelKind, reparam: Any, options: dict[str, Any]
 ) -> Reparameterized:
     """The network of ``kind`` made from the pretrained ``cnn`` (rebuilt from ``spec_cnn``) and its spec."""
-    record = kinds.get(kind)
     arch, n, chans = spec_cnn["arch"], spec_cnn["num_classes"], spec_cnn["in_chans"]
-    if record.reparameterizes and record.attention is not None:
-        conversion = record.conversion_of(reparam, options)
+    if kind.reparameterizes and kind.attention is not None:
+        conversion = kind.conversion_of(reparam, options)
         model = kinds.resolve(f"{CONVERSION}:to_attention")(cnn, conversion)
-        extra = {
-            k: options[k] for k in record.conversion if k not in REPARAM_KEYS and k in options
-        }  # qk_init
+        extra = {k: options[k] for k in kind.conversion if k not in REPARAM_KEYS and k in options}  # qk_init
         spec_options = {**spec_cnn["options"], **switches(kind, options), **extra}
         spec = make_model_spec(kind, arch, n, chans, spec_options, conversion.section())
         return Reparameterized(model, spec, converted=True, carry_by_name=False)
-    if record.reparameterize is not None and record.phases is not None:
-        model = record.reparameterizer()(cnn)
-        spec = make_model_spec(kind, arch, n, chans, spec_cnn["options"], phase=record.phases[1])
-        note = f"{kind}: {record.phases[0]} phase -> {record.phases[1]} phase ({record.summary})"
+    if kind.reparameterize is not None and kind.phases is not None:
+        model = kind.reparameterizer()(cnn)
+        spec = make_model_spec(kind, arch, n, chans, spec_cnn["options"], phase=kind.phases[1])
+        note = f"{kind.name}: {kind.phases[0]} phase -> {kind.phases[1]} phase ({kind.summary})"
         return Reparameterized(model, spec, converted=True, carry_by_name=True, note=note)
     model = build_from_spec(spec_cnn)
     model.load_state_dict(cnn.state_dict())
-    note = f"model.kind={kind!r}: no reparameterization, the network passes through"
+    note = f"model.kind={kind.name!r}: no reparameterization, the network passes through"
     return Reparameterized(model, spec_cnn, converted=False, carry_by_name=False, note=note)

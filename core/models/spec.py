@@ -18,14 +18,14 @@ import torch.nn as nn
 
 from core.models import kinds
 from core.models.factory import backbone_options, build
-from core.models.kinds import REPARAM_KEYS
+from core.models.kinds import REPARAM_KEYS, ModelKind
 
 MODEL_SPEC_KEYS = ("kind", "arch", "num_classes", "in_chans", "options", "tcnn")
 TCNN_SPEC_KEYS = REPARAM_KEYS  # the conversion section holds the reparam section's settings
 
 
 def make_model_spec(
-    kind: str,
+    kind: str | ModelKind,
     arch: str,
     num_classes: int,
     in_chans: int,
@@ -33,15 +33,16 @@ def make_model_spec(
     tcnn: dict[str, Any] | None = None,
     phase: str | None = None,
 ) -> dict[str, Any]:
-    """The `model_spec` dict of the checkpoint contract (INTERFACES.md; module docstring)."""
-    record = kinds.get(kind)
+    """The `model_spec` dict of the checkpoint contract (INTERFACES.md; module docstring) for ``kind`` (a record
+    or its name; the spec holds the name)."""
+    record = kinds.record(kind)
     if tcnn is not None:
         missing = [k for k in TCNN_SPEC_KEYS if k not in tcnn]
         if missing:
             raise ValueError(f"model_spec.tcnn lacks {missing}")
         attention = str(tcnn.get("attention", record.attention or "gpsa"))
         if attention != (record.attention or "gpsa"):
-            raise ValueError(f"model_spec.tcnn.attention {attention!r} does not fit kind {kind!r}")
+            raise ValueError(f"model_spec.tcnn.attention {attention!r} does not fit kind {record.name!r}")
         tcnn = {
             "alpha_init": float(tcnn["alpha_init"]),
             "lambda_init": float(tcnn["lambda_init"]),
@@ -50,9 +51,9 @@ def make_model_spec(
             "attention": attention,
         }
     if phase is not None and record.phases is None:
-        raise ValueError(f"model_spec.phase applies to two-phase kinds only, not {kind!r}")
+        raise ValueError(f"model_spec.phase applies to two-phase kinds only, not {record.name!r}")
     spec = {
-        "kind": kind,
+        "kind": record.name,
         "arch": arch,
         "num_classes": int(num_classes),
         "in_chans": int(in_chans),
@@ -75,35 +76,28 @@ def build_from_spec(spec: dict[str, Any]) -> nn.Module:
     missing = [k for k in MODEL_SPEC_KEYS if k not in spec]
     if missing:
         raise ValueError(f"model_spec lacks {missing}")
-    kind = spec["kind"]
+    record = kinds.get(spec["kind"])
     options = dict(spec["options"] or {})
     options.setdefault("in_chans", spec["in_chans"])
     tcnn = spec.get("tcnn")
     if tcnn is not None:
         attention = tcnn.get("attention", "gpsa")
-        if kinds.get(kind).attention != attention:
-            kind = next(k.name for k in kinds.all_kinds() if k.pretrains_cnn and k.attention == attention)
-        record = kinds.get(kind)
+        if record.attention != attention:
+            record = next(k for k in kinds.all_kinds() if k.pretrains_cnn and k.attention == attention)
         section = {k: tcnn[k] for k in TCNN_SPEC_KEYS if k in record.conversion}
         section["stages"] = tuple(section["stages"])
         options.update(section)  # the section wins over option copies of the same keys
-    record = kinds.get(kind)
     if record.phases is not None:
         options["phase"] = spec.get("phase") or options.get("phase", record.phases[0])
-    return build(kind, spec["arch"], spec["num_classes"], **options)
-
-
-def pretraining_kind(kind: str) -> str:
-    """The kind of the network pretraining trains for model kind ``kind`` (its record's `pretraining_kind`):
-    the CNN for kinds that convert it afterwards, the model itself otherwise (hybrid_scratch: the T-CNN
-    architecture from scratch, t1 = 0 of [TCNN21] Table 3; a two-phase model in its first phase, [Li21])."""
-    return kinds.get(kind).pretraining_kind
+    return build(record, spec["arch"], spec["num_classes"], **options)
 
 
 def pretraining_spec(
-    kind: str, arch: str, options: dict[str, Any], num_classes: int, in_chans: int, image_size: int
+    kind: ModelKind, arch: str, options: dict[str, Any], num_classes: int, in_chans: int, image_size: int
 ) -> dict[str, Any]:
-    """The spec of the network pretraining trains (see :func:`pretraining_kind`).
+    """The spec of the network pretraining trains for ``kind`` (its `ModelKind.pretraining_kind`: the CNN for
+    kinds that convert it afterwards, the model itself otherwise -- hybrid_scratch is the T-CNN architecture
+    from scratch, t1 = 0 of [TCNN21] Table 3; a two-phase model trains its first phase, [Li21]):
 
     - kinds that convert after pretraining: the CNN, with the backbone options only (the ablation switches act
       after conversion);
@@ -113,17 +107,16 @@ def pretraining_spec(
     - two-phase kinds: their first phase.
     """
     options = dict(options)
-    record = kinds.get(kind)
-    if record.pretrains_cnn:
+    if kind.pretrains_cnn:
         return make_model_spec(
-            record.pretraining_kind, arch, num_classes, in_chans, backbone_options(kind, options)
+            kind.pretraining_record(), arch, num_classes, in_chans, backbone_options(kind, options)
         )
-    if record.attention is not None:
+    if kind.attention is not None:
         conv = {
-            **record.conversion_defaults,
-            **{k: options.pop(k) for k in record.conversion if k in options},
+            **kind.conversion_defaults,
+            **{k: options.pop(k) for k in kind.conversion if k in options},
         }
         return make_model_spec(kind, arch, num_classes, in_chans, options, tcnn=conv)
-    if record.image_size_option is not None:
-        options.setdefault(record.image_size_option, image_size)
+    if kind.image_size_option is not None:
+        options.setdefault(kind.image_size_option, image_size)
     return make_model_spec(kind, arch, num_classes, in_chans, options)

@@ -117,11 +117,8 @@ def params_hash(params: Any) -> str:
 def run_label(params: Any) -> str:
     """A parent run's name from what distinguishes pipeline executions at a glance: model kind and arch, t1
     and the alpha / lambda init (for the kinds that use them), the training-sample fraction and the seed."""
-    from core.models import kinds
-
-    kind, r = params.model.kind, params.reparam
-    record = kinds.get(kind)
-    parts = [kind, params.model.arch]
+    record, r = params.model.record, params.reparam
+    parts = [record.name, params.model.arch]
     if record.reparameterizes:
         parts.append(f"t1={r.epoch}")
     conversion = record.conversion

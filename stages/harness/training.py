@@ -274,7 +274,7 @@ def check_cnn_checkpoint(ckpt: dict[str, Any], params: Params, path: Path) -> No
         return
     held = ckpt.get("model_spec") or {}
     m = params.model
-    want = pretraining_spec(m.kind, m.arch, m.options, held.get("num_classes"), held.get("in_chans"),
+    want = pretraining_spec(m.record, m.arch, m.options, held.get("num_classes"), held.get("in_chans"),
                             params.data.image_size)  # fmt: skip
     differ = sorted(k for k in set(held) | set(want) if held.get(k) != want.get(k))
     if differ:
