@@ -42,11 +42,11 @@ DEFAULT_ARCH = "resnet10_cifar_os16"
 # of them (so no stage depends on science code only for its names). Each is looked up here, by module and
 # attribute, when a value is validated: (module, attribute; a callable attribute is called).
 REGISTRIES: dict[str, tuple[str, str]] = {
-    "datasets": ("core.data.importers", "DATASETS"),
+    "datasets": ("core.data.catalog", "DATASETS"),
     "model_kinds": ("core.models.kinds", "kind_names"),
     "stride_modes": ("core.nn.attention_layers", "STRIDE_MODES"),
     "corruptions": ("core.robustness.suite", "CORRUPTIONS"),
-    "public_sets": ("core.robustness.public_sets", "PUBLIC_KINDS"),
+    "public_sets": ("core.robustness.public_kinds", "PUBLIC_KINDS"),
     "precisions": ("core.training.precision", "PRECISIONS"),
 }
 
@@ -105,7 +105,7 @@ class _Strict(BaseModel):
 
 
 class DataConfig(_Strict):
-    name: str = "fashion_mnist"  # a key of core.data.importers.DATASETS
+    name: str = "fashion_mnist"  # a key of core.data.catalog.DATASETS
     source: Path | None = None  # raw files; None = the dataset's default location (or a download)
     dir: Path = Path("data/fashion_mnist")  # Parquet shards + manifest.json
     sample_fraction: float = Field(1.0, gt=0.0, le=1.0)
@@ -326,7 +326,7 @@ class PublicSetsConfig(_Strict):
     generated sets (``use: add``: results/public/, metrics.json "public", ``public_*`` summary metrics) or
     instead of them (``use: replace``: the main results are the published sets')."""
 
-    kind: str  # a key of core.robustness.public_sets.PUBLIC_KINDS
+    kind: str  # a key of core.robustness.public_kinds.PUBLIC_KINDS
     dir: Path  # CIFAR-10-C: <dir>/<corruption>.npy + labels.npy; ImageNet-C: <dir>/<corruption>/<severity>/<wnid>/
     use: Literal["add", "replace"] = "add"
     n_images: int | None = Field(None, gt=0)  # images per set (evenly spaced); None = robustness.n_images
@@ -494,13 +494,13 @@ class Params(_Strict):
         return self
 
     def _check_public_fits_dataset(self) -> None:
-        """A published benchmark's images (core.robustness.public_sets.PUBLIC_KINDS) against this dataset's
-        (core.data.importers.DATASETS), where both names say enough: channels, classes and stored size."""
+        """A published benchmark's images (core.robustness.public_kinds.PUBLIC_KINDS) against this dataset's
+        (core.data.catalog.DATASETS), where both names say enough: channels, classes and stored size."""
         pub = self.robustness.public
         if pub is None:
             return
-        kind = importlib.import_module("core.robustness.public_sets").PUBLIC_KINDS[pub.kind]
-        data = importlib.import_module("core.data.importers").DATASETS[self.data.name]
+        kind = importlib.import_module("core.robustness.public_kinds").PUBLIC_KINDS[pub.kind]
+        data = importlib.import_module("core.data.catalog").DATASETS[self.data.name]
         name = self.data.name
         for theirs, ours, says in (
             (

@@ -154,7 +154,7 @@ def test_a_published_set_that_fits_passes(tmp_path: Path, data: Path) -> None:
 
 
 def test_validate_refuses_a_published_benchmark_of_other_images(data: Path) -> None:
-    """Where the names say enough (core.data.importers.DATASETS, core.robustness.public_sets.PUBLIC_KINDS), a
+    """Where the names say enough (core.data.catalog.DATASETS, core.robustness.public_kinds.PUBLIC_KINDS), a
     published benchmark of other images is refused when the params are read, before anything runs."""
     from core.config import ConfigError, validate_params
 

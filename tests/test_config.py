@@ -374,3 +374,27 @@ def test_validate_a_directory_is_one_line(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"tcnn validate: error: {tmp_path}: is a directory, not a params file"
+
+
+def test_the_name_registries_load_no_science() -> None:
+    """Issue 38: the configuration checks every registry's names (datasets, kinds, stride modes, corruptions,
+    published benchmarks, precisions) from modules that load neither torch, numpy, PIL nor timm, in a fresh
+    interpreter; and the names are the ones the science modules use."""
+    probe = (
+        "import sys; from core.config import REGISTRIES, allowed\n"
+        "names = {r: allowed(r) for r in REGISTRIES}\n"
+        "print(sorted(m for m in ('torch', 'numpy', 'PIL', 'timm', 'scipy', 'pyarrow') if m in sys.modules))"
+    )
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    import torch
+
+    from core.config import allowed
+    from core.data.importers import DATASETS
+    from core.robustness.public_sets import PUBLIC_KINDS
+    from core.training.precision import autocast
+
+    assert allowed("datasets") == tuple(DATASETS) and allowed("public_sets") == tuple(PUBLIC_KINDS)
+    with autocast(torch.device("cpu"), "bf16"):  # torch, loaded where a context is made, still autocasts
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16

@@ -1,40 +1,33 @@
 """Data: importers into Parquet shards + manifest, class-balanced splits and fractions, batch loaders.
 
-Layer: imports ``core.utils`` only. Public API (re-exported here): what the stages and tools call.
+Layer: imports ``core.utils`` only. Public API: what the stages and tools call, importable from here
+(``from core.data import load_split``) and loaded from its submodule on first use, so that importing this
+package loads nothing heavy (the configuration reads `core.data.catalog`'s names without numpy or torch).
 """
 
-from core.data.datasets import Datasets, first_batch, load_datasets, make_loader, manifest_fingerprint
-from core.data.imagefolder import import_imagefolder
-from core.data.importers import (
-    DATASETS,
-    MANIFEST,
-    DataError,
-    ImportResult,
-    atomic_output_dir,
-    import_cifar,
-    import_dataset,
-    import_fashion_mnist,
-    parse_idx,
-)
-from core.data.loader import BatchLoader, Mixing
-from core.data.splits import (
-    ShardDataset,
-    Splits,
-    fraction_indices,
-    load_labels,
-    load_split,
-    load_splits,
-    read_manifest,
-    split_train_val,
-    train_val_indices,
-    verify_split,
-)
-from core.data.stream import StreamLoader
+from __future__ import annotations
 
-__all__ = [
-    "DATASETS", "MANIFEST", "BatchLoader", "DataError", "Datasets", "ImportResult", "ShardDataset", "Splits",
-    "Mixing", "StreamLoader", "load_labels",
-    "atomic_output_dir", "first_batch", "fraction_indices", "import_cifar", "import_dataset",
-    "import_fashion_mnist", "import_imagefolder", "load_datasets", "load_split", "load_splits", "make_loader",
-    "manifest_fingerprint", "parse_idx", "read_manifest", "split_train_val", "train_val_indices", "verify_split",
-]  # fmt: skip
+import importlib
+from typing import Any
+
+#: Each public name -> the submodule that defines it.
+_EXPORTS: dict[str, str] = {
+    **dict.fromkeys(("Datasets", "first_batch", "load_datasets", "make_loader", "manifest_fingerprint"),
+                    "core.data.datasets"),
+    "DATASETS": "core.data.catalog",
+    "import_imagefolder": "core.data.imagefolder",
+    **dict.fromkeys(("MANIFEST", "DataError", "ImportResult", "atomic_output_dir", "import_cifar",
+                     "import_dataset", "import_fashion_mnist", "parse_idx"), "core.data.importers"),
+    **dict.fromkeys(("BatchLoader", "Mixing"), "core.data.loader"),
+    **dict.fromkeys(("ShardDataset", "Splits", "fraction_indices", "load_labels", "load_split", "load_splits",
+                     "read_manifest", "split_train_val", "train_val_indices", "verify_split"), "core.data.splits"),
+    "StreamLoader": "core.data.stream",
+}  # fmt: skip
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'core.data' has no attribute {name!r}")

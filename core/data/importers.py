@@ -58,23 +58,9 @@ from core.data.shards import (  # noqa: F401  (re-exported: the import path of t
     write_array_dataset,
     write_array_split,
 )
+from core.data.catalog import DATASETS
 from core.utils.hashing import file_digest
 
-@dataclass(frozen=True)
-class DatasetImages:
-    """What a dataset's images are, as far as its name says (None: read from the files, an imagefolder's)."""
-
-    channels: int | None
-    num_classes: int | None
-    image_size: int | None  # the stored images' side in pixels
-
-
-DATASETS = {
-    "fashion_mnist": DatasetImages(1, 10, 28),
-    "cifar10": DatasetImages(3, 10, 32),
-    "cifar100": DatasetImages(3, 100, 32),
-    "imagefolder": DatasetImages(None, None, None),
-}
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 # name: (published MD5 of name.gz, published MD5 of the decompressed file)

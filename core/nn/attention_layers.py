@@ -11,7 +11,10 @@ the attention layers themselves: a CNN's training never loads the GPSA code.
 
 from __future__ import annotations
 
-import torch.nn as nn
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # duck-typed: this module loads no torch, so the configuration checks stride modes cheaply
+    import torch.nn as nn
 
 __all__ = ["STRIDE_MODES", "attention_modules", "gpsa_modules", "is_positional"]
 

@@ -25,14 +25,13 @@ import json
 import os
 import re
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 from PIL import Image
 
 from core.robustness.corruptions import CATEGORIES, CATEGORY_OF, CORRUPTIONS, SEVERITIES, StoredSet
+from core.robustness.public_kinds import PUBLIC_KINDS
 
 IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 _WNID = re.compile(r"^n\d{8}$")
@@ -296,23 +295,6 @@ read_imagenet_r = read_imagenet_subset
 
 
 #: robustness.public.kind -> layout: "npy" (CIFAR-10-C / CIFAR-100-C) or "tree" (ImageNet-C / Tiny-ImageNet-C).
-@dataclass(frozen=True)
-class PublicKind:
-    """A published benchmark's layout and images (Hendrycks & Dietterich 2019: CIFAR-10-C and CIFAR-100-C are
-    32 px RGB arrays; ImageNet-C and Tiny-ImageNet-C are trees of RGB JPEGs, resized here)."""
-
-    layout: Literal["npy", "tree"]
-    channels: int
-    num_classes: int
-    image_size: int | None  # the stored arrays' side; None for a tree (images resized and cropped on reading)
-
-
-PUBLIC_KINDS = {
-    "cifar10_c": PublicKind("npy", 3, 10, 32),
-    "cifar100_c": PublicKind("npy", 3, 100, 32),
-    "imagenet_c": PublicKind("tree", 3, 1000, None),
-    "tiny_imagenet_c": PublicKind("tree", 3, 200, None),
-}
 
 
 class PublicSets:

@@ -12,11 +12,13 @@ bf16 and fp16).
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a context is made: the configuration checks the names only
+    import torch
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}  # torch dtype names
 
 
 def resolve(precision: str, device: torch.device) -> str:
@@ -30,12 +32,16 @@ def resolve(precision: str, device: torch.device) -> str:
 
 def autocast(device: torch.device, precision: str = "auto") -> contextlib.AbstractContextManager:
     """torch.autocast for ``precision`` on ``device`` (a no-op context for fp32)."""
+    import torch
+
     concrete = resolve(precision, device)
     if concrete == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=_DTYPES[concrete])
+    return torch.autocast(device.type, dtype=getattr(torch, _DTYPES[concrete]))
 
 
 def grad_scaler(device: torch.device, precision: str = "auto") -> torch.amp.GradScaler:
     """A loss scaler, enabled for fp16 only (bf16 and fp32 need none)."""
+    import torch
+
     return torch.amp.GradScaler(device.type, enabled=resolve(precision, device) == "fp16")
