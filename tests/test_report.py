@@ -30,7 +30,7 @@ from core.training.checkpoint import atomic_save
 from core.utils.atomic import atomic_write_json
 from core.viz.plots import plot_gains
 from core.viz.report_html import section_runs
-from stages import report
+from stages import report, report_inputs
 from stages.harness import training as T
 from stages.harness.runner import StageError
 
@@ -389,16 +389,16 @@ def test_corrupt_required_input(chain, tmp_path, damage) -> None:
 
 # ------------------------------------------------------------------------------------------------ run ids
 def test_read_run_ids(tmp_path) -> None:
-    assert report.read_run_ids(tmp_path) == (None, None)
+    assert report_inputs.read_run_ids(tmp_path) == (None, None)
     f = tmp_path / "runs" / "mlflow_runs.json"
     f.parent.mkdir()
     f.write_text(json.dumps({"parent_run_id": "p1", "pretrain": "a", "finetune_run_id": "b", "n": 3}))
-    assert report.read_run_ids(tmp_path) == ({"parent": "p1", "pretrain": "a", "finetune": "b"}, None)
+    assert report_inputs.read_run_ids(tmp_path) == ({"parent": "p1", "pretrain": "a", "finetune": "b"}, None)
     f.write_text("[1, 2")
-    ids, note = report.read_run_ids(tmp_path)
+    ids, note = report_inputs.read_run_ids(tmp_path)
     assert ids is None and "unreadable" in note
     f.write_text("[1, 2]")
-    ids, note = report.read_run_ids(tmp_path)
+    ids, note = report_inputs.read_run_ids(tmp_path)
     assert ids is None and "expected a JSON object" in note
 
 
@@ -415,11 +415,11 @@ def test_run_ids_file_written_by_the_tracking_layer(tmp_path) -> None:
     }
     record_run_ids(f, "P1", "prepare", "r1", meta)
     record_run_ids(f, "P1", "report", "r2", meta)
-    assert report.read_run_ids(tmp_path) == ({"parent": "P1", "prepare": "r1", "report": "r2"}, None)
-    assert report.read_run_meta(tmp_path)["dvc_exp_name"] == "fun-cat"
+    assert report_inputs.read_run_ids(tmp_path) == ({"parent": "P1", "prepare": "r1", "report": "r2"}, None)
+    assert report_inputs.read_run_meta(tmp_path)["dvc_exp_name"] == "fun-cat"
     record_run_ids(f, "P2", "reparam", "r3", meta)  # another execution: the file starts over
-    assert report.read_run_ids(tmp_path) == ({"parent": "P2", "reparam": "r3"}, None)
-    html = section_runs({"parent": "P2"}, {"tracking": {}}, None, report.read_run_meta(tmp_path))
+    assert report_inputs.read_run_ids(tmp_path) == ({"parent": "P2", "reparam": "r3"}, None)
+    html = section_runs({"parent": "P2"}, {"tracking": {}}, None, report_inputs.read_run_meta(tmp_path))
     assert "#/experiments/7/runs/P2" in html and "fun-cat" in html
 
 

@@ -403,7 +403,7 @@ def chain_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_stage_run_failure_fails_child_and_parent_and_the_rerun_continues(
     store: str, tmp_path: Path, chain_env: None
 ) -> None:
-    from stages.report import read_run_ids
+    from stages.report_inputs import read_run_ids
 
     params = _chain_params(store)
     with stage_run(params, "prepare", root=tmp_path) as t:
