@@ -39,7 +39,7 @@ from core.utils.machine import cpu_model
 from stages.harness.identity import code_digest, key, stage_identity
 
 DIR = "cnn_evaluation"  # the store's directory under sweep.storage (and the cost.csv row of its work)
-SUITE = "generated"  # the suite that is shared: the corrupt stage's sets (stages.evaluate.Suite)
+SUITE = "generated"  # the suite that is shared: the corrupt stage's sets (core.robustness.bench.Suite)
 TABLES = ("robustness.parquet", "per_image.parquet")  # evaluate's (counts, per-image) tables, in that order
 RECORD = "record.json"
 CHECK_IMAGES = 256  # at least this many clean test images are predicted again where the store is read

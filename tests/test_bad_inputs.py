@@ -56,7 +56,8 @@ def test_the_stage_refuses_before_any_run_opens(tmp_path: Path, data: Path) -> N
 
 
 #: The tiny test split is Fashion-MNIST's 28 px grayscale; the layout tests call it cifar10 so that a CIFAR-10-C
-#: layout fits it by name (config), and check the arrays against its real images (evaluate.check_public_sets).
+#: layout fits it by name (config), and check the arrays against its real images
+#: (stages.robustness_bench.check_public_sets).
 FITS_BY_NAME = "cifar10"
 
 
@@ -79,7 +80,7 @@ def _sets(root: Path, n: int, seed: int) -> None:
 def test_evaluate_refuses_sets_made_for_other_params(tmp_path: Path, data: Path) -> None:
     """Asked for more images per set than the corrupt stage made, evaluate evaluated fewer and recorded the
     number asked; sets of another seed were read as this config's. Both are refused before any model loads."""
-    from stages.evaluate import check_generated_sets
+    from stages.robustness_bench import check_generated_sets
 
     _sets(tmp_path / "c", 40, seed=0)
     params = Params.model_validate(tiny_params(data, robustness={"dir": str(tmp_path / "c"), "n_images": 40,
@@ -114,7 +115,7 @@ def test_published_sets_that_do_not_fit_the_dataset_are_refused_before_evaluatio
     in torch after the first model's clean pass; each is now one line naming the file, before any model."""
     import numpy as np
 
-    from stages.evaluate import check_public_sets
+    from stages.robustness_bench import check_public_sets
 
     pub = tmp_path / "pub"
     pub.mkdir()
@@ -140,7 +141,7 @@ def test_published_sets_that_do_not_fit_the_dataset_are_refused_before_evaluatio
 def test_a_published_set_that_fits_passes(tmp_path: Path, data: Path) -> None:
     import numpy as np
 
-    from stages.evaluate import check_public_sets
+    from stages.robustness_bench import check_public_sets
 
     pub = tmp_path / "pub"
     pub.mkdir()
@@ -184,14 +185,14 @@ def test_a_foreign_pretrained_cnn_is_refused_where_it_is_read(tmp_path: Path, da
     """A cnn-final.pt of another arch in this run's place is not scored as its CNN (evaluate, before any run
     opens), nor converted (reparam's t1 checkpoint goes through the same check); this run's own passes."""
     from core.training.checkpoint import atomic_save
-    from stages import evaluate, pretrain
+    from stages import evaluate, pretrain, robustness_bench
     from stages.harness import training as T
 
     params = Params.model_validate(tiny_params(data, robustness={"baseline": "cnn"}))
-    for path in evaluate.model_paths(params, tmp_path).values():
+    for path in robustness_bench.model_paths(params, tmp_path).values():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"")
-    cnn = evaluate.model_paths(params, tmp_path)["cnn"]
+    cnn = robustness_bench.model_paths(params, tmp_path)["cnn"]
     other = params.with_overrides({"model.arch": "resnet18"})
     atomic_save({"model": {}, "model_spec": pretrain.model_spec(other, 10, 1)}, cnn)
     with pytest.raises(StageError) as info:

@@ -20,7 +20,7 @@ from core.robustness import corruptions as C
 from core.robustness.metrics import correct_per_image
 from core.robustness.suite import BENCHMARK_CORRUPTIONS
 from core.training.checkpoint import load_model
-from stages import control, corrupt, evaluate, pretrain
+from stages import control, corrupt, evaluate, pretrain, robustness_bench
 
 CORRUPTIONS = ["gaussian_noise", "contrast", "speckle_noise"]  # two benchmark corruptions and one extra
 
@@ -233,13 +233,13 @@ def _trial(chain: Path, where: Path, tcnn_epoch: int) -> Path:
 def _evaluated(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The models the evaluate stage runs over the full test split and corrupted sets, in call order."""
     calls: list[str] = []
-    real = evaluate.evaluate_model
+    real = robustness_bench.evaluate_model
 
     def counted(*args, **kwargs):
         calls.append(kwargs["model_name"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(evaluate, "evaluate_model", counted)
+    monkeypatch.setattr(robustness_bench, "evaluate_model", counted)
     return calls
 
 

@@ -49,7 +49,7 @@ def _tables(n: int = 300, seed: int = 0) -> tuple[pa.Table, pa.Table]:
 
 
 def _score() -> tuple[dict, pa.Table]:
-    from stages.evaluate import score
+    from stages.robustness_scores import score
 
     table, per_image = _tables()
     params = validate_params({"robustness": {"bootstrap": 60, "baseline": "cnn"}})
