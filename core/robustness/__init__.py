@@ -1,6 +1,6 @@
 """Robustness: the common-corruption suite (`suite`: names; `corruptions`: the seeded corruptions and their
-stored sets), CE / mCE metrics and paired-bootstrap intervals (`metrics`, `intervals`) and the public
-ImageNet-C/A/R readers (`public_sets`).
+stored sets; `corruption_build`: the corrupt stage's sets of one test split), CE / mCE metrics and
+paired-bootstrap intervals (`metrics`, `intervals`) and the public ImageNet-C/A/R readers (`public_sets`).
 
 Layer: imports ``core.utils`` only (evaluation takes any ``nn.Module``). Import from the submodules: this
 package's import stays light (the config validates corruption names through `suite`)."""
