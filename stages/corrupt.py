@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +31,14 @@ import numpy as np
 
 from core.config import Params
 from core.data import manifest_fingerprint
+from core.robustness import corruption_build as B
 from core.robustness import corruptions as C
 from core.utils.atomic import atomic_write_json
-from core.utils.hashing import file_digest
 from stages.harness.identity import key, stage_identity
 from stages.harness.runner import StageError, stage_main
 
 CONTACT_SHEET = "contact_sheet.png"
 INDEX = C.INDEX
-SELECTION = "stratified"
 
 
 def _load_test(params: Params, data_dir: Path) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
@@ -68,7 +66,7 @@ def identity(params: Params, manifest: dict[str, Any]) -> dict[str, Any]:
     this module must not regenerate them. Which corruptions and severities are asked for is not part of it:
     each stored set names its own, and a set is kept when its metadata and this identity's key match."""
     rb = params.robustness
-    parts = {"seed": params.cnn_seed, "n_images": rb.n_images, "selection": SELECTION,
+    parts = {"seed": params.cnn_seed, "n_images": rb.n_images, "selection": B.SELECTION,
              "decode_size": _decode_size(params, manifest)}  # fmt: skip
     inputs = {"data": manifest_fingerprint(manifest)}
     code = f"corruptions-v{C.CORRUPTION_VERSION}"
@@ -90,53 +88,27 @@ def check(params: Params, root: Path = Path(".")) -> None:
         )
 
 
-def _sheet_picks(labels: np.ndarray, k: int = 3) -> list[int]:
-    """The first image of each of the first `k` classes met in index order."""
-    picks: list[int] = []
-    for i, y in enumerate(labels.tolist()):
-        if all(labels[j] != y for j in picks):
-            picks.append(i)
-        if len(picks) == k:
-            break
-    return picks
-
-
-@dataclass(frozen=True)
-class _Selection:
-    """The chosen test images (``idx``: their indices in the test split) and what every set made from them
-    records: the band, the source fingerprint, the ``common`` metadata and the identity key."""
-
-    images: np.ndarray
-    labels: np.ndarray
-    idx: np.ndarray
-    band: str
-    source: str
-    common: dict[str, Any]
-    ident: str
-
-    def expected(self, c: str, s: int) -> dict[str, Any]:
-        """The metadata set ``c`` at severity ``s`` must carry to be kept."""
-        return {**C.set_meta(c, s, source=self.source, **self.common), "identity": self.ident}
-
-
 def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
-    """Generate the missing corrupted sets ([Hendrycks19]'s corruptions); returns counts and timing
-    (``seconds``: generating the sets, ``wall_s``: the whole run)."""
+    """Generate the missing corrupted sets ([Hendrycks19]'s corruptions, `core.robustness.corruption_build`);
+    returns counts and timing (``seconds``: generating the sets, ``wall_s``: the whole run)."""
     t_start = time.perf_counter()
     rb = params.robustness
     data_dir = Path(root) / params.data.dir
     out_dir = Path(root) / rb.dir
     images, labels, manifest = _load_test(params, data_dir)
-    _check_test_split(images, rb.n_images, data_dir)
-    sel = _select(params, images, labels, manifest)
+    try:
+        B.check_test_split(images, rb.n_images, data_dir)
+    except ValueError as err:
+        raise StageError(str(err)) from None
+    sel = B.select(images, labels, rb.n_images, seed=params.cnn_seed, ident=key(identity(params, manifest)))
     pairs = [(c, s) for c in rb.corruptions for s in rb.severities]
     todo = [(c, s) for c, s in pairs if not C.set_is_valid(C.set_path(out_dir, c, s), sel.expected(c, s))]
     t0 = time.perf_counter()
-    picks = _sheet_picks(sel.labels)
-    shown = _write_sets(params, sel, out_dir, pairs, todo, picks)
+    picks = B.sheet_picks(sel.labels)
+    shown = B.write_sets(sel, out_dir, pairs, todo, picks, seed=params.cnn_seed, workers=rb.workers)
     seconds = time.perf_counter() - t0
     _write_contact_sheet(params, sel, out_dir, pairs, todo, picks, shown)
-    atomic_write_json(out_dir / INDEX, _index(params, sel, out_dir, pairs), indent=1)
+    atomic_write_json(out_dir / INDEX, B.index(sel, out_dir, pairs, data_dir=params.data.dir), indent=1)
     result = {
         "n_images": len(sel.images),
         "n_sets": len(pairs),
@@ -153,120 +125,21 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     return result
 
 
-def _check_test_split(images: np.ndarray, n_images: int, data_dir: Path) -> None:
-    """The loaded test split is not empty, holds ``n_images`` images and is large enough to corrupt."""
-    if len(images) == 0:
-        raise StageError(f"data.dir: {data_dir} has an empty test split")
-    if n_images > len(images):
-        raise StageError(
-            f"robustness.n_images: {n_images} exceeds the {len(images)} test images of {data_dir}"
-        )
-    if min(images.shape[1:3]) < 8:
-        raise StageError(
-            f"data.dir: test images of {list(images.shape[1:3])} px are too small to corrupt (< 8)"
-        )
-
-
-def _select(params: Params, images: np.ndarray, labels: np.ndarray, manifest: dict[str, Any]) -> _Selection:
-    """The ``robustness.n_images`` class-stratified test images (`core.robustness.corruptions.select_indices`)
-    and the metadata their sets carry."""
-    idx = C.select_indices(labels, params.robustness.n_images, SELECTION)
-    images, labels = np.ascontiguousarray(images[idx]), labels[idx]
-    band = C.band_for_size(*images.shape[1:3])
-    source = C.fingerprint(images, labels, idx)
-    common = {"seed": params.cnn_seed, "band": band, "image_shape": list(images.shape[1:]), "n": len(images)}
-    ident = key(identity(params, manifest))
-    return _Selection(images, labels, idx, band, source, common, ident)
-
-
-def _write_sets(
-    params: Params,
-    sel: _Selection,
-    out_dir: Path,
-    pairs: list[tuple[str, int]],
-    todo: list[tuple[str, int]],
-    picks: list[int],
-) -> dict[tuple[str, int], np.ndarray]:
-    """Write the clean set when it is not up to date and every set of ``todo``, in parallel over
-    ``robustness.workers`` (0 = all cores); returns the contact sheet's images of each generated set."""
-    rb = params.robustness
-    if not C.set_is_valid(C.set_path(out_dir, "clean", 0), sel.expected("clean", 0)):
-        C.write_set(
-            C.set_path(out_dir, "clean", 0), sel.images, sel.labels, sel.idx, sel.expected("clean", 0)
-        )
-    workers = rb.workers or C.default_workers()
-    chunk = max(50, min(1000, -(-len(sel.images) // (4 * workers))))
-    print(
-        f"corrupt: {len(pairs)} sets of {len(sel.images)} images ({sel.band} band, {SELECTION} selection) -> "
-        f"{out_dir}: {len(pairs) - len(todo)} up to date, {len(todo)} to generate on {workers} workers",
-        file=sys.stderr,
-    )
-    shown: dict[tuple[str, int], np.ndarray] = {}
-    for c, s, out in C.iter_sets(
-        sel.images,
-        todo,
-        seed=params.cnn_seed,
-        indices=sel.idx,
-        band=sel.band,
-        workers=workers,
-        chunk_size=chunk,
-        progress=True,
-    ):
-        C.write_set(C.set_path(out_dir, c, s), out, sel.labels, sel.idx, sel.expected(c, s))
-        shown[(c, s)] = out[picks]
-    return shown
-
-
 def _write_contact_sheet(
-    params: Params,
-    sel: _Selection,
-    out_dir: Path,
-    pairs: list[tuple[str, int]],
-    todo: list[tuple[str, int]],
-    picks: list[int],
-    shown: dict[tuple[str, int], np.ndarray],
-) -> None:
+    params: Params, sel: B.Selection, out_dir: Path, pairs: list[tuple[str, int]], todo: list[tuple[str, int]],
+    picks: list[int], shown: dict[tuple[str, int], np.ndarray],
+) -> None:  # fmt: skip
     """Redraw ``contact_sheet.png`` when a set was generated or the sheet is missing (the sets kept are read
-    back for it)."""
+    back for it: `core.robustness.corruption_build.sheet_panels`)."""
     sheet = out_dir / CONTACT_SHEET
     if todo or not sheet.is_file():
         from core.viz.plots import contact_sheet
 
-        for c, s in pairs:
-            if (c, s) not in shown:
-                shown[(c, s)] = C.read_set(C.set_path(out_dir, c, s)).images[picks]
         shown_idx = [int(sel.idx[p]) for p in picks]
         contact_sheet(
-            sel.images[picks], shown, sheet,
+            sel.images[picks], B.sheet_panels(out_dir, pairs, picks, shown), sheet,
             title=f"{params.data.name} test images {shown_idx}, {sel.band} band constants",
         )  # fmt: skip
-
-
-def _index(params: Params, sel: _Selection, out_dir: Path, pairs: list[tuple[str, int]]) -> dict[str, Any]:
-    """``index.json``: what was generated (band, selection, per-set file and sha256, the sets excluded from
-    summaries)."""
-    channels = sel.images.shape[3]
-    return {
-        "version": C.CORRUPTION_VERSION,
-        "data_dir": str(params.data.dir),
-        "selection": SELECTION,
-        "source": sel.source,
-        "identity": sel.ident,
-        "excluded_from_summaries": sorted({c for c, _ in pairs if not C.is_meaningful(c, channels)}),
-        "grayscale": channels == 1,
-        **sel.common,
-        "sets": [
-            {
-                "corruption": c,
-                "severity": s,
-                "category": C.CATEGORY_OF[c],
-                "meaningful": C.is_meaningful(c, channels),
-                "file": str(C.set_path(Path("."), c, s)),
-                "sha256": file_digest(C.set_path(out_dir, c, s)),
-            }
-            for c, s in pairs
-        ],
-    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from core.models import kinds
@@ -29,6 +30,20 @@ class Reparameterized:
     #: new parameters start without state); a GPSA conversion maps each conv's state onto its GPSA.
     carry_by_name: bool
     note: str | None = None
+
+
+def state_kept_by_name(state: dict[str, dict[str, Any]], model: nn.Module) -> dict[str, dict[str, Any]]:
+    """The optimizer state of the parameters that exist in ``model`` under the same name and shape (what a
+    `Reparameterized` network with ``carry_by_name`` keeps of the pretraining run's state)."""
+    params = dict(model.named_parameters())
+    out = {}
+    for name, st in state.items():
+        p = params.get(name)
+        if p is not None and all(
+            not (isinstance(v, torch.Tensor) and v.ndim > 0 and v.shape != p.shape) for v in st.values()
+        ):
+            out[name] = st
+    return out
 
 
 def switches(kind: ModelKind, options: dict[str, Any]) -> dict[str, Any]:
