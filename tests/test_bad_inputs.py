@@ -12,7 +12,7 @@ from _train_helpers import stage_env, tiny_params, write_dataset, write_params
 
 from core.config import Params
 from stages.harness.runner import StageError
-from stages.pretrain import check_network
+from stages.pretraining import check_network
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +185,7 @@ def test_a_foreign_pretrained_cnn_is_refused_where_it_is_read(tmp_path: Path, da
     """A cnn-final.pt of another arch in this run's place is not scored as its CNN (evaluate, before any run
     opens), nor converted (reparam's t1 checkpoint goes through the same check); this run's own passes."""
     from core.training.checkpoint import atomic_save
-    from stages import evaluate, pretrain, robustness_bench
+    from stages import evaluate, pretraining, robustness_bench
     from stages.harness import training as T
 
     params = Params.model_validate(tiny_params(data, robustness={"baseline": "cnn"}))
@@ -194,15 +194,15 @@ def test_a_foreign_pretrained_cnn_is_refused_where_it_is_read(tmp_path: Path, da
         path.write_bytes(b"")
     cnn = robustness_bench.model_paths(params, tmp_path)["cnn"]
     other = params.with_overrides({"model.arch": "resnet18"})
-    atomic_save({"model": {}, "model_spec": pretrain.model_spec(other, 10, 1)}, cnn)
+    atomic_save({"model": {}, "model_spec": pretraining.model_spec(other, 10, 1)}, cnn)
     with pytest.raises(StageError) as info:
         evaluate.check(params.with_overrides({"robustness.public": None}), tmp_path)
     assert str(info.value).startswith(
         f"{cnn}: holds a cnn/resnet18 network, the params pretrain cnn/resnet10_cifar"
     )
     T.check_cnn_checkpoint(
-        {"model_spec": pretrain.model_spec(params, 10, 1)}, params, cnn
+        {"model_spec": pretraining.model_spec(params, 10, 1)}, params, cnn
     )  # its own: no error
     with pytest.raises(StageError, match="differs in options"):
         opts = params.with_overrides({"model.options": {"drop_rate": 0.1}})
-        T.check_cnn_checkpoint({"model_spec": pretrain.model_spec(opts, 10, 1)}, params, cnn)
+        T.check_cnn_checkpoint({"model_spec": pretraining.model_spec(opts, 10, 1)}, params, cnn)

@@ -17,7 +17,7 @@ from core.models.factory import build
 from core.reparam import gpsa_modules
 from core.training.checkpoint import load, load_model
 from core.training.loop import evaluate
-from stages import control, corrupt, finetune, pretrain, reparam
+from stages import control, corrupt, finetune, pretrain, pretraining, reparam
 from stages import evaluate as evaluate_stage
 
 ARCH = {"convit": "convit_fmnist", "cmhsa": "cmhsa_fmnist"}
@@ -170,7 +170,7 @@ def test_an_edit_of_untracked_network_code_refuses_the_pretraining_checkpoint(
     from stages.harness.runner import StageError
 
     params = validate_params(_raw(shared, "hybrid_scratch"))
-    spec = pretrain.model_spec(params, 10, 1)
+    spec = pretraining.model_spec(params, 10, 1)
     model = build_from_spec(spec)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     code = network_code("pretrain", kinds.get("hybrid_scratch").code())

@@ -14,7 +14,7 @@ from core.config import load_params
 from core.data import read_manifest
 from core.robustness import corruptions as C
 from pipelines.sweep_plan import make_plan
-from stages import control, corrupt, finetune, pretrain
+from stages import control, corrupt, finetune, pretrain, pretraining
 from stages.harness import training as T
 from stages.harness.identity import code_digest, key
 
@@ -27,7 +27,7 @@ def test_the_sweep_names_shared_work_by_the_stages_own_identities(tmp_path: Path
     for t in plan.trials:
         p = t.params
         ds = T.datasets(p)
-        spec = pretrain.model_spec(p, ds.num_classes, ds.in_chans)
+        spec = pretraining.model_spec(p, ds.num_classes, ds.in_chans)
         assert t.pretrain_key == key(pretrain.identity(p, spec, ds.fingerprint, "cpu", workers=1))
         inputs = {"pretrain": t.pretrain_key, "t1": p.reparam.epoch}
         expect = finetune.identity(p, inputs, "cpu", variant=control.VARIANT.name, workers=1)

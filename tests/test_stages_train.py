@@ -14,7 +14,7 @@ from _train_helpers import TEST_DEVICE, tiny_params, write_dataset, write_params
 from core.config import validate_params
 from core.data import first_batch, load_datasets, make_loader
 from core.training.checkpoint import atomic_save, load, load_model
-from stages import finetune, pretrain, reparam
+from stages import finetune, pretrain, pretraining, reparam
 
 # GPSA parameters a CNN does not have (W_qry, W_key, W_val live in qkv_weight).
 ATTENTION_ONLY = ("qkv_weight", "gating_param", "pos_alpha", "pos_center")
@@ -111,7 +111,7 @@ def test_pretrain_rejects_a_batch_larger_than_the_data(tmp_path, data_dir, monke
 def test_checkpoint_epochs_cover_every_t1_asked_for(data_dir) -> None:
     raw = tiny_params(data_dir, pretrain={"epochs": 10, "checkpoint_epochs": [3, 10]}, reparam={"epoch": 4})
     raw["sweep"] = {"grid": {"reparam.epoch": [0, 2, 4]}}
-    assert pretrain.checkpoint_epochs(validate_params(raw)) == [0, 2, 3, 4, 10]
+    assert pretraining.checkpoint_epochs(validate_params(raw)) == [0, 2, 3, 4, 10]
 
 
 # ---------------------------------------------------------------------------------------------- the chain
