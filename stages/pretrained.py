@@ -18,7 +18,7 @@ from stages.harness.runner import StageError
 __all__ = ["load_source", "required", "source_label", "source_path"]
 
 REQUIRED = ("model", "model_spec", "optimizer", "param_names", "scheduler", "rng", "epoch", "global_step")
-IMPORTED = ("model", "model_spec", "source")  # an imported CNN's checkpoint (stages.pretrain.import_cnn)
+IMPORTED = ("model", "model_spec", "source")  # an imported CNN's checkpoint (stages.imported_cnn.import_cnn)
 
 
 def source_path(params: Params, root: Path) -> Path:
