@@ -1,4 +1,4 @@
-"""Bad inputs refused before any compute (issue 37): a network the dataset's images cannot go through is one
+"""Bad inputs refused before any compute: a network the dataset's images cannot go through is one
 line, exit 2, no MLflow run and nothing written, found by building it and running one image through it."""
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def test_evaluate_refuses_sets_made_for_other_params(tmp_path: Path, data: Path)
 def test_published_sets_that_do_not_fit_the_dataset_are_refused_before_evaluation(
     tmp_path: Path, data: Path, damage: str, says: str
 ) -> None:
-    """Issue 37: CIFAR-10-C-layout sets were resized, truncated to int, scored with impossible labels or failed
+    """CIFAR-10-C-layout sets were resized, truncated to int, scored with impossible labels or failed
     in torch after the first model's clean pass; each is now one line naming the file, before any model."""
     import numpy as np
 

@@ -1,4 +1,4 @@
-"""CIFAR-10 on natural images (issue 25): the JPEG archive import, CIFAR-10-C's 32 px constants and frost
+"""CIFAR-10 on natural images: the JPEG archive import, CIFAR-10-C's 32 px constants and frost
 texture choice as make_cifar_c.py has them, selection of the fine-tuning lr on validation data, and the study
 network's map sizes. Nothing here reads ../shared: the tests make their own tiny archive."""
 

@@ -340,7 +340,7 @@ def test_study_design_keys_are_checked(tmp_path: Path, extra: dict, fragment: st
 def test_values_validation_let_through_are_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], override: str, fragment: str
 ) -> None:
-    """Issue 37: NaN passed every gt=0 check (a NaN T-CNN, exit 0); a seed beyond 64 bits overflowed numpy; an
+    """NaN passed every gt=0 check (a NaN T-CNN, exit 0); a seed beyond 64 bits overflowed numpy; an
     unclosed `{` in -S was a yaml traceback; alexnet normalised a 28 px run by ImageNet-C's errors; corrupted
     sets inside data.dir changed prepare's DVC output. Each is now one line, exit 2, nothing written."""
     with pytest.raises(ConfigError) as info:
@@ -377,7 +377,7 @@ def test_validate_a_directory_is_one_line(tmp_path: Path) -> None:
 
 
 def test_the_name_registries_load_no_science() -> None:
-    """Issue 38: the configuration checks every registry's names (datasets, kinds, stride modes, corruptions,
+    """The configuration checks every registry's names (datasets, kinds, stride modes, corruptions,
     published benchmarks, precisions) from modules that load neither torch, numpy, PIL nor timm, in a fresh
     interpreter; and the names are the ones the science modules use."""
     probe = (

@@ -1,4 +1,4 @@
-"""Data-parallel training (issue 20 item 1): DDP on 2 CPU workers (gloo) through both launchers.
+"""Data-parallel training: DDP on 2 CPU workers (gloo) through both launchers.
 
 - Ray Train (TorchTrainer, what a sweep trial uses): `fit` on 2 workers equals single-process `fit` on the
   same global batches to float tolerance -- exactly for a network without BatchNorm, and for a ResNet with

@@ -1,4 +1,4 @@
-"""A value the stage refuses does not cost outputs DVC cannot restore (issue 37). DVC removes a stage's outputs
+"""A value the stage refuses does not cost outputs DVC cannot restore. DVC removes a stage's outputs
 before it runs the stage's command, so a refusal cannot come before that removal; what makes them restorable is
 DVC's run cache, which holds every output of every run, `cache: false` ones (metrics, plot tables) included:
 put the value back and `dvc repro` checks them all out again without running the stage. The refusal says so.

@@ -1,4 +1,4 @@
-"""A stage dies with the `dvc repro` that started it (issue 37): SIGTERM to DVC alone (not its process group)
+"""A stage dies with the `dvc repro` that started it: SIGTERM to DVC alone (not its process group)
 ends DVC at once; the stage finds its DVC ancestor gone, stops itself as a stop signal would, closes its MLflow
 runs KILLED and exits 75, instead of running on for a `dvc.lock` nobody records. The real harness
 (stages.harness.runner.stage_main) around a run that waits, under a real `dvc repro` in a tiny DVC project."""

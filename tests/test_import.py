@@ -1,4 +1,4 @@
-"""Any pretrained CNN in, its T-CNN out (issue 35): timm and torchvision weights, a user's own architecture and
+"""Any pretrained CNN in, its T-CNN out: timm and torchvision weights, a user's own architecture and
 checkpoint, another number of classes, and every bad input refused with one line.
 
 Every checkpoint here is made by the test (no download, no ../shared): a network with perturbed BatchNorm

@@ -1,4 +1,4 @@
-"""`dvc repro` from a user's own architecture and checkpoint (issue 35): the builder module and its
+"""`dvc repro` from a user's own architecture and checkpoint: the builder module and its
 ``{"state_dict": ...}`` checkpoint with DataParallel prefixes are written by the test into a tiny project; every
 stage runs on the imported CNN, MLflow and the report name the source, the weights file is a DVC dependency
 (a changed file reruns the chain, nothing changed is a no-op)."""

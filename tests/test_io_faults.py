@@ -1,5 +1,5 @@
 """I/O and tracking-store faults end a stage with one line naming the file, exit 74 (sysexits EX_IOERR), and no
-MLflow run left RUNNING (issue 37). The faults are real ones: a file-size limit (RLIMIT_FSIZE, what a full disk
+MLflow run left RUNNING. The faults are real ones: a file-size limit (RLIMIT_FSIZE, what a full disk
 does to a writer), a file where a folder must be, a folder where the lock file must be, a damaged sqlite store.
 The stage here is the real harness (stages.harness.runner.stage_main, MLflow on a sqlite store) around a trivial run."""
 

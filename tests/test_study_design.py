@@ -1,4 +1,4 @@
-"""The study's design pieces (issue 36): seeds that share a pretrained CNN (`pretrain.seed`: one pretraining,
+"""The study's design pieces: seeds that share a pretrained CNN (`pretrain.seed`: one pretraining,
 one split, one set of corrupted images per CNN) with an analysis whose unit is the CNN; each choice's margin in
 validation images; and the pooled choice a follow-up sweep fixes (pipelines/sweep_select.py)."""
 

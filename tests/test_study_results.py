@@ -90,7 +90,7 @@ def test_a_selected_row_that_is_not_the_validation_argmax_is_refused(tmp_path: P
 
 
 def test_a_flipped_selection_flag_or_a_row_cut_short_is_one_line(tmp_path: Path) -> None:
-    """Issue 37: one flipped ``<arm>_selected`` flag changed a count the README prints; a results.csv cut
+    """one flipped ``<arm>_selected`` flag changed a count the README prints; a results.csv cut
     mid-row was an AttributeError traceback. Both are refused with one line naming the place."""
     d = _study(tmp_path / "r")
     text = (d / "results.csv").read_text()

@@ -281,7 +281,7 @@ def test_a_stopped_driver_ends_its_trials_and_closes_its_runs(
 
 @pytest.mark.parametrize("kinds", [["cnn", "tcnn"]])
 def test_model_kind_grid(tmp_path: Path, kinds: list[str]) -> None:
-    """A model.kind grid (issue 8's table): cnn and tcnn share one pretraining; only tcnn converts."""
+    """A model.kind grid: cnn and tcnn share one pretraining; only tcnn converts."""
     make_project(tmp_path, {"model.kind": kinds})
     res = run_sweep(tmp_path, "--name", "kinds")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -529,7 +529,7 @@ def test_experiment_opens_on_training_runs(store: str) -> None:
 
 
 def test_a_copied_workspace_logs_its_artifacts_into_itself(tmp_path: Path, capsys) -> None:
-    """`cp -a` of a workspace: the copy's store rewrites its artifact locations to the copy's folder (issue 37),
+    """`cp -a` of a workspace: the copy's store rewrites its artifact locations to the copy's folder,
     so its new runs' artifacts land in the copy's mlartifacts and its old runs read the copied files; the
     original store and its folder are untouched."""
     a, b = tmp_path / "a", tmp_path / "b"
