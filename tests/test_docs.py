@@ -260,3 +260,21 @@ def test_the_commands_the_pages_show_name_real_verbs_scripts_and_targets() -> No
                     bad.append(f"{where}: no module {module}")
     assert all(seen.values()), seen  # the patterns still find what the pages show
     assert not bad, "\n".join(bad)
+
+
+def test_the_default_runs_differences_quoted_in_the_pipeline_page_are_the_committed_ones() -> None:
+    """docs/pipeline.md quotes T-CNN - control of the default `make run` with its intervals: each figure is the
+    committed results/metrics.json's, rounded to the 0.01 pp shown (a rerun that changes them changes the page)."""
+    import json
+
+    text = " ".join((REPO / "docs/pipeline.md").read_text().split())
+    quoted = re.search(r"T-CNN - control on that run \([^)]*\): (.*?)\.(?: |$)", text)
+    assert quoted, "docs/pipeline.md no longer quotes the default run's differences"
+    comps = json.loads((REPO / "results/metrics.json").read_text())["comparisons"]["tcnn-control"]
+    shown = re.findall(
+        r"(clean|mCA|mCE) ([+-]\d+\.\d\d) pp \[([+-]\d+\.\d\d), ([+-]\d+\.\d\d)\]", quoted.group(1)
+    )
+    assert [s[0] for s in shown] == ["clean", "mCA", "mCE"], quoted.group(1)
+    for name, diff, low, high in shown:
+        c = comps[{"clean": "clean_accuracy", "mCA": "mca", "mCE": "mce"}[name]]
+        assert [f"{100 * c[k]:+.2f}" for k in ("diff", "low", "high")] == [diff, low, high], name
