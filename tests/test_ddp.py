@@ -80,6 +80,7 @@ def test_eval_shards_cover_a_ragged_last_batch_once() -> None:
 
 def _nets() -> dict[str, nn.Module]:
     """A network without batch statistics, and the project's ResNet (BatchNorm, affine drawn as trained)."""
+    from core.models import kinds
     from core.models.spec import build_from_spec, pretraining_spec
 
     torch.manual_seed(0)
@@ -87,7 +88,7 @@ def _nets() -> dict[str, nn.Module]:
         nn.Conv2d(1, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2),
         nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(), nn.Linear(32, 10),
     )  # fmt: skip
-    resnet = build_from_spec(pretraining_spec("cnn", "resnet10_cifar", {}, 10, 1, 28))
+    resnet = build_from_spec(pretraining_spec(kinds.get("cnn"), "resnet10_cifar", {}, 10, 1, 28))
     return {"plain": plain, "resnet": resnet}
 
 
