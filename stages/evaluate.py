@@ -89,7 +89,7 @@ def check(params: Params, root: Path = Path(".")) -> None:
     """Before any run is opened or any model evaluated: the CE baseline can be read (a baseline JSON path, not
     a model of this run or "alexnet"), and the model checkpoints exist."""
     spec = params.robustness.baseline
-    if spec != "alexnet" and spec not in ("cnn", "control", "tcnn"):
+    if spec != "alexnet" and spec not in LABELS:  # a model of this run, or a baseline file
         try:
             Baseline.load(root / spec)
         except (FileNotFoundError, ValueError) as err:

@@ -31,7 +31,7 @@ from timm.layers import DropPath
 
 from core.models import kinds
 from core.models.builders import is_builder, load_builder
-from core.models.kinds import ABLATION_SWITCHES, CONVERSION, GATING_MODES, REPARAM_KEYS, ModelKind
+from core.models.kinds import ABLATION_SWITCHES, GATING_MODES, REPARAM_KEYS, ModelKind
 from core.models.resnets import PROJECT_ARCHS
 from core.nn.attention_layers import gpsa_modules
 
@@ -194,6 +194,6 @@ def build(kind: str | ModelKind, arch: str, num_classes: int, **options: Any) ->
         conversion = record.conversion_of(None, options)
         taken = {*record.conversion, *POST_BUILD_SWITCHES}
         cnn = record.builder()(arch, num_classes, **{k: v for k, v in options.items() if k not in taken})
-        return kinds.resolve(f"{CONVERSION}:to_attention")(cnn, conversion)  # loaded by converting kinds only
+        return conversion.apply(cnn)
     ablate = {k: options.pop(k) for k in POST_BUILD_SWITCHES if k in options}
     return apply_ablations(record.builder()(arch, num_classes, **options), **ablate)

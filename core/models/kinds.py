@@ -90,6 +90,11 @@ class Conversion:
     gating: str = "train"
     freeze_gpsa: bool = False
 
+    def apply(self, cnn: Any) -> Any:
+        """``cnn`` with its convs converted and the switches set (`core.models.reparam.to_attention`; the
+        conversion module is loaded here, on first use, so only the converting kinds load it)."""
+        return resolve(f"{CONVERSION}:to_attention")(cnn, self)
+
     def replace(self, **changes: Any) -> Conversion:
         """This conversion with some settings changed (the reparam stage's other inits and stride mode)."""
         return dataclasses.replace(self, **changes)

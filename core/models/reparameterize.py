@@ -14,8 +14,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from core.models import kinds
-from core.models.kinds import ABLATION_SWITCHES, CONVERSION, REPARAM_KEYS, ModelKind
+from core.models.kinds import ABLATION_SWITCHES, REPARAM_KEYS, ModelKind
 from core.models.spec import build_from_spec, make_model_spec
 
 
@@ -58,7 +57,7 @@ def reparameterize(
     arch, n, chans = spec_cnn["arch"], spec_cnn["num_classes"], spec_cnn["in_chans"]
     if kind.reparameterizes and kind.attention is not None:
         conversion = kind.conversion_of(reparam, options)
-        model = kinds.resolve(f"{CONVERSION}:to_attention")(cnn, conversion)
+        model = conversion.apply(cnn)
         extra = {k: options[k] for k in kind.conversion if k not in REPARAM_KEYS and k in options}  # qk_init
         spec_options = {**spec_cnn["options"], **switches(kind, options), **extra}
         spec = make_model_spec(kind, arch, n, chans, spec_options, conversion.section())
