@@ -8,6 +8,7 @@ committed into each experiment (read back with `git show`), and DVC's own `dvc.l
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
@@ -55,7 +56,8 @@ def _stop_workers(repo: Path) -> None:
     for p in psutil.process_iter(["cmdline", "cwd"]):
         cmd = " ".join(p.info["cmdline"] or [])
         if p.info["cwd"] == str(repo) and "dvc" in cmd and "queue" in cmd:
-            p.kill()
+            with contextlib.suppress(psutil.NoSuchProcess):  # it may exit between listing and kill
+                p.kill()
 
 
 def _exp_rows(repo: Path) -> dict[str, dict]:

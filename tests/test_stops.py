@@ -21,6 +21,15 @@ from _train_helpers import (
 )
 
 
+def _cmdline(proc: psutil.Process) -> str | None:
+    """The process's command line, or None once it has exited: a child listed a moment ago may be gone by the
+    time its /proc entry is read (a short-lived helper process, or a pool worker that finished)."""
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.NoSuchProcess:
+        return None
+
+
 @pytest.mark.parametrize(("sig", "status"), [(signal.SIGTERM, 75), (signal.SIGINT, 130), (signal.SIGHUP, 75)])
 def test_a_stop_signal_outside_the_training_loop_ends_everything(
     tmp_path: Path, sig: int, status: int
@@ -35,7 +44,8 @@ def test_a_stop_signal_outside_the_training_loop_ends_everything(
     workers: list[psutil.Process] = []
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
-        workers = [c for c in me.children(recursive=True) if "resource_tracker" not in " ".join(c.cmdline())]
+        running = {c: _cmdline(c) for c in me.children(recursive=True)}
+        workers = [c for c, cmd in running.items() if cmd is not None and "resource_tracker" not in cmd]
         if len(workers) >= 2:
             break
         time.sleep(0.2)
@@ -48,7 +58,7 @@ def test_a_stop_signal_outside_the_training_loop_ends_everything(
     lines = stderr_lines(err)
     assert "Traceback" not in err and lines[-1].startswith(f"corrupt: stopped by {signal.Signals(sig).name}")
     gone, alive = psutil.wait_procs(everyone, timeout=15)
-    assert not alive, f"left running: {[p.cmdline() for p in alive]}"
+    assert not alive, f"left running: {[_cmdline(p) for p in alive]}"
     runs = {r.data.tags.get("tcnn.kind"): r.info.status for r in tracked_runs(ws)}
     assert runs == {"parent": "KILLED", "stage": "KILLED"}
 
