@@ -104,6 +104,22 @@ class _Strict(BaseModel):
         return v
 
 
+class LimitConfig(_Strict):
+    """``data.limit``, the smoke size: a class-balanced cap on the images of each split
+    (`core.data.splits.limit_positions`: classes take turns in index order). ``train`` caps the images a run
+    trains on (after the validation carve and the fraction; epochs are not rescaled), ``val`` its validation
+    images, ``test`` the test split every stage evaluates on and so every set made from it (the corrupted
+    sets take at most that many: ``robustness.n_images`` and ``robustness.public.n_images`` are capped at it).
+    None leaves a split whole. A capped run answers nothing: it checks that a preset runs end to end."""
+
+    train: int | None = Field(None, gt=0)
+    val: int | None = Field(None, gt=0)
+    test: int | None = Field(None, gt=0)
+
+    def caps(self) -> dict[str, int | None]:
+        return {"train": self.train, "val": self.val, "test": self.test}
+
+
 class DataConfig(_Strict):
     name: str = "fashion_mnist"  # a key of core.data.catalog.DATASETS
     source: Path | None = None  # raw files; None = the dataset's default location (or a download)
@@ -120,6 +136,17 @@ class DataConfig(_Strict):
     # [ConViT21] Table 2: at fraction f < 1 every phase trains max(1, round(E / f)) epochs, so it sees as many images
     # as the full-data run (`plan_epochs`; the DVC path and the sweeps apply the same function).
     fraction_scales_epochs: bool = True
+    # The smoke size (LimitConfig): None = every image of every split.
+    limit: LimitConfig | None = None
+
+    def caps(self) -> dict[str, int | None] | None:
+        """``limit`` as the mapping core.data takes (None: no split capped)."""
+        return None if self.limit is None else self.limit.caps()
+
+    def capped(self, n: int) -> int:
+        """``n`` images of a set made from the test split, capped at ``limit.test``."""
+        cap = None if self.limit is None else self.limit.test
+        return n if cap is None else min(n, cap)
 
     @field_validator("name")
     @classmethod
@@ -597,6 +624,17 @@ class Params(_Strict):
         """The one resolution every model is evaluated at: the fine-tuning resolution ([TCNN21] Sec. 3 may raise it
         over the pretraining one), so the CNN, the control and the T-CNN see the same test pixels."""
         return self.finetune.image_size or self.data.image_size
+
+    def corrupted_images(self) -> int:
+        """The test images each generated corrupted set holds: ``robustness.n_images``, capped at
+        ``data.limit.test``."""
+        return self.data.capped(self.robustness.n_images)
+
+    def public_images(self) -> int:
+        """The images per set of the published benchmark: ``robustness.public.n_images`` (None:
+        ``robustness.n_images``), capped at ``data.limit.test``."""
+        pub = self.robustness.public
+        return self.data.capped((pub.n_images if pub is not None else None) or self.robustness.n_images)
 
     def with_overrides(self, overrides: dict[str, Any]) -> Params:
         """A validated copy with dotted keys replaced (used by `-S key=value` and sweep grids)."""

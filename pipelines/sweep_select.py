@@ -169,8 +169,10 @@ def selected_rows(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict
 
 
 def _val_size(params: dict[str, Any]) -> int:
-    """The validation images a trial's accuracy is a share of (data.val_size)."""
-    return int((params.get("data") or {}).get("val_size") or 0)
+    """The validation images a trial's accuracy is a share of (data.val_size, capped at data.limit.val)."""
+    data = params.get("data") or {}
+    n, cap = int(data.get("val_size") or 0), (data.get("limit") or {}).get("val")
+    return n if cap is None else min(n, int(cap))
 
 
 def pooled(

@@ -2,9 +2,10 @@
 
     python -m stages.corrupt [--params params.yaml] [-S robustness.n_images=500]
 
-Reads the test split of ``data.dir``, keeps ``robustness.n_images`` images chosen class-stratified (classes
-take turns in index order, see ``core.robustness.corruptions.select_indices``; deterministic, and growing n keeps the
-images already chosen) and writes, under ``robustness.dir``:
+Reads the test split of ``data.dir``, keeps ``robustness.n_images`` images (capped at ``data.limit.test``,
+`Params.corrupted_images`) chosen class-stratified (classes take turns in index order, see
+``core.robustness.corruptions.select_indices``; deterministic, and growing n keeps the images already chosen:
+a capped test split's sets are the full split's first ones) and writes, under ``robustness.dir``:
 
 - ``<corruption>/<severity>.parquet`` for every ``robustness.corruptions`` x ``robustness.severities``
   (columns index, label, image; metadata: band, seed, code version, source fingerprint, meaningful flag);
@@ -65,8 +66,7 @@ def identity(params: Params, manifest: dict[str, Any]) -> dict[str, Any]:
     for the code, not the stage's files: the sets take minutes, and an edit of the contact sheet or of
     this module must not regenerate them. Which corruptions and severities are asked for is not part of it:
     each stored set names its own, and a set is kept when its metadata and this identity's key match."""
-    rb = params.robustness
-    parts = {"seed": params.cnn_seed, "n_images": rb.n_images, "selection": B.SELECTION,
+    parts = {"seed": params.cnn_seed, "n_images": params.corrupted_images(), "selection": B.SELECTION,
              "decode_size": _decode_size(params, manifest)}  # fmt: skip
     inputs = {"data": manifest_fingerprint(manifest)}
     code = f"corruptions-v{C.CORRUPTION_VERSION}"
@@ -82,9 +82,9 @@ def check(params: Params, root: Path = Path(".")) -> None:
         n = int(read_manifest(data_dir)["splits"]["test"]["num_rows"])
     except (DataError, FileNotFoundError, ValueError, KeyError) as err:
         raise StageError(f"data.dir: {err} (run the prepare stage)") from None
-    if params.robustness.n_images > n:
+    if params.corrupted_images() > n:
         raise StageError(
-            f"robustness.n_images: {params.robustness.n_images} exceeds the {n} test images of {data_dir}"
+            f"robustness.n_images: {params.corrupted_images()} exceeds the {n} test images of {data_dir}"
         )
 
 
@@ -96,11 +96,15 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     data_dir = Path(root) / params.data.dir
     out_dir = Path(root) / rb.dir
     images, labels, manifest = _load_test(params, data_dir)
+    n_images = params.corrupted_images()
+    if n_images < rb.n_images:
+        print(f"corrupt: {n_images} images per set (robustness.n_images {rb.n_images}, capped at "
+              f"data.limit.test)", file=sys.stderr)  # fmt: skip
     try:
-        B.check_test_split(images, rb.n_images, data_dir)
+        B.check_test_split(images, n_images, data_dir)
     except ValueError as err:
         raise StageError(str(err)) from None
-    sel = B.select(images, labels, rb.n_images, seed=params.cnn_seed, ident=key(identity(params, manifest)))
+    sel = B.select(images, labels, n_images, seed=params.cnn_seed, ident=key(identity(params, manifest)))
     pairs = [(c, s) for c in rb.corruptions for s in rb.severities]
     todo = [(c, s) for c, s in pairs if not C.set_is_valid(C.set_path(out_dir, c, s), sel.expected(c, s))]
     t0 = time.perf_counter()

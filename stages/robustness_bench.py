@@ -20,7 +20,8 @@ import numpy as np
 import pyarrow as pa
 
 from core.config import Params
-from core.data import DataError, load_split, read_manifest
+from core.data import DataError, read_manifest
+from core.data.splits import load_test
 from core.robustness.bench import Bench, Suite, example_batch
 from core.robustness.metrics import array_batches, evaluate_model, predictions
 from core.training.checkpoint import CheckpointError, load_model
@@ -58,7 +59,7 @@ def suites(params: Params, root: Path, n_clean: int) -> tuple[Suite, Suite | Non
     if pub is None:
         return generated, None
     try:
-        sets = PublicSets(pub.kind, root / pub.dir, pub.n_images or rob.n_images, n_clean)
+        sets = PublicSets(pub.kind, root / pub.dir, params.public_images(), n_clean)
     except (FileNotFoundError, ValueError) as err:
         raise StageError(f"robustness.public: {err}") from None
     have = set(sets.available)
@@ -72,10 +73,11 @@ def suites(params: Params, root: Path, n_clean: int) -> tuple[Suite, Suite | Non
 
 
 def bench(params: Params, root: Path) -> Bench:
-    """The :class:`Bench` of this config: the test split of ``root / data.dir``, the device TCNN_DEVICE names."""
+    """The :class:`Bench` of this config: the test split of ``root / data.dir`` (capped at ``data.limit.test``),
+    the device TCNN_DEVICE names."""
     try:
         manifest = read_manifest(root / params.data.dir)
-        images, labels = load_split(root / params.data.dir, "test")
+        images, labels = load_test(root / params.data.dir, params.data.caps())
     except (DataError, FileNotFoundError, ValueError) as err:
         raise StageError(str(err)) from None
     norm = T.input_normalization(params) or {"mean": manifest["mean"], "std": manifest["std"]}
@@ -98,7 +100,9 @@ def evaluate_models(
     the pretrained CNN's evaluation was had (:func:`cnn_tables`; ``shared``: the store of its shared one)."""
     b = bench(params, root)
     if suites_ is None:
-        suites_ = [s for s in suites(params, root, len(b.images)) if s is not None]
+        # the whole split (a published set's positions)
+        n_test = int(b.manifest["splits"]["test"]["num_rows"])
+        suites_ = [s for s in suites(params, root, n_test) if s is not None]
     by_model: dict[str, dict[str, tuple[pa.Table, pa.Table]]] = {}
     note: dict[str, Any] = {}
     for name, path in paths.items():
@@ -194,7 +198,7 @@ def check_public_sets(params: Params, root: Path = Path(".")) -> None:
         raise StageError(f"data.dir: {err} (run the prepare stage)") from None
     n_clean = int(manifest["splits"]["test"]["num_rows"])
     try:
-        sets = PublicSets(pub.kind, root / pub.dir, pub.n_images or rob.n_images, n_clean)
+        sets = PublicSets(pub.kind, root / pub.dir, params.public_images(), n_clean)
         names = sorted({c for c, _ in sets.available} & set(rob.corruptions))
         if manifest.get("image_shape") and manifest.get("num_classes"):  # a decoded dataset states both
             sets.check(names, manifest["image_shape"], int(manifest["num_classes"]))
@@ -204,7 +208,7 @@ def check_public_sets(params: Params, root: Path = Path(".")) -> None:
 
 def check_generated_sets(params: Params, root: Path = Path(".")) -> None:
     """Every corrupted set evaluate will read was made for these params: as many images as
-    ``robustness.n_images`` asks for, with this config's corruption seed (the sets' stored metadata, read
+    ``robustness.n_images`` asks for (capped at ``data.limit.test``), with this config's corruption seed (the sets' stored metadata, read
     without the images; their checksums are verified where the images are read)."""
     from core.robustness.corruption_store import read_set_meta, set_path
 
@@ -215,8 +219,9 @@ def check_generated_sets(params: Params, root: Path = Path(".")) -> None:
             meta = read_set_meta(path)
             if meta is None:
                 raise StageError(f"robustness.dir: {path} is missing or damaged (run the corrupt stage)")
-            if meta.get("n") != rob.n_images or meta.get("seed") != params.cnn_seed:
+            n = params.corrupted_images()
+            if meta.get("n") != n or meta.get("seed") != params.cnn_seed:
                 raise StageError(
                     f"robustness.dir: {path} holds {meta.get('n')} images of seed {meta.get('seed')}; the params "
-                    f"ask for {rob.n_images} of seed {params.cnn_seed} (run the corrupt stage)"
+                    f"ask for {n} of seed {params.cnn_seed} (run the corrupt stage)"
                 )

@@ -16,7 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
+from filelock import FileLock
 
 from stages.harness.tracking import store_client
 
@@ -25,9 +27,11 @@ STAGES = ("prepare", "pretrain", "reparam", "finetune", "control", "corrupt", "e
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 
 #: A chain of about a minute on 2 cores: 1% of Fashion-MNIST's training images (550), one pretraining and
-#: one fine-tuning epoch, 2 corruptions x 2 severities of 50 test images.
+#: one fine-tuning epoch, the smoke size's cap of 300 test images (data.limit: what the chain tests check --
+#: which stages run and rerun, the runs, the files, the refusals -- does not depend on the size), 2
+#: corruptions x 2 severities of 50 of them.
 TINY: dict[str, Any] = {
-    "data": {"sample_fraction": 0.01, "val_size": 100, "fraction_scales_epochs": False},
+    "data": {"sample_fraction": 0.01, "val_size": 100, "fraction_scales_epochs": False, "limit": {"test": 300}},
     "pretrain": {"epochs": 1, "batch_size": 50, "lr": 0.05, "warmup_epochs": 0.2, "checkpoint_every_steps": 0},
     "reparam": {"epoch": 1},
     "finetune": {"epochs": 1, "batch_size": 50, "lr": 0.004, "warmup_epochs": 0.2, "checkpoint_every_steps": 0},
@@ -143,15 +147,29 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-_BUILT: dict[str, Path] = {}
+def shared_root(factory: pytest.TempPathFactory) -> Path:
+    """The temp dir every process of this pytest run sees: the run's own under pytest-xdist (its workers'
+    temp dirs sit inside it), else this process's."""
+    base = factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
-def built_repo(base: Path, name: str = "e2e") -> Path:
-    """One tiny repository with a finished `dvc repro`, built once per test session and shared by the
-    end-to-end and UI tests (`base`: a session temp dir)."""
-    if name not in _BUILT:
-        repo = make_repo(base / name)
-        out = dvc(repo, "repro")
-        (base / f"{name}-repro.log").write_text(out.stdout + out.stderr)
-        _BUILT[name] = repo
-    return _BUILT[name]
+def built_repo(factory: pytest.TempPathFactory, name: str = "e2e") -> Path:
+    """One tiny repository with a finished `dvc repro`, built once per pytest run and shared by the
+    end-to-end, DVC and UI tests: the first process that needs it builds it (under a file lock, in the run's
+    shared temp dir); under pytest-xdist every other worker waits for it and works on its own copy."""
+    root = shared_root(factory)
+    repo, done = root / "pipeline" / name, root / "pipeline" / f"{name}.built"
+    repo.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / "pipeline" / f"{name}.lock")):
+        if not done.exists():
+            make_repo(repo)
+            out = dvc(repo, "repro")
+            (root / "pipeline" / f"{name}-repro.log").write_text(out.stdout + out.stderr)
+            done.touch()
+    if root == factory.getbasetemp():
+        return repo
+    mine = factory.getbasetemp() / "pipeline" / name
+    if not mine.exists():
+        shutil.copytree(repo, mine, symlinks=True)
+    return mine

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import _xdist_groups
 import pytest
 import torch
 from slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401  (SLURM test-cluster fixture)
@@ -15,8 +16,15 @@ FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 # Stage CLIs run by tests do not write an MLflow store unless a test asks for one (TCNN_TRACKING=1).
 os.environ.setdefault("TCNN_TRACKING", "0")
 
-# Keep tests deterministic and light on a 2-core machine.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Keep tests deterministic and light on a 2-core machine. Under pytest-xdist (`make test`) the workers share the
+# cores: each worker, and every process a test starts (stages, DVC, Ray, torchrun, which read OMP_NUM_THREADS),
+# gets its share, so that two workers' compute threads do not oversubscribe the cores (measured: two workers
+# training at 2 threads each on 2 cores ran their steps several times slower than one at a time).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+torch.set_num_threads(_THREADS)
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +42,65 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
         report.outcome = "failed"
         report.longrepr = f"skipped, but TCNN_NO_SKIPS=1 forbids skips other than `gpu` tests: {reason}"
+
+
+#: pytest-xdist (`make test`: `-n 2`): the tests of one group run in one worker, one after another, beside the
+#: other workers' tests. The SLURM tests share the test clusters (their nodes' CPUs, the requeue and time-limit
+#: timing) and wait on SLURM much of the time. Every test that uses a module-scoped fixture (a built chain, a
+#: queue of DVC experiments, a sweep) is grouped with its module, so the fixture is built once, not once per
+#: worker. Any other test is a unit of its own. (`tests/_xdist_groups.py` hands the groups to the scheduler.)
+XDIST_GROUPS = {"slurm": "slurm"}
+
+
+def _group(item: pytest.Item) -> str | None:
+    for marker, group in XDIST_GROUPS.items():
+        if item.get_closest_marker(marker) is not None:
+            return group
+    defs = getattr(item, "_fixtureinfo", None)
+    for fixturedefs in defs.name2fixturedefs.values() if defs is not None else ():
+        if any(d.scope == "module" for d in fixturedefs):
+            return item.module.__name__ if item.module is not None else None
+    return None
+
+
+def _cost(item: pytest.Item) -> int:
+    """0 for the SLURM group, 1 for the other slow tests, 2 for the rest: the long units start first, and the
+    short ones fill the end of the run in every worker (longest-first scheduling)."""
+    if item.get_closest_marker("slurm") is not None:
+        return 0
+    return 1 if item.get_closest_marker("slow") is not None else 2
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not hasattr(
+        config, "workerinput"
+    ):  # not an xdist worker (a pytest a test starts inherits the env vars)
+        return
+    # a module keeps its tests together and in order; modules go by their costliest test
+    modules: dict[str, int] = {}
+    for item in items:
+        name = item.nodeid.split("::")[0]
+        modules[name] = min(modules.get(name, 2), _cost(item))
+    items.sort(key=lambda it: modules[it.nodeid.split("::")[0]])
+    _xdist_groups.publish(config, {item.nodeid: _group(item) for item in items})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    return _xdist_groups.scheduler(config, log)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _xdist_groups.configure(config)
+
+
+@pytest.fixture
+def serial_threads():
+    """torch at the 2 threads a test has in one process, whatever pytest-xdist's share, for the tests whose
+    margins were set on networks trained at 2 threads (another thread count sums floats in another order and
+    trains another network: under a 1-thread share, test_continue_mode's gap was 0.0182 against its perturbed
+    control's 0.0164)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    yield
+    torch.set_num_threads(threads)

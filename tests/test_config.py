@@ -101,6 +101,9 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"sweep": {"grid": {"reparam.epoch": [2, 9]}}}, "sweep.grid.reparam.epoch: value 9 is invalid (reparam.epoch: t1=9"),
     ({"sweep": {"grid": {"data.nope": [1]}}}, "sweep.grid.data.nope: data.nope: unknown key"),
     ({"sweep": {"grid": {"seed": 3}}}, "sweep.grid.seed: Input should be a valid list"),
+    ({"data": {"limit": {"test": 0}}}, "data.limit.test: Input should be greater than 0"),
+    ({"data": {"limit": {"train": 2.5}}}, "data.limit.train: Input should be a valid integer"),
+    ({"data": {"limit": {"tests": 100}}}, "data.limit.tests: unknown key"),
 ]  # fmt: skip
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from core.data import fraction_indices, split_train_val, train_val_indices
+from core.data.splits import limit_positions, stratified_head
 
 # Deliberately unbalanced classes, shuffled, with a class of 3 images and a missing label (4).
 COUNTS = {0: 500, 1: 300, 2: 120, 3: 77, 5: 3}
@@ -107,3 +108,65 @@ def test_train_val_indices_validation_independent_of_fraction(labels: np.ndarray
     kept = np.bincount(labels[tr], minlength=6)
     for c in COUNTS:
         assert kept[c] == max(1, int(np.floor(0.3 * remaining[c] + 0.5)))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# data.limit, the smoke size: a class-balanced cap on each split (core.data.splits.stratified_head)
+
+
+def test_stratified_head_hand_computed() -> None:
+    y = np.array([2, 0, 0, 1, 0, 2, 1, 0])
+    # classes take turns in index order: rank 0 of each class (positions 0, 1, 3), then rank 1 (2, 5, 6) ...
+    assert stratified_head(y, 3).tolist() == [0, 1, 3]
+    assert stratified_head(y, 5).tolist() == [0, 1, 2, 3, 5]
+    assert stratified_head(y, 7).tolist() == [0, 1, 2, 3, 4, 5, 6]  # class 0's third image before its fourth
+    assert stratified_head(y, None).tolist() == list(range(8))
+    assert stratified_head(y, 100).tolist() == list(range(8))
+    with pytest.raises(ValueError, match="positive"):
+        stratified_head(y, 0)
+
+
+@pytest.mark.parametrize("n", [1, 7, 50, 200, 600])
+def test_stratified_head_is_balanced_and_nested(labels: np.ndarray, n: int) -> None:
+    keep = stratified_head(labels, n)
+    assert len(keep) == n and np.all(np.diff(keep) > 0)
+    counts = np.bincount(labels[keep], minlength=6)[list(COUNTS)]
+    room = np.array([COUNTS[c] for c in COUNTS])
+    # the classes with images left get the same share, up to one image; a class that ran out gave all it had
+    left = counts < room
+    assert left.any() or n == len(labels)
+    assert counts[left].max() - counts[left].min() <= 1
+    assert np.all(counts[~left] <= counts[left].max())
+    assert set(stratified_head(labels, max(1, n - 3)).tolist()) <= set(keep.tolist())
+
+
+def test_limit_caps_train_and_val_after_the_carve_and_the_fraction(labels: np.ndarray) -> None:
+    tr, va = train_val_indices(labels, val_size=100, fraction=0.5, seed=2)
+    ctr, cva = train_val_indices(labels, val_size=100, fraction=0.5, seed=2, limit={"train": 40, "val": 20})
+    assert len(ctr) == 40 and len(cva) == 20
+    assert set(ctr.tolist()) <= set(tr.tolist()) and set(cva.tolist()) <= set(va.tolist())
+    assert np.array_equal(ctr, tr[stratified_head(labels[tr], 40)])
+    assert np.array_equal(cva, va[stratified_head(labels[va], 20)])
+    # a cap above a split's size, or none, leaves it whole
+    same = train_val_indices(labels, val_size=100, fraction=0.5, seed=2, limit={"train": 10**6, "test": 5})
+    assert np.array_equal(same[0], tr) and np.array_equal(same[1], va)
+    assert limit_positions(labels, None, "test") is None
+    assert limit_positions(labels, {"test": None}, "test") is None
+
+
+def test_load_test_caps_the_test_split_and_the_corrupted_sets_nest_in_it(tmp_path) -> None:
+    from _train_helpers import write_dataset
+
+    from core.data.splits import load_split, load_test
+    from core.robustness.corruptions import select_indices
+
+    d = write_dataset(tmp_path / "ds", n_train=60, n_test=90)
+    x, y = load_split(d, "test")
+    cx, cy = load_test(d, {"test": 30})
+    keep = stratified_head(y, 30)
+    assert np.array_equal(cx, x[keep]) and np.array_equal(cy, y[keep])
+    assert np.bincount(cy).max() - np.bincount(cy).min() <= 1
+    # the corrupted sets of a capped split (n <= cap) are the full split's first ones: the same images
+    for n in (10, 30):
+        assert np.array_equal(keep[select_indices(cy, n)], select_indices(y, n))
+    assert np.array_equal(load_test(d, None)[0], x)

@@ -138,7 +138,7 @@ def test_editing_a_file_or_folder_dep_or_the_gpsa_code_makes_dvc_status_report_t
     from _pipeline_repo import built_repo, dvc
 
     repo = tmp_path / "repo"
-    shutil.copytree(built_repo(tmp_path_factory.getbasetemp() / "pipeline"), repo, symlinks=True)
+    shutil.copytree(built_repo(tmp_path_factory), repo, symlinks=True)
     assert json.loads(dvc(repo, "status", "--json").stdout or "{}") == {}
     folder_dep = next(d for d in _stages()["pretrain"]["deps"] if isinstance(d, str) and (REPO / d).is_dir())
     picked = (

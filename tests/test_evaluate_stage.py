@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.compute  # noqa: F401  (pa.compute)
 import pyarrow.parquet as pq
 import pytest
+import torch
 from _train_helpers import TEST_DEVICE, tiny_params, write_dataset
 
 from core.config import validate_params
@@ -40,7 +41,12 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> Path:
     data = write_dataset(root / "data" / "fmnist", n_train=1100, n_test=120)
     raw = _raw(data, root)
     params = validate_params(raw)
-    pretrain.run(params, root=root)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the same three networks whether or not pytest-xdist shares the cores out
+    try:  # (trained at one thread, the CNN's errors on 40 corrupted images did not all exceed its clean one)
+        pretrain.run(params, root=root)
+    finally:
+        torch.set_num_threads(threads)
     ckpt = root / "runs" / "pretrain" / "ckpt"
     control.checkpoint_path(root).parent.mkdir(parents=True)
     shutil.copy(ckpt / "ckpt-epoch-001.pt", control.checkpoint_path(root))

@@ -50,7 +50,7 @@ def _text(dom: str) -> str:
 def test_compare_page_shows_runs_params_metrics(
     tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    repo = built_repo(tmp_path_factory.getbasetemp() / "pipeline")
+    repo = built_repo(tmp_path_factory)
     all_runs = runs(repo)
     parent = next(r for r in all_runs if r.data.tags.get("tcnn.kind") == "parent")
     kids = children(all_runs, parent.info.run_id)

@@ -29,7 +29,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return built_repo(tmp_path_factory.getbasetemp() / "pipeline")
+    return built_repo(tmp_path_factory)
 
 
 @pytest.fixture()

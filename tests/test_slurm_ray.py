@@ -40,9 +40,13 @@ def _processes(marker: str) -> dict[int, tuple[str, str]]:
     return found
 
 
-def _ray_processes(marker: str) -> list[str]:
-    """Command lines of live processes that mention ``marker``."""
-    return [cmdline for _, cmdline in _processes(marker).values()]
+def _ray_processes(marker: str, grace_s: float = 30) -> list[str]:
+    """Command lines of the processes that mention ``marker`` and still live after ``grace_s`` seconds (the
+    Ray processes of a finished job exit within moments of it, later on a loaded machine)."""
+    deadline = time.monotonic() + grace_s
+    while (left := [cmdline for _, cmdline in _processes(marker).values()]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return left
 
 
 def _usr2(pid: int) -> str:

@@ -83,3 +83,36 @@ def test_the_resume_hash_adds_the_kept_epochs_to_the_identity(tmp_path: Path) ->
     assert pretrain.identity(params, spec, "f", "cpu") == pretrain.identity(more, spec, "f", "cpu")
     assert pretrain.run_hash(params, spec, "f", "cpu") != pretrain.run_hash(more, spec, "f", "cpu")
     assert pretrain.run_hash(params, spec, "f", "cpu") != pretrain.run_hash(params, spec, "g", "cpu")
+
+
+def test_the_smoke_size_is_part_of_every_identity_that_reads_a_capped_split(tmp_path: Path) -> None:
+    """data.limit (the smoke size) names other pretraining, fine-tuning, control and corrupted-set results than
+    the whole splits do; unset, the identities are those of a params file without the key (runs made before it
+    existed keep their names); a test cap at or above robustness.n_images leaves the corrupted sets as they are
+    (the capped split's first images are the whole split's)."""
+    path = make_project(tmp_path, {})
+    params = load_params(path)
+    manifest = read_manifest(tmp_path / "data")
+    ds = T.datasets(params, tmp_path)
+    spec = pretraining.model_spec(params, ds.num_classes, ds.in_chans)
+
+    def keys(p) -> tuple[str, str, str]:
+        inputs = {"pretrain": "k", "t1": p.reparam.epoch}
+        return (key(pretrain.identity(p, spec, ds.fingerprint, "cpu", workers=1)),
+                key(finetune.identity(p, inputs, "cpu", variant=control.VARIANT.name, workers=1)),
+                key(corrupt.identity(p, manifest)))  # fmt: skip
+
+    raw = yaml.safe_load(path.read_text())
+    assert "limit" not in raw["data"]  # the project's params file predates the key
+    base = keys(params)
+    assert keys(params.with_overrides({"data.limit": None})) == base
+    for split in ("train", "val"):
+        capped = keys(params.with_overrides({"data.limit": {split: 20}}))
+        assert capped[0] != base[0] and capped[1] != base[1] and capped[2] == base[2], split
+    # 50 corrupted images -> 30
+    assert keys(params.with_overrides({"data.limit": {"test": 30}}))[2] != base[2]
+    assert keys(params.with_overrides({"data.limit": {"test": 80}}))[2] == base[2]  # the same 50 images
+    small = params.with_overrides({"data.limit": {"train": 20, "val": 10, "test": 30}})
+    ds_small = T.datasets(small, tmp_path)
+    assert (len(ds_small.train_y), len(ds_small.val_y), len(ds_small.test_y)) == (20, 10, 30)
+    assert small.corrupted_images() == 30 and params.corrupted_images() == 50

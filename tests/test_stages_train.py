@@ -189,7 +189,7 @@ def _continue(root: Path, raw: dict, *, edit=None, freeze=()) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_continue_mode_tracks_the_cnn_continued_the_same_way(tmp_path, data_dir) -> None:
+def test_continue_mode_tracks_the_cnn_continued_the_same_way(tmp_path, data_dir, serial_threads) -> None:
     """[TCNN21] Table 3 "continue": reparameterize at t1 = 1 of 3 epochs with alpha = lambda = 50 and the
     attention-only parameters frozen, then continue with the CNN's SGD state, schedule, RNG and data order.
     The T-CNN computes the CNN's function and receives its gradients up to float rounding, so its logits

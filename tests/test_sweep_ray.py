@@ -247,11 +247,17 @@ def test_a_stopped_driver_ends_its_trials_and_closes_its_runs(
     """A stop signal to `tcnn sweep` mid-trial: the conventional status and one line, the parent and the trial
     runs KILLED (none left RUNNING), no Ray worker left behind; --auto-resume then finishes every trial in
     the same runs."""
-    make_project(tmp_path, {"reparam.alpha_init": [0.5, 2.0]}, finetune={"epochs": 2})  # two trials
-    started = lambda: any(r.data.tags.get("tcnn.kind") == "trial" for r in mlflow_runs(tmp_path))  # noqa: E731
-    with background_driver(tmp_path, "s", started, "no trial started", poll_s=0.5) as proc:
-        time.sleep(2)  # into the trial's pretraining
+    # two trials; 20 fine-tuning epochs, so a trial whose first epoch is reported has most of them ahead (the
+    # whole tiny sweep of 2 epochs took under 2 s on an idle AVX-512 EPYC: a stop sent 2 s after a trial
+    # started found it finished)
+    make_project(
+        tmp_path, {"reparam.alpha_init": [0.5, 2.0]}, finetune={"epochs": 20, "checkpoint_every_steps": 2}
+    )
+    log = tmp_path / "driver1.log"
+    fine_tuning = lambda: "finetune epoch 1 val_acc" in log.read_text()  # noqa: E731
+    with background_driver(tmp_path, "s", fine_tuning, "no trial fine-tuned an epoch", poll_s=0.1) as proc:
         assert set(_processes_in(tmp_path)) - {proc.pid}, "no Ray process runs in the project"
+        assert "done:" not in log.read_text(), "a trial finished before the stop signal"
         proc.send_signal(sig)
         code = proc.wait(timeout=300)
     out = (tmp_path / "driver1.log").read_text()

@@ -4,6 +4,7 @@ batch loaders over them."""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,14 @@ import numpy as np
 import torch
 
 from core.data.loader import BatchLoader, Mixing
-from core.data.splits import load_labels, load_splits, read_manifest, train_val_indices, verify_split
+from core.data.splits import (
+    limit_positions,
+    load_labels,
+    load_splits,
+    read_manifest,
+    train_val_indices,
+    verify_split,
+)
 from core.utils.hashing import stable_hash
 
 
@@ -36,20 +44,22 @@ class Datasets:
     stream_dir: Path | None = None
     train_idx: np.ndarray | None = None
     val_idx: np.ndarray | None = None
+    test_idx: np.ndarray | None = None  # None: the whole test split
 
 
 def load_datasets(
     data_dir: str | os.PathLike, *, val_size: int, sample_fraction: float, seed: int,
-    stream_size: int | None = None,
+    stream_size: int | None = None, limit: Mapping[str, int | None] | None = None,
 ) -> Datasets:  # fmt: skip
     """Load a prepared dataset (core.data.load_splits): a class-balanced validation set carved out of the
-    training split, a class-balanced `sample_fraction` of the rest ([ConViT21] Table 2), and the test split.
+    training split, a class-balanced `sample_fraction` of the rest ([ConViT21] Table 2), and the test split,
+    each capped by `limit` (``data.limit``, core.data.splits.limit_positions) where it is set.
     `stream_size` (an encoded dataset streamed at that resolution): only labels are read here, the same split
     is kept as positions, and the loaders decode per batch (core.data.stream).
     Errors are core.data.DataError / ValueError with one line naming the file or key."""
     if stream_size is not None:
-        return _streamed(Path(data_dir), val_size, sample_fraction, seed, stream_size)
-    s = load_splits(data_dir, val_size=val_size, sample_fraction=sample_fraction, seed=seed)
+        return _streamed(Path(data_dir), val_size, sample_fraction, seed, stream_size, limit)
+    s = load_splits(data_dir, val_size=val_size, sample_fraction=sample_fraction, seed=seed, limit=limit)
     h, _, c = s.manifest["image_shape"]
     return Datasets(
         train_x=s.train[0],
@@ -73,7 +83,9 @@ def manifest_fingerprint(manifest: dict[str, Any]) -> str:
     return stable_hash({k: v for k, v in manifest.items() if k != "source"})
 
 
-def _streamed(data_dir: Path, val_size: int, fraction: float, seed: int, size: int) -> Datasets:
+def _streamed(
+    data_dir: Path, val_size: int, fraction: float, seed: int, size: int, limit: Mapping[str, int | None] | None
+) -> Datasets:
     manifest = read_manifest(data_dir)
     if manifest["image_encoding"] != "encoded":
         raise ValueError(
@@ -82,14 +94,16 @@ def _streamed(data_dir: Path, val_size: int, fraction: float, seed: int, size: i
     for split in ("train", "test"):
         verify_split(data_dir, split, manifest)  # once here; the loaders skip it
     labels = load_labels(data_dir, "train")
-    tr, va = train_val_indices(labels, val_size=val_size, fraction=fraction, seed=seed)
+    tr, va = train_val_indices(labels, val_size=val_size, fraction=fraction, seed=seed, limit=limit)
+    test_y = load_labels(data_dir, "test")
+    te = limit_positions(test_y, limit, "test")
     return Datasets(
         train_x=None, train_y=labels[tr], val_x=None, val_y=labels[va], test_x=None,
-        test_y=load_labels(data_dir, "test"), mean=[float(v) for v in manifest["mean"]],
+        test_y=test_y if te is None else test_y[te], mean=[float(v) for v in manifest["mean"]],
         std=[float(v) for v in manifest["std"]], num_classes=int(manifest["num_classes"]),
         in_chans=1 if manifest.get("image_mode") == "L" else 3, image_size=int(size),
         fingerprint=manifest_fingerprint(manifest),
-        stream_dir=data_dir, train_idx=tr, val_idx=va,
+        stream_dir=data_dir, train_idx=tr, val_idx=va, test_idx=te,
     )  # fmt: skip
 
 
@@ -149,7 +163,7 @@ def _stream_loader(ds: Datasets, split: str, *, augment: Any, num_workers: int, 
     from core.data.stream import StreamLoader
 
     stored = "test" if split == "test" else "train"
-    indices = {"train": ds.train_idx, "val": ds.val_idx, "test": None}[split]
+    indices = {"train": ds.train_idx, "val": ds.val_idx, "test": ds.test_idx}[split]
     kw["image_size"] = kw["image_size"] or ds.image_size
     loader = StreamLoader(ds.stream_dir, stored, indices=indices, mean=ds.mean, std=ds.std, verify=False,
                           num_workers=num_workers, persistent_workers=num_workers > 0 and kw["train"],

@@ -7,7 +7,8 @@ The public data API of the project (see tcnn_team/INTERFACES.md, "Data"):
 - :func:`read_manifest`, :func:`load_split` read them back (checksums verified; a truncated, missing or
   altered shard fails with one line naming the file);
 - :func:`split_train_val`, :func:`fraction_indices`, :func:`train_val_indices` choose the images a run trains
-  and validates on ([ConViT21], Table 2 protocol for fractions);
+  and validates on ([ConViT21], Table 2 protocol for fractions); :func:`stratified_head` caps a split at a
+  class-balanced number of images (``data.limit``, the smoke size);
 - :class:`~core.data.loader.BatchLoader` (core/data/loader.py) turns arrays into augmented, normalized batches whose
   randomness is a pure function of (seed, epoch, step); :class:`ShardDataset` is the per-sample torch Dataset
   for data too large to hold in memory.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import bisect
 import io
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -337,18 +339,64 @@ def fraction_indices(labels: Any, fraction: float, seed: int) -> np.ndarray:
     return np.sort(np.concatenate(keep)).astype(np.int64) if keep else np.empty(0, np.int64)
 
 
+def stratified_head(labels: Any, n: int | None) -> np.ndarray:
+    """Sorted positions of ``n`` class-balanced images of ``labels``: classes take turns in index order (the
+    r-th image of every class comes before the (r+1)-th of any), so class counts differ by at most one while
+    a class has images left. No RNG: a deterministic function of the labels, and growing n keeps every image
+    chosen before. ``n`` None (no cap) or at least the split's size: every position.
+
+    The one rule for a capped set: the corrupted sets' selection (`core.robustness.corruptions.select_indices`)
+    and ``data.limit`` (:func:`limit_positions`); because the rule nests, the corrupted sets of a capped test
+    split are the full split's first ones."""
+    labels = np.asarray(labels).reshape(-1)
+    total = len(labels)
+    if n is None or n >= total:
+        return np.arange(total)
+    if n <= 0:
+        raise ValueError(f"a cap must be positive, got {n}")
+    rank = np.empty(total, dtype=np.int64)
+    for k in np.unique(labels):
+        where = np.flatnonzero(labels == k)
+        rank[where] = np.arange(len(where))
+    order = np.lexsort((np.arange(total), rank))
+    return np.sort(order[:n])
+
+
+#: The splits ``data.limit`` caps (core.config.LimitConfig): the training images a run trains on (after the
+#: validation carve and the fraction), its validation images, the test split (and so every set made from it).
+LIMITED_SPLITS = ("train", "val", "test")
+
+
+def limit_positions(
+    labels: Any, limit: Mapping[str, int | None] | None, split: str
+) -> np.ndarray | None:
+    """Positions into ``labels`` that ``data.limit`` keeps of ``split`` (:func:`stratified_head` of
+    ``limit[split]``); None when the split is not capped (no limit, or a cap at least its size)."""
+    n = (limit or {}).get(split)
+    if n is None or n >= len(labels):
+        return None
+    return stratified_head(labels, n)
+
+
 def train_val_indices(
-    labels: Any, *, val_size: int, fraction: float, seed: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """(train_idx, val_idx) into the training split: validation first, then the fraction of the rest.
+    labels: Any, *, val_size: int, fraction: float, seed: int,
+    limit: Mapping[str, int | None] | None = None,
+) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """(train_idx, val_idx) into the training split: validation first, then the fraction of the rest, then
+    ``limit`` (``data.limit``'s train and val caps, :func:`limit_positions`) of each.
 
     The validation set does not depend on the fraction; the training indices for fraction f1 < f2 are a
     subset of those for f2 (same seed). Indices are sorted.
     """
     labels = _labels(labels)
     train, val = split_train_val(labels, val_size, seed)
-    keep = fraction_indices(labels[train], fraction, seed)
-    return train[keep], val
+    train = train[fraction_indices(labels[train], fraction, seed)]
+    return _capped(train, labels, limit, "train"), _capped(val, labels, limit, "val")
+
+
+def _capped(idx: np.ndarray, labels: np.ndarray, limit: Mapping[str, int | None] | None, split: str) -> np.ndarray:
+    keep = limit_positions(labels[idx], limit, split)
+    return idx if keep is None else idx[keep]
 
 
 @dataclass
@@ -364,11 +412,23 @@ class Splits:
 
 
 def load_splits(
-    data_dir: str | Path, *, val_size: int, sample_fraction: float, seed: int, image_size: int | None = None
-) -> Splits:
-    """Load train and test, carve validation and apply the fraction (:func:`train_val_indices`)."""
+    data_dir: str | Path, *, val_size: int, sample_fraction: float, seed: int, image_size: int | None = None,
+    limit: Mapping[str, int | None] | None = None,
+) -> Splits:  # fmt: skip
+    """Load train and test, carve validation and apply the fraction (:func:`train_val_indices`) and
+    ``limit`` (``data.limit``: :func:`train_val_indices`, :func:`load_test`)."""
     manifest = read_manifest(data_dir)
     x, y = load_split(data_dir, "train", image_size=image_size)
-    tr, va = train_val_indices(y, val_size=val_size, fraction=sample_fraction, seed=seed)
-    test = load_split(data_dir, "test", image_size=image_size)
+    tr, va = train_val_indices(y, val_size=val_size, fraction=sample_fraction, seed=seed, limit=limit)
+    test = load_test(data_dir, limit, image_size=image_size)
     return Splits((x[tr], y[tr]), (x[va], y[va]), test, manifest, tr, va)
+
+
+def load_test(
+    data_dir: str | Path, limit: Mapping[str, int | None] | None = None, *, image_size: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The test split every stage evaluates on: all of it, or ``data.limit``'s class-balanced cap of it
+    (:func:`limit_positions`; rows in ``index`` order)."""
+    images, labels = load_split(data_dir, "test", image_size=image_size)
+    keep = limit_positions(labels, limit, "test")
+    return (images, labels) if keep is None else (np.ascontiguousarray(images[keep]), labels[keep])

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from core.data.splits import stratified_head
 from core.robustness.corruption_ops import check_setting
 from core.robustness.corruption_tables import CATEGORY_OF, CORRUPTION_VERSION, is_meaningful
 from core.utils.atomic import atomic_write
@@ -196,10 +197,10 @@ def read_set(path: str | os.PathLike) -> StoredSet:
 def select_indices(labels: np.ndarray, n: int, mode: str = "stratified") -> np.ndarray:
     """Which test images to corrupt: sorted indices of `n` images.
 
-    "first": the first n. "stratified" (default): classes take turns in index order -- the r-th image of
-    every class comes before the (r+1)-th of any -- so class counts differ by at most one while a class has
-    images left, and the choice is a deterministic function of the labels (no RNG). Growing n keeps every
-    previously chosen image.
+    "first": the first n. "stratified" (default): classes take turns in index order
+    (`core.data.splits.stratified_head`, the rule ``data.limit`` caps a split with too) -- class counts
+    differ by at most one while a class has images left, the choice is a deterministic function of the labels
+    (no RNG), and growing n keeps every previously chosen image.
     """
     labels = np.asarray(labels).reshape(-1)
     total = len(labels)
@@ -211,9 +212,4 @@ def select_indices(labels: np.ndarray, n: int, mode: str = "stratified") -> np.n
         return np.arange(n)
     if mode != "stratified":
         raise ValueError(f"unknown selection mode {mode!r} (stratified | first)")
-    rank = np.empty(total, dtype=np.int64)
-    for k in np.unique(labels):
-        where = np.flatnonzero(labels == k)
-        rank[where] = np.arange(len(where))
-    order = np.lexsort((np.arange(total), rank))
-    return np.sort(order[:n])
+    return stratified_head(labels, n)

@@ -46,8 +46,13 @@ DATA_LOCATION_KEYS = ("dir", "source", "shard_rows")
 
 
 def data_identity(params: Params) -> dict[str, Any]:
-    """What the data section means for a training run (stages.harness.identity): no location, no operational keys."""
-    return {k: v for k, v in section_identity(params.data).items() if k not in DATA_LOCATION_KEYS}
+    """What the data section means for a training run (stages.harness.identity): no location, no operational
+    keys; ``limit`` (the smoke size) only where it is set, so the identities of uncapped runs are those they
+    had before the key existed."""
+    out = {k: v for k, v in section_identity(params.data).items() if k not in DATA_LOCATION_KEYS}
+    if out.get("limit") is None:
+        out.pop("limit", None)
+    return out
 
 
 def input_normalization(params: Params) -> dict[str, Any] | None:
@@ -82,6 +87,7 @@ def _load_datasets(params: Params, root: Path) -> Datasets:
             sample_fraction=params.data.sample_fraction,
             seed=params.cnn_seed,  # the split belongs to the CNN (pretrain.seed)
             stream_size=params.data.image_size if params.data.stream else None,
+            limit=params.data.caps(),
         )
     except (OSError, ValueError, KeyError) as err:
         msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
