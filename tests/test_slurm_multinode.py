@@ -297,7 +297,8 @@ def test_lost_head_node_requeues_the_job_which_resumes(
             time.sleep(0.5)
         assert cluster.script("kill-node", "node1").returncode == 0
         lost_at = time.monotonic()
-        deadline = time.monotonic() + 240
+        # typically 37 s; once, with the cores shared by two other pytest runs, more than 240 s (issue 45 note)
+        deadline = time.monotonic() + 480
         while int(cluster.job_field(job.job_id, "Restarts") or 0) < 1:
             assert time.monotonic() < deadline, f"not requeued; states {cluster.node_states()}"
             time.sleep(1.0)
