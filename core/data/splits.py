@@ -362,11 +362,6 @@ def stratified_head(labels: Any, n: int | None) -> np.ndarray:
     return np.sort(order[:n])
 
 
-#: The splits ``data.limit`` caps (core.config.LimitConfig): the training images a run trains on (after the
-#: validation carve and the fraction), its validation images, the test split (and so every set made from it).
-LIMITED_SPLITS = ("train", "val", "test")
-
-
 def limit_positions(
     labels: Any, limit: Mapping[str, int | None] | None, split: str
 ) -> np.ndarray | None:
