@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import ConfigError, Params, load_params
+from core.utils import mlflow_ui
 from core.utils.atomic import atomic_write_json
 from pipelines.ddp import PLACEMENTS
 from pipelines.sweep_plan import (
@@ -434,7 +435,12 @@ def _finish(spec: dict, status: dict[str, str], tracker: Any, sweep_dir: Path, t
     say(
         f"{finished}/{n} trials finished, {runs} pretraining run(s) executed; summary {out.summary}"
         + (
-            f"; MLflow parent run {spec['tracking']['parent_run_id']} in {spec['tracking']['uri']}"
+            f"; MLflow parent run {spec['tracking']['parent_run_id']} in {spec['tracking']['uri']}: "
+            + mlflow_ui.run_url(
+                tracker.experiment_id,
+                spec["tracking"]["parent_run_id"],
+                mlflow_ui.ui_base(spec["tracking"]["uri"]),
+            )
             if tracker.enabled
             else ""
         )

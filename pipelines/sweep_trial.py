@@ -53,11 +53,13 @@ from stages.harness.catalogue import (
     SUMMARY_METRICS,
     epoch_metrics,
     numeric_metrics,
+    parent_description,
     stage_artifacts,
     summary_metrics,
 )
 from stages.harness.chain import sweep_role, trains, trial_stages
 from stages.harness.runner import Stopped
+from stages.harness.tracking_names import NOTE_TAG
 
 STATE = "trial.json"
 DONE = "done.json"
@@ -95,6 +97,14 @@ def headline(root: Path) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------- tracking
 
 
+def trial_description(tid: str, params: Params, overrides: dict[str, Any]) -> str:
+    """A trial run's description head (Markdown): the trial, dataset, model kind and arch, seed, its grid point;
+    both arms (the T-CNN and its matched control) run in it."""
+    point = trial_label(overrides) or "the base params"
+    return (f"trial {tid} · dataset {params.data.name} · {params.model.kind} ({params.model.arch}) · "
+            f"seed {params.seed} · {point} · both arms: the T-CNN and its matched control")  # fmt: skip
+
+
 def open_run(
     spec: dict[str, Any],
     tid: str,
@@ -120,6 +130,7 @@ def open_run(
         "tcnn.trial_dir": str(root),
         "tcnn.pretrain_key": t["pretrain_key"],
         **{f"grid.{k}": json.dumps(v) for k, v in t["overrides"].items()},
+        NOTE_TAG: trial_description(tid, params, t["overrides"]),
     }
     if nodes:
         tags.update({NODE_TAG: nodes[-1], ATTEMPT_NODES_TAG: ",".join(nodes)})
@@ -289,7 +300,8 @@ class TrialRunner:
     def run(self) -> dict[str, Any]:
         self.root.mkdir(parents=True, exist_ok=True)
         self.marks.mkdir(exist_ok=True)
-        os.environ.setdefault("TCNN_QUIET", "1")
+        # no TCNN_QUIET: the trial's log is no terminal, so training prints a progress line every 30 s into it
+        # (core.training.progress) besides one line per epoch
         threads = int(self.spec.get("threads") or 1)
         import torch
 
@@ -343,9 +355,11 @@ class TrialRunner:
         for name, metrics in results.items():
             tracker.log_metrics(numeric(metrics, "" if name == last_trial_stage() else f"{name}_"))
         tracker.log_metrics(headline(self.root))  # the names the DVC path logs on its parent run
+        t = self.spec["trials"][self.tid]
+        note = parent_description(trial_description(self.tid, self.params, t["overrides"]), self.root)
+        tracker.set_tags({NOTE_TAG: note})
         for path, folder in trial_artifacts(tuple(results), self.params, self.root):
             tracker.log_artifact(path, folder)
-        t = self.spec["trials"][self.tid]
         done = {
             "tid": self.tid,
             "label": trial_label(t["overrides"]),

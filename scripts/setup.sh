@@ -42,3 +42,5 @@ fi
 # "Updating the lock"); packages the lock does not name are removed. A no-op when .venv already matches.
 echo "setup: .venv <- uv.lock (uv sync --locked)"
 UV_PYTHON_DOWNLOADS=never "$UV" sync --locked --extra dev --python "$PY" --quiet
+# `dvc plots show`'s page with the Vega libraries inlined (from the locked wheel): it draws offline.
+.venv/bin/python scripts/dvc_plots_page.py

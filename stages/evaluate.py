@@ -21,7 +21,10 @@ model of ``model.kind`` (``runs/finetune/tcnn-final.pt``). All are evaluated at 
   category / severity / corruption); ``comparisons``: T-CNN minus control (what attention buys), T-CNN minus
   the pretrained CNN and control minus the pretrained CNN, each metric with its paired-bootstrap 95%
   interval over test images (``robustness.bootstrap`` replicates, seeded by ``seed``; core.robustness.intervals) and
-  the relative gain per category / severity ([TCNN21] Fig. 3) -- DVC metrics;
+  the relative gain per category / severity ([TCNN21] Fig. 3);
+- ``headline/``: the headline (core.robustness.headline), one small JSON per row -- each model's clean
+  accuracy and mCA, and T-CNN minus control with its interval -- the stage's only DVC metrics, so that
+  `dvc metrics show` and `dvc exp show` stay readable (``metrics.json`` is an uncached out, git-tracked);
 - ``robustness_by_category.csv`` / ``robustness_by_severity.csv``: mean corruption accuracy per group and
   model (DVC plots), and ``plots/robustness_gain.png``: the T-CNN's relative improvement over the control and
   over the pretrained CNN per category and severity, with intervals ([TCNN21] Fig. 3).
@@ -58,7 +61,7 @@ from stages.robustness_bench import (
     evaluate_models,
     model_paths,
 )
-from stages.robustness_scores import say_all, write_main, write_public
+from stages.robustness_scores import say_all, write_headline, write_main, write_public
 
 NAME = "evaluate"
 
@@ -79,6 +82,7 @@ def run(params: Params, *, root: Path = Path("."), shared: Path | str | None = N
         metrics["public"] = write_public(params, out, name, ptable, pimage, list(paths))
     metrics["cnn_evaluation"] = note
     metrics["wall_s"] = round(time.perf_counter() - t_start, 3)
+    write_headline(out, metrics)
     atomic_write_json(out / "metrics.json", metrics)
     atomic_write_json(out / "summary.json", summaries)
     say_all("", summaries, comps)

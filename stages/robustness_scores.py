@@ -6,6 +6,7 @@ bootstrap interval over test images (core.robustness.intervals), the relative ga
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,9 +15,10 @@ from typing import Any
 import pyarrow as pa
 
 from core.config import Params
+from core.robustness.headline import headline_rows, interval_text
 from core.robustness.intervals import CONFIDENCE
 from core.robustness.metrics import Baseline, bootstrap_metrics, comparisons, flat_metrics, summarize
-from core.utils.atomic import atomic_write_parquet, atomic_write_text
+from core.utils.atomic import atomic_write_json, atomic_write_parquet, atomic_write_text
 from core.utils.hashing import derive_seed
 from core.viz.plots import plot_gains
 from stages.harness.runner import StageError
@@ -25,6 +27,8 @@ from stages.robustness_bench import LABELS
 #: The differences evaluate reports (b - a for (a, b)): first what attention buys (T-CNN vs its matched
 #: control), then each fine-tuned model vs the pretrained CNN.
 PAIRS = (("control", "tcnn"), ("cnn", "tcnn"), ("cnn", "control"))
+#: The headline's folder under the stage's output (dvc.yaml's one ``metrics:`` entry of evaluate).
+HEADLINE_DIR = "headline"
 
 
 def resolve_baseline(spec: str, table: pa.Table) -> Baseline:
@@ -123,6 +127,16 @@ def say_all(prefix: str, summaries: dict[str, Any], comps: dict[str, Any]) -> No
         )
 
 
+def write_headline(out: Path, metrics: dict[str, Any]) -> None:
+    """``<out>/headline/<row>.json``, one file per row of core.robustness.headline.headline_rows: DVC shows
+    a metrics folder's files as rows, so `dvc metrics show` prints the headline as a small table."""
+    folder = out / HEADLINE_DIR
+    shutil.rmtree(folder, ignore_errors=True)  # no row of an earlier run's models survives
+    folder.mkdir(parents=True)
+    for name, row in headline_rows(metrics).items():
+        atomic_write_json(folder / f"{name}.json", row)
+
+
 def _group_csv(summaries: dict[str, dict[str, Any]], key: str) -> str:
     groups = list(next(iter(summaries.values()))[key])
     lines = [",".join([key.removeprefix("per_"), *summaries])]
@@ -142,5 +156,5 @@ def _set_sizes(table: pa.Table) -> dict[str, int]:
 
 
 def _say(diffs: dict[str, Any], key: str) -> str:
-    d = diffs[key]
-    return f"{key} {100 * d['diff']:+.2f} pp [{100 * d['low']:+.2f}, {100 * d['high']:+.2f}]"
+    low_high = interval_text(diffs[key]).replace(" [", " pp [", 1)
+    return f"{key} {low_high}"

@@ -39,9 +39,11 @@ def test_every_stage_says_how_a_sweep_runs_it_and_trial_stages_keep_the_chain_or
 
 def test_folders_and_files_come_from_a_stage_outputs(tmp_path: Path) -> None:
     dvc = {"stages": {
-        "a": {"cmd": "x", "outs": ["out/a/ckpt", "out/a/m-final.pt", {"out/a/h.csv": {"cache": False}}],
-              "metrics": [{"out/a/metrics.json": {"cache": False}}]},
-        "b": {"cmd": "x", "outs": ["${data.dir}", "res/t.parquet", "res/plots/p.png"], "metrics": ["res/m.json"]},
+        "a": {"cmd": "x", "outs": ["out/a/ckpt", "out/a/m-final.pt", {"out/a/h.csv": {"cache": False}},
+                                   {"out/a/metrics.json": {"cache": False}}]},
+        "b": {"cmd": "x", "outs": ["${data.dir}", "res/t.parquet", "res/plots/p.png", {"res/m.json": {"cache": False}},
+                                   "res/cached.json"],
+              "metrics": [{"res/headline": {"cache": False}}]},
     }}  # fmt: skip
     (tmp_path / "dvc.yaml").write_text(yaml.safe_dump(dvc))
     assert chain.outputs("a", tmp_path) == (
@@ -51,7 +53,10 @@ def test_folders_and_files_come_from_a_stage_outputs(tmp_path: Path) -> None:
         "out/a/metrics.json",
     )
     assert chain.run_dir("a", tmp_path) == "out/a" and chain.run_dir("b", tmp_path) == "res"
-    assert chain.metrics_file("b", tmp_path) == "res/m.json"
+    assert chain.metrics_file("a", tmp_path) == "out/a/metrics.json"
+    assert chain.metrics_file("b", tmp_path) == "res/m.json"  # the uncached JSON out, not the cached one
+    assert chain.headline_dir(tmp_path) == "res/headline"  # DVC's one `metrics:` entry
+    assert chain.outputs("b", tmp_path)[-1] == "res/headline"
     assert chain.output("a", "h.csv", tmp_path) == "out/a/h.csv"
     assert chain.resolve("${data.dir}/x", {"data": {"dir": "d/f"}}) == "d/f/x"
     assert chain.partial_dir("a") == f"{chain.PARTIAL}/a"

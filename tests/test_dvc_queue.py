@@ -9,7 +9,9 @@ committed into each experiment (read back with `git show`), and DVC's own `dvc.l
 from __future__ import annotations
 
 import contextlib
+import csv
 import hashlib
+import io
 import json
 import shutil
 import subprocess
@@ -70,6 +72,13 @@ def _stop_workers(repo: Path) -> None:
                 p.kill()
 
 
+HEADLINE_ROWS = ("cnn", "control", "tcnn", "tcnn-control")
+PER_STAGE = ("runs/pretrain/metrics.json", "runs/finetune/metrics.json")  # git-tracked, no DVC metrics
+#: docs/pipeline.md's `dvc exp show --only-changed --drop ... --keep ...`: every column named by a path dropped
+#: (the stages' deps, the models' rows: `dvc metrics show`'s), the difference's columns kept.
+EXP_SHOW_DROP = r".*/.*"
+
+
 def _exp_rows(repo: Path) -> dict[str, dict]:
     """`dvc exp show --json`, flattened to {experiment name: {"params": ..., "metrics": ...}}."""
     shown = json.loads(dvc(repo, "exp", "show", "--json").stdout)
@@ -118,13 +127,47 @@ def test_exp_show_lists_every_experiment_with_params_and_metrics(queued: Path) -
     for name, lam in EXPERIMENTS.items():
         row = rows[name]
         assert row["params"]["reparam"]["lambda_init"] == lam
-        committed = json.loads(run(["git", "show", f"{row['rev']}:results/metrics.json"], queued).stdout)
-        assert row["metrics"]["results/metrics.json"] == committed
-        assert 0.0 < committed["tcnn"]["clean_accuracy"] <= 1.0
-    # the experiments differ where they should: the fine-tuned T-CNN, not the shared pretrained CNN
-    a, b = (rows[n]["metrics"] for n in EXPERIMENTS)
-    assert a["runs/pretrain/metrics.json"] == b["runs/pretrain/metrics.json"]
-    assert a["runs/finetune/metrics.json"] != b["runs/finetune/metrics.json"]
+        # the DVC metrics are the headline, one file per row, the commit's own files
+        assert set(row["metrics"]) == {f"results/headline/{r}.json" for r in HEADLINE_ROWS}, row["metrics"]
+        for r in HEADLINE_ROWS:
+            committed = json.loads(
+                run(["git", "show", f"{row['rev']}:results/headline/{r}.json"], queued).stdout
+            )
+            assert row["metrics"][f"results/headline/{r}.json"] == committed
+        full = json.loads(run(["git", "show", f"{row['rev']}:results/metrics.json"], queued).stdout)
+        assert row["metrics"]["results/headline/tcnn.json"]["clean"] == round(
+            100 * full["tcnn"]["clean_accuracy"], 2
+        )
+    # the experiments differ where they should (each commit's git-tracked stage metrics): the fine-tuned
+    # T-CNN, not the shared pretraining
+    committed = {
+        n: {f: json.loads(run(["git", "show", f"{rows[n]['rev']}:{f}"], queued).stdout) for f in PER_STAGE}
+        for n in EXPERIMENTS
+    }
+    fa, fb = committed.values()
+    assert fa["runs/pretrain/metrics.json"] == fb["runs/pretrain/metrics.json"]
+    assert fa["runs/finetune/metrics.json"] != fb["runs/finetune/metrics.json"]
+
+
+def test_exp_show_lines_experiments_up_by_the_headline(queued: Path) -> None:
+    """The command docs/pipeline.md gives: every experiment with the param that differs and T-CNN - control
+    with its interval, each experiment's own committed numbers (the 120-column check of the same command on a
+    fresh clone's first run is tests/test_pipeline_e2e.py's; queued experiments add DVC's State and Executor
+    columns)."""
+    shown = dvc(
+        queued, "exp", "show", "--only-changed", "--drop", EXP_SHOW_DROP, "--keep", "tcnn-.*", "--csv"
+    )
+    table = list(csv.DictReader(io.StringIO(shown.stdout)))
+    assert {"reparam.lambda_init", *(f"tcnn-control {c}" for c in ("clean", "mCA", "mCE"))} <= set(table[0])
+    assert not [
+        c for c in table[0] if c.endswith((":clean", ":mCA"))
+    ]  # the models' rows: `dvc metrics show`'s
+    rows = _exp_rows(queued)
+    for name, lam in EXPERIMENTS.items():
+        (row,) = [r for r in table if name in r.values()]  # its "Experiment" column
+        assert float(row["reparam.lambda_init"]) == lam
+        want = rows[name]["metrics"]["results/headline/tcnn-control.json"]
+        assert {k: row[k] for k in want} == want, (row, want)
 
 
 def test_exp_diff_and_plots_diff_compare_two(queued: Path) -> None:
@@ -132,8 +175,6 @@ def test_exp_diff_and_plots_diff_compare_two(queued: Path) -> None:
     diff = json.loads(dvc(queued, "exp", "diff", first, second, "--json").stdout)
     lam = diff["params"]["params.yaml"]["reparam.lambda_init"]
     assert (lam["old"], lam["new"]) == (EXPERIMENTS[first], EXPERIMENTS[second])
-    assert {"results/metrics.json", "runs/finetune/metrics.json"} <= set(diff["metrics"])
-    assert "runs/pretrain/metrics.json" not in diff["metrics"]  # the shared pretraining did not change
     plots = json.loads(dvc(queued, "plots", "diff", first, second, "--json").stdout)
     assert not plots.get("errors"), plots.get("errors")
     assert {"finetune_validation", "gpsa_gate", "robustness_by_category"} <= set(plots["data"])

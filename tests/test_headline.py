@@ -107,8 +107,8 @@ def test_the_report_sentence_for_a_worse_mce_says_worse() -> None:
 
 
 def _results(root: Path) -> dict:
-    comps = {"tcnn-control": {"mca": {"diff": 0.02, "low": 0.005, "high": 0.031},
-                              "clean_accuracy": {"diff": -0.004, "low": -0.011, "high": 0.002}}}  # fmt: skip
+    comps = {"tcnn-control": {"mca": {"diff": 0.02, "low": 0.005, "high": 0.031, "excludes_zero": True},
+                              "clean_accuracy": {"diff": -0.004, "low": -0.011, "high": 0.002, "excludes_zero": False}}}  # fmt: skip
     (root / "results").mkdir(parents=True)
     (root / "results" / "metrics.json").write_text(json.dumps({"comparisons": comps}))
     return comps
@@ -130,6 +130,65 @@ def test_interval_ends_reach_the_mlflow_parent_as_low_and_high(tmp_path: Path) -
         assert logged[f"tcnn_minus_control_{key}"] == pytest.approx(d["diff"])
         assert logged[f"tcnn_minus_control_{key}_ci_low"] == pytest.approx(d["low"])
         assert logged[f"tcnn_minus_control_{key}_ci_high"] == pytest.approx(d["high"])
+
+
+def test_the_parent_description_and_the_saved_view_show_the_headline(tmp_path: Path) -> None:
+    """The parent's description (MLflow's ``mlflow.note.content``, Markdown) carries T-CNN - control with its
+    interval and the report's sentence; the experiment's saved view ticks the parent's interval-end columns."""
+    from stages.harness.catalogue import SUMMARY_METRICS, VIEW_METRICS
+    from stages.harness.runner import _log_outputs
+    from stages.harness.tracking import Tracker
+
+    _results(tmp_path)
+    tracker = Tracker(uri=f"sqlite:///{tmp_path / 'm.db'}", experiment="t")
+    tracker.start_parent("p")
+    tracker.start_child("report")
+    _log_outputs(tracker, validate_params({}), "report", {}, tmp_path)
+    run = tracker.client.get_run(tracker.parent_run_id)
+    note = run.data.tags["mlflow.note.content"]
+    # mCA +2.00 pp [+0.50, +3.10]: excludes 0, higher is better; clean -0.40 [-1.10, +0.20]: includes 0
+    assert (
+        "| **T-CNN − control** (pp, 95% interval) | -0.40 [-1.10, +0.20] | +2.00 [+0.50, +3.10] | n/a |"
+        in note
+    )
+    assert note.splitlines()[2] == ("**T-CNN − control** (pp, paired bootstrap 95% interval over test images): "
+                                    "clean -0.40 [-1.10, +0.20] · mCA +2.00 [+0.50, +3.10] · mCE n/a")  # fmt: skip
+    assert "- mCA: +2.00 pp, 95% interval [+0.50, +3.10] pp. The interval excludes 0" in note
+    assert (
+        "the T-CNN is better than the control" in note
+        and "cannot tell the T-CNN and the control apart" in note
+    )
+    exp = tracker.client.get_experiment(run.info.experiment_id)
+    view = json.loads(exp.tags["mlflow.sharedViewState.tcnn-headline"])
+    cols = [c for c in view["selectedColumns"] if c.startswith("metrics.")]
+    assert cols == [f"metrics.`{m}`" for m in VIEW_METRICS] and set(VIEW_METRICS) <= set(SUMMARY_METRICS)
+    assert cols[:3] == [
+        f"metrics.`tcnn_minus_control_clean_accuracy{e}`" for e in ("", "_ci_low", "_ci_high")
+    ]
+    assert {f"tcnn_minus_control_mca{e}" for e in ("", "_ci_low", "_ci_high")} <= set(run.data.metrics)
+
+
+def test_the_dvc_headline_rows_are_the_scored_numbers() -> None:
+    """results/headline/ (what `dvc metrics show` prints): each model's clean accuracy and mCA in % and T-CNN -
+    control with its interval in pp, from the scores themselves; with the control off, T-CNN - CNN."""
+    from core.robustness.headline import headline_rows
+
+    out, _ = _score()
+    metrics = {**out["points"], "comparisons": out["comparisons"]}
+    rows = headline_rows(metrics)
+    assert list(rows) == ["cnn", "control", "tcnn", "tcnn-control"]
+    for m in ("cnn", "control", "tcnn"):
+        assert rows[m] == {"clean": round(100 * out["points"][m]["clean_accuracy"], 2),
+                           "mCA": round(100 * out["points"][m]["mca"], 2)}  # fmt: skip
+    d = out["comparisons"]["tcnn-control"]["mca"]
+    assert d["diff"] > 0  # the T-CNN loses less under corruption (DROP)
+    assert (
+        rows["tcnn-control"]["tcnn-control mCA"]
+        == f"+{100 * d['diff']:.2f} [{100 * d['low']:+.2f}, {100 * d['high']:+.2f}]"
+    )
+    without = {k: v for k, v in metrics.items() if k != "control"}
+    without["comparisons"] = {k: v for k, v in metrics["comparisons"].items() if "control" not in k}
+    assert list(headline_rows(without)) == ["cnn", "tcnn", "tcnn-cnn"]
 
 
 def test_interval_ends_reach_the_sweep_summary_as_low_and_high(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from _pipeline_repo import FMNIST_DIR, STAGES, built_repo, children, client, dvc, runs
+from _pipeline_repo import FMNIST_DIR, REPO, STAGES, built_repo, children, client, dvc, runs
 
 pytestmark = [
     pytest.mark.slow,
@@ -80,6 +80,9 @@ def test_parent_tags_git_commit_and_dvc_lock(repo: Path, tmp_path: Path) -> None
     parent = _parents(runs(repo))[0]
     head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True)
     assert parent.data.tags["mlflow.source.git.commit"] == head.stdout.strip()
+    # the first run of a fresh repository: clean (what `dvc repro` rewrote is its own), named by its command
+    assert parent.data.tags["tcnn.git_dirty"] == "False"
+    assert parent.data.tags["mlflow.source.name"] == "dvc repro"
     lock_tag = parent.data.tags["tcnn.dvc_lock_sha256"]
     logged = _download(repo, parent.info.run_id, "dvc.lock", tmp_path)
     assert _sha256(logged) == lock_tag
@@ -171,7 +174,7 @@ def test_artifacts_checkpoints_tables_plots(repo: Path, tmp_path: Path) -> None:
         "pretrain": {"checkpoints/cnn-final.pt", "checkpoints/ckpt/ckpt-epoch-001.pt", "history.csv", "metrics.json"},
         "reparam": {"equivalence.json", "checkpoints/tcnn.pt"},
         "finetune": {"checkpoints/tcnn-final.pt", "gpsa.csv", "history.csv"},
-        "evaluate": {"robustness.parquet", "metrics.json", "plots/robustness_gain.png"},
+        "evaluate": {"robustness.parquet", "metrics.json", "plots/robustness_gain.png", "headline/tcnn-control.json"},
         "report": {"report.html", "plots/fig4_dynamics.png", "plots/fig5_attention.png", "plots/training_curves.png"},
     }  # fmt: skip
     for stage, names in want.items():
@@ -255,6 +258,88 @@ def test_report_lists_the_run_ids(repo: Path) -> None:
         assert f"<code>{run.info.run_id}</code>" in html
 
 
+def _pct_interval(d: dict) -> str:
+    """A difference with its interval in percentage points, written out here (not core's formatter)."""
+    lo, mid, hi = (100 * d[k] for k in ("low", "diff", "high"))
+    return f"{mid:+.2f} [{lo:+.2f}, {hi:+.2f}]"
+
+
+def _assert_headline_table(shown: str, repo: Path) -> None:
+    """`dvc metrics show` prints the headline, and only it, in 120 columns: one row per model (clean accuracy and
+    mCA in %) and one for T-CNN - control (clean, mCA, mCE with 95% interval ends in pp), the numbers of
+    results/metrics.json."""
+    lines = [line for line in shown.splitlines() if line.strip()]
+    assert lines and max(len(line) for line in lines) <= 120, shown
+    cells = [re.split(r"\s{2,}", line.strip()) for line in lines]  # DVC pads its columns with 2+ spaces
+    diff_cols = [f"tcnn-control {c}" for c in ("clean", "mCA", "mCE")]
+    assert cells[0] == ["Path", "clean", "mCA", *diff_cols], shown
+    full = json.loads((repo / "results" / "metrics.json").read_text())
+    rows = {row[0]: row[1:] for row in cells[1:]}
+    assert set(rows) == {f"results/headline/{r}.json" for r in ("cnn", "control", "tcnn", "tcnn-control")}, (
+        shown
+    )
+    for model in ("cnn", "control", "tcnn"):
+        got = rows[f"results/headline/{model}.json"]
+        want = [100 * full[model][k] for k in ("clean_accuracy", "mca")]
+        assert [float(v) for v in got[:2]] == pytest.approx(want, abs=0.006) and got[2:] == ["-"] * 3, (
+            model,
+            got,
+        )
+    diffs = full["comparisons"]["tcnn-control"]
+    want = ["-", "-", *(_pct_interval(diffs[k]) for k in ("clean_accuracy", "mca", "mce"))]
+    assert rows["results/headline/tcnn-control.json"] == want, shown
+
+
+def test_dvc_metrics_show_and_exp_show_print_the_headline_in_120_columns(repo: Path) -> None:
+    """A fresh clone's first run: `dvc metrics show` prints the headline table; the `dvc exp show` command
+    docs/pipeline.md gives sets the run's T-CNN - control beside the committed one, in 120 columns."""
+    _assert_headline_table(dvc(repo, "metrics", "show").stdout, repo)
+    shown = dvc(repo, "exp", "show", "--only-changed", "--drop", r".*/.*", "--keep",
+                "tcnn-.*", "--no-pager", COLUMNS="120").stdout  # fmt: skip
+    lines = [line for line in shown.splitlines() if line.strip()]
+    assert max(len(line) for line in lines) <= 120 and "…" not in shown, shown
+    assert [c.strip() for c in re.split(r"\s{2,}", lines[1].strip())] == [
+        "Experiment", "Created", "tcnn-control clean", "tcnn-control mCA", "tcnn-control mCE"
+    ], shown  # fmt: skip
+    mine = json.loads((repo / "results" / "headline" / "tcnn-control.json").read_text())
+    (workspace,) = [line for line in lines if line.strip().startswith("workspace")]
+    (main,) = [line for line in lines if line.strip().startswith("main")]
+    assert all(v in workspace for v in mine.values()), shown
+    assert re.split(r"\s{2,}", main.strip())[2:] == ["-"] * 3, shown  # the test repo's commit has no results
+
+
+def _drawn(page: Path, tmp_path: Path) -> tuple[int, int]:
+    """(plots on the page, plots drawn) with the network off: headless Chromium with every host unresolvable
+    and a dead proxy; a drawn Vega view is a `marks` canvas or SVG inside its div."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, "chromium not installed (scripts/setup.sh --test installs it)"
+    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+           f"--user-data-dir={tmp_path / 'profile'}", "--host-resolver-rules=MAP * ~NOTFOUND",
+           "--proxy-server=http://127.0.0.1:9", "--virtual-time-budget=20000", "--dump-dom", page.as_uri()]  # fmt: skip
+    dom = subprocess.run(cmd, capture_output=True, text=True, timeout=180).stdout
+    wanted = len(re.findall(r"vegaEmbed\('#", page.read_text()))
+    return wanted, len(re.findall(r'<(?:canvas|svg)[^>]*class="marks"', dom))
+
+
+def test_dvc_plots_show_draws_offline(repo: Path, tmp_path: Path) -> None:
+    """`dvc plots show` renders into the page scripts/setup.sh generated (.dvc/config plots.html_template:
+    Vega, Vega-Lite and Vega-Embed inlined): every plot draws with the network off. DVC's own page (the
+    libraries from a CDN) draws none: the check can fail."""
+    page = REPO / "infra" / "dvc" / "plots" / "offline.html"  # scripts/dvc_plots_page.py's PAGE
+    assert page.is_file(), f"{page} missing: scripts/setup.sh generates it"
+    copy = tmp_path / "repo"
+    shutil.copytree(repo, copy, symlinks=True)
+    (copy / page.relative_to(REPO)).write_bytes(page.read_bytes())  # what set-up writes in a clone
+    dvc(copy, "plots", "show", "-o", str(tmp_path / "offline"))
+    wanted, drawn = _drawn(tmp_path / "offline" / "index.html", tmp_path / "a")
+    assert wanted >= 7 and drawn == wanted, (wanted, drawn)
+    cdn = tmp_path / "cdn.html"
+    cdn.write_text("<html><head>{scripts}</head><body>{plot_divs}</body></html>")
+    dvc(copy, "plots", "show", "--html-template", str(cdn), "-o", str(tmp_path / "online"))
+    assert "cdn.jsdelivr.net" in (tmp_path / "online" / "index.html").read_text()
+    assert _drawn(tmp_path / "online" / "index.html", tmp_path / "b") == (wanted, 0)
+
+
 def test_noop_rerun_is_clean_and_opens_no_run(repo: Path) -> None:
     before = len(runs(repo))
     status = dvc(repo, "status")
@@ -298,8 +383,7 @@ def test_dvc_exp_run_is_its_own_parent_run_and_reruns_only_reparam_and_after(own
     assert sorted(r.data.tags["tcnn.stage"] for r in kids) == sorted(ran)
     assert {r.info.status for r in kids} == {"FINISHED"}
     assert f"<code>{parent.info.run_id}</code>" in (repo / "results" / "report.html").read_text()
-    shown = dvc(repo, "metrics", "show")
-    assert "tcnn.mce" in shown.stdout
+    _assert_headline_table(dvc(repo, "metrics", "show").stdout, repo)  # the experiment's own numbers
     plots = dvc(repo, "plots", "show", "--json")
     data = json.loads(plots.stdout)
     assert not data.get("errors")

@@ -420,7 +420,16 @@ def test_run_ids_file_written_by_the_tracking_layer(tmp_path) -> None:
     record_run_ids(f, "P2", "reparam", "r3", meta)  # another execution: the file starts over
     assert report_inputs.read_run_ids(tmp_path) == ({"parent": "P2", "reparam": "r3"}, None)
     html = section_runs({"parent": "P2"}, {"tracking": {}}, None, report_inputs.read_run_meta(tmp_path))
-    assert "#/experiments/7/runs/P2" in html and "fun-cat" in html
+    assert "fun-cat" in html
+    # every link opens the training workflow; the runs table with the saved headline view; the ids are links
+    ui = "http://127.0.0.1:5000/#/experiments/7/runs"
+    assert f'<a href="{ui}/P2?workflowType=machine_learning"><code>P2</code></a>' in html
+    assert f'<a href="{ui}?workflowType=machine_learning&amp;viewStateShareKey=tcnn-headline">' in html
+    assert "--backend-store-uri sqlite:///x.db" in html  # how to serve the local store
+    served = {**report_inputs.read_run_meta(tmp_path), "tracking_uri": "http://mlflow.lab:8080/"}
+    html = section_runs({"parent": "P2"}, {"tracking": {}}, None, served)
+    assert '<a href="http://mlflow.lab:8080/#/experiments/7/runs/P2?workflowType=machine_learning">' in html
+    assert "--backend-store-uri" not in html  # a server: its own address, nothing to start
 
 
 # ------------------------------------------------------------------------------------------------ real chain

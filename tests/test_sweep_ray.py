@@ -114,10 +114,20 @@ def test_sweep_2x2_one_pretraining_mlflow_parent_children_and_reuse(tmp_path: Pa
     # MLflow: one parent (trials=4, pretrain_runs=1) + 4 FINISHED children with the DVC path's param names.
     parent, children = sweep_runs(tmp_path, "a")
     assert parent.info.status == "FINISHED"
+    # the last line links the parent's page in the UI's training workflow (core.utils.mlflow_ui)
+    exp_id, run_id = parent.info.experiment_id, parent.info.run_id
+    assert (
+        f"http://127.0.0.1:5000/#/experiments/{exp_id}/runs/{run_id}?workflowType=machine_learning"
+        in res.stdout
+    )
     assert parent.data.metrics["trials"] == 4 and parent.data.metrics["pretrain_runs"] == 1
     assert json.loads(parent.data.params["grid.reparam.epoch"]) == [1, 2]
     assert len(children) == 4 and {c.info.status for c in children} == {"FINISHED"}
     assert len({c.data.tags["tcnn.trial"] for c in children}) == 4
+    for c in children:  # each trial's description: what it is, then its own T-CNN - control with the interval
+        note = c.data.tags["mlflow.note.content"]
+        assert f"trial {c.data.tags['tcnn.trial']} · dataset " in note and "both arms" in note, note
+        assert "| **T-CNN − control** (pp, 95% interval) |" in note, note
     combos = {(int(c.data.params["reparam_epoch"]), float(c.data.params["alpha_init"])) for c in children}
     assert combos == set(itertools.product(GRID["reparam.epoch"], GRID["reparam.alpha_init"]))
     dvc_names = set(

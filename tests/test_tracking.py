@@ -490,7 +490,9 @@ def test_every_stage_closes_its_parent_and_the_chain_reopens_it(
     run = client.get_run(parent)
     assert (run.info.status, run.data.tags[CHAIN_TAG]) == ("FINISHED", "open")
     assert (
-        run.info.run_name == run_label(params) == "tcnn resnet10_cifar_os16 t1=2 alpha=1 lambda=1 f=1 seed=3"
+        run.info.run_name
+        == run_label(params)
+        == "tcnn resnet10_cifar_os16 fashion_mnist t1=2 alpha=1 lambda=1 f=1 seed=3"
     )
     assert run.data.tags[PARAMS_HASH_TAG] == params_hash(params)
     with stage_run(params, "corrupt", root=tmp_path) as t2:  # `python -m stages.corrupt` by hand
@@ -507,13 +509,16 @@ def test_every_stage_closes_its_parent_and_the_chain_reopens_it(
 
 def test_parent_names_and_params_hash() -> None:
     base = Params()
-    assert run_label(base) == "tcnn resnet10_cifar_os16 t1=2 alpha=1 lambda=1 f=1 seed=0"
+    assert run_label(base) == "tcnn resnet10_cifar_os16 fashion_mnist t1=2 alpha=1 lambda=1 f=1 seed=0"
     other = base.with_overrides({"reparam.alpha_init": 0.5, "data.sample_fraction": 0.25, "seed": 2})
-    assert run_label(other) == "tcnn resnet10_cifar_os16 t1=2 alpha=0.5 lambda=1 f=0.25 seed=2"
+    assert run_label(other) == "tcnn resnet10_cifar_os16 fashion_mnist t1=2 alpha=0.5 lambda=1 f=0.25 seed=2"
     assert run_label(base.with_overrides({"model.kind": "psa"})).startswith(
-        "psa resnet10_cifar_os16 t1=2 alpha=1 f=1"
+        "psa resnet10_cifar_os16 fashion_mnist t1=2 alpha=1 f=1"
     )
-    assert run_label(base.with_overrides({"model.kind": "cnn"})) == "cnn resnet10_cifar_os16 f=1 seed=0"
+    assert (
+        run_label(base.with_overrides({"model.kind": "cnn"}))
+        == "cnn resnet10_cifar_os16 fashion_mnist f=1 seed=0"
+    )
     assert params_hash(base) != params_hash(other)
     # where runs are logged is not part of what they compute
     assert params_hash(base.with_overrides({"tracking.experiment": "elsewhere"})) == params_hash(base)
@@ -591,3 +596,34 @@ def test_a_reader_does_not_create_a_store_a_writer_is_creating(tmp_path: Path) -
         "EXPERIMENTS",
         "1",
     ]  # it created the store after the lock
+
+
+def test_git_dirty_ignores_what_the_pipeline_writes_and_sees_the_users_edits(tmp_path: Path) -> None:
+    """A fresh clone's first `dvc repro` rewrites dvc.lock and the git-tracked metrics and plot tables: not
+    dirty. An edited tracked file of the user's (params.yaml, a module), staged or not, is."""
+    from stages.harness import chain
+    from stages.harness.stage_run import git_dirty
+
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t.invalid", "-c",
+           "commit.gpgsign=false"]  # fmt: skip
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    outs = ["dvc.lock", "runs/pretrain/metrics.json", "results/headline/tcnn.json", "runs/finetune/gpsa.csv"]
+    assert {"runs/pretrain/metrics.json", "runs/finetune/gpsa.csv", "results/headline"} <= set(
+        chain.all_outputs()
+    )
+    for rel in [*outs, "params.yaml", "core/x.py"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("committed\n")
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "c"], check=True)
+    assert git_dirty(tmp_path) is False
+    for rel in outs:  # what `dvc repro` writes
+        (tmp_path / rel).write_text("rewritten by the pipeline\n")
+    assert git_dirty(tmp_path) is False
+    (tmp_path / "params.yaml").write_text("edited\n")
+    assert git_dirty(tmp_path) is True
+    subprocess.run([*git, "add", "params.yaml"], check=True)  # staged counts too
+    assert git_dirty(tmp_path) is True
+    subprocess.run([*git, "reset", "-q", "--hard"], check=True)
+    (tmp_path / "core" / "x.py").unlink()  # a deleted module is a change
+    assert git_dirty(tmp_path) is True

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from core.training import distributed as D
 from core.training import early_stop as ES
+from core.training import progress as P
 from core.training.checkpoint import CheckpointError, atomic_save, capture_rng, load, restore_rng
 from core.training.optim import WarmupCosine, optimizer_param_names, state_to_parameter_devices
 from core.training.precision import autocast, grad_scaler
@@ -69,15 +70,6 @@ class TrainingError(RuntimeError):
 # ---------------------------------------------------------------------------------------------------------
 # Environment: device, quiet mode, determinism
 # ---------------------------------------------------------------------------------------------------------
-
-
-def is_quiet() -> bool:
-    """No progress bars when TCNN_QUIET=1, CI=true, or stderr is not a terminal."""
-    if os.environ.get("TCNN_QUIET", "").lower() in ("1", "true", "yes"):
-        return True
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        return True
-    return not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty())
 
 
 def select_device(name: str | None = None) -> torch.device:
@@ -509,7 +501,7 @@ def _train_epoch(job: _Job, run: _Run, net: nn.Module, stop: StopSignals) -> Non
     """The rest of data epoch `run.epoch`, from step `run.step`. Writes `resume.pt` every
     `checkpoint_every_steps` global steps and, when a stop signal arrived on any rank, raises `Preempted`
     after writing it (an epoch's last step is left to `_end_epoch`, which checkpoints anyway)."""
-    bar = _progress(job.desc, run.epoch, job.epochs.stop, job.spe, run.step) if job.world.main else None
+    bar = _progress(job, run) if job.world.main else None
     t_start = time.perf_counter()
     n_timed = 0
     every = job.checkpoint_every_steps
@@ -712,15 +704,23 @@ def _epoch_line(desc: str, row: dict[str, Any], total: int) -> str:
     return " | ".join(parts)
 
 
-def _progress(desc: str, epoch: int, total: int, spe: int, start: int) -> Any:
-    if is_quiet():
+def _progress(job: _Job, run: _Run) -> Any:
+    """The epoch's progress (core.training.progress): tqdm's bar on a terminal, plain lines at a steady pace
+    through the job's log elsewhere, nothing under TCNN_QUIET=1 or when the job logs nothing."""
+    how = P.mode()
+    if how == "off" or job.log is _silent:
         return None
+    if how == "lines":
+        last = next((r["val_acc"] for r in reversed(run.history) if r.get("val_acc") is not None), None)
+        return P.LineProgress(
+            job.desc, run.epoch, job.epochs.stop, job.spe, run.step, job.log, last_val_acc=last
+        )
     from tqdm.auto import tqdm
 
     return tqdm(
-        total=spe,
-        initial=start,
-        desc=f"{desc} {epoch + 1}/{total}",
+        total=job.spe,
+        initial=run.step,
+        desc=f"{job.desc} {run.epoch + 1}/{job.epochs.stop}",
         unit="step",
         leave=False,
         dynamic_ncols=True,
@@ -731,7 +731,9 @@ def _bar_update(bar: Any, step: int, loss: torch.Tensor, n: int, t0: float, accu
     bar.update(step - bar.n)
     if step % 10 == 0 or step == bar.total:
         dt = time.perf_counter() - t0
-        bar.set_postfix(loss=f"{float(loss):.3f}", img_s=f"{n / dt:.0f}" if dt > 0 else "-", refresh=False)
+        bar.set_postfix(
+            loss=f"{float(loss.detach()):.3f}", img_s=f"{n / dt:.0f}" if dt > 0 else "-", refresh=False
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------

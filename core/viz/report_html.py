@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 from markupsafe import Markup
 
+from core.utils import mlflow_ui
 from core.viz.html import finite, fmt_delta_pp, fmt_diff, fmt_num, fmt_pct, fmt_sci, render
 
 FIGURES = {
@@ -101,22 +102,29 @@ def section_runs(
     """The MLflow section: tracking settings, the parent run's place in the UI, the run ids in stage order."""
     tr = params.get("tracking", {})
     meta = meta or {}
-    ui_link = None
-    if run_ids and run_ids.get("parent") and meta.get("experiment_id"):
-        ui_link = f"#/experiments/{meta['experiment_id']}/runs/{run_ids['parent']}"
+    exp = meta.get("experiment_id")
+    base = mlflow_ui.ui_base(meta.get("tracking_uri") or tr.get("uri"))
+    runs_link = mlflow_ui.runs_url(exp, base) if exp else None
+
+    def run_id_cell(run_id: str) -> Markup:  # the id, a link to the run's page when the experiment is known
+        if not exp:
+            return _code(run_id)
+        return Markup('<a href="{}">{}</a>').format(mlflow_ui.run_url(exp, run_id, base), _code(run_id))
+
     rows = []
     if run_ids:
         order = ["parent", *stage_order]
         keys = sorted(run_ids, key=lambda k: (order.index(k) if k in order else len(order), k))
         rows = [["parent (pipeline)" if k == "parent" else f"stage: {k}" if k in stage_order else k,
-                 _code(run_ids[k])] for k in keys]  # fmt: skip
+                 run_id_cell(run_ids[k])] for k in keys]  # fmt: skip
     return render(
         "run_mlflow.html",
         enabled=tr.get("enabled"),
         uri=tr.get("uri"),
         experiment=tr.get("experiment"),
         dvc_exp_name=meta.get("dvc_exp_name"),
-        ui_link=ui_link,
+        runs_link=runs_link,
+        local_ui=base == mlflow_ui.DEFAULT_UI,
         store=meta.get("tracking_uri", ""),
         rows=rows,
         note=note,

@@ -86,7 +86,7 @@ EOF
 run() {
   check
   mapfile -t a < <(args)
-  echo "mlflow server: $URL (backend $BACKEND, artifacts $ARTIFACTS)" >&2
+  echo "mlflow server: $URL (backend $BACKEND, artifacts $ARTIFACTS); the runs: $URL/#/?workflowType=machine_learning" >&2
   exec "$MLFLOW" "${a[@]}"
 }
 

@@ -32,10 +32,11 @@ def stage_artifacts(stage: str, params: dict[str, Any], root: Path) -> list[tupl
         if path.is_file():
             out.append((path, FOLDER_BY_SUFFIX.get(path.suffix)))
         elif path.is_dir():
+            headline = rel == chain.headline_dir()  # its files keep their folder: headline/<row>.json
             for f in sorted(path.iterdir()):
                 if f.is_file() and f.suffix in DIR_FILE_SUFFIXES:
                     folder = FOLDER_BY_SUFFIX.get(f.suffix)
-                    out.append((f, f"{folder}/{path.name}" if folder else None))
+                    out.append((f, f"{folder}/{path.name}" if folder else path.name if headline else None))
     out += [
         (root / rel, folder) for rel, folder in OPTIONAL_ARTIFACTS.get(stage, ()) if (root / rel).exists()
     ]
@@ -100,6 +101,18 @@ SUMMARY_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
         for end, field in (("", "diff"), ("_ci_low", "low"), ("_ci_high", "high"))
     },
 }
+
+#: The runs table's saved view (core.utils.mlflow_ui.shared_view): the headline first -- T-CNN - control with
+#: its 95% interval ends, then each model's clean accuracy and mCA -- all among :data:`SUMMARY_METRICS`.
+VIEW_METRICS: tuple[str, ...] = (
+    *(
+        f"tcnn_minus_control_{n}{end}"
+        for n in ("clean_accuracy", "mca", "mce")
+        for end in ("", "_ci_low", "_ci_high")
+    ),
+    *(f"{m}_{n}" for n in ("clean_accuracy", "mca") for m in ("tcnn", "control", "cnn")),
+)
+VIEW_PARAMS: tuple[str, ...] = ()  # the run's name already says kind, arch, dataset, init, fraction and seed
 
 #: Training histories each stage logs as per-epoch metrics (its ``history.json`` output): stage -> the rows'
 #: step key.
@@ -187,3 +200,56 @@ def epoch_metrics(row: dict[str, Any]) -> dict[str, float]:
                     out[f"gpsa/{layer}/{key}"] = sum(values) / len(values)
                     out.update({f"gpsa/{layer}/{key}/h{h}": float(v) for h, v in enumerate(values)})
     return {f"epoch/{k}": v for k, v in out.items() if math.isfinite(v)}
+
+
+def stage_summary(stage: str) -> str:
+    """What a stage does: the first paragraph of its module's docstring (``stages/<stage>.py``), one line."""
+    import ast
+
+    try:
+        doc = ast.get_docstring(ast.parse((chain.REPO / "stages" / f"{stage}.py").read_text())) or ""
+    except (OSError, SyntaxError):
+        return ""
+    return " ".join(doc.split("\n\n", 1)[0].split())
+
+
+#: The arm of the comparison a stage's run trains (the T-CNN and its matched control; T-CNN, d'Ascoli et al.
+#: 2021, Sec. 3), for the runs' descriptions.
+STAGE_ARMS = {"pretrain": "the pretrained CNN", "finetune": "the T-CNN arm", "control": "the control arm"}
+
+
+def stage_description(params: Any, stage: str) -> str:
+    """A stage run's MLflow description (Markdown): dataset, model kind and arch, seed, the arm it trains, and
+    what the stage does."""
+    arm = STAGE_ARMS.get(stage)
+    head = " · ".join(
+        [f"**{stage}**", f"dataset {params.data.name}", f"{params.model.kind} ({params.model.arch})",
+         f"seed {params.seed}", *([arm] if arm else [])]
+    )  # fmt: skip
+    return f"{head}\n\n{stage_summary(stage)}"
+
+
+def parent_description(label: str, root: Path) -> str:
+    """The parent run's MLflow description (Markdown): its name, T-CNN - control with its intervals on one line,
+    one sentence per interval (the report's own words), then the headline table (core.robustness.headline)."""
+    from core.robustness.headline import LABELS, headline_markdown, headline_rows, main_comparison
+    from core.viz.report_html import verdict
+
+    metrics = read_json(root / chain.metrics_file("evaluate"))
+    if not isinstance(metrics, dict) or main_comparison(metrics) is None:
+        return f"**{label}**"
+    main = main_comparison(metrics)
+    other = "the control" if main == "tcnn-control" else "the pretrained CNN"
+    diffs = metrics["comparisons"][main]
+    cells = [f"{col.split(' ', 1)[-1]} {cell}" for col, cell in headline_rows(metrics)[main].items()]
+    # the answer first: the UI shows a description's first lines and folds the rest under "Show more"
+    lines = [f"**{label}**", "",
+             f"**{LABELS[main]}** (pp, paired bootstrap 95% interval over test images): " + " · ".join(cells), ""]  # fmt: skip
+    for name, key, better in (
+        ("Clean accuracy", "clean_accuracy", True),
+        ("mCA", "mca", True),
+        ("mCE", "mce", False),
+    ):
+        if sentence := verdict(name, diffs.get(key), better, other):
+            lines.append(f"- {sentence}")
+    return "\n".join([*lines, "", headline_markdown(metrics)])

@@ -53,9 +53,31 @@ def outputs(stage: str, repo: Path = REPO) -> tuple[str, ...]:
     return tuple(next(iter(e)) if isinstance(e, dict) else e for e in entries)
 
 
+#: DVC's record of the pipeline's state, rewritten by `dvc repro` (git-tracked).
+LOCK_FILE = "dvc.lock"
+
+
+def all_outputs(repo: Path = REPO) -> tuple[str, ...]:
+    """Every stage's outs and metrics (:func:`outputs`), in stage order."""
+    return tuple(o for stage in stage_names(repo) for o in outputs(stage, repo))
+
+
 def metrics_file(stage: str, repo: Path = REPO) -> str:
-    """The stage's metrics file (its one dvc.yaml ``metrics:`` entry)."""
-    (entry,) = _stages(repo)[stage]["metrics"]
+    """The stage's metrics file: its one uncached (``cache: false``) JSON out in dvc.yaml. (DVC's own
+    ``metrics:`` section holds only the headline, so that `dvc metrics show` stays readable.)"""
+    (path,) = [
+        path
+        for entry in _stages(repo)[stage].get("outs", [])
+        if isinstance(entry, dict)
+        for path, opts in entry.items()
+        if path.endswith(".json") and (opts or {}).get("cache", True) is False
+    ]
+    return path
+
+
+def headline_dir(repo: Path = REPO) -> str:
+    """The folder of the headline's files (core.robustness.headline): dvc.yaml's one ``metrics:`` entry."""
+    (entry,) = [e for spec in _stages(repo).values() for e in spec.get("metrics", [])]
     return next(iter(entry)) if isinstance(entry, dict) else entry
 
 

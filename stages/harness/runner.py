@@ -23,12 +23,14 @@ from stages.harness.catalogue import (
     STAGE_MODELS,
     epoch_metrics,
     final_model,
+    parent_description,
     read_json,
     stage_artifacts,
     stage_metrics,
     summary_metrics,
 )
 from stages.harness.parent_watch import DVC_STAGE_ENV, end_with_dvc
+from stages.harness.tracking_names import NOTE_TAG, run_label
 
 
 class StageError(RuntimeError):
@@ -225,6 +227,8 @@ def _log_outputs(tracker: Any, params: Params, name: str, metrics: Any, root: Pa
     if name == chain.last_stage():
         parent = tracker.parent_run_id
         tracker.log_metrics(summary_metrics(root), run_id=parent)
+        label = os.environ.get("DVC_EXP_NAME") or run_label(params)
+        tracker.set_tags({NOTE_TAG: parent_description(label, root)}, run_id=parent)
         for stage, file_name in PARENT_ARTIFACTS:
             if (path := root / chain.output(stage, file_name)).is_file():
                 tracker.log_artifact(path, run_id=parent)

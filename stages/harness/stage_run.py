@@ -10,14 +10,18 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from stages.harness import chain
+from stages.harness.catalogue import stage_description
 from stages.harness.tracking import Tracker
 from stages.harness.tracking_names import (
     CHAIN_TAG,
     DVC_EXP_TAG,
     DVC_LOCK_TAG,
+    NOTE_TAG,
     PARAMS_HASH_TAG,
     RUN_IDS_FILE,
     RUN_NAME_TAG,
+    SOURCE_NAME_TAG,
     UV_LOCK_FILE,
     UV_LOCK_TAG,
     RunStatus,
@@ -29,14 +33,42 @@ from stages.harness.tracking_names import (
 
 
 def git_dirty(root: str | os.PathLike = ".") -> bool | None:
-    """Whether tracked files differ from the checked-out commit (GitPython, MLflow's own git dependency;
-    None outside git). MLflow's context tags name the commit, not whether the tree matched it."""
+    """Whether tracked files other than the pipeline's own outputs differ from the checked-out commit
+    (GitPython, MLflow's own git dependency; None outside git). MLflow's context tags name the commit, not
+    whether the tree matched it. What `dvc repro` itself writes into tracked files (``dvc.lock``, the
+    uncached metrics and plot tables of :func:`stages.harness.chain.outputs`) is no change of the user's: the
+    first run of a fresh clone is clean, an edited params.yaml or module is not."""
     try:
         import git
 
-        return git.Repo(root, search_parent_directories=True).is_dirty(untracked_files=False)
-    except Exception:  # no git executable, not a repository
+        repo = git.Repo(root, search_parent_directories=True)
+        diffs = [*repo.index.diff(None), *repo.index.diff("HEAD")]  # worktree vs index, index vs HEAD
+        changed = {p for d in diffs for p in (d.a_path, d.b_path) if p}
+    except Exception:  # no git executable, not a repository, no commit yet
         return None
+    prefix = Path(root).resolve().relative_to(Path(repo.working_tree_dir).resolve())
+    written = {str(prefix / p) for p in (chain.LOCK_FILE, *chain.all_outputs()) if "${" not in p}
+    return any(not any(c == w or c.startswith(w + "/") for w in written) for c in changed)
+
+
+def launch_command(max_depth: int = 8) -> str:
+    """The command that ran this stage, for MLflow's ``mlflow.source.name``: the nearest ``dvc`` ancestor
+    process (``dvc repro``, ``dvc exp run -S ...``), else this process's own command line."""
+    import psutil
+
+    proc = psutil.Process()
+    try:
+        for anc in proc.parents()[:max_depth]:
+            words = anc.cmdline()
+            at = next((i for i, w in enumerate(words) if Path(w).name == "dvc"), None)
+            if at is not None:
+                return " ".join(["dvc", *words[at + 1 :]])
+        own = proc.cmdline()
+    except psutil.Error:
+        own = []
+    if len(own) > 2 and own[1] == "-m":
+        own = ["python", *own[1:]]
+    return " ".join(own) or "python"
 
 
 def record_run_ids(
@@ -121,13 +153,14 @@ def stage_run(
 def _parent_tags(
     params: Any, root: Path, name: str, exp_name: str | None, parent_tags: Mapping[str, Any] | None
 ) -> dict[str, Any]:
-    """The parent's tags besides all params and MLflow's context tags (git commit, branch, source): its
-    name, ``tcnn.git_dirty``, the sha256 of ``dvc.lock`` (:data:`DVC_LOCK_TAG`, updated at every stage; at
-    the end of the chain it is the lock of every stage but the last, which DVC records after the process
-    exits) and of ``uv.lock``, under ``dvc exp run`` the experiment's name (:data:`DVC_EXP_TAG`),
-    :data:`PARAMS_HASH_TAG`, then ``parent_tags``."""
+    """The parent's tags besides all params and MLflow's context tags (git commit, branch): its name, the
+    command that ran it (:func:`launch_command`, MLflow's source name), ``tcnn.git_dirty``, the sha256 of
+    ``dvc.lock`` (:data:`DVC_LOCK_TAG`, updated at every stage; at the end of the chain it is the lock of every
+    stage but the last, which DVC records after the process exits) and of ``uv.lock``, under ``dvc exp run``
+    the experiment's name (:data:`DVC_EXP_TAG`), :data:`PARAMS_HASH_TAG`, then ``parent_tags``."""
     return {
         RUN_NAME_TAG: name,
+        SOURCE_NAME_TAG: launch_command(),
         "tcnn.git_dirty": git_dirty(root),
         DVC_LOCK_TAG: digest_if_present(root / "dvc.lock"),
         UV_LOCK_TAG: digest_if_present(root / UV_LOCK_FILE),
@@ -153,6 +186,7 @@ def _open_child(
     if tracker.parent_created:
         tracker.log_environment(root, run_id=parent)
     child_kwargs.setdefault("params", params)
+    child_kwargs["tags"] = {NOTE_TAG: stage_description(params, stage), **(child_kwargs.get("tags") or {})}
     child = tracker.start_child(stage, **child_kwargs)
     if run_ids_file is not None and child is not None:
         meta = {"experiment": tracker.experiment, "experiment_id": tracker.experiment_id,

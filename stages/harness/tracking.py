@@ -40,6 +40,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+from core.utils.mlflow_ui import VIEW_KEY, VIEW_TAG_PREFIX, shared_view
+from stages.harness.catalogue import VIEW_METRICS, VIEW_PARAMS
 from stages.harness.store_location import artifact_root, follow_workspace
 from stages.harness.tracking_names import (
     ATTEMPT_TAG,
@@ -62,6 +64,15 @@ from stages.harness.tracking_names import (
     resolve_uri,
     str_tags,
 )
+
+
+def experiment_tags() -> dict[str, str]:
+    """The tags of tcnn's experiment: MLflow's experiment kind (the UI's "Model training" workflow opens it on
+    its runs) and the saved view of the runs table (:data:`core.utils.mlflow_ui.VIEW_KEY`)."""
+    return {
+        EXPERIMENT_KIND_TAG: EXPERIMENT_KIND,
+        VIEW_TAG_PREFIX + VIEW_KEY: shared_view(VIEW_METRICS, VIEW_PARAMS),
+    }
 
 
 class TrackingError(RuntimeError):
@@ -158,21 +169,23 @@ class Tracker:
         return self._client
 
     def _get_or_create_experiment(self, name: str) -> str:
+        """The experiment's id, created if needed, tagged a model-training experiment and carrying tcnn's saved
+        runs-table view (core.utils.mlflow_ui: the headline's columns), both set again if missing or stale."""
+        tags = experiment_tags()
         exp = self._client.get_experiment_by_name(name)
         if exp is not None:
             if exp.lifecycle_stage == "deleted":
                 self._client.restore_experiment(exp.experiment_id)
-            if exp.tags.get(EXPERIMENT_KIND_TAG) is None:
-                self._client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+            for key, value in tags.items():
+                if exp.tags.get(key) != value:
+                    self._client.set_experiment_tag(exp.experiment_id, key, value)
             return exp.experiment_id
         location = None
         if self.uri.startswith("sqlite:///"):
             # Artifacts next to the database, not in whatever the working directory happens to be.
             location = artifact_root(_sqlite_path(self.uri))
         try:
-            return self._client.create_experiment(
-                name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
-            )
+            return self._client.create_experiment(name, artifact_location=location, tags=tags)
         except Exception:  # another process created it first
             exp = self._client.get_experiment_by_name(name)
             if exp is None:

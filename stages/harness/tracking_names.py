@@ -17,6 +17,8 @@ from stages.harness import chain
 
 PARENT_TAG = "mlflow.parentRunId"
 RUN_NAME_TAG = "mlflow.runName"
+SOURCE_NAME_TAG = "mlflow.source.name"  # the parent's: the command that ran the chain (`dvc repro`)
+NOTE_TAG = "mlflow.note.content"  # a run's description in the MLflow UI (Markdown)
 KIND_TAG = "tcnn.kind"  # "parent" | "stage"
 STAGE_TAG = "tcnn.stage"
 KEY_TAG = "tcnn.parent_key"
@@ -115,10 +117,11 @@ def params_hash(params: Any) -> str:
 
 
 def run_label(params: Any) -> str:
-    """A parent run's name from what distinguishes pipeline executions at a glance: model kind and arch, t1
-    and the alpha / lambda init (for the kinds that use them), the training-sample fraction and the seed."""
+    """A parent run's name from what distinguishes pipeline executions at a glance: model kind and arch, the
+    dataset, t1 and the alpha / lambda init (for the kinds that use them), the training-sample fraction and
+    the seed."""
     record, r = params.model.record, params.reparam
-    parts = [record.name, params.model.arch]
+    parts = [record.name, params.model.arch, params.data.name]
     if record.reparameterizes:
         parts.append(f"t1={r.epoch}")
     conversion = record.conversion

@@ -1,0 +1,105 @@
+"""The headline of a run: the few numbers a reader wants first, read from the evaluate stage's metrics (one
+source, so `dvc metrics show`, `dvc exp show` and the MLflow parent's description print the same numbers).
+
+- per model (pretrained CNN, matched control, T-CNN): clean accuracy and mean corruption accuracy (mCA), in %;
+- the main difference, T-CNN minus its matched control (what attention buys; T-CNN minus the pretrained CNN
+  when the control is off): clean accuracy, mCA and mCE (Hendrycks & Dietterich 2019), each with its paired
+  bootstrap 95% interval over test images, in percentage points: ``"+0.31 [-0.20, +0.83]"``.
+
+Accuracies are percentages (not fractions) so that a column of `dvc metrics show` reads as the report does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+#: The models of a run, in the order a reader compares them.
+MODELS = ("cnn", "control", "tcnn")
+#: Differences tried for the headline, first present wins (b-a: T-CNN vs control, else vs the pretrained CNN).
+MAIN_COMPARISONS = ("tcnn-control", "tcnn-cnn")
+#: Headline column -> (key in the evaluate stage's metrics, shown per model too).
+COLUMNS: dict[str, tuple[str, bool]] = {
+    "clean": ("clean_accuracy", True),
+    "mCA": ("mca", True),
+    "mCE": ("mce", False),
+}
+#: What each model and difference is called where a reader sees it.
+LABELS = {"cnn": "pretrained CNN", "control": "control", "tcnn": "T-CNN",
+          "tcnn-control": "T-CNN − control", "tcnn-cnn": "T-CNN − pretrained CNN"}  # fmt: skip
+
+
+def interval_text(d: Mapping[str, Any] | None) -> str:
+    """A difference of fractions with its interval in percentage points: ``"+0.31 [-0.20, +0.83]"``."""
+    if not d or not all(_finite(d.get(k)) for k in ("diff", "low", "high")):
+        return "n/a"
+    return f"{100 * d['diff']:+.2f} [{100 * d['low']:+.2f}, {100 * d['high']:+.2f}]"
+
+
+def main_comparison(metrics: Mapping[str, Any]) -> str | None:
+    """The difference the headline reports (:data:`MAIN_COMPARISONS`), None when the metrics hold none."""
+    comps = metrics.get("comparisons") or {}
+    return next((k for k in MAIN_COMPARISONS if k in comps), None)
+
+
+def headline_rows(metrics: Mapping[str, Any]) -> dict[str, dict[str, float | str]]:
+    """{row: {column: value}}: one row per model present (``clean``, ``mCA``: percentages, 2 decimals) and
+    one for the main difference (:func:`diff_column`: interval strings); the rows `dvc metrics show` prints, one
+    file each."""
+    rows: dict[str, dict[str, float | str]] = {}
+    for m in MODELS:
+        if isinstance(metrics.get(m), Mapping):
+            rows[m] = {
+                col: _pct(metrics[m].get(key)) for col, (key, per_model) in COLUMNS.items() if per_model
+            }
+    main = main_comparison(metrics)
+    if main is not None:
+        diffs = metrics["comparisons"][main]
+        rows[main] = {
+            diff_column(main, col): interval_text(diffs.get(key)) for col, (key, _) in COLUMNS.items()
+        }
+    return rows
+
+
+def diff_column(comparison: str, col: str) -> str:
+    """The difference's own column (``"tcnn-control clean"``): a key no model row has, so that `dvc exp show`
+    heads it by its name, not by ``<file>:<key>`` as it does keys several files share."""
+    return f"{comparison} {col}"
+
+
+def headline_markdown(metrics: Mapping[str, Any]) -> str:
+    """The headline as a Markdown table (MLflow renders a run's description, ``mlflow.note.content``, as
+    Markdown): models as rows, the main difference with its 95% interval as the last row."""
+    rows = headline_rows(metrics)
+    if not rows:
+        return ""
+    cols = list(COLUMNS)
+    main = main_comparison(metrics)
+    if main is not None:
+        rows[main] = {c: rows[main][diff_column(main, c)] for c in cols}
+    lines = [
+        "| | " + " | ".join(f"{c} (%)" for c in cols) + " |",
+        "|---|" + "---:|" * len(cols),
+    ]
+    for name, row in rows.items():
+        cells = [_cell(row.get(c)) for c in cols]
+        label = LABELS.get(name, name)
+        if name in MAIN_COMPARISONS:
+            label = f"**{label}** (pp, 95% interval)"
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _pct(v: Any) -> float | str:
+    return round(100 * float(v), 2) if _finite(v) else "n/a"
+
+
+def _cell(v: float | str | None) -> str:
+    if v is None:
+        return ""
+    return f"{v:.2f}" if isinstance(v, float) else v
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
