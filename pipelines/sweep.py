@@ -30,6 +30,10 @@ head on the first node, workers on the others); a requeue restarts the driver, w
 node costs only its running trials: SLURM keeps the job (``--no-kill``), Ray declares the node dead, Tune
 retries those trials on the remaining nodes (``sweep.max_failures``) and they resume from their stages'
 partial state. Each trial's node is in summary.parquet (``node``, ``attempt_nodes``) and on its MLflow run.
+``max_failures`` covers faults only: a stage that refuses a trial's inputs (stages.harness.runner.REFUSALS:
+a bad value, unreadable data) fails the trial once, with its one line (status ``refused`` and the ``refused``
+column of summary.parquet, the MLflow run FAILED and tagged ``tcnn.refused``, a line from the driver), and a
+resumed driver does not run it again.
 """
 
 from __future__ import annotations
@@ -432,6 +436,9 @@ def _finish(spec: dict, status: dict[str, str], tracker: Any, sweep_dir: Path, t
     _log_parent(tracker, spec, out, metrics, "FINISHED" if finished == n else "FAILED")
     atomic_write_json(sweep_dir / "metrics.json", metrics)
     _print_outputs(spec, out)
+    for r in out.rows:  # a refusal is the trial's one line, not a traceback: the user fixes the params
+        if r["status"] == "refused":
+            say(f"trial {r['trial']} refused: {r['refused']}")
     say(
         f"{finished}/{n} trials finished, {runs} pretraining run(s) executed; summary {out.summary}"
         + (

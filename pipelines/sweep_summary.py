@@ -64,6 +64,7 @@ def summary_rows(spec: dict[str, Any], status: dict[str, str] | None = None) -> 
     for tid, t in spec["trials"].items():
         root = Path(spec["sweep_dir"]) / "trials" / tid
         done = _json(root / "done.json")
+        refused = _json(root / "refused.json") or {}  # pipelines.sweep_trial.REFUSED
         eq = _json(root / chain.metrics_file("reparam")) or {}
         p = t["params"]
         row: dict[str, Any] = {"trial": tid}
@@ -77,9 +78,10 @@ def summary_rows(spec: dict[str, Any], status: dict[str, str] | None = None) -> 
                 "t1": p["reparam"]["epoch"],
                 "finetune_epochs": p["finetune"]["epochs"],
                 "model_kind": p["model"]["kind"],
-                "status": "finished" if done else status.get(tid, "missing"),
+                "status": "finished" if done else "refused" if refused else status.get(tid, "missing"),
             }
         )
+        row["refused"] = refused.get("refused")  # the refusing stage and its one line
         head = (done or {}).get("headline", {})
         for col in METRIC_COLUMNS:
             value = head.get(col)

@@ -58,10 +58,14 @@ from stages.harness.catalogue import (
     summary_metrics,
 )
 from stages.harness.chain import sweep_role, trains, trial_stages
-from stages.harness.runner import Stopped
+from stages.harness.runner import REFUSALS, Stopped
 from stages.harness.tracking_names import NOTE_TAG
 
 STATE = "trial.json"
+#: Written when a stage refused the trial's inputs (stages.harness.runner.REFUSALS): {"tid", "refused": "<stage>:
+#: <one line>", "mlflow_run_id"}; the trial is not run again.
+REFUSED = "refused.json"
+REFUSED_TAG = "tcnn.refused"
 DONE = "done.json"
 STAGE_LOG = "stages.jsonl"
 LOG = "trial.log"
@@ -266,6 +270,7 @@ class TrialRunner:
         self.report_enabled = report
         self.marks = self.root / ".sweep"
         self.nodes: list[str] = []  # the node of every attempt, this one last
+        self.current = "trial"  # the stage running now (named by a refusal)
 
     def stage(
         self, name: str, fn: Callable[[], dict[str, Any]], *, training: bool = False
@@ -311,6 +316,9 @@ class TrialRunner:
 
     def _run(self) -> dict[str, Any]:
         state = read_json(self.root / STATE) or {}
+        refused = read_json(self.root / REFUSED)
+        if refused is not None:  # a refusal is deterministic: the same params are refused again, not rerun
+            return refused
         done = read_json(self.root / DONE)
         if done is not None:  # finished before (the driver died before Tune recorded it): not run again
             close_run(self.spec, done.get("mlflow_run_id"))
@@ -338,6 +346,8 @@ class TrialRunner:
         try:
             done = self._stages(tracker, report)
             tracker.end("FINISHED")
+        except REFUSALS as err:  # no exception reaches Ray: it would retry what fails the same way
+            return self._refused(err, tracker, report)
         except BaseException as err:
             tracker.end("KILLED" if stopped(err) else "FAILED")
             raise
@@ -377,8 +387,21 @@ class TrialRunner:
         atomic_write_json(self.root / DONE, done)
         return done
 
+    def _refused(self, err: Exception, tracker: Any, report: Reporter) -> dict[str, Any]:
+        """The trial's end when a stage refused its inputs: ``refused.json`` (the stage and its one line, read by
+        the summary and the driver), the MLflow run FAILED with the line as ``tcnn.refused``, one Tune report."""
+        line = f"{self.current}: {' '.join(str(err).split())}"
+        record = {"tid": self.tid, "refused": line, "mlflow_run_id": tracker.run_id}
+        atomic_write_json(self.root / REFUSED, record)
+        print(f"trial {self.tid}: refused: {line}", flush=True)  # into trial.log
+        tracker.set_tags({REFUSED_TAG: line[:5000]})
+        tracker.end("FAILED")
+        report({"stage": "refused"})
+        return record
+
     def _run_stage(self, name: str, tracker: Any, report: Reporter) -> tuple[dict[str, Any], bool]:
         """One stage of the trial; returns (its metrics, whether this call executed it)."""
+        self.current = name
         t = self.spec["trials"][self.tid]
         key = t.get(f"{name}_key")
         if sweep_role(name) == "group" and self.spec["share_pretraining"] and key:

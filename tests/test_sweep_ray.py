@@ -385,3 +385,30 @@ def test_bracketing_grows_the_lr_grid_past_an_edge_choice(tmp_path: Path) -> Non
     assert json.loads(parent.data.params[f"grid.{key}"]) == [0.001, 0.01]  # the grid that was asked for
     assert parent.data.tags["tcnn.bracket.added"].startswith(f"round 1: {key}=")
     assert parent.data.tags["tcnn.bracket.stop"] == record["stop"]
+
+
+def test_a_refused_grid_point_fails_once_with_its_line_and_is_not_rerun(tmp_path: Path) -> None:
+    """A grid point a stage refuses (a reparam pattern that matches no conv: a StageError, deterministic) is
+    not retried by Ray (sweep.max_failures covers faults), shows no Ray traceback, and ends as `refused` with
+    the stage's one line in the summary, on its FAILED MLflow run and in the driver's output; the other point
+    finishes; a resumed driver does not run the refused one again."""
+    make_project(tmp_path, {"reparam.stages": [[-1], ["nomatch.*"]]}, sweep={"max_failures": 2})
+    res = run_sweep(tmp_path, "--name", "r")
+    said = res.stdout + res.stderr
+    assert res.returncode == 1, said[-3000:]  # a trial did not finish: the sweep says so in its status
+    assert "Traceback" not in said and "RayTaskError" not in said, said[-4000:]
+    rows = {r["trial"]: r for r in pq.read_table(tmp_path / "sweeps" / "r" / "summary.parquet").to_pylist()}
+    assert sorted(r["status"] for r in rows.values()) == ["finished", "refused"], rows
+    (tid,) = [t for t, r in rows.items() if r["status"] == "refused"]
+    line = rows[tid]["refused"]
+    assert line.startswith("reparam: ") and "nomatch" in line and "\n" not in line, line
+    assert f"trial {tid} refused: {line}" in res.stdout
+    trial = tmp_path / "sweeps" / "r" / "trials" / tid
+    assert json.loads((trial / "trial.json").read_text())["attempts"] == 1  # run once, with max_failures 2
+    assert stage_counts(trial).get("reparam") is None  # the refused stage published nothing
+    _, children = sweep_runs(tmp_path, "r")
+    (run,) = [c for c in children if c.data.tags["tcnn.trial"] == tid]
+    assert run.info.status == "FAILED" and run.data.tags["tcnn.refused"] == line
+    again = run_sweep(tmp_path, "--name", "r", "--resume")
+    assert f"trial {tid} refused: {line}" in again.stdout, again.stdout[-3000:] + again.stderr[-3000:]
+    assert json.loads((trial / "trial.json").read_text())["attempts"] == 1  # not run again

@@ -37,6 +37,10 @@ class StageError(RuntimeError):
     """A stage cannot run on its inputs (missing or corrupt checkpoint, bad data): one line, exit 2."""
 
 
+#: Refusals of a stage's inputs (params, data, checkpoints): deterministic, so the same inputs are refused
+#: again -- one line and exit 2 on the DVC path, a trial that fails once (is never retried) on the Ray path.
+REFUSALS: tuple[type[Exception], ...] = (ConfigError, StageError, DataError)
+
 EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: stopped, run the same command again (core.training.loop)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: the shell's status for Ctrl-C
 EXIT_IOERR = 74  # sysexits.h EX_IOERR: a file or the tracking store could not be read or written
