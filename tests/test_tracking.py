@@ -627,3 +627,24 @@ def test_git_dirty_ignores_what_the_pipeline_writes_and_sees_the_users_edits(tmp
     subprocess.run([*git, "reset", "-q", "--hard"], check=True)
     (tmp_path / "core" / "x.py").unlink()  # a deleted module is a change
     assert git_dirty(tmp_path) is True
+
+
+def test_an_environment_tracking_uri_that_differs_is_named_and_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`$MLFLOW_TRACKING_URI` naming another store: one line says it is not used and where runs go; the runs go
+    to the params' store. The same store in both, or tracking off: nothing said."""
+    params = Params().with_overrides({"tracking.uri": f"sqlite:///{tmp_path / 'params.db'}"})
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'env.db'}")
+    tracker = Tracker.from_params(params)
+    tracker.start_parent("p")
+    (line,) = [
+        ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("tracking:")
+    ]  # MLflow logs too
+    assert line.startswith("tracking: $MLFLOW_TRACKING_URI (sqlite:///") and "env.db) is not used" in line
+    assert f"runs go to tracking.uri sqlite:///{tmp_path / 'params.db'}" in line
+    assert (tmp_path / "params.db").is_file() and not (tmp_path / "env.db").exists()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'params.db'}")
+    Tracker.from_params(params)
+    Tracker.from_params(params.with_overrides({"tracking.enabled": False}))
+    assert "tracking:" not in capsys.readouterr().err

@@ -65,6 +65,9 @@ from stages.harness.tracking_names import (
     str_tags,
 )
 
+#: MLflow's own environment variable for the tracking URI (see :meth:`Tracker.from_params`).
+ENV_URI = "MLFLOW_TRACKING_URI"
+
 
 def experiment_tags() -> dict[str, str]:
     """The tags of tcnn's experiment: MLflow's experiment kind (the UI's "Model training" workflow opens it on
@@ -148,8 +151,14 @@ class Tracker:
 
     @classmethod
     def from_params(cls, params: Any, *, base_dir: str | os.PathLike = ".", **kwargs: Any) -> Tracker:
-        """A tracker configured by the ``tracking`` section of a validated ``Params``."""
+        """A tracker configured by the ``tracking`` section of a validated ``Params``. The params say where runs
+        go (they travel with the experiment, DVC records them): an ``$MLFLOW_TRACKING_URI`` that names another
+        store is not used, and one line says so."""
         cfg = params.tracking
+        env = os.environ.get(ENV_URI)
+        if cfg.enabled and env and resolve_uri(env, base_dir) != resolve_uri(cfg.uri, base_dir):
+            print(f"tracking: ${ENV_URI} ({env}) is not used: runs go to tracking.uri {cfg.uri} (the params' "
+                  "tracking section wins; set tracking.uri to change it)", file=sys.stderr)  # fmt: skip
         return cls(enabled=cfg.enabled, uri=cfg.uri, experiment=cfg.experiment, base_dir=base_dir, **kwargs)
 
     # ------------------------------------------------------------------ state
