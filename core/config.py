@@ -238,9 +238,13 @@ class SourceConfig(_Strict):
     @field_validator("sha256")
     @classmethod
     def _hex_digest(cls, v: str | None) -> str | None:
+        """One spelling only: DVC compares the params' text, so an upper-case copy of the same digest would
+        rerun every stage that reads it."""
         if v is not None and not re.fullmatch(r"[0-9a-f]{64}", v.lower()):
             raise ValueError(f"expected the file's sha256 as 64 hex digits, got {v!r}")
-        return v.lower() if v is not None else v
+        if v is not None and v != v.lower():
+            raise ValueError(f"write the sha256 in lower case, as sha256sum prints it: {v.lower()}")
+        return v
 
     @field_validator("std")
     @classmethod

@@ -203,6 +203,20 @@ def test_builders_that_cannot_be_imported_or_build_no_module_are_refused(tmp_pat
         import_cnn("badnets:not_a_net", _source(path), 10, 3)
 
 
+def test_a_sha256_has_one_spelling(tmp_path: Path) -> None:
+    """The digest as sha256sum prints it (lower case) is the only spelling: DVC compares the params' text, so an
+    upper-case copy of the same digest would rerun every stage that reads it."""
+    _, path = _small_state(tmp_path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    base = {"model": {"kind": "tcnn", "arch": "resnet18"}}
+    ok = validate_params({**base, "pretrain": {"source": {"weights": str(path), "sha256": digest}}})
+    assert ok.pretrain.source.sha256 == digest
+    with pytest.raises(
+        ConfigError, match=f"write the sha256 in lower case, as sha256sum prints it: {digest}$"
+    ):
+        validate_params({**base, "pretrain": {"source": {"weights": str(path), "sha256": digest.upper()}}})
+
+
 def test_no_convertible_conv_in_the_stages_asked_for_is_refused() -> None:
     net = timm.create_model("resnet18", num_classes=10)
     with pytest.raises(ValueError, match=r"no k x k convolution \(k > 1\) matches 'head\.\*'"):
