@@ -758,7 +758,8 @@ def validate_params(raw: Any) -> Params:
             except ConfigError as err:
                 raise ConfigError(f"sweep.grid.{key}: {err}") from None
     for key in params.sweep.select.over:
-        if key == "finetune.lr" and params.finetune.control_lr is not None:
+        fixed = params.finetune.control_lr is not None or "finetune.control_lr" in params.sweep.grid
+        if key == "finetune.lr" and fixed:  # the scalar and the grid form alike
             raise ConfigError("sweep.select.over: finetune.lr is chosen per arm, which finetune.control_lr fixes "
                               "for the control; drop one of them")  # fmt: skip
         if key in ("seed", "pretrain.seed") or key not in params.sweep.grid:

@@ -304,6 +304,9 @@ def test_learning_rates_scale_with_the_batch() -> None:
     [
         ({"finetune": {"control_lr": 0.001}},
          "sweep.select.over: finetune.lr is chosen per arm, which finetune.control_lr fixes for the control"),
+        # the grid form of the same conflict is refused alike
+        ({"sweep": {"grid": {**LR_GRID["grid"], "finetune.control_lr": [0.001, 0.01]}}},
+         "sweep.select.over: finetune.lr is chosen per arm, which finetune.control_lr fixes for the control"),
         ({"sweep": {"select": {"over": ["pretrain.seed"]}, "grid": {"pretrain.seed": [0, 1]}}},
          "sweep.select.over: 'pretrain.seed' is not a grid key other than seed and pretrain.seed"),
         ({"pretrain": {"seed": -1}}, "pretrain.seed: Input should be greater than or equal to 0"),
