@@ -423,7 +423,7 @@ def _finish(spec: dict, status: dict[str, str], tracker: Any, sweep_dir: Path, t
     """The end of a sweep whose trials ran: its outputs, the parent run's metrics, tags and artifacts (the
     parent ends FINISHED when every trial finished, FAILED otherwise), metrics.json, the printed tables and
     the last line. Returns run_sweep's result."""
-    from pipelines import sweep_bracket, sweep_shared
+    from pipelines import sweep_bracket, sweep_shared, sweep_summary
 
     n = len(spec["trials"])
     out = _write_outputs(spec, status, sweep_dir)
@@ -439,6 +439,8 @@ def _finish(spec: dict, status: dict[str, str], tracker: Any, sweep_dir: Path, t
     for r in out.rows:  # a refusal is the trial's one line, not a traceback: the user fixes the params
         if r["status"] == "refused":
             say(f"trial {r['trial']} refused: {r['refused']}")
+        if why := sweep_summary.cnn_evaluation_reason(r):  # said in the trial's log: the driver says it too
+            say(f"trial {r['trial']}: the pretrained CNN was evaluated again: {why}")
     say(
         f"{finished}/{n} trials finished, {runs} pretraining run(s) executed; summary {out.summary}"
         + (

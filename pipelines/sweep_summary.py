@@ -97,6 +97,13 @@ def summary_rows(spec: dict[str, Any], status: dict[str, str] | None = None) -> 
     return rows
 
 
+def cnn_evaluation_reason(row: dict[str, Any]) -> str | None:
+    """Why a trial evaluated the pretrained CNN again instead of reading the shared evaluation (a damaged store,
+    a check that disagreed: stages.cnn_evaluation), from its evaluate metrics; None when it did not."""
+    metrics = _json(Path(row["trial_dir"]) / chain.metrics_file("evaluate")) or {}
+    return (metrics.get("cnn_evaluation") or {}).get("reason")
+
+
 NODE_LISTS = ("attempt_nodes", "worker_nodes")  # list<string> columns
 
 

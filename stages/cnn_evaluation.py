@@ -154,8 +154,8 @@ def shared(
 ) -> tuple[Tables, dict[str, Any]]:
     """The CNN's evaluation from the store ``where`` (``compute`` it and store it when it is not there or is
     damaged), and how this process had it: ``{"key", "source": computed | shared | recomputed, "seconds"
-    (spent evaluating the CNN here), "reason" (recomputed: what the check found)}``. ``check``: this process's
-    :func:`check_record`."""
+    (spent evaluating the CNN here), "reason" (recomputed: what the check found; computed over a damaged
+    store: what was wrong with it)}``. ``check``: this process's :func:`check_record`."""
     k = key(ident)
     directory = where / k
     with locked(directory, f"evaluate: the CNN's evaluation {k}"):
@@ -165,7 +165,8 @@ def shared(
                 say(None, f"evaluate: {problem}; evaluating the CNN again")
             tables, seconds = timed(compute)
             store(directory, ident, tables, check(), seconds)
-            return tables, {"key": k, "source": "computed", "seconds": round(seconds, 3)}
+            note = {"key": k, "source": "computed", "seconds": round(seconds, 3)}
+            return tables, {**note, "reason": problem} if problem else note  # why a stored one was replaced
     tables, record = found
     why = differs(record.get("check", {}), check())
     if why is None:

@@ -314,6 +314,15 @@ def test_a_damaged_or_disagreeing_shared_cnn_evaluation_is_not_used(
     assert lines == [f"evaluate: {entry / 'per_image.parquet'}: checksum mismatch, the file is damaged; "
                      "evaluating the CNN again"]  # fmt: skip
     assert calls[0] == "cnn" and again["cnn_evaluation"]["source"] == "computed"
+    # the note says why the stored evaluation was replaced, and the sweep driver's line reads it from there
+    assert (
+        again["cnn_evaluation"]["reason"]
+        == f"{entry / 'per_image.parquet'}: checksum mismatch, the file is damaged"
+    )
+    from pipelines.sweep_summary import cnn_evaluation_reason
+
+    assert cnn_evaluation_reason({"trial_dir": str(tmp_path / "t1")}) == again["cnn_evaluation"]["reason"]
+    assert cnn_evaluation_reason({"trial_dir": str(tmp_path / "t0")}) is None
     assert again["cnn"] == first["cnn"]
     assert E.verified(entry, json.loads((entry / E.RECORD).read_text())["identity"])[1] is None  # repaired
 
