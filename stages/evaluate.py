@@ -32,7 +32,8 @@ model of ``model.kind`` (``runs/finetune/tcnn-final.pt``). All are evaluated at 
 metrics.json also says how long the stage took (``wall_s``) and how it had the pretrained CNN's evaluation
 (``cnn_evaluation``): ``source: own`` evaluated here like the other models (the DVC path); in a sweep
 (``run(..., shared=<store>)``) the CNN's evaluation on the generated sets is shared by identity, as its
-pretraining is (stages.cnn_evaluation): ``computed`` (this trial made it for the others), ``shared`` (read,
+pretraining is (stages.cnn_evaluation): ``computed`` (this trial made it for the others; over a damaged
+store, with the ``reason``, which the sweep driver repeats), ``shared`` (read,
 after this process predicted the first clean test images as the store says), ``recomputed`` (the check
 disagreed: evaluated here, ``reason`` says why); ``key`` names the store's entry, ``seconds`` the time spent
 evaluating the CNN here.
