@@ -24,6 +24,7 @@ from _train_helpers import repo_pythonpath, stage_env, tiny_params, write_datase
 from core.analysis.equivalence import features_before
 from core.config import ConfigError, SourceConfig, validate_params
 from core.models.builders import classifier
+from core.models.cnn_layout import conversion_targets
 from core.models.importing import IMAGENET_MEAN, ImportError_, import_cnn, normalization
 from core.models.reparam import to_tcnn
 from core.models.spec import build_from_spec, make_model_spec
@@ -158,6 +159,21 @@ def test_bad_checkpoints_are_refused_with_one_line(tmp_path: Path) -> None:
     torch.save({"epoch": 3}, empty)
     with pytest.raises(ImportError_, match="holds no state dict of tensors"):
         import_cnn("resnet18", _source(empty), 10, 3)
+    # a state dict under a key no loader knows: the keys found, the wrappers accepted, what to do
+    wrapped = tmp_path / "wrapped.pth"
+    torch.save({"net": net.state_dict(), "epoch": 3, "best_acc": torch.tensor(0.9)}, wrapped)
+    with pytest.raises(ImportError_) as info:
+        import_cnn("resnet18", _source(wrapped), 10, 3)
+    line = str(info.value)
+    assert (
+        "\n" not in line and "its top-level keys: 'net' (OrderedDict), 'epoch' (int), 'best_acc'" in line
+    ), line
+    assert "accepted: a state dict, or one under state_dict_ema / model_ema / state_dict / model" in line, (
+        line
+    )
+    assert "torch.save(ckpt[KEY], 'weights.pth')" in line
+    torch.save(net.state_dict(), wrapped)  # re-saved as the line says: it imports
+    import_cnn("resnet18", _source(wrapped), 10, 3)
 
 
 def test_keys_and_shapes_that_do_not_fit_are_named(tmp_path: Path) -> None:
@@ -203,6 +219,16 @@ def test_builders_that_cannot_be_imported_or_build_no_module_are_refused(tmp_pat
         import_cnn("badnets:not_a_net", _source(path), 10, 3)
 
 
+def test_the_docs_pattern_example_names_convs_of_torchvision_vgg11() -> None:
+    """docs/configuration.md's example pattern for a net that is not ResNet-like converts what it says."""
+    import re
+
+    text = " ".join((Path(__file__).parents[1] / "docs" / "configuration.md").read_text().split())
+    (pattern,) = re.findall(r'reparam\.stages: \["(features[^"]+)"\]', text)
+    net = torchvision.models.vgg11(num_classes=10)
+    assert [name for name, _ in conversion_targets(net, [pattern])] == ["features.16", "features.18"]
+
+
 def test_a_sha256_has_one_spelling(tmp_path: Path) -> None:
     """The digest as sha256sum prints it (lower case) is the only spelling: DVC compares the params' text, so an
     upper-case copy of the same digest would rerun every stage that reads it."""
@@ -219,8 +245,13 @@ def test_a_sha256_has_one_spelling(tmp_path: Path) -> None:
 
 def test_no_convertible_conv_in_the_stages_asked_for_is_refused() -> None:
     net = timm.create_model("resnet18", num_classes=10)
-    with pytest.raises(ValueError, match=r"no k x k convolution \(k > 1\) matches 'head\.\*'"):
+    with pytest.raises(ValueError, match=r"no k x k convolution \(k > 1\) matches 'head\.\*'") as info:
         to_tcnn(net, stages=["head.*"])
+    # the convs a pattern could name, the deepest first, so the user can write one that matches
+    assert "its k x k convolutions, last first: layer4.1.conv2, layer4.1.conv1, layer4.0.conv2," in str(
+        info.value
+    )
+    assert "(and 5 earlier)" in str(info.value)  # resnet18: 17 k x k convs, 12 shown
     plain = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(10))
     with pytest.raises(ValueError, match="has no ResNet stages"):
         to_tcnn(plain, stages=[-1])

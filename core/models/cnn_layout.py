@@ -32,6 +32,16 @@ def _spatial_convs(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Co
     ]
 
 
+def _candidates(convs: list[tuple[str, nn.Conv2d]], shown: int = 12) -> str:
+    """The convs a pattern could name (fnmatch over these names), the last ones first: a ResNet-like or VGG-like
+    net keeps its deepest stage at the end."""
+    if not convs:
+        return "the model has no k x k convolution"
+    names = [name for name, _ in convs]
+    more = f" (and {len(names) - shown} earlier)" if len(names) > shown else ""
+    return f"its k x k convolutions, last first: {', '.join(reversed(names[-shown:]))}{more}"
+
+
 def conversion_targets(model: nn.Module, stages: Sequence[int | str]) -> list[tuple[str, nn.Conv2d]]:
     """The convolutions `to_tcnn` converts: every k x k conv (k > 1) of the ResNet stages ``stages`` indexes
     (layer1..layerN, negative from the end), and every one whose module name matches a pattern of
@@ -59,9 +69,12 @@ def conversion_targets(model: nn.Module, stages: Sequence[int | str]) -> list[tu
         if not targets:
             raise ValueError(f"to_tcnn: no k x k convolutions (k > 1) in stages {sorted(picked)}")
     for pattern in patterns:
-        found = [(name, m) for name, m in _spatial_convs(model) if fnmatch.fnmatchcase(name, pattern)]
+        convs = _spatial_convs(model)
+        found = [(name, m) for name, m in convs if fnmatch.fnmatchcase(name, pattern)]
         if not found:
-            raise ValueError(f"to_tcnn: no k x k convolution (k > 1) matches {pattern!r}")
+            raise ValueError(
+                f"to_tcnn: no k x k convolution (k > 1) matches {pattern!r}; {_candidates(convs)}"
+            )
         targets.update(found)
     if not targets:
         raise ValueError("to_tcnn: no stages selected")

@@ -128,8 +128,27 @@ def read_weights(path: str | Path, sha256: str) -> dict[str, torch.Tensor]:
         or not state
         or not all(isinstance(v, torch.Tensor) for v in state.values())
     ):
-        raise ImportError_(f"pretrain.source.weights: {path}: holds no state dict of tensors")
+        raise ImportError_(f"pretrain.source.weights: {path}: holds no state dict of tensors ({_holds(state)}); "
+                           f"accepted: a state dict, or one under {' / '.join(WRAPPER_KEYS)} (re-save the one "
+                           "your checkpoint holds: torch.save(ckpt[KEY], 'weights.pth'))")  # fmt: skip
     return state
+
+
+#: The keys timm's loader unwraps a state dict from (timm.models.load_state_dict, use_ema=True).
+WRAPPER_KEYS = ("state_dict_ema", "model_ema", "state_dict", "model")
+
+
+def _holds(obj: object, shown: int = 8) -> str:
+    """What a checkpoint that is no state dict holds: its top-level keys (non-tensor values marked)."""
+    if not isinstance(obj, dict):
+        return f"a {type(obj).__name__}"
+    if not obj:
+        return "an empty dict"
+    keys = [
+        f"{k!r}" + ("" if isinstance(v, torch.Tensor) else f" ({type(v).__name__})") for k, v in obj.items()
+    ]
+    more = f", ... {len(keys) - shown} more" if len(keys) > shown else ""
+    return f"its top-level keys: {', '.join(keys[:shown])}{more}"
 
 
 def _fit_message(model: nn.Module, state: dict[str, torch.Tensor], arch: str) -> str | None:
