@@ -68,6 +68,8 @@ def import_cnn(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     except ValueError as err:
         raise StageError(str(err)) from None
     t_import = time.perf_counter() - t_wall
+    if note := importing.size_note(params.model.arch, params.data.image_size):
+        imported.notes.append(note)
     for note in imported.notes:
         print(f"{NAME}: {note}", file=sys.stderr)
     model, device = imported.model, T.training_device()

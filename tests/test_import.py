@@ -229,6 +229,19 @@ def test_the_docs_pattern_example_names_convs_of_torchvision_vgg11() -> None:
     assert [name for name, _ in conversion_targets(net, [pattern])] == ["features.16", "features.18"]
 
 
+def test_a_net_run_at_another_size_than_its_config_names_says_so() -> None:
+    """timm's resnet18 was trained at 224 px (its pretrained_cfg): run at 32 px, the import says so (a note the
+    pretrain stage prints and records in metrics.json ``notes``); at 224 px, or a builder of unknown size: nothing."""
+    from core.models.importing import size_note
+
+    assert timm.models.get_pretrained_cfg("resnet18").input_size[-1] == 224
+    assert size_note("resnet18", 32) == (
+        "resnet18 was trained at 224 px (its pretrained config's input_size) and runs here at 32 px "
+        "(data.image_size): its accuracy need not match the one reported for it"
+    )
+    assert size_note("resnet18", 224) is None and size_note("core.models.he_cifar:resnet20", 32) is None
+
+
 def test_a_sha256_has_one_spelling(tmp_path: Path) -> None:
     """The digest as sha256sum prints it (lower case) is the only spelling: DVC compares the params' text, so an
     upper-case copy of the same digest would rerun every stage that reads it."""
@@ -391,6 +404,7 @@ def test_the_pretrain_stage_imports_a_users_checkpoint(workspace: Path) -> None:
     metrics = json.loads((workspace / "runs/pretrain/metrics.json").read_text())
     assert metrics["imported"] and metrics["source"]["sha256"] == sha and metrics["epochs"] == 0
     assert metrics["normalization"] == {"mean": [0.3], "std": [0.35], "from": "pretrain.source"}
+    assert not [n for n in metrics["notes"] if "trained at" in n]  # a builder names no input size
     stem, layer1, layer2, head = (
         1 * 8 * 9,
         2 * (8 * 8 * 9 + 16),

@@ -72,6 +72,16 @@ def _timm_cfg(arch: str) -> dict[str, Any]:
     return cfg.to_dict() if cfg is not None else {}
 
 
+def size_note(arch: str, image_size: int) -> str | None:
+    """A note when the net's pretrained config names another input size than the one it runs at here (timm's
+    ``pretrained_cfg.input_size``; a builder's size is unknown): its accuracy need not be the one reported."""
+    size = (_timm_cfg(arch).get("input_size") or [None])[-1]
+    if size is None or size == image_size:
+        return None
+    return (f"{arch} was trained at {size} px (its pretrained config's input_size) and runs here at {image_size} "
+            "px (data.image_size): its accuracy need not match the one reported for it")  # fmt: skip
+
+
 def normalization(arch: str, source: Any) -> dict[str, Any]:
     """The input normalization the checkpoint expects: ``pretrain.source.mean/std`` when given, else timm's
     ``pretrained_cfg`` (mean, std, input size), else torchvision's ImageNet statistics for a torchvision builder;
