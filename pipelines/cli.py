@@ -9,7 +9,18 @@ from core.config import ConfigError, load_params
 
 
 def _validate(args: argparse.Namespace) -> int:
+    """The params, and what they name that can be checked without compute: a published benchmark's array
+    headers and labels against the prepared data (when it is prepared; the pretrain stage checks it again)."""
     params = load_params(args.file, args.set)
+    if params.robustness.public is not None and (params.data.dir / "manifest.json").is_file():
+        from stages.harness.runner import StageError
+        from stages.robustness_bench import check_public_sets
+
+        try:
+            check_public_sets(params)
+        except StageError as err:
+            print(f"tcnn validate: error: {err}", file=sys.stderr)
+            return 2
     print(f"{args.file}: ok ({params.data.name}, {params.model.kind}/{params.model.arch})")
     return 0
 

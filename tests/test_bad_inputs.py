@@ -206,3 +206,28 @@ def test_a_foreign_pretrained_cnn_is_refused_where_it_is_read(tmp_path: Path, da
     with pytest.raises(StageError, match="differs in options"):
         opts = params.with_overrides({"model.options": {"drop_rate": 0.1}})
         T.check_cnn_checkpoint({"model_spec": pretraining.model_spec(opts, 10, 1)}, params, cnn)
+
+
+def test_a_published_set_that_does_not_fit_is_refused_by_validate(
+    tmp_path: Path, data: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The params name the set and its headers are cheap to read: `tcnn validate` (the data prepared) refuses
+    a resized set in one line, before any training; the set fixed, it passes."""
+    import numpy as np
+
+    from pipelines.cli import main as tcnn
+
+    pub = tmp_path / "pub"
+    pub.mkdir()
+    np.save(pub / "contrast.npy", np.zeros((10, 32, 32, 3), np.uint8))  # CIFAR-sized, the data is 28 x 28 x 1
+    np.save(pub / "labels.npy", np.arange(10))
+    raw = tiny_params(data, robustness={"public": {"kind": "cifar10_c", "dir": str(pub), "use": "add"},
+                                        "corruptions": ["contrast"]})  # fmt: skip
+    raw["data"]["name"] = FITS_BY_NAME
+    path = write_params(tmp_path / "params.yaml", raw)
+    assert tcnn(["validate", str(path)]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("tcnn validate: error: robustness.public: ") and "[N, 28, 28, 1]" in line, line
+    assert "contrast.npy: uint8 [10, 32, 32, 3]" in line
+    np.save(pub / "contrast.npy", np.zeros((10, 28, 28, 1), np.uint8))
+    assert tcnn(["validate", str(path)]) == 0
