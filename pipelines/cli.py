@@ -10,7 +10,8 @@ from core.config import ConfigError, load_params
 
 def _validate(args: argparse.Namespace) -> int:
     """The params, and what they name that can be checked without compute: a published benchmark's array
-    headers and labels against the prepared data (when it is prepared; the pretrain stage checks it again)."""
+    headers and labels against the prepared data (when it is prepared; the evaluate stage checks it again before
+    any model loads)."""
     params = load_params(args.file, args.set)
     if params.robustness.public is not None and (params.data.dir / "manifest.json").is_file():
         from stages.harness.runner import StageError
