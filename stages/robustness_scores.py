@@ -156,5 +156,4 @@ def _set_sizes(table: pa.Table) -> dict[str, int]:
 
 
 def _say(diffs: dict[str, Any], key: str) -> str:
-    low_high = interval_text(diffs[key]).replace(" [", " pp [", 1)
-    return f"{key} {low_high}"
+    return f"{key} {interval_text(diffs[key], ' pp')}"

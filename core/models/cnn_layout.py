@@ -68,8 +68,8 @@ def conversion_targets(model: nn.Module, stages: Sequence[int | str]) -> list[tu
             targets.update(_spatial_convs(stage, f"{stage_name}."))
         if not targets:
             raise ValueError(f"to_tcnn: no k x k convolutions (k > 1) in stages {sorted(picked)}")
+    convs = _spatial_convs(model) if patterns else []
     for pattern in patterns:
-        convs = _spatial_convs(model)
         found = [(name, m) for name, m in convs if fnmatch.fnmatchcase(name, pattern)]
         if not found:
             raise ValueError(

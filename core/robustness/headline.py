@@ -25,16 +25,22 @@ COLUMNS: dict[str, tuple[str, bool]] = {
     "mCA": ("mca", True),
     "mCE": ("mce", False),
 }
-#: What each model and difference is called where a reader sees it.
-LABELS = {"cnn": "pretrained CNN", "control": "control", "tcnn": "T-CNN",
-          "tcnn-control": "T-CNN − control", "tcnn-cnn": "T-CNN − pretrained CNN"}  # fmt: skip
+#: What each model and difference is called where a reader sees it (the report uses the same names).
+MODEL_LABELS = {"cnn": "pretrained CNN", "control": "control", "tcnn": "T-CNN"}
+COMPARISON_LABELS = {
+    "tcnn-control": "T-CNN − control",
+    "tcnn-cnn": "T-CNN − pretrained CNN",
+    "control-cnn": "control − pretrained CNN",
+}
+LABELS = {**MODEL_LABELS, **COMPARISON_LABELS}
 
 
-def interval_text(d: Mapping[str, Any] | None) -> str:
-    """A difference of fractions with its interval in percentage points: ``"+0.31 [-0.20, +0.83]"``."""
+def interval_text(d: Mapping[str, Any] | None, unit: str = "") -> str:
+    """A difference of fractions with its interval in percentage points: ``"+0.31 [-0.20, +0.83]"`` (``unit``
+    follows the difference: ``" pp"`` gives ``"+0.31 pp [-0.20, +0.83]"``)."""
     if not d or not all(_finite(d.get(k)) for k in ("diff", "low", "high")):
         return "n/a"
-    return f"{100 * d['diff']:+.2f} [{100 * d['low']:+.2f}, {100 * d['high']:+.2f}]"
+    return f"{100 * d['diff']:+.2f}{unit} [{100 * d['low']:+.2f}, {100 * d['high']:+.2f}]"
 
 
 def main_comparison(metrics: Mapping[str, Any]) -> str | None:

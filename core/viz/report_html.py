@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 from markupsafe import Markup
 
+from core.robustness.headline import COMPARISON_LABELS, MODEL_LABELS
 from core.utils import mlflow_ui
 from core.viz.html import finite, fmt_delta_pp, fmt_diff, fmt_num, fmt_pct, fmt_sci, render
 
@@ -28,7 +29,6 @@ FIGURES = {
     "contours": "attention_contours.png",
     "nonlocality": "nonlocality.png",
 }
-MODEL_LABELS = {"cnn": "pretrained CNN", "control": "control", "tcnn": "T-CNN"}
 NOT_MODELS = (
     "comparisons",
     "bootstrap",
@@ -217,11 +217,6 @@ HEADLINE = (
     ("extra corruptions: mean accuracy", "extra_accuracy", "acc"),
     ("extra corruptions: mCE", "extra_mce", "err"),
 )
-COMPARISON_LABELS = {
-    "tcnn-control": "T-CNN − control",
-    "tcnn-cnn": "T-CNN − pretrained CNN",
-    "control-cnn": "control − pretrained CNN",
-}
 
 
 def verdict(

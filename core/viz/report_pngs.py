@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from core.config import Params
-from core.viz.report_html import MODEL_LABELS, Inputs
+from core.robustness.headline import MODEL_LABELS
+from core.viz.report_html import Inputs
 
 
 def first_test_image(

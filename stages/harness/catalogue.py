@@ -232,7 +232,7 @@ def stage_description(params: Any, stage: str) -> str:
 def parent_description(label: str, root: Path) -> str:
     """The parent run's MLflow description (Markdown): its name, T-CNN - control with its intervals on one line,
     one sentence per interval (the report's own words), then the headline table (core.robustness.headline)."""
-    from core.robustness.headline import LABELS, headline_markdown, headline_rows, main_comparison
+    from core.robustness.headline import COMPARISON_LABELS, headline_markdown, headline_rows, main_comparison
     from core.viz.report_html import verdict
 
     metrics = read_json(root / chain.metrics_file("evaluate"))
@@ -244,7 +244,7 @@ def parent_description(label: str, root: Path) -> str:
     cells = [f"{col.split(' ', 1)[-1]} {cell}" for col, cell in headline_rows(metrics)[main].items()]
     # the answer first: the UI shows a description's first lines and folds the rest under "Show more"
     lines = [f"**{label}**", "",
-             f"**{LABELS[main]}** (pp, paired bootstrap 95% interval over test images): " + " · ".join(cells), ""]  # fmt: skip
+             f"**{COMPARISON_LABELS[main]}** (pp, paired bootstrap 95% interval over test images): " + " · ".join(cells), ""]  # fmt: skip
     for name, key, better in (
         ("Clean accuracy", "clean_accuracy", True),
         ("mCA", "mca", True),
