@@ -51,6 +51,8 @@ class Case:
     signal_after: tuple[int, str | float] | None = None
     may_write: tuple[str, ...] = ()  # path prefixes this case is allowed to create or change
     env: dict[str, str] = field(default_factory=dict)
+    expect: str = ""  # text the last line must hold (what the ending must say, not only that it ends)
+    multi_line: bool = False  # a command that reports progress (a sweep): no traceback instead of one line
     result: dict = field(default_factory=dict)
 
 
@@ -134,12 +136,14 @@ def run_case(case: Case, base: Path, scratch: Path) -> None:
     lines = [ln for ln in err.strip().splitlines() if ln.strip() and " INFO mlflow." not in ln
              and not re.match(r"\w+ epoch \d+/\d+ \|", ln)]  # fmt: skip  # MLflow's logging, training progress
     one_line = len(lines) == 1 or (case.signal_after is not None and lines and "stopped by" in lines[-1])
-    if case.status == 0:
-        one_line = "Traceback" not in err
+    if case.status == 0 or case.multi_line:
+        one_line = "Traceback" not in err and bool(lines or case.status == 0)
+    said = case.expect in (lines[-1] if lines else "") if not case.multi_line else case.expect in err
     running = running_runs(ws)
     ok = (
         proc.returncode == case.status
         and one_line
+        and said
         and not unexpected
         and not running
         and not left + with_session
@@ -218,6 +222,31 @@ def dead_holder(ws: Path) -> None:
 
 
 HOLDERS: list[subprocess.Popen] = []
+
+
+def busy_after_dvc_removed(rel: str) -> Callable[[Path], None]:
+    """What a second `dvc repro` meets while a stage holds the workspace: DVC has removed the stage's outputs
+    (``rel``) before starting it, and the lock is held."""
+
+    def do(ws: Path) -> None:
+        remove(rel)(ws)
+        holder(ws)
+
+    return do
+
+
+def wrapped_checkpoint(ws: Path) -> None:
+    """A checkpoint whose state dict sits under a key no loader knows, named by params.yaml's pretrain.source."""
+    import hashlib
+
+    import torch
+    import yaml
+
+    torch.save({"weights": {"conv.weight": torch.zeros(2, 1, 3, 3)}, "epoch": 3}, ws / "w.pt")
+    raw = yaml.safe_load((ws / "params.yaml").read_text())
+    digest = hashlib.sha256((ws / "w.pt").read_bytes()).hexdigest()
+    raw["pretrain"]["source"] = {"weights": "w.pt", "sha256": digest, "mean": [0.5], "std": [0.5]}
+    (ws / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
 
 
 def replace_by_file(rel: str) -> Callable[[Path], None]:
@@ -503,7 +532,31 @@ def cases() -> list[Case]:
     )
     add(Case("SIGUSR1 in fine-tuning", stage("finetune"), 75, remove("runs/finetune"), (signal.SIGUSR1, "runs/.partial/finetune"),
              may_write=bad))  # fmt: skip
+    # -- issue 47's kinds: what was chosen is said, what the params let us check is refused before compute
+    add(Case("MLFLOW_TRACKING_URI names another store", stage("corrupt", "-S", "robustness.dir=data/c2"), 0,
+             env={"MLFLOW_TRACKING_URI": "sqlite:///elsewhere.db"}, expect="is not used: runs go to tracking.uri"))  # fmt: skip
+    add(Case("sha256 in upper case", tcnn("validate", "-S", "pretrain.source={weights: w.pt, sha256: " + "AB" * 32 + "}"),
+             2, expect="write the sha256 in lower case"))  # fmt: skip
+    add(Case("grid control_lr beside select over lr",
+             tcnn("validate", "-S", "sweep.grid.finetune.lr=[0.001,0.002]", "-S", "sweep.grid.finetune.control_lr=[0.001]",
+                  "-S", "sweep.select.over=[finetune.lr]"), 2, expect="control_lr"))  # fmt: skip
+    add(Case("a reparam pattern that matches no conv", stage("reparam", "-S", "reparam.stages=[nomatch.*]"), 2,
+             expect="last first:"))  # fmt: skip
+    add(
+        Case(
+            "a checkpoint under an unknown key",
+            stage("pretrain"),
+            2,
+            wrapped_checkpoint,
+            expect="top-level keys",
+        )
+    )
+    add(Case("a second dvc repro on a busy workspace", stage("reparam"), 2, busy_after_dvc_removed("runs/reparam"),
+             env={"DVC_STAGE": "reparam"}, expect="`dvc checkout reparam` brings them back"))  # fmt: skip
     # -- sweeps
+    add(Case("a sweep point the stage refuses fails once",
+             tcnn("sweep", "--name", "r", "-S", "sweep.grid.reparam.stages=[[-1], [nomatch.*]]", "-S", "sweep.max_failures=2"),
+             1, may_write=("sweeps/",), multi_line=True, expect="refused"))  # fmt: skip
     add(Case("sweep over an unknown key", tcnn("sweep", "-S", "sweep.grid.pretrain.epochz=[1,2]"), 2))
     add(Case("sweep --resume of nothing", tcnn("sweep", "--name", "none", "--resume"), 2))
     add(Case("sweep --address bogus", tcnn("sweep", "--address", "not an address"), 2))

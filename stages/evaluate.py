@@ -24,7 +24,7 @@ model of ``model.kind`` (``runs/finetune/tcnn-final.pt``). All are evaluated at 
   the relative gain per category / severity ([TCNN21] Fig. 3);
 - ``headline/``: the headline (core.robustness.headline), one small JSON per row -- each model's clean
   accuracy and mCA, and T-CNN minus control with its interval -- the stage's only DVC metrics, so that
-  `dvc metrics show` and `dvc exp show` stay readable (``metrics.json`` is an uncached out, git-tracked);
+  `dvc metrics show` and `dvc exp show` stay readable (``metrics.json`` is a plain cached out);
 - ``robustness_by_category.csv`` / ``robustness_by_severity.csv``: mean corruption accuracy per group and
   model (DVC plots), and ``plots/robustness_gain.png``: the T-CNN's relative improvement over the control and
   over the pretrained CNN per category and severity, with intervals ([TCNN21] Fig. 3).

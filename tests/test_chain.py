@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from pipelines.sweep_shared import ENSURE
@@ -39,11 +40,12 @@ def test_every_stage_says_how_a_sweep_runs_it_and_trial_stages_keep_the_chain_or
 
 def test_folders_and_files_come_from_a_stage_outputs(tmp_path: Path) -> None:
     dvc = {"stages": {
-        "a": {"cmd": "x", "outs": ["out/a/ckpt", "out/a/m-final.pt", {"out/a/h.csv": {"cache": False}},
-                                   {"out/a/metrics.json": {"cache": False}}]},
-        "b": {"cmd": "x", "outs": ["${data.dir}", "res/t.parquet", "res/plots/p.png", {"res/m.json": {"cache": False}},
-                                   "res/cached.json"],
+        "a": {"cmd": "x", "meta": {"metrics_file": "out/a/metrics.json"},
+              "outs": ["out/a/ckpt", "out/a/m-final.pt", "out/a/h.csv", "out/a/metrics.json"]},
+        "b": {"cmd": "x", "meta": {"metrics_file": "res/m.json"},
+              "outs": ["${data.dir}", "res/t.parquet", "res/plots/p.png", "res/m.json", "res/cached.json"],
               "metrics": [{"res/headline": {"cache": False}}]},
+        "c": {"cmd": "x", "meta": {"metrics_file": "res/elsewhere.json"}, "outs": ["res/c.json"]},
     }}  # fmt: skip
     (tmp_path / "dvc.yaml").write_text(yaml.safe_dump(dvc))
     assert chain.outputs("a", tmp_path) == (
@@ -54,7 +56,9 @@ def test_folders_and_files_come_from_a_stage_outputs(tmp_path: Path) -> None:
     )
     assert chain.run_dir("a", tmp_path) == "out/a" and chain.run_dir("b", tmp_path) == "res"
     assert chain.metrics_file("a", tmp_path) == "out/a/metrics.json"
-    assert chain.metrics_file("b", tmp_path) == "res/m.json"  # the uncached JSON out, not the cached one
+    assert chain.metrics_file("b", tmp_path) == "res/m.json"  # the out meta.metrics_file names
+    with pytest.raises(KeyError, match="names no metrics_file"):  # a name that is no out of the stage
+        chain.metrics_file("c", tmp_path)
     assert chain.headline_dir(tmp_path) == "res/headline"  # DVC's one `metrics:` entry
     assert chain.outputs("b", tmp_path)[-1] == "res/headline"
     assert chain.output("a", "h.csv", tmp_path) == "out/a/h.csv"

@@ -63,15 +63,11 @@ def all_outputs(repo: Path = REPO) -> tuple[str, ...]:
 
 
 def metrics_file(stage: str, repo: Path = REPO) -> str:
-    """The stage's metrics file: its one uncached (``cache: false``) JSON out in dvc.yaml. (DVC's own
-    ``metrics:`` section holds only the headline, so that `dvc metrics show` stays readable.)"""
-    (path,) = [
-        path
-        for entry in _stages(repo)[stage].get("outs", [])
-        if isinstance(entry, dict)
-        for path, opts in entry.items()
-        if path.endswith(".json") and (opts or {}).get("cache", True) is False
-    ]
+    """The stage's metrics file: the out its ``meta.metrics_file`` in dvc.yaml names. (DVC's own ``metrics:``
+    section holds only the headline, so that `dvc metrics show` stays readable.)"""
+    path = (_stages(repo)[stage].get("meta") or {}).get("metrics_file")
+    if path not in outputs(stage, repo):
+        raise KeyError(f"dvc.yaml: stage {stage!r} names no metrics_file among its outs")
     return path
 
 

@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from core.config import ConfigError, Params, load_params, plan_epochs
 from core.data.importers import DataError
 from core.utils.hashing import file_digest
@@ -124,6 +126,25 @@ def _under_dvc_hint() -> str:
     if not os.environ.get(DVC_STAGE_ENV):
         return ""
     return " (put the value back and run dvc repro: DVC's run cache restores this stage's outputs)"
+
+
+def _removed_by_dvc(name: str, params_file: str) -> str:
+    """For a stage DVC started on a busy workspace: the stage's outputs that are gone (DVC removes them before
+    it starts the stage, so before the workspace lock can refuse) and the command that brings them back from
+    DVC's cache."""
+    if not os.environ.get(DVC_STAGE_ENV):
+        return ""
+    try:
+        values = yaml.safe_load(Path(params_file).read_text()) or {}
+        gone = [p for o in chain.outputs(name) if not Path(p := chain.resolve(o, values)).exists()]
+    except (OSError, yaml.YAMLError, KeyError, TypeError):
+        return ""
+    if not gone:
+        return ""
+    return (
+        f"; DVC removed this stage's outputs before starting it ({', '.join(gone)}): "
+        f"once that run is done, `dvc checkout {name}` brings them back"
+    )
 
 
 def tracking_on(params: Params) -> bool:
@@ -288,7 +309,10 @@ def _stage(
         except ConfigError as err:
             print(f"{name}: error: {err}{_under_dvc_hint()}", file=sys.stderr)
             return 2
-        except (StageError, DataError, WorkspaceBusy) as err:
+        except WorkspaceBusy as err:
+            print(f"{name}: error: {err}{_removed_by_dvc(name, args.params)}", file=sys.stderr)
+            return 2
+        except (StageError, DataError) as err:
             print(f"{name}: error: {err}", file=sys.stderr)
             return 2
         except Exception as err:
