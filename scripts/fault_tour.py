@@ -138,7 +138,12 @@ def run_case(case: Case, base: Path, scratch: Path) -> None:
     one_line = len(lines) == 1 or (case.signal_after is not None and lines and "stopped by" in lines[-1])
     if case.status == 0 or case.multi_line:
         one_line = "Traceback" not in err and bool(lines or case.status == 0)
-    said = case.expect in (lines[-1] if lines else "") if not case.multi_line else case.expect in err
+    # a refusal's one line says it; a run that goes on (exit 0, a sweep) says it somewhere on stderr
+    said = (
+        case.expect in err
+        if case.multi_line or case.status == 0
+        else case.expect in (lines[-1] if lines else "")
+    )
     running = running_runs(ws)
     ok = (
         proc.returncode == case.status

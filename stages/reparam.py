@@ -129,10 +129,14 @@ def _write(
 
 
 def check(params: Params, root: Path = Path(".")) -> None:
-    """Before any run opens: the pretraining checkpoint at t1 exists and is this run's (:func:`load_source`)."""
-    T.require_checkpoint(source_path(params, root), source_label(params))
+    """Before any run opens: the pretraining checkpoint at t1 exists and is this run's (:func:`load_source`),
+    and the params convert it (a ``reparam.stages`` pattern that matches no conv is refused here, not after
+    the runs opened; :func:`run` reseeds before its own conversion)."""
+    src = source_path(params, root)
+    T.require_checkpoint(src, source_label(params))
     T.require_dataset(params, root)
-    load_source(params, root)
+    ckpt = load_source(params, root)
+    _convert(params, _load_cnn(ckpt, src), ckpt, src)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -485,3 +485,28 @@ def test_a_sweep_shares_one_import_across_inits_and_seeds(tmp_path: Path, monkey
     assert set(moved.groups).isdisjoint(plan.groups)  # other weights: another import
     with pytest.raises((ConfigError, SweepError), match="reparam.epoch: the CNN is imported"):
         make_plan(base.with_overrides({"sweep.grid.reparam.epoch": [0, 1]}), cwd=tmp_path)
+
+
+def test_a_reparam_pattern_that_matches_no_conv_is_refused_before_any_run_opens(workspace: Path) -> None:
+    """reparam.stages naming no conv of the imported net: one line listing the convs that could be chosen,
+    exit 2, and neither an MLflow run (tracking on, in the workspace) nor a file written."""
+    import shutil
+
+    shutil.rmtree(workspace / "runs", ignore_errors=True)
+    path, sha = save_user_checkpoint(workspace)
+    params = _import_params(workspace, path, sha)
+    assert _pretrain(workspace, params).returncode == 0
+    before = sorted(p for p in workspace.rglob("*") if p.is_file())
+    out = subprocess.run(
+        [sys.executable, "-m", "stages.reparam", "--params", str(params), "-S", "reparam.stages=[nomatch.*]",
+         "-S", "tracking.uri=sqlite:///mlruns.db"],
+        cwd=workspace, env=stage_env(PYTHONPATH=repo_pythonpath(), TCNN_TRACKING="1"), capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
+    assert "matches 'nomatch.*'; its k x k convolutions, last first: layer2.0.conv2" in lines[0], lines[0]
+    assert sorted(p for p in workspace.rglob("*") if p.is_file() and ".tcnn.lock" not in p.name) == [
+        p for p in before if ".tcnn.lock" not in p.name
+    ]
+    assert not (workspace / "mlruns.db").exists()
