@@ -36,6 +36,10 @@ TIMM_WEIGHTS = "timm"  # pretrain.source.weights: timm's own pretrained weights 
 # so at 28 px its last stage -- the one the T-CNN converts -- works on a 7x7 map, as the paper's last stage
 # does at 224 px; on the plain resnet10_cifar it is 4x4, where a 3x3 conv already sees most of the map.
 DEFAULT_ARCH = "resnet10_cifar_os16"
+# model.code: the workspace file or folder of model.arch's own code, a DVC dependency of every stage that builds
+# the network (dvc.yaml's ``${model.code}``); by default the file of the default arch (and of the project's other
+# CIFAR ResNets), which those stages list already.
+DEFAULT_CODE = "core/models/resnets.py"
 
 
 # Allowed names live in the registries of the layers above; config sits at the bottom of core/ and imports none
@@ -164,6 +168,9 @@ class DataConfig(_Strict):
 class ModelConfig(_Strict):
     kind: str = "tcnn"  # a kind of the registry, core.models.kinds
     arch: str = DEFAULT_ARCH
+    # A file or folder, relative to the workspace: DVC reruns the stages that build the network when it changes;
+    # a builder's workspace modules must lie in it (`_holds_builder`).
+    code: Path = Path(DEFAULT_CODE)
     drop_path: float = Field(0.0, ge=0.0, lt=1.0)
     options: dict[str, Any] = Field(default_factory=dict)
 
@@ -183,6 +190,22 @@ class ModelConfig(_Strict):
         kind = info.data.get("kind")
         if kind is not None:
             _models().check_arch(_kinds().get(kind), v)
+        return v
+
+    @field_validator("code")
+    @classmethod
+    def _holds_builder(cls, v: Path, info: ValidationInfo) -> Path:
+        """``code`` is not the workspace itself, and a user's builder in the workspace (``model.arch:
+        package.module:function``) lies in it: dvc.yaml makes it a dependency of every stage that builds the
+        network (`core.models.builders.check_code`)."""
+        if Path.cwd().resolve().is_relative_to((Path.cwd() / v).resolve()):
+            raise ValueError(
+                f"{v} holds the whole workspace (the stages' outputs too): name the network's code"
+            )
+        arch = info.data.get("arch")
+        builders = importlib.import_module("core.models.builders")
+        if arch is not None and builders.is_builder(arch):
+            builders.check_code(arch, v)
         return v
 
     @field_validator("options")

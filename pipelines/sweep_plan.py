@@ -5,7 +5,8 @@ fails with one line and nothing written, and every trial (on any node) finds its
 
 Shared work (issue 7): trials whose pretraining has the same identity -- the pretrain stage's own
 (`stages.pretrain.identity`: seed, data content and meaning, the network pretraining builds, the pretrain
-section minus which epochs are kept, the device, the stage's code) -- form one *group*. A group pretrains
+section minus which epochs are kept, the device, the stage's code and the network code dvc.yaml does not
+list, e.g. a user's builder) -- form one *group*. A group pretrains
 once, in the content-addressed directory ``<storage>/pretrain/<key>/`` (`stages.harness.identity.key`), keeping a
 checkpoint at every t1 its trials ask for; later sweeps with the same identity reuse it. Matched controls
 (`stages.finetune.identity`) and corrupted sets (`stages.corrupt.identity`) are shared the same way: the
@@ -202,8 +203,9 @@ def make_plan(
 
 
 def _absolute_inputs(base: Params, cwd: Path) -> Params:
-    """``base`` with its input paths absolute against ``cwd``, and ``cwd`` on PYTHONPATH for a user's model
-    builder: trials run in Ray workers whose working directory is not ours."""
+    """``base`` with its input paths (model.code too, which holds a workspace builder) absolute against
+    ``cwd``, and ``cwd`` on PYTHONPATH for a user's model builder: trials run in Ray workers whose working
+    directory is not ours."""
     if base.data.source is not None:
         base = _override(base, {"data.source": str((cwd / base.data.source).resolve())}, "data.source")
     source = base.pretrain.source
@@ -214,6 +216,7 @@ def _absolute_inputs(base: Params, cwd: Path) -> Params:
         paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
         if str(cwd) not in paths:
             os.environ["PYTHONPATH"] = os.pathsep.join([str(cwd), *filter(None, paths)])
+    base = _override(base, {"model.code": str((cwd / base.model.code).resolve())}, "model.code")
     if base.robustness.public is not None:
         where = str((cwd / base.robustness.public.dir).resolve())
         base = _override(base, {"robustness.public.dir": where}, "robustness.public.dir")

@@ -41,10 +41,15 @@ def identity(
 ) -> dict[str, Any]:
     """What pretraining's result depends on (`stages.harness.identity`; the sweep names shared pretraining runs
     by it): a training run's (`stages.pretraining.training_identity`) or an import's
-    (`stages.imported_cnn.import_identity`)."""
+    (`stages.imported_cnn.import_identity`), and the network code dvc.yaml does not list
+    (`stages.pretraining.network_code`: another kind's, a user's builder), so that an edit of it is another
+    pretraining."""
     if params.imports_cnn:
-        return import_identity(params, spec, data_fingerprint, device)
-    return pretraining.training_identity(params, spec, data_fingerprint, device, workers)
+        found = import_identity(params, spec, data_fingerprint, device)
+    else:
+        found = pretraining.training_identity(params, spec, data_fingerprint, device, workers)
+    code = network_code(params)  # what dvc.yaml does not list: a sweep runs without DVC
+    return {**found, "network_code": code} if code else found
 
 
 def run_hash(params: Params, spec: dict[str, Any], data_fingerprint: str, device: str) -> str:

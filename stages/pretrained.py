@@ -51,7 +51,8 @@ def load_source(params: Params, root: Path) -> dict[str, Any]:
     stale = stale_network_code(ckpt.get("network_code") or {})
     if stale:
         raise StageError(
-            f"{src}: pretrained with another {stale[0]} (model.kind={params.model.kind!r} loads code dvc.yaml "
-            "lists for params.yaml's kind only); rerun pretraining: dvc repro -f pretrain"
+            f"{src}: pretrained with another {stale[0]} (network code dvc.yaml does not list for this config: "
+            f"model.kind={params.model.kind!r}'s, or model.arch={params.model.arch!r}'s); rerun pretraining: "
+            "dvc repro -f pretrain"
         )
     return ckpt

@@ -16,6 +16,7 @@ import torch
 
 from core.config import Params
 from core.data import Datasets
+from core.models.builders import builder_module, is_builder, load_builder
 from core.models.factory import set_stochastic_depth
 from core.models.spec import build_from_spec, pretraining_spec
 from core.training import distributed as D
@@ -78,8 +79,13 @@ def training_identity(
 
 
 def network_code(params: Params) -> dict[str, str]:
-    """The pretraining network's code that dvc.yaml does not list (`stages.harness.identity.network_code`)."""
-    return code_outside_deps(NAME, params.model.record.pretraining_record().code())
+    """The pretraining network's code that dvc.yaml does not list (`stages.harness.identity.network_code`): the
+    kind's, and a user's builder's when model.arch names one (its files, or its distribution's version)."""
+    arch, builder = params.model.arch, None
+    if is_builder(arch):
+        load_builder(arch)  # imported from the workspace, as the network is built
+        builder = builder_module(arch)
+    return code_outside_deps(NAME, params.model.record.pretraining_record().code(), builder=builder)
 
 
 def build_model(params: Params, spec: dict[str, Any]) -> torch.nn.Module:

@@ -375,7 +375,7 @@ def save_user_checkpoint(folder: Path, seed: int = 0, classes: int = 10) -> tupl
 
 def _import_params(tmp_path: Path, path: Path, sha: str, arch: str = "mynets:small") -> Path:
     raw = tiny_params(tmp_path / "data" / "fmnist")
-    raw["model"] = {"kind": "tcnn", "arch": arch}
+    raw["model"] = {"kind": "tcnn", "arch": arch, "code": "mynets.py"}  # the builder's file: a DVC dep
     raw["pretrain"]["source"] = {"weights": str(path), "sha256": sha, "mean": [0.3], "std": [0.35]}
     return write_params(tmp_path / "params.yaml", raw)
 
@@ -418,6 +418,9 @@ def test_the_pretrain_stage_imports_a_users_checkpoint(workspace: Path) -> None:
     saved = torch.load(path, weights_only=True)["state_dict"]
     assert all(torch.equal(final["model"][k.removeprefix("module.")], v) for k, v in saved.items())
     assert all(torch.equal(t1["model"][k], v) for k, v in final["model"].items())
+    # the builder's file is recorded (outside the project: by absolute path), for the stages that start from it
+    builder = (workspace / "mynets.py").resolve()
+    assert t1["network_code"] == {str(builder): hashlib.sha256(builder.read_bytes()).hexdigest()}
     # the accuracies it records are the imported network's own, on the normalised test split
     from core.data import load_split
 
@@ -471,7 +474,10 @@ def test_a_sweep_shares_one_import_across_inits_and_seeds(tmp_path: Path, monkey
     monkeypatch.chdir(tmp_path)
     source = {"weights": str(weights.relative_to(tmp_path)), "sha256": sha, "mean": [0.3], "std": [0.35]}
     base = validate_params(
-        {**yaml.safe_load(path.read_text()), "model": {"kind": "tcnn", "arch": "mynets:small"}}
+        {
+            **yaml.safe_load(path.read_text()),
+            "model": {"kind": "tcnn", "arch": "mynets:small", "code": "mynets.py"},
+        }
     )
     base = base.with_overrides({"pretrain.source": source})
     plan = make_plan(base, cwd=tmp_path)
@@ -483,6 +489,12 @@ def test_a_sweep_shares_one_import_across_inits_and_seeds(tmp_path: Path, monkey
     other, other_sha = save_user_checkpoint(tmp_path, seed=3)
     moved = make_plan(base.with_overrides({"pretrain.source.sha256": other_sha}), cwd=tmp_path)
     assert set(moved.groups).isdisjoint(plan.groups)  # other weights: another import
+    # model.code travels to the trials absolute (their working directory is not ours); an edit of the builder
+    # is another import (its digest is part of the identity: a sweep runs without DVC)
+    assert {t.params.model.code for t in plan.trials} == {(tmp_path / "mynets.py").resolve()}
+    builder = tmp_path / "mynets.py"
+    builder.write_text(builder.read_text() + "\n# edited\n")
+    assert set(make_plan(base, cwd=tmp_path).groups).isdisjoint(plan.groups)
     with pytest.raises((ConfigError, SweepError), match="reparam.epoch: the CNN is imported"):
         make_plan(base.with_overrides({"sweep.grid.reparam.epoch": [0, 1]}), cwd=tmp_path)
 

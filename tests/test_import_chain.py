@@ -5,6 +5,7 @@ stage runs on the imported CNN, MLflow and the report name the source, the weigh
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -30,7 +31,7 @@ def test_a_users_checkpoint_runs_the_whole_chain(tmp_path: Path) -> None:
     write_builder(made)
     path, sha = save_user_checkpoint(made, seed=0)
     source = {"weights": "data/pretrained/mine.pth", "sha256": sha, "mean": [0.3], "std": [0.35]}
-    repo = make_repo(tmp_path / "imp", {"model": {"kind": "tcnn", "arch": "mynets:small"},
+    repo = make_repo(tmp_path / "imp", {"model": {"kind": "tcnn", "arch": "mynets:small", "code": "mynets.py"},
                                         "pretrain": {"source": source}, "reparam": {"stages": [-1]}})  # fmt: skip
     write_builder(repo)
     (repo / "data" / "pretrained").mkdir(parents=True, exist_ok=True)
@@ -70,6 +71,17 @@ def test_a_users_checkpoint_runs_the_whole_chain(tmp_path: Path) -> None:
     # nothing changed: a no-op
     again = dvc(repo, "repro")
     assert "Running stage" not in again.stdout, again.stdout[-2000:]
+    # the builder is network code (model.code: mynets.py): an edit of it is a change of every stage that builds
+    # the network, and the checkpoint records its digest for a run outside DVC
+    builder = repo / "mynets.py"
+    assert torch.load(repo / "runs/pretrain/ckpt/ckpt-epoch-000.pt", weights_only=False)["network_code"] == {
+        "mynets.py": hashlib.sha256(builder.read_bytes()).hexdigest()
+    }
+    original = builder.read_bytes()
+    builder.write_bytes(original + b"\n# edited\n")
+    edited = json.loads(dvc(repo, "status", "--json").stdout or "{}")
+    builder.write_bytes(original)
+    assert set(edited) == {"pretrain", "reparam", "finetune", "control", "evaluate", "report"}, edited
 
     # the weights file changed (params not yet): DVC reruns pretrain, which refuses it with one line
     path2, sha2 = save_user_checkpoint(made, seed=1)

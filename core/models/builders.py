@@ -16,15 +16,22 @@ import inspect
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
+from core.utils.module_files import local_files
+
 __all__ = [
+    "PROJECT_PACKAGES",
     "TORCHVISION_PREFIX",
     "build_external",
+    "builder_module",
+    "check_code",
     "classifier",
+    "code_to_cover",
     "is_builder",
     "load_builder",
     "set_num_classes",
@@ -32,6 +39,8 @@ __all__ = [
 
 #: Builders of this module are torchvision's (ImageNet statistics, `core.models.importing`).
 TORCHVISION_PREFIX = "torchvision.models"
+#: The project's own code folders: dvc.yaml lists what the stages import from them.
+PROJECT_PACKAGES = ("core", "stages")
 
 
 def is_builder(arch: str) -> bool:
@@ -60,6 +69,51 @@ def load_builder(arch: str) -> Callable[..., nn.Module]:
     if not callable(fn):
         raise ValueError(f"{arch!r} is not callable")
     return fn  # type: ignore[return-value]
+
+
+def builder_module(arch: str) -> str:
+    """The module of the builder ``arch`` (``package.module`` of ``package.module:function``)."""
+    return arch.partition(":")[0]
+
+
+def code_to_cover(arch: str, workspace: Path) -> list[str]:
+    """The files of the builder ``arch`` inside ``workspace`` that ``model.code`` must hold, relative to it: its
+    module and the workspace files it runs outside the project's own packages (its package's ``__init__``,
+    the local modules it imports: `core.utils.module_files.local_files`), its module first; none for an
+    installed module."""
+    load_builder(arch)
+    workspace = workspace.resolve()
+    own = Path(sys.modules[builder_module(arch)].__file__ or "").resolve()
+    files = [f for f in local_files(builder_module(arch)) if f.is_relative_to(workspace)]
+    others = [f for f in files if f != own and f.relative_to(workspace).parts[0] not in PROJECT_PACKAGES]
+    return [str(f.relative_to(workspace)) for f in ([own] if own in files else []) + others]
+
+
+def _covered(rel: str, code: Path) -> bool:
+    return Path(rel) == code or code in Path(rel).parents
+
+
+def check_code(arch: str, code: Path, workspace: Path | None = None) -> None:
+    """``model.code`` (``code``: a file or folder, relative to ``workspace``, the working directory by default)
+    holds every workspace file of the builder ``arch`` (`code_to_cover`): it is a DVC dependency of each stage
+    that builds the network, so an edit of the builder reruns them. Else a one-line ValueError naming the value
+    to set."""
+    workspace = (workspace or Path.cwd()).resolve()
+    files = code_to_cover(arch, workspace)
+    rel = Path(os.path.relpath((workspace / code).resolve(), workspace))
+    outside = [f for f in files if not _covered(f, rel)]
+    if not outside:
+        return
+    common = files[0] if len(files) == 1 else os.path.commonpath(files)
+    fix = (
+        f"set model.code: {common}"
+        if common not in ("", ".")
+        else "keep them in one folder and set model.code to it"
+    )
+    raise ValueError(
+        f"{code} does not hold {outside[0]}, code of model.arch {arch} (model.code is a DVC dependency of the "
+        f"stages that build the network, so that an edit of it reruns them): {fix}"
+    )
 
 
 def _takes(fn: Callable[..., Any], name: str) -> bool:

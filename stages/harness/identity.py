@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import sys
+import importlib.metadata
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from core.utils import module_files
 from core.utils.hashing import file_digest, stable_hash
 from stages.harness import chain
 
@@ -74,46 +75,75 @@ def key(identity: Mapping[str, Any]) -> str:
 
 #: The network code a model kind loads by reference (`core.models.kinds.ModelKind.code`).
 NETWORK_CODE = ("core/models/", "core/nn/")
+#: The project's own packages: a kind's code is followed through them only.
+PROJECT_MODULES = ("core.", "stages.")
+#: The key prefix of an installed distribution in `network_code` (its value: the version).
+DISTRIBUTION = "dist:"
 
 
-def _closure(modules: Iterable[str]) -> set[ModuleType]:
-    """The given modules and every project module their names come from, recursively (the import graph as the
-    modules' namespaces bind it: the same whatever else the process loaded before)."""
-    todo = [importlib.import_module(m) for m in modules]
-    seen: set[ModuleType] = set()
-    while todo:
-        module = todo.pop()
-        if module in seen:
-            continue
-        seen.add(module)
-        for value in vars(module).values():
-            name = value.__name__ if isinstance(value, ModuleType) else getattr(value, "__module__", None)
-            if isinstance(name, str) and name.startswith(("core.", "stages.")) and name in sys.modules:
-                todo.append(sys.modules[name])
-    return seen
+def _in_project(module: ModuleType) -> bool:
+    return module.__name__.startswith(PROJECT_MODULES)
 
 
-def network_code(stage: str, modules: Iterable[str], repo: Path = chain.REPO) -> dict[str, str]:
-    """sha256 of each network-code file that ``modules`` (a kind's `ModelKind.code`) load and that dvc.yaml
-    does not list for ``stage``.
+def _recorded(rel: str, listed: set[str]) -> bool:
+    """Whether `network_code` records the local file ``rel``: not among the stage's dvc.yaml code deps; in the
+    project's packages, only network code (package roots are docstrings or lazy loaders); any other file (a
+    builder's own package, in the workspace or on PYTHONPATH) whole."""
+    if rel in listed:
+        return False
+    if rel.startswith(chain.CODE_PACKAGES):
+        return rel.startswith(NETWORK_CODE) and not rel.endswith("__init__.py")
+    return True
+
+
+def _relative(path: Path, repo: Path) -> str:
+    """``path`` relative to the workspace, or absolute outside it (a PYTHONPATH folder)."""
+    return str(path.relative_to(repo)) if path.is_relative_to(repo) else str(path)
+
+
+def builder_code(module: str, repo: Path = chain.REPO) -> dict[str, str]:
+    """The code of a user's builder module (`core.models.builders`, imported already): sha256 of each local
+    file it runs (`core.utils.module_files.local_files`: the module, its packages, the local modules it
+    imports), by path relative to ``repo`` (absolute outside it); an installed module (``torchvision.models``)
+    is named by its distribution instead, ``{"dist:torchvision": version}`` (installed from uv.lock)."""
+    if module_files.is_local(importlib.import_module(module)):
+        return {_relative(f, repo): file_digest(f) for f in module_files.local_files(module)}
+    dist = module_files.distribution(module)
+    return {} if dist is None else {f"{DISTRIBUTION}{dist[0]}": dist[1]}
+
+
+def network_code(
+    stage: str, modules: Iterable[str], repo: Path = chain.REPO, builder: str | None = None
+) -> dict[str, str]:
+    """sha256 of each network-code file that ``modules`` (a kind's `ModelKind.code`) and the ``builder`` module
+    (`builder_code`, when model.arch names one) load and that dvc.yaml does not list for ``stage``.
 
     dvc.yaml lists the code of params.yaml's model kind; another kind (`-S model.kind=convit`) loads its own by
-    reference, which DVC cannot see. A pretraining checkpoint records these files, and what starts from it
-    (`stale_network_code`) refuses it once they changed, instead of DVC silently reusing it."""
+    reference, which DVC cannot see, and a builder's module reaches DVC only through ``model.code``. A
+    pretraining checkpoint records these files, and what starts from it (`stale_network_code`) refuses it
+    once they changed, instead of silently reusing it (a sweep, which runs without DVC, names its shared
+    pretraining by them: `stages.pretrain.identity`)."""
     listed = set(chain.code_files(stage, repo))
-    found: dict[str, str] = {}
-    for module in _closure(modules):
-        path = Path(module.__file__ or "").resolve()
-        rel = str(path.relative_to(repo)) if path.is_relative_to(repo) else ""
-        if rel.startswith(NETWORK_CODE) and rel not in listed and not rel.endswith("__init__.py"):
-            found[rel] = file_digest(path)
+    files = (module_files.source_file(m) for m in module_files.closure(modules, _in_project))
+    kind_files = {str(f.relative_to(repo)) for f in files if f is not None and f.is_relative_to(repo)}
+    found = {rel: file_digest(repo / rel) for rel in kind_files if _recorded(rel, listed)}
+    if builder is not None:
+        found.update({k: v for k, v in builder_code(builder, repo).items() if _recorded(k, listed)})
     return dict(sorted(found.items()))
 
 
+def _current(key: str, repo: Path) -> str | None:
+    """What ``key`` of `network_code` is now: a file's sha256, a distribution's version (None: gone)."""
+    if key.startswith(DISTRIBUTION):
+        try:
+            return importlib.metadata.version(key.removeprefix(DISTRIBUTION))
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    path = repo / key
+    return file_digest(path) if path.is_file() else None
+
+
 def stale_network_code(recorded: Mapping[str, str], repo: Path = chain.REPO) -> list[str]:
-    """The files of ``recorded`` (`network_code`) whose content differs now, or that are gone."""
-    return [
-        rel
-        for rel, digest in recorded.items()
-        if not (repo / rel).is_file() or file_digest(repo / rel) != digest
-    ]
+    """The entries of ``recorded`` (`network_code`) that differ now: files whose content changed or that are
+    gone, distributions of another version or uninstalled."""
+    return [key for key, value in recorded.items() if _current(key, repo) != value]
