@@ -52,7 +52,10 @@ class Case:
     may_write: tuple[str, ...] = ()  # path prefixes this case is allowed to create or change
     env: dict[str, str] = field(default_factory=dict)
     expect: str = ""  # text the last line must hold (what the ending must say, not only that it ends)
-    multi_line: bool = False  # a command that reports progress (a sweep): no traceback instead of one line
+    multi_line: bool = (
+        False  # a command that reports progress (a sweep): no traceback instead of one line, and
+    )
+    # ``expect`` anywhere in its output (a sweep's table and status are on stdout)
     result: dict = field(default_factory=dict)
 
 
@@ -122,10 +125,10 @@ def run_case(case: Case, base: Path, scratch: Path) -> None:
         if proc.poll() is None:
             proc.send_signal(sig)
     try:
-        _, err = proc.communicate(timeout=1800)
+        out, err = proc.communicate(timeout=1800)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate()
+        out, err = proc.communicate()
     time.sleep(0.5)
     left = [p.pid for p in family if _alive(p)]
     with_session = [p.pid for p in psutil.process_iter() if _session(p) == proc.pid and _alive(p)]
@@ -138,9 +141,9 @@ def run_case(case: Case, base: Path, scratch: Path) -> None:
     one_line = len(lines) == 1 or (case.signal_after is not None and lines and "stopped by" in lines[-1])
     if case.status == 0 or case.multi_line:
         one_line = "Traceback" not in err and bool(lines or case.status == 0)
-    # a refusal's one line says it; a run that goes on (exit 0, a sweep) says it somewhere on stderr
+    # a refusal's one line says it; a run that goes on (exit 0, a sweep) says it somewhere in its output
     said = (
-        case.expect in err
+        case.expect in out + err
         if case.multi_line or case.status == 0
         else case.expect in (lines[-1] if lines else "")
     )
