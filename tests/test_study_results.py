@@ -1,4 +1,4 @@
-"""The committed results of a study and the README section made from them (pipelines/study_results.py): the
+"""The committed results of a study and the README section made from them (pipelines/studies/results.py): the
 selection re-derived from validation accuracy, the over-seed intervals recomputed, the README block in sync."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from pipelines import study_results as S
+from pipelines.studies import results as S
 
 REPO = Path(__file__).resolve().parents[1]
 COMMITTED = REPO / "pipelines" / "studies" / "cifar10_lr"
@@ -184,11 +184,11 @@ def _epochs(times: list[float], start: bool) -> list[dict]:
 
 
 def _sweep(tmp: Path) -> tuple[Path, dict]:
-    """A finished toy sweep laid out as the sweep leaves it (pipelines/sweep_trial.py, sweep_shared.py): shared
+    """A finished toy sweep laid out as the sweep leaves it (pipelines/sweep/trial.py, sweep_shared.py): shared
     runs in ``<storage>/<stage>/<key>/`` with their executions.jsonl, linked from the trials' ``runs/<stage>``,
     this sweep's ``<stage>_runs.jsonl``, each trial's own stages in its directory with its stages.jsonl. Another
     sweep's execution sits in the same storage."""
-    from pipelines.sweep_shared import EXECUTIONS, link_pretraining, runs_log
+    from pipelines.sweep.shared import EXECUTIONS, link_pretraining, runs_log
     from stages.harness import chain
 
     storage = tmp / "sweeps"
@@ -283,7 +283,7 @@ def _export(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, dic
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    monkeypatch.setattr("pipelines.sweep_select.pair_metrics", lambda *a, **k: {})
+    monkeypatch.setattr("pipelines.sweep.selection.pair_metrics", lambda *a, **k: {})
     sweep, spec = _sweep(tmp)
     chosen = [{"seed": 0, "tcnn_trial": "t001", "control_trial": "t000", "tcnn_finetune.gate_lr": 1.0,
                "control_finetune.gate_lr": 0.1},

@@ -1,4 +1,4 @@
-"""Bracketing (``sweep.select.bracket``, pipelines/sweep_bracket.py): the rule on hand-made summary rows, and
+"""Bracketing (``sweep.select.bracket``, pipelines/sweep/bracket.py): the rule on hand-made summary rows, and
 the added trials planned into a real sweep spec (no Ray; the Ray run is in tests/test_sweep_ray.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_sweep import make_project
 
-from pipelines.sweep_bracket import Step, asked, decide, extend, round_of, round_trials
+from pipelines.sweep.bracket import Step, asked, decide, extend, round_of, round_trials
 
 KEY = "finetune.lr"
 GRID_KEYS = ["seed", KEY]
@@ -102,15 +102,15 @@ def test_unfinished_trials_do_not_choose_and_an_integer_grid_stays_integer() -> 
 
 def _spec(tmp_path: Path, grid: dict, select: dict) -> dict:
     from core.config import load_params
-    from pipelines.sweep import build_spec
+    from pipelines.sweep.driver import build_spec
 
     path = make_project(tmp_path, grid, sweep={"select": select})
     return build_spec(load_params(path), name="b", params_file=path, cwd=tmp_path)
 
 
 def test_extend_plans_only_the_new_values_and_keeps_every_trial(tmp_path: Path) -> None:
-    from pipelines.sweep import SWEEP_JSON, reconcile
-    from pipelines.sweep_summary import summary_rows
+    from pipelines.sweep.driver import SWEEP_JSON, reconcile
+    from pipelines.sweep.summary import summary_rows
 
     grid = {"seed": [0, 1], KEY: [0.001, 0.01]}
     spec = _spec(tmp_path, grid, {"over": [KEY], "bracket": True})
@@ -144,7 +144,7 @@ def test_extend_plans_only_the_new_values_and_keeps_every_trial(tmp_path: Path) 
 
 
 def test_an_added_value_that_is_no_valid_setting_is_refused(tmp_path: Path) -> None:
-    from pipelines.sweep_plan import SweepError
+    from pipelines.sweep.plan import SweepError
 
     spec = _spec(tmp_path, {"data.sample_fraction": [0.5, 1.0]}, {"over": ["data.sample_fraction"],
                                                                   "bracket": {"max_rounds": 2}})  # fmt: skip
@@ -164,7 +164,7 @@ def _objective(lr: float, peak: float) -> float:
 def _fake_fit(calls: list[int]):
     """In place of the Tune experiment of a round: each trial's done.json with a validation accuracy that
     peaks at lr 0.1 for the T-CNN and 1e-3 for the control; the test accuracy keeps rising with lr."""
-    from pipelines.sweep_bracket import round_trials
+    from pipelines.sweep.bracket import round_trials
 
     def fit(spec: dict, k: int) -> dict[str, str]:
         calls.append(k)
@@ -184,7 +184,7 @@ def _fake_fit(calls: list[int]):
 def test_the_driver_grows_the_grid_until_every_choice_is_interior(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_rounds: int
 ) -> None:
-    from pipelines import sweep
+    from pipelines.sweep import driver as sweep
 
     spec = _spec(tmp_path, {KEY: [1e-3, 1e-2]}, {"over": [KEY], "bracket": {"max_rounds": max_rounds}})
     calls: list[int] = []

@@ -19,7 +19,7 @@ from typing import Any
 from core.utils.atomic import atomic_write
 from core.viz.html import fmt_pct_plain, fmt_plain
 from core.viz.html import render as render_page
-from pipelines.sweep_summary import METRIC_COLUMNS, SEED_METRICS, SEED_SUFFIXES
+from pipelines.sweep.summary import METRIC_COLUMNS, SEED_METRICS, SEED_SUFFIXES
 
 REPORT = "report.html"
 PERCENT = ("clean_accuracy", "mca", "mce", "relative_mce")
@@ -86,10 +86,10 @@ def seeds_table(srows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def selected_table(
     chosen: list[dict[str, Any]], agg: list[dict[str, Any]], over: list[str], notes: list[str] | None = None
 ) -> dict[str, Any]:
-    """The validation-chosen comparison (pipelines/sweep_select.py): one record per seed and one per
+    """The validation-chosen comparison (pipelines/sweep/selection.py): one record per seed and one per
     configuration over seeds, the sentence that goes with each interval, and ``notes``: what bracketing
-    added and why (pipelines/sweep_bracket.py)."""
-    from pipelines.sweep_select import DIFF, mean_label, verdict
+    added and why (pipelines/sweep/bracket.py)."""
+    from pipelines.sweep.selection import DIFF, mean_label, verdict
 
     def cell(r: dict[str, Any], name: str, ends: tuple[str, str, str]) -> str:
         mean, lo, hi = (r.get(name + e) for e in ends)

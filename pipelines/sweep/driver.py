@@ -57,7 +57,7 @@ from core.config import ConfigError, Params, load_params
 from core.utils import mlflow_ui
 from core.utils.atomic import atomic_write_json
 from pipelines.ddp import PLACEMENTS
-from pipelines.sweep_plan import (
+from pipelines.sweep.plan import (
     SweepError,
     check_name,
     default_name,
@@ -134,7 +134,7 @@ def build_spec(
 
 
 def _bracket_settings(params: Params) -> dict[str, Any] | None:
-    """``sweep.select.bracket`` as the driver uses it (pipelines/sweep_bracket.py): key, ratio, bound."""
+    """``sweep.select.bracket`` as the driver uses it (pipelines/sweep/bracket.py): key, ratio, bound."""
     from core.config import bracket_key, log_step
 
     sel = params.sweep.select
@@ -183,7 +183,7 @@ def reconcile(spec: dict, resume: str) -> dict:
         raise SweepError(
             f"sweep {spec['name']!r} exists in {where}: pass --resume to continue it, or --name for a new one"
         )
-    from pipelines.sweep_bracket import asked
+    from pipelines.sweep.bracket import asked
 
     diff = spec_difference(asked(saved), asked(spec))  # the trials bracketing added are the sweep's own
     if diff is not None:
@@ -269,7 +269,7 @@ def _tune_order(spec: dict) -> list[str]:
 
 
 def _progress_callback(spec: dict, tids: list[str]) -> Any:
-    from pipelines.sweep_progress import SweepProgress
+    from pipelines.sweep.progress import SweepProgress
 
     return SweepProgress({tid: trial_label(spec["trials"][tid]["overrides"]) for tid in tids})
 
@@ -282,7 +282,7 @@ def tune_dir(k: int) -> str:
 def _tuner(spec: dict, restore: bool, tids: list[str], name: str = TUNE_DIR) -> Any:
     from ray import tune
 
-    from pipelines.sweep_trial import tune_trainable
+    from pipelines.sweep.trial import tune_trainable
 
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "5")
     os.environ.setdefault("TUNE_RESULT_BUFFER_LENGTH", "1")
@@ -408,14 +408,14 @@ class _Outputs:
     """What the end of a sweep wrote in its directory: the parent run logs it and the driver prints it."""
 
     rows: list[dict]  # summary rows, one per trial
-    srows: list[dict]  # over-seed rows (sweep_summary.seed_rows)
-    krows: list[dict]  # model-kind rows (sweep_summary.kind_rows)
+    srows: list[dict]  # over-seed rows (summary.seed_rows)
+    krows: list[dict]  # model-kind rows (summary.kind_rows)
     summary: Path  # summary.parquet
     plots: list[Path]
     files: list[Path]  # the other artifacts of the parent run (kinds, seeds, bracket, selection, report)
     bracketed: bool
     notes: list[str]  # what bracketing added and why
-    chosen: list[dict]  # the validation-chosen rows (sweep_select.selected_rows)
+    chosen: list[dict]  # the validation-chosen rows (selection.selected_rows)
     chosen_seeds: list[dict]  # their over-seed rows
 
 
@@ -423,15 +423,15 @@ def _finish(spec: dict, status: dict[str, str], tracker: Any, sweep_dir: Path, t
     """The end of a sweep whose trials ran: its outputs, the parent run's metrics, tags and artifacts (the
     parent ends FINISHED when every trial finished, FAILED otherwise), metrics.json, the printed tables and
     the last line. Returns run_sweep's result."""
-    from pipelines import sweep_bracket, sweep_shared, sweep_summary
+    from pipelines.sweep import bracket, shared, summary
 
     n = len(spec["trials"])
     out = _write_outputs(spec, status, sweep_dir)
     finished = sum(r["status"] == "finished" for r in out.rows)
-    runs = sweep_shared.pretrain_runs(sweep_dir)
+    runs = shared.pretrain_runs(sweep_dir)
     metrics = _parent_metrics(spec, out, n, finished, runs)
     if out.bracketed:
-        tracker.set_tags(sweep_bracket.tags(spec))
+        tracker.set_tags(bracket.tags(spec))
     metrics["wall_s"] = time.monotonic() - t0
     _log_parent(tracker, spec, out, metrics, "FINISHED" if finished == n else "FAILED")
     atomic_write_json(sweep_dir / "metrics.json", metrics)
@@ -439,7 +439,7 @@ def _finish(spec: dict, status: dict[str, str], tracker: Any, sweep_dir: Path, t
     for r in out.rows:  # a refusal is the trial's one line, not a traceback: the user fixes the params
         if r["status"] == "refused":
             say(f"trial {r['trial']} refused: {r['refused']}")
-        if why := sweep_summary.cnn_evaluation_reason(r):  # said in the trial's log: the driver says it too
+        if why := summary.cnn_evaluation_reason(r):  # said in the trial's log: the driver says it too
             say(f"trial {r['trial']}: the pretrained CNN was evaluated again: {why}")
     say(
         f"{finished}/{n} trials finished, {runs} pretraining run(s) executed; summary {out.summary}"
@@ -469,34 +469,30 @@ def _finish(spec: dict, status: dict[str, str], tracker: Any, sweep_dir: Path, t
 def _write_outputs(spec: dict, status: dict[str, str], sweep_dir: Path) -> _Outputs:
     """summary.parquet, the plots (a failed plot only warns: it must not cost the sweep its summary and
     parent run), the kind and seed tables, bracket.json, the selection and report.html in ``sweep_dir``."""
-    from pipelines import sweep_bracket, sweep_report, sweep_select, sweep_summary
+    from pipelines.sweep import bracket, report, selection, summary
 
-    rows = sweep_summary.summary_rows(spec, status)
-    srows = sweep_summary.seed_rows(spec, rows)
-    summary = sweep_summary.write_table(
-        sweep_summary.with_seed_columns(rows, srows, spec), sweep_dir / "summary.parquet"
-    )
-    krows = sweep_summary.kind_rows(spec, rows)
+    rows = summary.summary_rows(spec, status)
+    srows = summary.seed_rows(spec, rows)
+    table = summary.write_table(summary.with_seed_columns(rows, srows, spec), sweep_dir / "summary.parquet")
+    krows = summary.kind_rows(spec, rows)
     try:
-        plots = sweep_summary.make_plots(spec, rows, sweep_dir / "plots", krows)
+        plots = summary.make_plots(spec, rows, sweep_dir / "plots", krows)
     except Exception as err:  # a plot must not cost the sweep its summary and parent run
         say(f"warning: plots failed ({type(err).__name__}: {err})")
         plots = []
-    files = sweep_summary.write_kinds(krows, sweep_dir) if krows else []
-    files += sweep_summary.write_seeds(srows, sweep_dir) if srows else []
-    bracketed = spec.get("bracket") is not None or bool(sweep_bracket.rounds(spec))
-    notes = sweep_bracket.notes(spec) if bracketed else []
+    files = summary.write_kinds(krows, sweep_dir) if krows else []
+    files += summary.write_seeds(srows, sweep_dir) if srows else []
+    bracketed = spec.get("bracket") is not None or bool(bracket.rounds(spec))
+    notes = bracket.notes(spec) if bracketed else []
     if bracketed:
-        files.append(atomic_write_json(sweep_dir / "bracket.json", sweep_bracket.record(spec)))
-    chosen = sweep_select.selected_rows(spec, rows)
-    chosen_seeds = sweep_select.over_seeds(chosen)
+        files.append(atomic_write_json(sweep_dir / "bracket.json", bracket.record(spec)))
+    chosen = selection.selected_rows(spec, rows)
+    chosen_seeds = selection.over_seeds(chosen)
     if chosen:
         files += _write_selection(spec, rows, chosen, chosen_seeds, sweep_dir, notes)
-    picked = (
-        sweep_report.selected_table(chosen, chosen_seeds, spec["select"]["over"], notes) if chosen else None
-    )
-    files.append(sweep_report.write_report(spec, rows, krows, plots, sweep_dir, srows, picked))
-    return _Outputs(rows, srows, krows, summary, plots, files, bracketed, notes, chosen, chosen_seeds)
+    picked = report.selected_table(chosen, chosen_seeds, spec["select"]["over"], notes) if chosen else None
+    files.append(report.write_report(spec, rows, krows, plots, sweep_dir, srows, picked))
+    return _Outputs(rows, srows, krows, table, plots, files, bracketed, notes, chosen, chosen_seeds)
 
 
 def _write_selection(
@@ -508,20 +504,20 @@ def _write_selection(
     notes: list[str],
 ) -> list[Path]:
     """The validation-chosen rows, their over-seed rows and the finished trials pooled per value
-    (pipelines/sweep_select.py); returns the files written."""
-    from pipelines import sweep_select
+    (pipelines/sweep/selection.py); returns the files written."""
+    from pipelines.sweep import selection
 
     over = spec["select"]["over"]
     sel = spec["select"]
     done = [r for r in rows if r["status"] == "finished"]
-    pool = sweep_select.pooled(done, list(spec["grid"]), over, sel.get("by", "val_accuracy"))
-    return sweep_select.write(chosen, chosen_seeds, over, sweep_dir, notes, pool)
+    pool = selection.pooled(done, list(spec["grid"]), over, sel.get("by", "val_accuracy"))
+    return selection.write(chosen, chosen_seeds, over, sweep_dir, notes, pool)
 
 
 def _parent_metrics(spec: dict, out: _Outputs, n: int, finished: int, runs: int) -> dict[str, Any]:
     """The parent run's metrics (all but ``wall_s``): trial counts, the best fine-tuned T-CNN's clean
     accuracy, the kind, seed and selection metrics and, bracketed, how many rounds ran."""
-    from pipelines import sweep_bracket, sweep_select, sweep_summary
+    from pipelines.sweep import bracket, selection, summary
 
     metrics: dict[str, Any] = {
         "trials": n,
@@ -536,11 +532,11 @@ def _parent_metrics(spec: dict, out: _Outputs, n: int, finished: int, runs: int)
     ]
     if accs:
         metrics["best_tcnn_clean_accuracy"] = max(accs)
-    metrics.update(sweep_summary.kind_metrics(out.krows))
-    metrics.update(sweep_summary.seed_metrics(out.srows))
-    metrics.update(sweep_select.selection_metrics(out.chosen, out.chosen_seeds))
+    metrics.update(summary.kind_metrics(out.krows))
+    metrics.update(summary.seed_metrics(out.srows))
+    metrics.update(selection.selection_metrics(out.chosen, out.chosen_seeds))
     if out.bracketed:
-        metrics["bracket_rounds"] = len(sweep_bracket.rounds(spec))
+        metrics["bracket_rounds"] = len(bracket.rounds(spec))
     return metrics
 
 
@@ -559,31 +555,31 @@ def _log_parent(tracker: Any, spec: dict, out: _Outputs, metrics: dict[str, Any]
 
 def _print_outputs(spec: dict, out: _Outputs) -> None:
     """The summary table, then the kind, seed and selection tables (or the bracketing notes) there are."""
-    from pipelines import sweep_select, sweep_summary
+    from pipelines.sweep import selection, summary
 
-    print(sweep_summary.format_table(out.rows, list(spec["grid"])), flush=True)
+    print(summary.format_table(out.rows, list(spec["grid"])), flush=True)
     if out.krows:
-        print(sweep_summary.kinds_markdown(out.krows), flush=True)
+        print(summary.kinds_markdown(out.krows), flush=True)
     if out.srows:
-        print(sweep_summary.seeds_markdown(out.srows), flush=True)
+        print(summary.seeds_markdown(out.srows), flush=True)
     if out.chosen:
         over = spec["select"]["over"]
-        print(sweep_select.markdown(out.chosen, out.chosen_seeds, over, out.notes), flush=True)
+        print(selection.markdown(out.chosen, out.chosen_seeds, over, out.notes), flush=True)
     elif out.notes:
         print("\n".join(["Bracketing:", *out.notes]), flush=True)
 
 
 def _ensure_corrupted(spec: dict, keys: list[str]) -> None:
     """The shared corrupted test sets of ``keys`` (built once; later calls check them)."""
-    from pipelines import sweep_shared
+    from pipelines.sweep import shared
 
     for key in keys:
-        sweep_shared.ensure_corrupted(spec, key)
+        shared.ensure_corrupted(spec, key)
 
 
 def _fit(spec: dict, k: int) -> dict[str, str]:
     """Run (or resume) round ``k``'s trials in their Tune experiment; their Tune status by trial id."""
-    from pipelines.sweep_bracket import round_trials
+    from pipelines.sweep.bracket import round_trials
 
     tids = round_trials(spec, k)
     if not tids:
@@ -601,31 +597,31 @@ def _fit(spec: dict, k: int) -> dict[str, str]:
 
 
 def _run_rounds(spec: dict) -> tuple[dict, dict[str, str]]:
-    """The asked trials, then the bracketing rounds (pipelines/sweep_bracket.py): those an earlier driver
+    """The asked trials, then the bracketing rounds (pipelines/sweep/bracket.py): those an earlier driver
     of this sweep added (finished if they are not), then new ones while the rule adds values. Returns the
     spec (with every added trial; saved to sweep.json before its trials run) and the trials' Tune status."""
-    from pipelines import sweep_bracket, sweep_summary
+    from pipelines.sweep import bracket, summary
 
     status, k = _fit(spec, 0), 0
     spec["bracket_stop"] = None
     while True:
-        if k < len(sweep_bracket.rounds(spec)):
+        if k < len(bracket.rounds(spec)):
             k += 1
             status |= _fit(spec, k)
             continue
-        settings = sweep_bracket.settings(spec)
+        settings = bracket.settings(spec)
         if settings is None:
             return spec, status
-        done = sum(r["key"] == settings["key"] for r in sweep_bracket.rounds(spec))
-        rows = sweep_summary.summary_rows(spec, status)
-        step = sweep_bracket.decide(rows, list(spec["grid"]), spec["select"], settings, done)
+        done = sum(r["key"] == settings["key"] for r in bracket.rounds(spec))
+        rows = summary.summary_rows(spec, status)
+        step = bracket.decide(rows, list(spec["grid"]), spec["select"], settings, done)
         before = set(spec["corrupt"])
         if step.stop is None:
             try:
-                spec, added = sweep_bracket.extend(spec, step)
+                spec, added = bracket.extend(spec, step)
             except SweepError as err:
                 values = ", ".join(str(v) for v in step.add)
-                step = sweep_bracket.Step(stop=f"{settings['key']}={values} not added: {err}")
+                step = bracket.Step(stop=f"{settings['key']}={values} not added: {err}")
         if step.stop is not None:
             spec["bracket_stop"] = step.stop
             say(f"bracketing: {step.stop}")
@@ -648,7 +644,7 @@ def _stop_of(err: BaseException) -> Stopped | None:
 
 def _close_stopped(tracker: Any) -> None:
     """A stopped driver ends its MLflow parent and every trial run still open under it as KILLED (a resume
-    reopens them: sweep_trial.open_run)."""
+    reopens them: trial.open_run)."""
     if tracker is None or not tracker.enabled or tracker.parent_run_id is None:
         return
     tracker.close_children(tracker.parent_run_id, "KILLED", reason="the sweep driver was stopped")

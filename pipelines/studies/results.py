@@ -132,7 +132,7 @@ def _grid_row(root: Path, tid: str, p: dict[str, Any], value: Any, picks: dict[t
     """The ``grid`` row of trial ``tid`` (params ``p``) at ``value``: each model's validation accuracy and
     T-CNN - control with its paired bootstrap interval, re-run from the trial's per-image table."""
     from core.utils.hashing import derive_seed
-    from pipelines.sweep_select import pair_metrics
+    from pipelines.sweep.selection import pair_metrics
     from stages.harness.catalogue import summary_metrics
 
     seed = p["seed"]
@@ -200,7 +200,7 @@ def _shared_key(spec: dict[str, Any], trial: dict[str, Any], stage: str, root: P
         return None
     key = trial.get(f"{stage}_key") if spec.get("share_pretraining") else None
     link = root / chain.run_dir(stage)
-    if not key and link.is_symlink():  # the link to the shared run (pipelines.sweep_shared.link_pretraining)
+    if not key and link.is_symlink():  # the link to the shared run (pipelines.sweep.shared.link_pretraining)
         key = link.resolve().parents[1].name
     return key or None
 
@@ -241,7 +241,7 @@ def cost_rows(sweep_dir: Path, spec: dict[str, Any], key: str) -> list[dict[str,
     (corrupt: its records'). Evaluate's two times leave out the CNN evaluation it did, which is in its own row.
     ``train_time_s`` / ``epochs``: over the training epochs of its history (training stages). ``recovered``: a
     record says the execution was found finished after a kill (its ``wall_s`` is not the run's)."""
-    from pipelines.sweep_shared import read_lines, runs_log
+    from pipelines.sweep.shared import read_lines, runs_log
 
     stages = [s for s in chain.stage_names() if chain.sweep_role(s) in ("sweep", "group", "trial")]
     shared_runs = {s: read_lines(sweep_dir / runs_log(s)) for s in stages if chain.sweep_role(s) != "trial"}
@@ -353,7 +353,7 @@ def _stage_times(sweep_dir: Path) -> list[dict[str, Any]]:
 
 def _shared_records(sweep_dir: Path, name: str) -> list[dict[str, Any]]:
     """This sweep's executions of shared (``meta.sweep: group``) stages, from their directories' logs."""
-    from pipelines.sweep_shared import EXECUTIONS
+    from pipelines.sweep.shared import EXECUTIONS
 
     out = []
     for path in sweep_dir.parent.glob(f"*/*/{EXECUTIONS}"):
@@ -372,7 +372,7 @@ def compute_hours(sweep_dir: Path, spec: dict[str, Any]) -> float:
     resume; a shared run, such as a seed's pretraining, counted once) plus the recorded time of its other own stages (reparam,
     evaluate, the CNN evaluation that evaluate made) and of the driver's executions of this sweep (the corrupted
     sets). Work lost to a kill is not in it; the gaps between sessions are not either."""
-    from pipelines.sweep_shared import read_lines, runs_log
+    from pipelines.sweep.shared import read_lines, runs_log
 
     training = {s for s in chain.trial_stages() if chain.trains(s)}
     driver = [r for s in chain.stage_names() if chain.sweep_role(s) == "sweep"
@@ -397,7 +397,7 @@ def compute_hours(sweep_dir: Path, spec: dict[str, Any]) -> float:
 
 
 def _stage_log(root: Path) -> list[dict[str, Any]]:
-    from pipelines.sweep_trial import STAGE_LOG
+    from pipelines.sweep.trial import STAGE_LOG
 
     path = root / STAGE_LOG
     if not path.is_file():
@@ -536,7 +536,7 @@ def headline(rows: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
 def markdown(data: dict[str, Any], name: str, fig_dir: str) -> str:
     """The README section (between the markers): the per-seed and over-seed table, the sentences, the grid
     table and the figures."""
-    from pipelines.sweep_select import verdict
+    from pipelines.sweep.selection import verdict
 
     rows, meta = data["rows"], data["meta"]
     key = meta["selected_key"]

@@ -26,8 +26,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from core.utils.atomic import atomic_write
-from pipelines.sweep_plan import SHORT
-from pipelines.sweep_trial import HEADLINE
+from pipelines.sweep.plan import SHORT
+from pipelines.sweep.trial import HEADLINE
 from stages.harness import chain
 
 METRIC_COLUMNS = HEADLINE  # the numbers every trial reports last
@@ -56,7 +56,7 @@ def _json(path: Path) -> Any:
 
 def summary_rows(spec: dict[str, Any], status: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """One dict per trial (grid order) from the files under ``<sweep>/trials/<tid>/``."""
-    from pipelines.sweep_bracket import round_of
+    from pipelines.sweep.bracket import round_of
 
     status = status or {}
     rounds = round_of(spec) if spec.get("bracket") or spec.get("bracket_rounds") else None
@@ -64,7 +64,7 @@ def summary_rows(spec: dict[str, Any], status: dict[str, str] | None = None) -> 
     for tid, t in spec["trials"].items():
         root = Path(spec["sweep_dir"]) / "trials" / tid
         done = _json(root / "done.json")
-        refused = _json(root / "refused.json") or {}  # pipelines.sweep_trial.REFUSED
+        refused = _json(root / "refused.json") or {}  # pipelines.sweep.trial.REFUSED
         eq = _json(root / chain.metrics_file("reparam")) or {}
         p = t["params"]
         row: dict[str, Any] = {"trial": tid}
@@ -153,9 +153,9 @@ def seed_rows(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str
     :data:`SEED_METRICS` name, the mean over its finished seeds and Student's 95% t-interval
     (``<metric>`` + :data:`SEED_SUFFIXES`; core.robustness.intervals.t_interval), ``n_seeds``, ``n_cnns`` and
     ``unit``: where seeds share a pretrained CNN (`pretrain.seed`), the CNN is the unit, as in the selection
-    (`pipelines.sweep_select.units`). [] otherwise."""
+    (`pipelines.sweep.selection.units`). [] otherwise."""
     from core.robustness.intervals import t_interval
-    from pipelines.sweep_select import mean_of, units
+    from pipelines.sweep.selection import mean_of, units
 
     if SEED not in spec["grid"]:
         return []
@@ -181,7 +181,7 @@ def seed_rows(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str
 
 def _config_keys(spec: dict[str, Any]) -> list[str]:
     """The grid keys that make a configuration: all but the replicates (``seed``, ``pretrain.seed``)."""
-    from pipelines.sweep_select import REPLICATES
+    from pipelines.sweep.selection import REPLICATES
 
     return [k for k in spec["grid"] if k not in REPLICATES]
 
@@ -242,7 +242,7 @@ def seeds_markdown(srows: list[dict[str, Any]]) -> str:
             "control_mca", "tcnn_minus_control_mca", "tcnn_minus_control_mce", "tcnn_minus_cnn_mce"]  # fmt: skip
     lines = ["| config | seeds | " + " | ".join(cols) + " |", "|---|---:|" + "---:|" * len(cols)]
     for s in srows:
-        from pipelines.sweep_select import mean_label
+        from pipelines.sweep.selection import mean_label
 
         label = mean_label(s).removeprefix("mean of ")
         lines.append(f"| {s['config']} | {label} | " + " | ".join(cell(s, c) for c in cols) + " |")

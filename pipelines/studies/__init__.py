@@ -1,0 +1,1 @@
+"""Study designs and their results (`tcnn study`)."""

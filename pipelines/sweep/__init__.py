@@ -1,0 +1,1 @@
+"""The Ray Tune sweep (`tcnn sweep`)."""
