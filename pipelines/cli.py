@@ -33,8 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", nargs="?", default="params.yaml")
     p.add_argument("-S", "--set", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(func=_validate)
-    # light: Ray, torch and MLflow load when it runs
-    from pipelines.sweep.driver import add_parser as add_sweep
+    from pipelines.sweep.cli import add_parser as add_sweep  # light: Ray, torch and MLflow load when it runs
 
     add_sweep(sub)
     from pipelines.studies.results import add_parser as add_study

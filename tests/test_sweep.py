@@ -198,7 +198,7 @@ def test_existing_sweep_needs_resume_and_same_params(
     path = make_project(tmp_path, {"reparam.epoch": [1, 2]})
     monkeypatch.chdir(tmp_path)
     (tmp_path / "sweeps" / "s").mkdir(parents=True)
-    from pipelines.sweep.driver import build_spec
+    from pipelines.sweep.spec import build_spec
 
     spec = build_spec(load_params(path), name="s", params_file=path)
     (tmp_path / "sweeps" / "s" / "sweep.json").write_text(json.dumps(spec))
@@ -245,7 +245,7 @@ def _ensure(spec: dict, key: str, trial: str, barrier: Any, log: str) -> None:
 def test_simultaneous_trials_pretrain_once(tmp_path: Path) -> None:
     """Two processes (as two trials started at the same moment) need the same pretraining: one trains, the
     other waits on the group's lock and reuses it. Counted by the pretrain stage's own epoch lines."""
-    from pipelines.sweep.driver import build_spec
+    from pipelines.sweep.spec import build_spec
 
     path = make_project(tmp_path, {"reparam.alpha_init": [0.5, 2.0]}, n_train=600)
     spec = build_spec(load_params(path), name="s", params_file=path, cwd=tmp_path)
@@ -296,7 +296,8 @@ def test_tcnn_sweep_help_lists_the_options() -> None:
 
 
 def test_plots_only_for_what_the_grid_varies(tmp_path: Path) -> None:
-    from pipelines.sweep.summary import make_plots, write_table
+    from pipelines.sweep.summary import make_plots
+    from pipelines.sweep.tables import write_table
 
     grid = {
         "reparam.alpha_init": [0.5, 2.0],
@@ -409,7 +410,7 @@ def test_a_stage_published_before_a_kill_is_not_trained_again(tmp_path: Path) ->
     """A kill between a training stage's publication (outputs, metrics.json last, then its work dir removed) and
     the trial's done-mark: the next attempt records the published stage instead of training it again from
     scratch (there is no partial state left to resume from). While the work dir exists, it trains (resumes)."""
-    from pipelines.sweep.driver import build_spec
+    from pipelines.sweep.spec import build_spec
     from pipelines.sweep.trial import STAGE_LOG, TrialRunner
 
     path = make_project(tmp_path, {"reparam.alpha_init": [0.5]})

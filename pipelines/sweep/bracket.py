@@ -22,7 +22,7 @@ summary and the MLflow parent run (tags ``tcnn.bracket.added`` and ``tcnn.bracke
 ``bracket_rounds``). The parent's ``grid.*`` params stay the grid that was asked for.
 
 :func:`decide` (pure) is the rule; :func:`extend` (no Ray) plans the added trials; the driver
-(pipelines/sweep.py) runs the rounds.
+(pipelines/sweep/driver.py) runs the rounds.
 """
 
 from __future__ import annotations

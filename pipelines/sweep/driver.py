@@ -1,29 +1,25 @@
-"""`tcnn sweep`: a Ray Tune grid over ``sweep.grid`` with shared pretraining, exact resume and MLflow.
+"""The sweep driver (`tcnn sweep`, pipelines/sweep/cli.py): a Ray Tune grid over ``sweep.grid`` with shared
+pretraining, exact resume and MLflow.
 
-    tcnn sweep --params params.yaml [-S key=value ...] [--address local|auto|HOST:PORT] [--name NAME]
-               [--resume | --auto-resume] [--num-cpus N]
-    tcnn sweep --params params.yaml --slurm [--nodes N] [--cpus-per-node C] [--gpus-per-node [TYPE:]G]
-               [--partition P] [--sbatch KEY=VALUE ...] [--time MIN] [--detach]
-               [--worker-placement pack|spread|...]
-
-What happens (pieces in pipelines/sweep_*.py):
-1. The params are validated and the grid expanded into trials (sweep_plan): each trial is
+What happens (the modules of pipelines/sweep/):
+1. The params are validated and the grid expanded into trials (plan.py; the spec: spec.py): each trial is
    ``Params.with_overrides(grid values)`` (+ fraction scaling); nothing is written before this succeeds.
 2. The driver opens the sweep's MLflow parent run, builds the shared corrupted test sets once
    (``<storage>/corrupt/<key>``), and runs a Ray Tune grid (``tune.grid_search`` over trial ids, per-trial
    CPUs/GPUs from ``sweep.cpus_per_trial/gpus_per_trial``, ``FailureConfig(max_failures)``) whose function
-   trainable (sweep_trial) runs reparam -> finetune -> evaluate in ``<storage>/<name>/trials/<tid>/``,
-   pretraining once per group of trials in ``<storage>/pretrain/<key>/`` (sweep_shared).
+   trainable (trial.py) runs reparam -> finetune -> evaluate in ``<storage>/<name>/trials/<tid>/``,
+   pretraining once per group of trials in ``<storage>/pretrain/<key>/`` (shared.py). The Tuner, its
+   param_space and run config are tuner.py's.
 3. ``--resume`` continues an interrupted sweep through ``Tuner.restore`` (finished trials are not run again;
    each trial reopens its MLflow run); ``--auto-resume`` resumes when the sweep exists and starts it
    otherwise (what a requeued SLURM job runs). A stop signal to a driver run here (SIGTERM, Ctrl-C, ...) ends
    the trials' workers, closes the parent and the open trial runs KILLED and exits 75 (130 for Ctrl-C).
    With ``sweep.select.bracket`` the grid then grows past an edge an arm's choice sits at, one round (and
-   one Tune experiment, ``tune-bracket<k>``) at a time, the new trials only (sweep_bracket).
+   one Tune experiment, ``tune-bracket<k>``) at a time, the new trials only (bracket.py).
 4. At the end: ``summary.parquet``, plots, the model-kind table (``kinds.md``/``kinds.parquet`` when the
-   grid varies ``model``) and ``report.html`` (sweep_report) in ``<storage>/<name>/`` and on the parent run
-   (sweep_summary), parent metrics ``trials``, ``pretrain_runs`` (pretraining runs this sweep executed) and
-   ``<kind>_clean_accuracy/_mca/_mce``.
+   grid varies ``model``) and ``report.html`` (report.py) in ``<storage>/<name>/`` and on the parent run
+   (summary.py; the validation-chosen comparison: selection.py), parent metrics ``trials``,
+   ``pretrain_runs`` (pretraining runs this sweep executed) and ``<kind>_clean_accuracy/_mca/_mce``.
 
 ``--slurm`` submits the same driver into a SLURM allocation through pipelines.slurm.launch_ray_cluster (Ray
 head on the first node, workers on the others); a requeue restarts the driver, which resumes. A lost worker
@@ -38,41 +34,21 @@ resumed driver does not run it again.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import json
-import math
-import os
-import re
-import signal
-import sys
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from core.config import ConfigError, Params, load_params
 from core.utils import mlflow_ui
 from core.utils.atomic import atomic_write_json
-from pipelines.ddp import PLACEMENTS
-from pipelines.sweep.plan import (
-    SweepError,
-    check_name,
-    default_name,
-    make_plan,
-    plan_device,
-    plan_spec,
-    spec_difference,
-    trial_label,
-)
-from stages.harness.runner import Stopped, stop_on_signals
-
-SWEEP_JSON = "sweep.json"
-TUNE_DIR = "tune"
-ADDRESS_RE = re.compile(r"^(local|auto|ray://[^\s:/]+:\d{1,5}|[^\s:/]+:\d{1,5})$")
-LOCAL_OBJECT_STORE_MB = 256
+from pipelines.sweep.plan import SweepError
+from pipelines.sweep.spec import SWEEP_JSON, reconcile
+from pipelines.sweep.tuner import can_restore, check_multinode_tracking, connect_ray, make_tuner, tune_dir
+from stages.harness.runner import Stopped
 
 
 def _final_is_tcnn(kind: str | None) -> bool:
@@ -84,228 +60,6 @@ def _final_is_tcnn(kind: str | None) -> bool:
 
 def say(msg: str) -> None:
     print(f"sweep: {msg}", flush=True)
-
-
-# ------------------------------------------------------------------------------------------- the spec
-
-
-def tracking_enabled(params: Params) -> bool:
-    """``tracking.enabled``, unless ``TCNN_TRACKING=0`` switches it off (as for the stages)."""
-    return params.tracking.enabled and os.environ.get("TCNN_TRACKING") != "0"
-
-
-def build_spec(
-    params: Params,
-    *,
-    name: str | None,
-    params_file: Path,
-    cwd: Path | None = None,
-    placement: str = "pack",
-) -> dict:
-    """Validate and plan the sweep; the returned spec is all a driver and its trials need (JSON-able).
-    ``placement``: how Ray places a trial's data-parallel workers (pipelines.ddp.PLACEMENTS)."""
-    from stages.harness.tracking_names import resolve_uri
-
-    cwd = Path(cwd or Path.cwd()).resolve()
-    sw = params.sweep
-    uri = resolve_uri(params.tracking.uri, cwd)
-    plan = make_plan(params, cwd=cwd, device=plan_device(params), tracking_uri=uri)
-    name = check_name(name or default_name(params_file, params))
-    spec = plan_spec(plan, name=name, share_pretraining=sw.share_pretraining)
-    spec.update(
-        {
-            "tracking": {
-                "enabled": tracking_enabled(params),
-                "uri": uri,
-                "experiment": params.tracking.experiment,
-                "parent_run_id": None,
-            },
-            **trial_resources(params),
-            "select": sw.select.model_dump(mode="json"),
-            "bracket": _bracket_settings(params),
-            "bracket_rounds": [],
-            "cwd": str(cwd),  # where relative paths resolve when bracketing plans more trials
-            "max_failures": sw.max_failures,
-            "placement": placement,
-            "uid": None,
-        }
-    )
-    return spec
-
-
-def _bracket_settings(params: Params) -> dict[str, Any] | None:
-    """``sweep.select.bracket`` as the driver uses it (pipelines/sweep/bracket.py): key, ratio, bound."""
-    from core.config import bracket_key, log_step
-
-    sel = params.sweep.select
-    key = bracket_key(sel)
-    if key is None or sel.bracket is None:
-        return None
-    return {"key": key, "ratio": log_step(params.sweep.grid[key]), "max_rounds": sel.bracket.max_rounds}
-
-
-def trial_resources(params: Params) -> dict[str, Any]:
-    """Ray resources of a trial. With ``workers_per_trial`` W > 1 its stages run as Ray Train workers (W for
-    training, one for reparam and evaluate: pipelines/ddp.py), each holding 1/W of ``sweep.cpus_per_trial`` /
-    ``gpus_per_trial``; the trial process (the TorchTrainer driver, the corrupted sets) holds one more CPU
-    share and no GPU: (W + 1) / W of the CPUs and exactly the GPUs asked for."""
-    sw, w = params.sweep, params.workers_per_trial
-    share = {"cpu": sw.cpus_per_trial / w, "gpu": sw.gpus_per_trial / w}
-    return {
-        "resources": share if w == 1 else {"cpu": share["cpu"], "gpu": 0.0},
-        "workers": w,
-        "worker_resources": share,
-        "threads": max(1, int(share["cpu"])),
-    }
-
-
-def load_saved(spec: dict) -> dict | None:
-    path = Path(spec["sweep_dir"]) / SWEEP_JSON
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except ValueError:
-        raise SweepError(
-            f"{path}: unreadable sweep state; remove the sweep directory to start over"
-        ) from None
-
-
-def reconcile(spec: dict, resume: str) -> dict:
-    """``resume``: "no" (the sweep must not exist), "yes" (it must), "auto". Returns the spec to run."""
-    saved = load_saved(spec)
-    where = spec["sweep_dir"]
-    if saved is None:
-        if resume == "yes":
-            raise SweepError(f"--resume: no sweep {spec['name']!r} in {where} (drop --resume to start it)")
-        return spec
-    if resume == "no":
-        raise SweepError(
-            f"sweep {spec['name']!r} exists in {where}: pass --resume to continue it, or --name for a new one"
-        )
-    from pipelines.sweep.bracket import asked
-
-    diff = spec_difference(asked(saved), asked(spec))  # the trials bracketing added are the sweep's own
-    if diff is not None:
-        raise SweepError(
-            f"--resume: the params differ from those sweep {spec['name']!r} started with: {diff}"
-        )
-    merged = dict(saved)
-    merged["tracking"] = {**spec["tracking"], "parent_run_id": saved.get("tracking", {}).get("parent_run_id")}
-    merged["placement"] = spec.get("placement", "pack")  # where workers go does not change results
-    # How the results are chosen and bracketed is the params' of this run (a larger max_rounds goes on).
-    merged |= {
-        "select": spec["select"],
-        "bracket": spec.get("bracket"),
-        "cwd": saved.get("cwd", spec.get("cwd")),
-    }
-    return merged
-
-
-# ------------------------------------------------------------------------------------------------ Ray
-
-
-def check_address(address: str) -> str:
-    if not ADDRESS_RE.match(address or ""):
-        raise SweepError(f"--address {address!r}: expected local, auto, HOST:PORT or ray://HOST:PORT")
-    return address
-
-
-def connect_ray(address: str, num_cpus: int | None, object_store_mb: int | None) -> bool:
-    """Connect (or start a light local Ray); returns whether this process started it."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    if address != "local":
-        from pipelines.slurm import align_ray_auth
-
-        align_ray_auth()  # a cluster from `ray start` (sweep.sbatch) uses token auth when a token exists
-    term = signal.getsignal(signal.SIGTERM)
-    try:
-        if address == "local":
-            ray.init(
-                num_cpus=num_cpus or os.cpu_count() or 1,
-                include_dashboard=False,
-                log_to_driver=False,
-                object_store_memory=int((object_store_mb or LOCAL_OBJECT_STORE_MB) * 1024 * 1024),
-                logging_level="WARNING",
-            )
-        else:
-            ray.init(address=address, log_to_driver=False, logging_level="WARNING")
-    except Exception as err:  # ConnectionError, ValueError, RuntimeError from Ray
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise SweepError(f"--address {address}: cannot connect to Ray ({first})") from None
-    if getattr(term, "tcnn_stage_handler", False):  # ray.init set SIGTERM -> sys.exit: keep the driver's
-        signal.signal(signal.SIGTERM, term)
-    return True
-
-
-def check_multinode_tracking(spec: dict, nodes: int) -> None:
-    t = spec["tracking"]
-    if nodes > 1 and t["enabled"] and not t["uri"].startswith(("http://", "https://")):
-        raise SweepError(
-            f"tracking.uri {t['uri']}: a sweep on {nodes} nodes needs an MLflow server (http://HOST:PORT; "
-            "infra/mlflow/server.sh), not a local store"
-        )
-
-
-def _trial_dirname(trial: Any) -> str:
-    return str(trial.config["tid"])
-
-
-def _tune_order(spec: dict) -> list[str]:
-    """Trial ids, the groups interleaved: concurrent first trials start different pretraining groups."""
-    if not spec["share_pretraining"]:
-        return list(spec["trials"])
-    queues = [list(g["trials"]) for g in spec["groups"].values()]
-    order: list[str] = []
-    while any(queues):
-        for q in queues:
-            if q:
-                order.append(q.pop(0))
-    return order
-
-
-def _progress_callback(spec: dict, tids: list[str]) -> Any:
-    from pipelines.sweep.progress import SweepProgress
-
-    return SweepProgress({tid: trial_label(spec["trials"][tid]["overrides"]) for tid in tids})
-
-
-def tune_dir(k: int) -> str:
-    """The Tune experiment of round ``k``: 0 runs the asked grid, k >= 1 the trials bracketing added."""
-    return TUNE_DIR if k == 0 else f"{TUNE_DIR}-bracket{k}"
-
-
-def _tuner(spec: dict, restore: bool, tids: list[str], name: str = TUNE_DIR) -> Any:
-    from ray import tune
-
-    from pipelines.sweep.trial import tune_trainable
-
-    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "5")
-    os.environ.setdefault("TUNE_RESULT_BUFFER_LENGTH", "1")
-    trainable = tune.with_resources(tune.with_parameters(tune_trainable, spec=spec), spec["resources"])
-    path = Path(spec["sweep_dir"]) / name
-    if restore:
-        return tune.Tuner.restore(str(path), trainable, resume_unfinished=True, resume_errored=True)
-    return tune.Tuner(
-        trainable,
-        param_space={"tid": tune.grid_search([t for t in _tune_order(spec) if t in set(tids)])},
-        tune_config=tune.TuneConfig(
-            trial_dirname_creator=_trial_dirname,
-            reuse_actors=True,  # one actor runs trial after trial: torch/timm are imported once per worker
-        ),
-        run_config=tune.RunConfig(
-            name=name,
-            storage_path=spec["sweep_dir"],
-            failure_config=tune.FailureConfig(max_failures=spec["max_failures"]),
-            checkpoint_config=tune.CheckpointConfig(num_to_keep=None),  # tiny: {run id, stage}
-            verbose=0,
-            callbacks=[_progress_callback(spec, tids)],
-        ),
-    )
 
 
 # --------------------------------------------------------------------------------------------- driver
@@ -469,11 +223,11 @@ def _finish(spec: dict, status: dict[str, str], tracker: Any, sweep_dir: Path, t
 def _write_outputs(spec: dict, status: dict[str, str], sweep_dir: Path) -> _Outputs:
     """summary.parquet, the plots (a failed plot only warns: it must not cost the sweep its summary and
     parent run), the kind and seed tables, bracket.json, the selection and report.html in ``sweep_dir``."""
-    from pipelines.sweep import bracket, report, selection, summary
+    from pipelines.sweep import bracket, report, selection, summary, tables
 
     rows = summary.summary_rows(spec, status)
     srows = summary.seed_rows(spec, rows)
-    table = summary.write_table(summary.with_seed_columns(rows, srows, spec), sweep_dir / "summary.parquet")
+    table = tables.write_table(summary.with_seed_columns(rows, srows, spec), sweep_dir / "summary.parquet")
     krows = summary.kind_rows(spec, rows)
     try:
         plots = summary.make_plots(spec, rows, sweep_dir / "plots", krows)
@@ -585,11 +339,11 @@ def _fit(spec: dict, k: int) -> dict[str, str]:
     if not tids:
         return {}
     path = Path(spec["sweep_dir"]) / tune_dir(k)
-    restore = _can_restore(path)
+    restore = can_restore(path)
     if restore:
         say(f"resuming from {path}")
     status = {}
-    for r in _tuner(spec, restore, tids, tune_dir(k)).fit():
+    for r in make_tuner(spec, restore, tids, tune_dir(k)).fit():
         tid = (r.config or {}).get("tid")
         if tid:
             status[tid] = "error" if r.error else "terminated"
@@ -651,190 +405,6 @@ def _close_stopped(tracker: Any) -> None:
     tracker.end_parent("KILLED")
 
 
-def _can_restore(path: Path) -> bool:
-    from ray import tune
-
-    return path.is_dir() and tune.Tuner.can_restore(str(path))
-
-
 def slurm_driver(spec: dict, num_cpus: int | None = None) -> dict:
     """The driver inside the SLURM job (Ray already up on the allocation): start, or resume after a requeue."""
     return run_sweep(spec, address=None, resume="auto", num_cpus=num_cpus)
-
-
-# ---------------------------------------------------------------------------------------------- SLURM
-
-
-def submit_slurm(spec: dict, args: argparse.Namespace) -> int:
-    from pipelines.slurm import (
-        RayClusterConfig,
-        RayPorts,
-        gpu_count,
-        launch_ray_cluster,
-        make_executor,
-        sbatch_options,
-    )
-
-    if args.nodes < 1:
-        raise SweepError(f"--nodes {args.nodes}: must be at least 1")
-    try:
-        extra = sbatch_options(args.sbatch)
-        count = gpu_count(args.gpus_per_node)
-        gpus = args.gpus_per_node if ":" in args.gpus_per_node else count  # TYPE:N as given
-    except ValueError as err:
-        raise SweepError(str(err)) from None
-    check_multinode_tracking(spec, args.nodes)
-    w = spec.get("workers", 1)
-    cpus = args.cpus_per_node or max(1, math.ceil(spec["resources"]["cpu"] * (w + 1 if w > 1 else 1)))
-    sweep_dir = Path(spec["sweep_dir"])
-    folder = sweep_dir / "slurm"
-    if args.ray_port:
-        ports = RayPorts.from_base(args.ray_port)
-    else:
-        ports = RayPorts.find_free() if args.nodes == 1 else RayPorts()
-    executor = make_executor(
-        folder,
-        nodes=args.nodes,
-        cpus_per_node=cpus,
-        gpus_per_node=gpus,
-        mem_gb=args.mem_gb,
-        timeout_min=args.time,
-        partition=args.partition,
-        job_name=f"tcnn-sweep-{spec['name']}"[:60],
-        additional=extra,
-    )
-    config = RayClusterConfig(
-        ports=ports,
-        object_store_memory=int(args.object_store_mb * 1024 * 1024) if args.object_store_mb else None,
-    )
-    job = launch_ray_cluster(executor, slurm_driver, spec, config=config, rendezvous_dir=folder)
-    say(f"submitted SLURM job {job.job_id} ({args.nodes} node(s) x {cpus} CPUs, {args.gpus_per_node} GPUs)")
-    say(f"logs: {folder}/{job.job_id}_0_log.out / .err; results: {sweep_dir}")
-    if args.detach:
-        return 0
-    return follow(job, spec)
-
-
-def follow(job: Any, spec: dict, poll_s: float = 5.0) -> int:
-    """Print the job's state and trial progress until it ends; returns the CLI exit code."""
-    import submitit
-
-    trials = Path(spec["sweep_dir"]) / "trials"
-    n = len(spec["trials"])
-    last = None
-    while True:
-        done = job.done(force_check=True)
-        finished = sum(1 for tid in spec["trials"] if (trials / tid / "done.json").is_file())
-        line = f"SLURM job {job.job_id} {job.state}: {finished}/{n} trials finished"
-        if line != last:
-            say(line)
-            last = line
-        if done:
-            break
-        time.sleep(poll_s)
-    from pipelines.slurm import head_result
-
-    try:
-        result = head_result(job)  # a worker node lost mid-job leaves no result of its own
-    except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        print(
-            f"tcnn sweep: error: SLURM job {job.job_id} failed ({first}); see {job.paths.stderr}",
-            file=sys.stderr,
-        )
-        return 1
-    say(f"results: {result['summary']} ({result['finished']}/{result['trials']} trials finished)")
-    if result.get("parent_run_id"):
-        say(f"MLflow parent run {result['parent_run_id']} ({spec['tracking']['uri']})")
-    return 0 if result["failed"] == 0 else 1
-
-
-# ------------------------------------------------------------------------------------------------ CLI
-
-
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser("sweep", help="run a Ray Tune grid over sweep.grid (locally, on Ray, or on SLURM)")
-    p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
-    p.add_argument("-S", "--set", action="append", default=[], metavar="KEY=VALUE", help="override a param")
-    p.add_argument(
-        "--address", default="local", help="local (start Ray here), auto, HOST:PORT or ray://HOST:PORT"
-    )
-    p.add_argument("--name", default=None, help="sweep name (default: <params stem>-<config hash>)")
-    group = p.add_mutually_exclusive_group()
-    group.add_argument(
-        "--resume",
-        dest="resume",
-        action="store_const",
-        const="yes",
-        default="no",
-        help="continue an interrupted sweep (Tuner.restore)",
-    )
-    group.add_argument("--auto-resume", dest="resume", action="store_const", const="auto",
-                       help="resume when the sweep exists, start it otherwise")  # fmt: skip
-    p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray (default: all)")
-    p.add_argument("--object-store-mb", type=int, default=None, help="Ray object store size per node")
-    s = p.add_argument_group("SLURM")
-    s.add_argument("--slurm", action="store_true", help="submit the sweep as a SLURM job (Ray on its nodes)")
-    s.add_argument("--nodes", type=int, default=1)
-    s.add_argument("--cpus-per-node", type=int, default=None, help="default: ceil(sweep.cpus_per_trial)")
-    s.add_argument("--gpus-per-node", default="0", metavar="[TYPE:]N", help="GPUs per node, e.g. 4 or a100:4")
-    s.add_argument("--partition", default=None)
-    s.add_argument(
-        "--sbatch",
-        action="append",
-        default=[],
-        metavar="KEY[=VALUE]",
-        help="another sbatch option, e.g. account=proj42, constraint=a100, qos=high (repeatable)",
-    )
-    s.add_argument("--time", type=int, default=60, help="time limit in minutes (requeued with resume)")
-    s.add_argument("--mem-gb", type=float, default=None)
-    s.add_argument(
-        "--ray-port", type=int, default=None, help="base port (default: a free block on 1 node, 6379)"
-    )
-    s.add_argument("--detach", action="store_true", help="submit and return without following the job")
-    p.add_argument(
-        "--worker-placement",
-        choices=PLACEMENTS,
-        default="pack",
-        help="where Ray puts a trial's data-parallel workers (workers_per_trial > 1): pack = as few nodes as "
-        "possible (default), spread / strict_spread = one per node where possible / always",
-    )
-    p.set_defaults(func=main_sweep)
-    return p
-
-
-def _run_here(spec: dict, args: argparse.Namespace, address: str) -> dict:
-    """The sweep driven from this process: a stop signal (stages.harness.runner.STAGE_SIGNALS) anywhere in it ends
-    the trials, closes the MLflow runs KILLED and exits 75 (130 for Ctrl-C) -- Tune's own Ctrl-C handler,
-    which would let the driver go on to a summary of a half-run grid, is turned off."""
-    os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"
-    with stop_on_signals():
-        return run_sweep(
-            spec,
-            address=address,
-            resume="auto" if args.resume != "no" else "no",
-            num_cpus=args.num_cpus,
-            object_store_mb=args.object_store_mb,
-        )
-
-
-def main_sweep(args: argparse.Namespace) -> int:
-    try:
-        params = load_params(args.params, args.set)
-        if args.slurm and args.address != "local":
-            raise SweepError("--address: not with --slurm (the job starts its own Ray cluster)")
-        address = check_address(args.address)
-        spec = build_spec(
-            params, name=args.name, params_file=Path(args.params), placement=args.worker_placement
-        )
-        spec = reconcile(spec, args.resume)
-        if args.slurm:
-            return submit_slurm(spec, args)
-        result = _run_here(spec, args, address)
-    except Stopped as stop:
-        print(f"tcnn sweep: stopped by {stop}; run it again with --auto-resume to continue", file=sys.stderr)
-        return stop.exit_status
-    except (SweepError, ConfigError) as err:
-        print(f"tcnn sweep: error: {err}", file=sys.stderr)
-        return 2
-    return 0 if result["failed"] == 0 else 1

@@ -32,6 +32,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipelines.sweep.tables import write_table
 from stages.harness import chain
 
 ARMS = ("tcnn", "control")
@@ -423,7 +424,6 @@ def write(
     """``selected.parquet``, ``selected_seeds.parquet``, ``selected_pooled.parquet`` and ``selected.md``
     (atomic)."""
     from core.utils.atomic import atomic_write
-    from pipelines.sweep.summary import write_table
 
     text = markdown(srows, agg, over, notes, pool)
     return [

@@ -12,7 +12,7 @@ Resume and exactly-once:
   ``Tuner.restore``, SLURM requeue) reopens that run instead of creating another.
 - ``.sweep/<stage>.json`` marks a stage as done (its returned metrics); a restarted trial skips done stages,
   and the stages resume their own partial state (runs/.partial/) exactly. A training stage that published
-  its outputs before a kill took the mark with it is recorded, not trained again (sweep_shared.published). ``stages.jsonl`` gets one line per
+  its outputs before a kill took the mark with it is recorded, not trained again (shared.published). ``stages.jsonl`` gets one line per
   stage execution that completed, ``done.json`` is written last: a trial found done is not run again.
 - An flock on the trial directory keeps two attempts of the same trial from running at once (an orphan of a
   killed driver finishes or dies first).
