@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pipelines.sweep.cli import add_parser as add_sweep  # light: Ray, torch and MLflow load when it runs
 
     add_sweep(sub)
-    from pipelines.studies.results import add_parser as add_study
+    from pipelines.studies.cli import add_parser as add_study
 
     add_study(sub)
     return parser
