@@ -308,7 +308,7 @@ class PretrainConfig(_Strict):
     source: SourceConfig | None = None
     # The pretrained CNN's own seed (its init, data order, the train/validation split and the corruption
     # noise); None = the run's `seed`. Trials that differ only in `seed` then share one CNN and fine-tune it
-    # as replicates (Params.cnn_seed; the analysis treats the CNN as the unit, pipelines/sweep_select.py).
+    # as replicates (Params.cnn_seed; the analysis treats the CNN as the unit, pipelines/sweep/selection.py).
     seed: int | None = Field(None, ge=0, le=SEED_MAX)
 
 
@@ -431,7 +431,7 @@ class RobustnessConfig(_Strict):
 
 
 class BracketConfig(_Strict):
-    """Bracketing (pipelines/sweep_bracket.py): while an arm's validation-chosen value of ``key`` is the
+    """Bracketing (pipelines/sweep/bracket.py): while an arm's validation-chosen value of ``key`` is the
     smallest or largest value of the grid, the sweep adds the next value beyond that edge (one step of the
     grid's constant ratio) and runs the new trials, at most ``max_rounds`` times."""
 
@@ -440,7 +440,7 @@ class BracketConfig(_Strict):
 
 
 class SelectConfig(_Strict):
-    """Hyperparameters chosen on validation data (pipelines/sweep_select.py): for every seed and every
+    """Hyperparameters chosen on validation data (pipelines/sweep/selection.py): for every seed and every
     configuration of the other grid keys, each arm (the T-CNN and its matched control) takes the values of
     ``over`` whose trial has the best ``by`` on the validation split; the test split only reports."""
 
@@ -486,7 +486,7 @@ class SweepConfig(_Strict):
     gpus_per_trial: float = Field(0.0, ge=0.0)
     max_failures: int = Field(2, ge=0)
     storage: Path = Path("sweeps")
-    # Trials with the same pretraining inputs share one content-addressed pretraining run (pipelines/sweep_plan.py);
+    # Trials with the same pretraining inputs share one content-addressed pretraining run (pipelines/sweep/plan.py);
     # false = every trial pretrains in its own directory (the naive grid, e.g. for benchmarks/sweep.py).
     share_pretraining: bool = True
 

@@ -33,10 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", nargs="?", default="params.yaml")
     p.add_argument("-S", "--set", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(func=_validate)
-    from pipelines.sweep import add_parser as add_sweep  # light: Ray, torch and MLflow load when it runs
+    from pipelines.sweep.cli import add_parser as add_sweep  # light: Ray, torch and MLflow load when it runs
 
     add_sweep(sub)
-    from pipelines.study_results import add_parser as add_study
+    from pipelines.studies.cli import add_parser as add_study
 
     add_study(sub)
     return parser

@@ -85,14 +85,14 @@ MUTATIONS: tuple[Mutation, ...] = (
              ("tests/test_headline.py", "tests/test_report.py")),
     # ---- hyperparameters chosen on validation data, each arm on its own
     Mutation("M12", "selection", "the selection keeps the worst validation score",
-             "pipelines/sweep_select.py", "                if v > value:", "                if v < value:",
+             "pipelines/sweep/selection.py", "                if v > value:", "                if v < value:",
              ("tests/test_sweep.py", "tests/test_sweep_bracket.py")),
     Mutation("M13", "selection", "the selection reads the test split's accuracy",
-             "pipelines/sweep_select.py", 'scored = [(m, m.get(f"{arm}_{by}")) for m in members]',
+             "pipelines/sweep/selection.py", 'scored = [(m, m.get(f"{arm}_{by}")) for m in members]',
              'scored = [(m, m.get(f"{arm}_clean_accuracy")) for m in members]',
              ("tests/test_sweep.py", "tests/test_sweep_bracket.py")),
     Mutation("M14", "selection", "both arms take the T-CNN's choice (the control is not chosen on its own curve)",
-             "pipelines/sweep_select.py", 'scored = [(m, m.get(f"{arm}_{by}")) for m in members]',
+             "pipelines/sweep/selection.py", 'scored = [(m, m.get(f"{arm}_{by}")) for m in members]',
              'scored = [(m, m.get(f"tcnn_{by}")) for m in members]',
              ("tests/test_sweep.py", "tests/test_sweep_bracket.py")),
     # ---- refusals before any run opens

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelines.sweep_shared import ENSURE
+from pipelines.sweep.shared import ENSURE
 from stages.harness import catalogue, chain
 
 REPO = Path(__file__).resolve().parents[1]

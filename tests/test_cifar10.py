@@ -212,7 +212,7 @@ def _hand_summary() -> list[dict]:
 
 
 def test_choose_takes_the_validation_argmax_per_seed_and_arm() -> None:
-    from pipelines.sweep_select import choose
+    from pipelines.sweep.selection import choose
 
     picks = {
         (p["seed"], p["arm"]): p for p in choose(_hand_summary(), ["seed", "finetune.lr"], ["finetune.lr"])
@@ -246,7 +246,7 @@ def _write_trial(root: Path, correct: dict[str, np.ndarray], corrupted: dict[str
 def test_headline_pairs_the_validation_chosen_trials(tmp_path: Path) -> None:
     """T-CNN - control per seed is the T-CNN of its validation-chosen trial minus the control of its own
     (another trial), not the test-best pair and not one trial's own difference."""
-    from pipelines.sweep_select import over_seeds, selected_rows
+    from pipelines.sweep.selection import over_seeds, selected_rows
 
     rng = np.random.default_rng(1)
     n = 200
@@ -300,7 +300,7 @@ def test_headline_pairs_the_validation_chosen_trials(tmp_path: Path) -> None:
     ],
 )
 def test_the_sentence_next_to_an_interval(mean, low, high, lower, says) -> None:
-    from pipelines.sweep_select import verdict
+    from pipelines.sweep.selection import verdict
 
     assert verdict(mean, low, high, lower_is_better=lower).startswith(says)
 

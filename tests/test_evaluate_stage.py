@@ -319,7 +319,7 @@ def test_a_damaged_or_disagreeing_shared_cnn_evaluation_is_not_used(
         again["cnn_evaluation"]["reason"]
         == f"{entry / 'per_image.parquet'}: checksum mismatch, the file is damaged"
     )
-    from pipelines.sweep_summary import cnn_evaluation_reason
+    from pipelines.sweep.summary import cnn_evaluation_reason
 
     assert cnn_evaluation_reason({"trial_dir": str(tmp_path / "t1")}) == again["cnn_evaluation"]["reason"]
     assert cnn_evaluation_reason({"trial_dir": str(tmp_path / "t0")}) is None

@@ -194,7 +194,8 @@ def test_the_dvc_headline_rows_are_the_scored_numbers() -> None:
 def test_interval_ends_reach_the_sweep_summary_as_low_and_high(tmp_path: Path) -> None:
     import pyarrow.parquet as pq
 
-    from pipelines.sweep_summary import summary_rows, write_table
+    from pipelines.sweep.summary import summary_rows
+    from pipelines.sweep.tables import write_table
 
     comps = _results(tmp_path / "sw" / "trials" / "t0")
     root = tmp_path / "sw" / "trials" / "t0"

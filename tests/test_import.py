@@ -466,7 +466,7 @@ def test_bad_imports_end_with_one_line_exit_2_and_nothing_written(workspace: Pat
 def test_a_sweep_shares_one_import_across_inits_and_seeds(tmp_path: Path, monkeypatch) -> None:
     from test_sweep import make_project
 
-    from pipelines.sweep_plan import SweepError, make_plan
+    from pipelines.sweep.plan import SweepError, make_plan
 
     path = make_project(tmp_path, {"seed": [0, 1], "reparam.alpha_init": [1.0, 50.0]})
     write_builder(tmp_path)

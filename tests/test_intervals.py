@@ -120,7 +120,7 @@ def test_t_interval_equals_scipy() -> None:
 
 
 def test_seed_rows_aggregate_each_configuration_over_seeds() -> None:
-    from pipelines.sweep_summary import seed_rows, with_seed_columns
+    from pipelines.sweep.summary import seed_rows, with_seed_columns
 
     spec = {"grid": {"reparam.stride_mode": ["exact", "s1"], "seed": [0, 1, 2]}}
     rows = []

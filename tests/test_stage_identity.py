@@ -13,7 +13,7 @@ from test_sweep import make_project
 from core.config import load_params
 from core.data import read_manifest
 from core.robustness import corruptions as C
-from pipelines.sweep_plan import make_plan
+from pipelines.sweep.plan import make_plan
 from stages import control, corrupt, finetune, pretrain, pretraining
 from stages.harness import training as T
 from stages.harness.identity import code_digest, key

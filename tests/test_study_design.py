@@ -1,6 +1,6 @@
 """The study's design pieces: seeds that share a pretrained CNN (`pretrain.seed`: one pretraining,
 one split, one set of corrupted images per CNN) with an analysis whose unit is the CNN; each choice's margin in
-validation images; and the pooled choice a follow-up sweep fixes (pipelines/sweep_select.py)."""
+validation images; and the pooled choice a follow-up sweep fixes (pipelines/sweep/selection.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from scipy import stats
 from test_sweep import make_project
 
 from core.config import Params, load_params
-from pipelines.sweep_plan import make_plan
-from pipelines.sweep_select import choose, markdown, over_seeds, pooled
+from pipelines.sweep.plan import make_plan
+from pipelines.sweep.selection import choose, markdown, over_seeds, pooled
 from stages import finetune, pretrain
 from stages.harness import training as T
 
@@ -168,7 +168,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_sizing_is_students_t_and_the_docs_table_is_generated_from_the_first_study() -> None:
-    from pipelines import study_sizing as Z
+    from pipelines.studies import sizing as Z
 
     # 0.39 pp: t(0.975, 4) = 2.776 -> 2.776 x 0.39 / sqrt(5) = 0.484 pp; 4 seeds would give 0.62 pp
     assert Z.seeds_needed(0.0039) == 5 and Z.half_width(0.0039, 4) > 0.005 >= Z.half_width(0.0039, 5)
@@ -197,7 +197,7 @@ def test_the_docs_cost_table_is_the_committed_benchmark_run() -> None:
 def test_the_sweep_summary_over_seeds_takes_the_cnn_as_its_unit_too() -> None:
     """summary.parquet's seed aggregate (every sweep whose grid varies seed): seeds sharing a pretraining key
     are averaged first, as in the selection; each seed with its own key is its own unit."""
-    from pipelines.sweep_summary import seed_rows, seeds_markdown
+    from pipelines.sweep.summary import seed_rows, seeds_markdown
 
     spec = {"grid": {"seed": [0, 1, 2, 3], "pretrain.seed": [7, 8]}}
     rows = [{"trial": f"t{i}", "status": "finished", "seed": s, "pretrain.seed": c, "pretrain_key": f"k{c}",

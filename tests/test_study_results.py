@@ -1,4 +1,4 @@
-"""The committed results of a study and the README section made from them (pipelines/study_results.py): the
+"""The committed results of a study and the README section made from them (pipelines/studies/): the
 selection re-derived from validation accuracy, the over-seed intervals recomputed, the README block in sync."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from pipelines import study_results as S
+from pipelines.studies import render as R
+from pipelines.studies import results as S
 
 REPO = Path(__file__).resolve().parents[1]
 COMMITTED = REPO / "pipelines" / "studies" / "cifar10_lr"
@@ -59,15 +60,15 @@ def _study(tmp: Path, diffs: tuple[float, ...] = (0.02, 0.025, 0.03)) -> Path:
 
 def test_the_table_reselects_on_validation_and_recomputes_the_seed_interval(tmp_path: Path) -> None:
     data = S.load(_study(tmp_path / "r"))
-    assert S.reselect(data["rows"]) == {
+    assert R.reselect(data["rows"]) == {
         (s, a): lr for s in range(3) for a, lr in (("tcnn", 0.001), ("control", 0.0001))
     }
-    head = S.headline(data["rows"])["clean_accuracy"]
+    head = R.headline(data["rows"])["clean_accuracy"]
     diffs = np.array([0.02, 0.025, 0.03])
     half = stats.t.ppf(0.975, 2) * diffs.std(ddof=1) / np.sqrt(3)
     assert head["mean"] == pytest.approx(diffs.mean())
     assert (head["low"], head["high"]) == pytest.approx((diffs.mean() - half, diffs.mean() + half))
-    text = S.markdown(data, "toy", "x")
+    text = R.markdown(data, "toy", "x")
     assert (
         f"**+{100 * diffs.mean():.2f} [+{100 * (diffs.mean() - half):.2f}, +{100 * (diffs.mean() + half):.2f}]**"
         in text
@@ -86,7 +87,7 @@ def test_a_selected_row_that_is_not_the_validation_argmax_is_refused(tmp_path: P
             r["tcnn_value"] = "0.01"  # the test-best choice, not the validation one
     S._write_csv(d / "results.csv", rows, S._columns())
     with pytest.raises(S.StudyError, match="seed 1: the tcnn row chose 0.01, the validation argmax is 0.001"):
-        S.selected(S.load(d)["rows"])
+        R.selected(S.load(d)["rows"])
 
 
 def test_a_flipped_selection_flag_or_a_row_cut_short_is_one_line(tmp_path: Path) -> None:
@@ -99,7 +100,7 @@ def test_a_flipped_selection_flag_or_a_row_cut_short_is_one_line(tmp_path: Path)
     S._write_csv(d / "results.csv", rows, S._columns())
     with pytest.raises(S.StudyError, match=r"seed 0, control 0.001: control_selected is True, but the validation "
                                            r"argmax is 0.0001"):  # fmt: skip
-        S.selected(S.load(d)["rows"])
+        R.selected(S.load(d)["rows"])
     (d / "results.csv").write_text(text[: len(text) // 2].rsplit(",", 3)[0] + "\n")
     with pytest.raises(
         S.StudyError, match=r"results.csv: line \d+ has \d+ of \d+ fields \(cut short\?\)"
@@ -138,7 +139,7 @@ def test_the_readme_table_is_generated_from_the_committed_study_results() -> Non
         assert "not finished" in block and not any(ch.isdigit() for ch in block.replace("cifar10_lr", ""))
         assert not any((COMMITTED / f).exists() for f in S.FILES)  # all the tables or none
         return
-    section, same = S.render(COMMITTED, REPO / "README.md", check=True)
+    section, same = R.render(COMMITTED, REPO / "README.md", check=True)
     assert same, "README.md's study block differs from `tcnn study render pipelines/studies/cifar10_lr`"
     rows = S.load(COMMITTED)["rows"]
     assert len({r["seed"] for r in rows}) >= 3
@@ -184,11 +185,11 @@ def _epochs(times: list[float], start: bool) -> list[dict]:
 
 
 def _sweep(tmp: Path) -> tuple[Path, dict]:
-    """A finished toy sweep laid out as the sweep leaves it (pipelines/sweep_trial.py, sweep_shared.py): shared
+    """A finished toy sweep laid out as the sweep leaves it (pipelines/sweep/trial.py, shared.py): shared
     runs in ``<storage>/<stage>/<key>/`` with their executions.jsonl, linked from the trials' ``runs/<stage>``,
     this sweep's ``<stage>_runs.jsonl``, each trial's own stages in its directory with its stages.jsonl. Another
     sweep's execution sits in the same storage."""
-    from pipelines.sweep_shared import EXECUTIONS, link_pretraining, runs_log
+    from pipelines.sweep.shared import EXECUTIONS, link_pretraining, runs_log
     from stages.harness import chain
 
     storage = tmp / "sweeps"
@@ -283,7 +284,7 @@ def _export(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, dic
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    monkeypatch.setattr("pipelines.sweep_select.pair_metrics", lambda *a, **k: {})
+    monkeypatch.setattr("pipelines.sweep.selection.pair_metrics", lambda *a, **k: {})
     sweep, spec = _sweep(tmp)
     chosen = [{"seed": 0, "tcnn_trial": "t001", "control_trial": "t000", "tcnn_finetune.gate_lr": 1.0,
                "control_finetune.gate_lr": 0.1},

@@ -21,7 +21,7 @@ from _train_helpers import tiny_params, write_dataset
 
 from core.config import load_params, plan_epochs
 from pipelines.cli import main as tcnn_main
-from pipelines.sweep_plan import SweepError, expand_grid, make_plan
+from pipelines.sweep.plan import SweepError, expand_grid, make_plan
 
 REPO = Path(__file__).resolve().parents[1]
 TCNN = str(Path(sys.executable).with_name("tcnn"))
@@ -198,7 +198,7 @@ def test_existing_sweep_needs_resume_and_same_params(
     path = make_project(tmp_path, {"reparam.epoch": [1, 2]})
     monkeypatch.chdir(tmp_path)
     (tmp_path / "sweeps" / "s").mkdir(parents=True)
-    from pipelines.sweep import build_spec
+    from pipelines.sweep.spec import build_spec
 
     spec = build_spec(load_params(path), name="s", params_file=path)
     (tmp_path / "sweeps" / "s" / "sweep.json").write_text(json.dumps(spec))
@@ -234,7 +234,7 @@ def _ensure(spec: dict, key: str, trial: str, barrier: Any, log: str) -> None:
     with open(log, "w") as fh:
         os.dup2(fh.fileno(), 2)
         sys.stderr = os.fdopen(2, "w", buffering=1)
-        from pipelines.sweep_shared import ensure_pretraining
+        from pipelines.sweep.shared import ensure_pretraining
 
         barrier.wait()
         _, executed, _ = ensure_pretraining(spec, key, trial=trial)
@@ -245,7 +245,7 @@ def _ensure(spec: dict, key: str, trial: str, barrier: Any, log: str) -> None:
 def test_simultaneous_trials_pretrain_once(tmp_path: Path) -> None:
     """Two processes (as two trials started at the same moment) need the same pretraining: one trains, the
     other waits on the group's lock and reuses it. Counted by the pretrain stage's own epoch lines."""
-    from pipelines.sweep import build_spec
+    from pipelines.sweep.spec import build_spec
 
     path = make_project(tmp_path, {"reparam.alpha_init": [0.5, 2.0]}, n_train=600)
     spec = build_spec(load_params(path), name="s", params_file=path, cwd=tmp_path)
@@ -296,7 +296,8 @@ def test_tcnn_sweep_help_lists_the_options() -> None:
 
 
 def test_plots_only_for_what_the_grid_varies(tmp_path: Path) -> None:
-    from pipelines.sweep_summary import make_plots, write_table
+    from pipelines.sweep.summary import make_plots
+    from pipelines.sweep.tables import write_table
 
     grid = {
         "reparam.alpha_init": [0.5, 2.0],
@@ -341,7 +342,7 @@ def test_sweep_share_pretraining_key(tmp_path: Path) -> None:
 def test_t1_plot_with_equal_values_per_point(tmp_path: Path) -> None:
     """Nine equal accuracies per t1 (as in the benchmark grid): their float mean exceeds them by an ulp;
     the error bars must not go negative (matplotlib refuses them)."""
-    from pipelines.sweep_summary import make_plots
+    from pipelines.sweep.summary import make_plots
 
     spec = {"name": "s", "grid": {"reparam.epoch": [2, 4]}, "base": {"sweep": {}}}
     acc = 0.41
@@ -362,7 +363,7 @@ def test_kind_table_uses_one_common_baseline(tmp_path: Path) -> None:
     import pyarrow.parquet as pq
 
     from core.robustness.metrics import table_from_errors
-    from pipelines.sweep_summary import kind_rows, kinds_markdown, make_plots, write_kinds
+    from pipelines.sweep.summary import kind_rows, kinds_markdown, make_plots, write_kinds
 
     cnn_pre = {"gaussian_noise": [0.2, 0.4], "contrast": [0.1, 0.3]}  # severities 1, 2
     finals = {
@@ -398,7 +399,7 @@ def test_kind_table_uses_one_common_baseline(tmp_path: Path) -> None:
     assert [p.name for p in plots] == ["accuracy_by_kind.png"]
     assert kind_rows(spec, rows[:1]) == []  # one kind: no comparison
 
-    from pipelines.sweep_report import write_report
+    from pipelines.sweep.report import write_report
 
     page = write_report(spec, rows, krows, plots, tmp_path).read_text()
     assert "<td>convit</td>" in page and "<td>125.00</td>" in page and "pretrained CNN of t0" in page
@@ -409,8 +410,8 @@ def test_a_stage_published_before_a_kill_is_not_trained_again(tmp_path: Path) ->
     """A kill between a training stage's publication (outputs, metrics.json last, then its work dir removed) and
     the trial's done-mark: the next attempt records the published stage instead of training it again from
     scratch (there is no partial state left to resume from). While the work dir exists, it trains (resumes)."""
-    from pipelines.sweep import build_spec
-    from pipelines.sweep_trial import STAGE_LOG, TrialRunner
+    from pipelines.sweep.spec import build_spec
+    from pipelines.sweep.trial import STAGE_LOG, TrialRunner
 
     path = make_project(tmp_path, {"reparam.alpha_init": [0.5]})
     spec = build_spec(load_params(path), name="s", params_file=path, cwd=tmp_path)

@@ -1,4 +1,4 @@
-"""Bracketing (``sweep.select.bracket``, pipelines/sweep_bracket.py): the rule on hand-made summary rows, and
+"""Bracketing (``sweep.select.bracket``, pipelines/sweep/bracket.py): the rule on hand-made summary rows, and
 the added trials planned into a real sweep spec (no Ray; the Ray run is in tests/test_sweep_ray.py)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_sweep import make_project
 
-from pipelines.sweep_bracket import Step, asked, decide, extend, round_of, round_trials
+from pipelines.sweep.bracket import Step, asked, decide, extend, round_of, round_trials
 
 KEY = "finetune.lr"
 GRID_KEYS = ["seed", KEY]
@@ -102,15 +102,15 @@ def test_unfinished_trials_do_not_choose_and_an_integer_grid_stays_integer() -> 
 
 def _spec(tmp_path: Path, grid: dict, select: dict) -> dict:
     from core.config import load_params
-    from pipelines.sweep import build_spec
+    from pipelines.sweep.spec import build_spec
 
     path = make_project(tmp_path, grid, sweep={"select": select})
     return build_spec(load_params(path), name="b", params_file=path, cwd=tmp_path)
 
 
 def test_extend_plans_only_the_new_values_and_keeps_every_trial(tmp_path: Path) -> None:
-    from pipelines.sweep import SWEEP_JSON, reconcile
-    from pipelines.sweep_summary import summary_rows
+    from pipelines.sweep.spec import SWEEP_JSON, reconcile
+    from pipelines.sweep.summary import summary_rows
 
     grid = {"seed": [0, 1], KEY: [0.001, 0.01]}
     spec = _spec(tmp_path, grid, {"over": [KEY], "bracket": True})
@@ -144,7 +144,7 @@ def test_extend_plans_only_the_new_values_and_keeps_every_trial(tmp_path: Path) 
 
 
 def test_an_added_value_that_is_no_valid_setting_is_refused(tmp_path: Path) -> None:
-    from pipelines.sweep_plan import SweepError
+    from pipelines.sweep.plan import SweepError
 
     spec = _spec(tmp_path, {"data.sample_fraction": [0.5, 1.0]}, {"over": ["data.sample_fraction"],
                                                                   "bracket": {"max_rounds": 2}})  # fmt: skip
@@ -164,7 +164,7 @@ def _objective(lr: float, peak: float) -> float:
 def _fake_fit(calls: list[int]):
     """In place of the Tune experiment of a round: each trial's done.json with a validation accuracy that
     peaks at lr 0.1 for the T-CNN and 1e-3 for the control; the test accuracy keeps rising with lr."""
-    from pipelines.sweep_bracket import round_trials
+    from pipelines.sweep.bracket import round_trials
 
     def fit(spec: dict, k: int) -> dict[str, str]:
         calls.append(k)
@@ -184,16 +184,17 @@ def _fake_fit(calls: list[int]):
 def test_the_driver_grows_the_grid_until_every_choice_is_interior(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_rounds: int
 ) -> None:
-    from pipelines import sweep
+    from pipelines.sweep import driver
+    from pipelines.sweep.spec import SWEEP_JSON, reconcile
 
     spec = _spec(tmp_path, {KEY: [1e-3, 1e-2]}, {"over": [KEY], "bracket": {"max_rounds": max_rounds}})
     calls: list[int] = []
-    monkeypatch.setattr(sweep, "_fit", _fake_fit(calls))
-    monkeypatch.setattr(sweep, "_ensure_corrupted", lambda spec, keys: None)
+    monkeypatch.setattr(driver, "_fit", _fake_fit(calls))
+    monkeypatch.setattr(driver, "_ensure_corrupted", lambda spec, keys: None)
     Path(spec["sweep_dir"]).mkdir(parents=True)
-    out, status = sweep._run_rounds(spec)
+    out, status = driver._run_rounds(spec)
     added = [r["added"] for r in out["bracket_rounds"]]
-    saved = json.loads((Path(out["sweep_dir"]) / sweep.SWEEP_JSON).read_text())
+    saved = json.loads((Path(out["sweep_dir"]) / SWEEP_JSON).read_text())
     assert saved["bracket_rounds"] == out["bracket_rounds"] and len(status) == len(out["trials"])
     if max_rounds == 3:
         assert calls == [0, 1, 2] and added == [[1e-4, 0.1], [1.0]]
@@ -211,6 +212,6 @@ def test_the_driver_grows_the_grid_until_every_choice_is_interior(
         )
     # A resumed driver runs the saved rounds again (Tune skips their finished trials) and adds nothing new.
     calls.clear()
-    again, _ = sweep._run_rounds(sweep.reconcile(spec, "auto"))
+    again, _ = driver._run_rounds(reconcile(spec, "auto"))
     assert calls == list(range(len(added) + 1)) and again["bracket_rounds"] == out["bracket_rounds"]
     assert again["bracket_stop"] == out["bracket_stop"]

@@ -357,7 +357,7 @@ def test_bracketing_grows_the_lr_grid_past_an_edge_choice(tmp_path: Path) -> Non
     """``sweep.select.bracket`` on a real sweep: with two lrs every choice is at an edge, so round 1 adds one
     step beyond each edge some arm chose (the selection's validation argmax, re-derived here from
     summary.parquet); the asked trials are not run again, and the bound (1 round) ends it, reported."""
-    from pipelines.sweep_select import choose
+    from pipelines.sweep.selection import choose
 
     key = "finetune.lr"
     sweep = {"select": {"over": [key], "bracket": {"max_rounds": 1}}}

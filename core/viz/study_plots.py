@@ -1,4 +1,4 @@
-"""Figures of a study whose fine-tuning lr is chosen on validation data (pipelines/study_results.py).
+"""Figures of a study whose fine-tuning lr is chosen on validation data (pipelines/studies/results.py).
 
 - :func:`plot_lr_grid`: validation accuracy, clean test accuracy and mean corruption accuracy (mCA) against
   the fine-tuning lr, T-CNN and control, mean over seeds with Student's 95% t-interval (T-CNN, d'Ascoli et

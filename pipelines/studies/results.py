@@ -1,7 +1,6 @@
-"""A finished study's small results, committed next to its preset, and the README section made from them.
-
-    tcnn study export SWEEP_DIR OUT_DIR      # results.csv, history.csv, attention.csv, cost.csv, meta.json
-    tcnn study render OUT_DIR [--readme README.md] [--check]
+"""A finished study's small results, committed next to its design: the tables :func:`export` writes from a
+finished sweep (``tcnn study export``, pipelines/studies/cli.py) and :func:`load` reads back; render.py makes the
+README section from them.
 
 ``export`` reads a finished sweep that chose a hyperparameter on validation data (``sweep.select``, one key,
 e.g. ``finetune.lr``) and writes kilobytes that hold everything its headline depends on:
@@ -23,25 +22,15 @@ e.g. ``finetune.lr``) and writes kilobytes that hold everything its headline dep
   (stages.cnn_evaluation), has a row of its own after evaluate's. :func:`cost_hours` recomputes meta.json's
   ``compute_h`` from it.
 - ``meta.json``: sweep name, commit, wall time, CPU.
-
-``render`` re-derives the selection from the grid rows (validation argmax per seed and arm; it must agree
-with the selected rows), the over-seed t-intervals from the selected rows, draws the figures
-(core.viz.study_plots) and writes the Markdown section; with ``--readme`` it replaces the block between
-``<!-- study:<name>:begin -->`` and ``<!-- study:<name>:end -->`` (``--check``: exit 1 if it differs).
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from core.utils.atomic import atomic_write_text
 from core.utils.machine import cpu_model
@@ -132,7 +121,7 @@ def _grid_row(root: Path, tid: str, p: dict[str, Any], value: Any, picks: dict[t
     """The ``grid`` row of trial ``tid`` (params ``p``) at ``value``: each model's validation accuracy and
     T-CNN - control with its paired bootstrap interval, re-run from the trial's per-image table."""
     from core.utils.hashing import derive_seed
-    from pipelines.sweep_select import pair_metrics
+    from pipelines.sweep.selection import pair_metrics
     from stages.harness.catalogue import summary_metrics
 
     seed = p["seed"]
@@ -200,7 +189,7 @@ def _shared_key(spec: dict[str, Any], trial: dict[str, Any], stage: str, root: P
         return None
     key = trial.get(f"{stage}_key") if spec.get("share_pretraining") else None
     link = root / chain.run_dir(stage)
-    if not key and link.is_symlink():  # the link to the shared run (pipelines.sweep_shared.link_pretraining)
+    if not key and link.is_symlink():  # the link to the shared run (pipelines.sweep.shared.link_pretraining)
         key = link.resolve().parents[1].name
     return key or None
 
@@ -241,7 +230,7 @@ def cost_rows(sweep_dir: Path, spec: dict[str, Any], key: str) -> list[dict[str,
     (corrupt: its records'). Evaluate's two times leave out the CNN evaluation it did, which is in its own row.
     ``train_time_s`` / ``epochs``: over the training epochs of its history (training stages). ``recovered``: a
     record says the execution was found finished after a kill (its ``wall_s`` is not the run's)."""
-    from pipelines.sweep_shared import read_lines, runs_log
+    from pipelines.sweep.shared import read_lines, runs_log
 
     stages = [s for s in chain.stage_names() if chain.sweep_role(s) in ("sweep", "group", "trial")]
     shared_runs = {s: read_lines(sweep_dir / runs_log(s)) for s in stages if chain.sweep_role(s) != "trial"}
@@ -353,7 +342,7 @@ def _stage_times(sweep_dir: Path) -> list[dict[str, Any]]:
 
 def _shared_records(sweep_dir: Path, name: str) -> list[dict[str, Any]]:
     """This sweep's executions of shared (``meta.sweep: group``) stages, from their directories' logs."""
-    from pipelines.sweep_shared import EXECUTIONS
+    from pipelines.sweep.shared import EXECUTIONS
 
     out = []
     for path in sweep_dir.parent.glob(f"*/*/{EXECUTIONS}"):
@@ -372,7 +361,7 @@ def compute_hours(sweep_dir: Path, spec: dict[str, Any]) -> float:
     resume; a shared run, such as a seed's pretraining, counted once) plus the recorded time of its other own stages (reparam,
     evaluate, the CNN evaluation that evaluate made) and of the driver's executions of this sweep (the corrupted
     sets). Work lost to a kill is not in it; the gaps between sessions are not either."""
-    from pipelines.sweep_shared import read_lines, runs_log
+    from pipelines.sweep.shared import read_lines, runs_log
 
     training = {s for s in chain.trial_stages() if chain.trains(s)}
     driver = [r for s in chain.stage_names() if chain.sweep_role(s) == "sweep"
@@ -397,7 +386,7 @@ def compute_hours(sweep_dir: Path, spec: dict[str, Any]) -> float:
 
 
 def _stage_log(root: Path) -> list[dict[str, Any]]:
-    from pipelines.sweep_trial import STAGE_LOG
+    from pipelines.sweep.trial import STAGE_LOG
 
     path = root / STAGE_LOG
     if not path.is_file():
@@ -441,7 +430,7 @@ def _cell(v: Any) -> Any:
     return "" if v is None else v
 
 
-# --------------------------------------------------------------------------------------------- render
+# ----------------------------------------------------------------------------------- the tables read back
 
 
 def _read_csv(path: Path) -> list[dict[str, Any]]:
@@ -477,268 +466,3 @@ def load(results: Path) -> dict[str, Any]:
     cost = _read_csv(results / "cost.csv") if (results / "cost.csv").is_file() else []
     return {"rows": _read_csv(results / "results.csv"), "history": _read_csv(results / "history.csv"),
             "attention": _read_csv(results / "attention.csv"), "cost": cost, "meta": _json(results / "meta.json")}  # fmt: skip
-
-
-def reselect(rows: list[dict[str, Any]]) -> dict[tuple[int, str], float]:
-    """The validation argmax per (seed, arm) over the grid rows (first in file order on ties)."""
-    best: dict[tuple[int, str], tuple[float, float]] = {}
-    for r in rows:
-        if r["row"] != "grid":
-            continue
-        for arm in ARMS:
-            v = r[f"{arm}_val_accuracy"]
-            k = (r["seed"], arm)
-            if k not in best or v > best[k][1]:
-                best[k] = (r[f"{arm}_value"], v)
-    return {k: v[0] for k, v in best.items()}
-
-
-def selected(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The selected rows, checked against :func:`reselect`, as are the grid rows' ``<arm>_selected`` flags (a
-    study whose table disagrees is refused)."""
-    picks = reselect(rows)
-    for r in rows:  # the grid rows' flags are what the counts in the README read
-        if r["row"] != "grid":
-            continue
-        for arm in ARMS:
-            if bool(r[f"{arm}_selected"]) != (picks.get((r["seed"], arm)) == r[f"{arm}_value"]):
-                raise StudyError(
-                    f"seed {r['seed']}, {arm} {r[f'{arm}_value']}: {arm}_selected is {r[f'{arm}_selected']}, "
-                    f"but the validation argmax is {picks.get((r['seed'], arm))}"
-                )
-    out = [r for r in rows if r["row"] == "selected"]
-    for r in out:
-        for arm in ARMS:
-            if picks.get((r["seed"], arm)) != r[f"{arm}_value"]:
-                raise StudyError(
-                    f"seed {r['seed']}: the {arm} row chose {r[f'{arm}_value']}, the validation argmax is "
-                    f"{picks.get((r['seed'], arm))}"
-                )
-    return sorted(out, key=lambda r: r["seed"])
-
-
-def _pp(v: float | None, sign: bool = False) -> str:
-    return "-" if v is None else f"{100 * v:{'+' if sign else ''}.2f}"
-
-
-def _ci(mean: Any, lo: Any, hi: Any, sign: bool = True) -> str:
-    return f"{_pp(mean, sign)} [{_pp(lo, sign)}, {_pp(hi, sign)}]"
-
-
-def headline(rows: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
-    """T-CNN - control at the chosen values, mean over seeds with Student's 95% t-interval, per metric."""
-    from core.robustness.intervals import t_interval
-
-    sel = selected(rows)
-    return {m: t_interval([r[f"{DIFF}_{m}"] for r in sel]) for m in METRICS}
-
-
-def markdown(data: dict[str, Any], name: str, fig_dir: str) -> str:
-    """The README section (between the markers): the per-seed and over-seed table, the sentences, the grid
-    table and the figures."""
-    from pipelines.sweep_select import verdict
-
-    rows, meta = data["rows"], data["meta"]
-    key = meta["selected_key"]
-    sel = selected(rows)
-    head = headline(rows)
-    lines = [
-        f"| seed | T-CNN {key} | control {key} | T-CNN val / test | control val / test | T-CNN - control clean (pp) "
-        "| mCA T-CNN / control | T-CNN - control mCA (pp) | T-CNN - control mCE (pp) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in sel:
-        lines.append(
-            f"| {r['seed']} | {r['tcnn_value']:g} | {r['control_value']:g} "
-            f"| {_pp(r['tcnn_val_accuracy'])} / {_pp(r['tcnn_clean_accuracy'])} "
-            f"| {_pp(r['control_val_accuracy'])} / {_pp(r['control_clean_accuracy'])} "
-            f"| {_ci(*(r[f'{DIFF}_clean_accuracy{e}'] for e in ENDS))} "
-            f"| {_pp(r['tcnn_mca'])} / {_pp(r['control_mca'])} "
-            f"| {_ci(*(r[f'{DIFF}_mca{e}'] for e in ENDS))} | {_ci(*(r[f'{DIFF}_mce{e}'] for e in ENDS))} |"
-        )
-    from core.robustness.intervals import t_interval
-
-    def mean(col: str) -> str:
-        return _pp(t_interval([r[col] for r in sel])["mean"])
-
-    h = {m: _ci(head[m]["mean"], head[m]["low"], head[m]["high"]) for m in METRICS}
-    lines.append(
-        f"| mean of {len(sel)} | | | {mean('tcnn_val_accuracy')} / {mean('tcnn_clean_accuracy')} "
-        f"| {mean('control_val_accuracy')} / {mean('control_clean_accuracy')} | **{h['clean_accuracy']}** "
-        f"| {mean('tcnn_mca')} / {mean('control_mca')} | **{h['mca']}** | **{h['mce']}** |"
-    )
-    says = {m: verdict(head[m]["mean"], head[m]["low"], head[m]["high"], lower_is_better=m.endswith("mce"))
-            for m in METRICS}  # fmt: skip
-    text = "\n".join(lines) + "\n\n"
-    text += (
-        f"Each arm at the {key} with the best validation accuracy of its seed; the test split only reports. "
-        "Per seed: paired bootstrap 95% interval over test images; last row: mean over seeds with Student's "
-        "95% t-interval. Accuracies in %, differences in percentage points; mCE is normalised by each seed's "
-        "pretrained CNN (lower is better).\n\n"
-        f"- Clean accuracy, T-CNN - control: {h['clean_accuracy']} pp: {says['clean_accuracy']}.\n"
-        f"- Mean corruption accuracy, T-CNN - control: {h['mca']} pp: {says['mca']}.\n"
-        f"- mCE, T-CNN - control: {h['mce']} pp: {says['mce']}.\n\n"
-    )
-    text += _grid_table(rows, key) + "\n" + _plateau_sentence(data["history"], sel) + "\n\n"
-    text += _heads_sentence(data["attention"]) + "\n\n"
-    text += (
-        f"![test accuracy and mCA against the fine-tuning lr, both arms]({fig_dir}/lr_grid.png)\n\n"
-        f"![validation accuracy per fine-tuning epoch]({fig_dir}/val_curves.png)\n\n"
-        f"![GPSA heads over fine-tuning]({fig_dir}/attention.png)\n\n"
-        f"Generated by `tcnn study render {fig_dir}` from the committed tables; sweep `{meta['sweep']}` at commit "
-        f"`{(meta.get('commit') or '?')[:12]}`: {meta.get('trials')} trials, {_hours(meta)} on "
-        f"{' / '.join(meta.get('cpus') or ['an unrecorded CPU'])}.\n"
-    )
-    return text
-
-
-def _hours(meta: dict[str, Any]) -> str:
-    h = meta.get("compute_h")
-    if h is None:
-        return "compute time not recorded"
-    return f"{h:.1f} h of compute (every kept training epoch plus the other stages' recorded time)"
-
-
-def _grid_table(rows: list[dict[str, Any]], key: str) -> str:
-    from core.robustness.intervals import t_interval
-
-    grid = [r for r in rows if r["row"] == "grid"]
-    values = sorted({r["tcnn_value"] for r in grid})
-    lines = [f"| {key} | T-CNN val | control val | T-CNN test | control test | T-CNN mCA | control mCA "
-             "| T-CNN - control clean (pp) | T-CNN - control mCA (pp) | chosen by (T-CNN / control) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for v in values:
-        at = [r for r in grid if r["tcnn_value"] == v]
-
-        def ci(col: str, sign: bool = False, at: list[dict[str, Any]] = at) -> str:
-            t = t_interval([r[col] for r in at])
-            return _ci(t["mean"], t["low"], t["high"], sign)
-
-        n_t, n_c = sum(bool(r["tcnn_selected"]) for r in at), sum(bool(r["control_selected"]) for r in at)
-        lines.append(
-            f"| {v:g} | {ci('tcnn_val_accuracy')} | {ci('control_val_accuracy')} | {ci('tcnn_clean_accuracy')} "
-            f"| {ci('control_clean_accuracy')} | {ci('tcnn_mca')} | {ci('control_mca')} "
-            f"| {ci(f'{DIFF}_clean_accuracy', True)} | {ci(f'{DIFF}_mca', True)} | {n_t} / {n_c} seeds |"
-        )
-    return "The whole grid (mean over seeds [95% t-interval], %):\n\n" + "\n".join(lines) + "\n"
-
-
-def _plateau_sentence(history: list[dict[str, Any]], sel: list[dict[str, Any]]) -> str:
-    """Has validation accuracy stopped rising? Its change over the last fine-tuning epoch at each seed's chosen
-    value, per arm (mean over seeds, in pp), next to the change over the first epoch."""
-    parts = []
-    for arm in ARMS:
-        last, first = [], []
-        for r in sel:
-            curve = sorted((int(h["epoch"]), float(h["val_accuracy"])) for h in history
-                           if h["arm"] == arm and int(h["seed"]) == int(r["seed"]) and h["value"] == r[f"{arm}_value"])  # fmt: skip
-            if len(curve) >= 3:
-                last.append(curve[-1][1] - curve[-2][1])
-                first.append(curve[1][1] - curve[0][1])
-        if last:
-            name = "T-CNN" if arm == "tcnn" else "control"
-            parts.append(f"{name} {100 * float(np.mean(last)):+.2f} pp in the last epoch (first: "
-                         f"{100 * float(np.mean(first)):+.2f} pp)")  # fmt: skip
-    if not parts:
-        return "No fine-tuning history was recorded."
-    return ("Validation accuracy at the chosen values, mean over seeds: " + "; ".join(parts) +
-            " (figure `val_curves.png`: every epoch, every value).")  # fmt: skip
-
-
-def _heads_sentence(attention: list[dict[str, Any]]) -> str:
-    from core.viz.study_plots import CONTENT_GATE
-
-    if not attention:
-        return "No GPSA statistics were recorded."
-    last = max(int(r["epoch"]) for r in attention)
-    parts = []
-    for seed in sorted({int(r["seed"]) for r in attention}):
-        end = [r for r in attention if int(r["seed"]) == seed and int(r["epoch"]) == last]
-        content = [r for r in end if float(r["gate"]) < CONTENT_GATE]
-        gmin = min(end, key=lambda r: float(r["gate"]))
-        parts.append(
-            f"seed {seed}: {len(content)} of {len(end)} heads (lowest sigma(lambda) {float(gmin['gate']):.3f}, "
-            f"{gmin['layer']} head {gmin['head']})"
-        )
-    return (
-        f"Content-based heads (sigma(lambda) < {CONTENT_GATE}) at the end of fine-tuning, in each seed's chosen "
-        "T-CNN: " + "; ".join(parts) + "."
-    )
-
-
-def render(results: Path, readme: Path | None = None, *, check: bool = False) -> tuple[str, bool]:
-    """Figures into ``results``, the Markdown section; with ``readme`` the block replaced (or compared).
-    Returns (section, whether the README matched)."""
-    from core.viz.study_plots import plot_head_gates, plot_lr_grid, plot_val_curves
-
-    data = load(results)
-    name = data["meta"]["sweep"]
-    # the figures' links, relative to the README they go in (the same text from any working directory)
-    fig_dir = Path(os.path.relpath(results, readme.parent)).as_posix() if readme else results.as_posix()
-    section = markdown(data, name, fig_dir)
-    if not check:
-        grid = [{**r, "lr": r["tcnn_value"]} for r in data["rows"] if r["row"] == "grid"]
-        plot_lr_grid(grid, results / "lr_grid.png", title=name)
-        plot_val_curves(
-            [{**h, "lr": h["value"]} for h in data["history"]], results / "val_curves.png", title=name
-        )
-        if data["attention"]:
-            plot_head_gates(data["attention"], results / "attention.png", title=name)
-    if readme is None:
-        return section, True
-    begin, end = f"<!-- study:{name}:begin -->", f"<!-- study:{name}:end -->"
-    text = readme.read_text()
-    if begin not in text or end not in text:
-        raise StudyError(f"{readme}: no {begin} ... {end} block")
-    head, rest = text.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    new = f"{head}{begin}\n{section}{end}{tail}"
-    same = new == text
-    if not check and not same:
-        atomic_write_text(readme, new)
-    return section, same
-
-
-# ------------------------------------------------------------------------------------------------ CLI
-
-
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("study", help="a finished study's committed results and its README section")
-    verbs = p.add_subparsers(dest="study_verb", required=True)
-    e = verbs.add_parser("export", help="write the small results tables of a finished sweep")
-    e.add_argument("sweep_dir", type=Path)
-    e.add_argument("out", type=Path)
-    e.add_argument("--cpu", default=None, help="the CPU(s) the trials ran on, where their records do not say")
-    e.set_defaults(func=_main_export)
-    r = verbs.add_parser("render", help="figures and the README section from the committed tables")
-    r.add_argument("results", type=Path)
-    r.add_argument("--readme", type=Path, default=None)
-    r.add_argument("--check", action="store_true", help="exit 1 when the README block is not up to date")
-    r.set_defaults(func=_main_render)
-
-
-def _main_export(args: argparse.Namespace) -> int:
-    try:
-        for path in export(args.sweep_dir, args.out, cpu=args.cpu):
-            print(f"study: wrote {path}")
-    except (StudyError, OSError) as err:
-        print(f"tcnn study: error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
-def _main_render(args: argparse.Namespace) -> int:
-    try:
-        section, same = render(args.results, args.readme, check=args.check)
-    except (StudyError, OSError) as err:
-        print(f"tcnn study: error: {err}", file=sys.stderr)
-        return 2
-    if args.readme is None:
-        print(section)
-    elif args.check and not same:
-        print(
-            f"tcnn study: {args.readme} is not up to date with {args.results} (run without --check)",
-            file=sys.stderr,
-        )
-        return 1
-    return 0

@@ -1,9 +1,9 @@
 """The sweep's report: one self-contained ``<sweep>/report.html`` (tables + embedded PNG plots).
 
 What a reader of a sweep wants on one page, also logged on the sweep's parent MLflow run: the model-kind
-comparison against one common baseline (when the grid varies ``model``; :func:`sweep_summary.kind_rows`),
+comparison against one common baseline (when the grid varies ``model``; :func:`summary.kind_rows`),
 every configuration's mean over seeds with its t-interval (when the grid varies ``seed``), every trial's
-headline numbers (:data:`TRIAL_COLUMNS` of :data:`sweep_summary.METRIC_COLUMNS`), and the sweep's plots.
+headline numbers (:data:`TRIAL_COLUMNS` of :data:`summary.METRIC_COLUMNS`), and the sweep's plots.
 
 The tables are built here as records (one dict per row, column name -> text); the page is rendered by
 :func:`core.viz.html.render` from ``sweep_report.html``, with the run report's stylesheet and table macro.
@@ -19,7 +19,8 @@ from typing import Any
 from core.utils.atomic import atomic_write
 from core.viz.html import fmt_pct_plain, fmt_plain
 from core.viz.html import render as render_page
-from pipelines.sweep_summary import METRIC_COLUMNS, SEED_METRICS, SEED_SUFFIXES
+from pipelines.sweep.selection import DIFF, mean_label, verdict
+from pipelines.sweep.summary import METRIC_COLUMNS, SEED_METRICS, SEED_SUFFIXES
 
 REPORT = "report.html"
 PERCENT = ("clean_accuracy", "mca", "mce", "relative_mce")
@@ -86,10 +87,9 @@ def seeds_table(srows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def selected_table(
     chosen: list[dict[str, Any]], agg: list[dict[str, Any]], over: list[str], notes: list[str] | None = None
 ) -> dict[str, Any]:
-    """The validation-chosen comparison (pipelines/sweep_select.py): one record per seed and one per
+    """The validation-chosen comparison (pipelines/sweep/selection.py): one record per seed and one per
     configuration over seeds, the sentence that goes with each interval, and ``notes``: what bracketing
-    added and why (pipelines/sweep_bracket.py)."""
-    from pipelines.sweep_select import DIFF, mean_label, verdict
+    added and why (pipelines/sweep/bracket.py)."""
 
     def cell(r: dict[str, Any], name: str, ends: tuple[str, str, str]) -> str:
         mean, lo, hi = (r.get(name + e) for e in ends)

@@ -1,7 +1,7 @@
 """Work that sweep trials share: one pretraining run per group, one matched control per (pretraining, t1,
 fine-tuning recipe), one corrupted test set per sweep input.
 
-Both live in content-addressed directories under ``sweep.storage`` (see pipelines/sweep_plan.py) and are
+Both live in content-addressed directories under ``sweep.storage`` (see pipelines/sweep/plan.py) and are
 built under an exclusive ``fcntl.flock`` on a lock file in that directory: the first trial (or driver) to
 get the lock does the work, the others block until it is done and then find it complete. The kernel drops
 the lock when its holder dies, so a killed trial never leaves it held; the next holder resumes the

@@ -32,6 +32,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipelines.sweep.tables import write_table
 from stages.harness import chain
 
 ARMS = ("tcnn", "control")
@@ -337,7 +338,7 @@ def markdown(
     pool: list[dict[str, Any]] | None = None,
 ) -> str:
     """Per seed and over seeds: the chosen values and T-CNN - control at them, with intervals; ``notes``:
-    what bracketing added and why (pipelines/sweep_bracket.py)."""
+    what bracketing added and why (pipelines/sweep/bracket.py)."""
     keys = ", ".join(over)
     text = _selected_table(srows, agg, over) + "\n\n"
     text += (
@@ -423,7 +424,6 @@ def write(
     """``selected.parquet``, ``selected_seeds.parquet``, ``selected_pooled.parquet`` and ``selected.md``
     (atomic)."""
     from core.utils.atomic import atomic_write
-    from pipelines.sweep_summary import write_table
 
     text = markdown(srows, agg, over, notes, pool)
     return [

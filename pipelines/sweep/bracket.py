@@ -3,7 +3,7 @@
 "The best lr" of a grid whose best value is its largest only says that the largest value tried was best. With
 ``sweep.select: {over: [finetune.lr], bracket: {key: finetune.lr, max_rounds: 3}}`` (or ``bracket: true``:
 the one key of ``over``, 3 rounds) the sweep driver, once the asked trials have run, applies the selection
-itself (:func:`pipelines.sweep_select.choose`: per configuration of the other grid keys, per seed, per arm,
+itself (:func:`pipelines.sweep.selection.choose`: per configuration of the other grid keys, per seed, per arm,
 the validation argmax; the test split is never read) and looks at every choice:
 
 - a choice at the largest value of the key's grid adds ``largest * ratio``; a choice at the smallest adds
@@ -22,7 +22,7 @@ summary and the MLflow parent run (tags ``tcnn.bracket.added`` and ``tcnn.bracke
 ``bracket_rounds``). The parent's ``grid.*`` params stay the grid that was asked for.
 
 :func:`decide` (pure) is the rule; :func:`extend` (no Ray) plans the added trials; the driver
-(pipelines/sweep.py) runs the rounds.
+(pipelines/sweep/driver.py) runs the rounds.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipelines.sweep_select import ARMS, SEED, choose
+from pipelines.sweep.selection import ARMS, SEED, choose
 
 SIDES = ("bottom", "top")  # the order of the added values and their reasons
 
@@ -99,7 +99,7 @@ def decide(
 ) -> Step:
     """The rule on the summary ``rows`` of every trial so far (``<arm>_<by>`` scores, ``status``, grid values):
     values of ``bracket["key"]`` to add, with reasons, or why bracketing stops. Only validation scores are
-    read (:func:`pipelines.sweep_select.choose`, the selection's own rule)."""
+    read (:func:`pipelines.sweep.selection.choose`, the selection's own rule)."""
     key, ratio, bound = bracket["key"], float(bracket["ratio"]), int(bracket["max_rounds"])
     values = sorted({r[key] for r in rows if r.get(key) is not None})
     done = [r for r in rows if r.get("status") == "finished"]
@@ -156,13 +156,13 @@ def asked(spec: dict[str, Any]) -> dict[str, Any]:
 def extend(spec: dict[str, Any], step: Step) -> tuple[dict[str, Any], list[str]]:
     """The spec with the trials of ``step.add`` (every combination with the other grid keys) as a new round.
 
-    The grid with the added values is planned as the sweep was (pipelines.sweep_plan.make_plan); trials that
+    The grid with the added values is planned as the sweep was (pipelines.sweep.plan.make_plan); trials that
     exist keep their ids and entries, new ones are numbered after the last trial, and the shared pretraining
     groups, matched controls and corrupted sets gain the new trials (or are new). Raises SweepError when
     an added value is not a valid setting."""
     from core.config import validate_params
     from core.utils.hashing import stable_hash
-    from pipelines.sweep_plan import SweepError, make_plan, plan_device, plan_spec, trial_id
+    from pipelines.sweep.plan import SweepError, make_plan, plan_device, plan_spec, trial_id
 
     key = spec["bracket"]["key"]
     values = sorted({t["overrides"][key] for t in spec["trials"].values()} | set(step.add))

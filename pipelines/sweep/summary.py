@@ -22,12 +22,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from core.utils.atomic import atomic_write
-from pipelines.sweep_plan import SHORT
-from pipelines.sweep_trial import HEADLINE
+from pipelines.sweep.bracket import round_of
+from pipelines.sweep.plan import SHORT
+from pipelines.sweep.selection import REPLICATES, mean_label, mean_of, units
+from pipelines.sweep.tables import write_table
+from pipelines.sweep.trial import HEADLINE
 from stages.harness import chain
 
 METRIC_COLUMNS = HEADLINE  # the numbers every trial reports last
@@ -56,15 +58,13 @@ def _json(path: Path) -> Any:
 
 def summary_rows(spec: dict[str, Any], status: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """One dict per trial (grid order) from the files under ``<sweep>/trials/<tid>/``."""
-    from pipelines.sweep_bracket import round_of
-
     status = status or {}
     rounds = round_of(spec) if spec.get("bracket") or spec.get("bracket_rounds") else None
     rows = []
     for tid, t in spec["trials"].items():
         root = Path(spec["sweep_dir"]) / "trials" / tid
         done = _json(root / "done.json")
-        refused = _json(root / "refused.json") or {}  # pipelines.sweep_trial.REFUSED
+        refused = _json(root / "refused.json") or {}  # pipelines.sweep.trial.REFUSED
         eq = _json(root / chain.metrics_file("reparam")) or {}
         p = t["params"]
         row: dict[str, Any] = {"trial": tid}
@@ -104,9 +104,6 @@ def cnn_evaluation_reason(row: dict[str, Any]) -> str | None:
     return (metrics.get("cnn_evaluation") or {}).get("reason")
 
 
-NODE_LISTS = ("attempt_nodes", "worker_nodes")  # list<string> columns
-
-
 def _placement(done: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
     """Where a trial ran, from its done.json (finished) or trial.json (its attempts so far)."""
     nodes = list(state.get("nodes") or done.get("attempt_nodes") or [])
@@ -116,27 +113,6 @@ def _placement(done: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
         "attempt_nodes": nodes,
         "worker_nodes": list(done.get("worker_nodes") or []),
     }
-
-
-def _column(values: list[Any]) -> pa.Array:
-    kinds = {type(v) for v in values if v is not None}
-    if kinds <= {int} or kinds <= {float} or kinds <= {int, float} or kinds <= {str} or kinds <= {bool}:
-        return pa.array(values)
-    return pa.array([None if v is None else json.dumps(v) for v in values], pa.string())
-
-
-def write_table(rows: list[dict[str, Any]], path: Path) -> Path:
-    """The rows as Parquet (atomic); a column whose values mix types is stored as JSON text."""
-    names = list(rows[0]) if rows else ["trial"]
-    table = pa.table(
-        {
-            n: pa.array([r.get(n) for r in rows], pa.list_(pa.string()))
-            if n in NODE_LISTS
-            else _column([r.get(n) for r in rows])
-            for n in names
-        }
-    )
-    return atomic_write(path, lambda fh: pq.write_table(table, fh))
 
 
 # ------------------------------------------------------------------------------------------ seeds
@@ -153,9 +129,8 @@ def seed_rows(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str
     :data:`SEED_METRICS` name, the mean over its finished seeds and Student's 95% t-interval
     (``<metric>`` + :data:`SEED_SUFFIXES`; core.robustness.intervals.t_interval), ``n_seeds``, ``n_cnns`` and
     ``unit``: where seeds share a pretrained CNN (`pretrain.seed`), the CNN is the unit, as in the selection
-    (`pipelines.sweep_select.units`). [] otherwise."""
+    (`pipelines.sweep.selection.units`). [] otherwise."""
     from core.robustness.intervals import t_interval
-    from pipelines.sweep_select import mean_of, units
 
     if SEED not in spec["grid"]:
         return []
@@ -181,8 +156,6 @@ def seed_rows(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str
 
 def _config_keys(spec: dict[str, Any]) -> list[str]:
     """The grid keys that make a configuration: all but the replicates (``seed``, ``pretrain.seed``)."""
-    from pipelines.sweep_select import REPLICATES
-
     return [k for k in spec["grid"] if k not in REPLICATES]
 
 
@@ -242,8 +215,6 @@ def seeds_markdown(srows: list[dict[str, Any]]) -> str:
             "control_mca", "tcnn_minus_control_mca", "tcnn_minus_control_mce", "tcnn_minus_cnn_mce"]  # fmt: skip
     lines = ["| config | seeds | " + " | ".join(cols) + " |", "|---|---:|" + "---:|" * len(cols)]
     for s in srows:
-        from pipelines.sweep_select import mean_label
-
         label = mean_label(s).removeprefix("mean of ")
         lines.append(f"| {s['config']} | {label} | " + " | ".join(cell(s, c) for c in cols) + " |")
     return (

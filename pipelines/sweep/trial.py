@@ -3,7 +3,7 @@ from dvc.yaml (`stages.harness.chain.trial_stages`: pretrain -> reparam -> finet
 
 Runs inside a Ray Tune function trainable. Its directory ``<sweep>/trials/<tid>/`` is the ``root`` of every
 stage call (runs/..., results/...), with ``runs/pretrain`` a link to the shared pretraining of its group,
-``runs/control`` a link to the shared matched control (pipelines/sweep_shared.py) and robustness.dir the
+``runs/control`` a link to the shared matched control (pipelines/sweep/shared.py) and robustness.dir the
 sweep's shared corrupted sets; with sharing on, evaluate reads the pretrained CNN's evaluation from the
 storage's shared store (:func:`stage_options`, stages/cnn_evaluation.py). No stage logic lives here.
 
@@ -12,7 +12,7 @@ Resume and exactly-once:
   ``Tuner.restore``, SLURM requeue) reopens that run instead of creating another.
 - ``.sweep/<stage>.json`` marks a stage as done (its returned metrics); a restarted trial skips done stages,
   and the stages resume their own partial state (runs/.partial/) exactly. A training stage that published
-  its outputs before a kill took the mark with it is recorded, not trained again (sweep_shared.published). ``stages.jsonl`` gets one line per
+  its outputs before a kill took the mark with it is recorded, not trained again (shared.published). ``stages.jsonl`` gets one line per
   stage execution that completed, ``done.json`` is written last: a trial found done is not run again.
 - An flock on the trial directory keeps two attempts of the same trial from running at once (an orphan of a
   killed driver finishes or dies first).
@@ -46,8 +46,8 @@ from core.utils.atomic import atomic_write_json
 from core.utils.locks import locked
 from core.utils.machine import cpu_model
 from pipelines.ddp import node_name, run_stage, worker_nodes
-from pipelines.sweep_plan import trial_label, trial_params
-from pipelines.sweep_shared import ENSURE, append_line, link_pretraining, published, runs_log
+from pipelines.sweep.plan import trial_label, trial_params
+from pipelines.sweep.shared import ENSURE, append_line, link_pretraining, published, runs_log
 from stages.harness import chain
 from stages.harness.catalogue import (
     SUMMARY_METRICS,
@@ -278,7 +278,7 @@ class TrialRunner:
         """Run a stage unless its done-mark exists; returns (its metrics, whether it ran now).
 
         ``training``: a training stage whose published outputs count as done when a kill came between its
-        publication and the mark (pipelines.sweep_shared.published); its line says ``recovered``."""
+        publication and the mark (pipelines.sweep.shared.published); its line says ``recovered``."""
         mark = self.marks / f"{name}.json"
         saved = read_json(mark)
         if saved is not None:

@@ -6,7 +6,7 @@ seeds is itself uncertain: its one-sided 80% upper confidence bound ``s sqrt((n-
 (scipy.stats.chi2) shows how many seeds a pessimistic reading asks for, which is why the second study
 re-estimates the SD from its own pilot before fixing ``n`` (an internal pilot, Wittes & Brittain 1990).
 
-    .venv/bin/python -m pipelines.study_sizing pipelines/studies/cifar10_lr   # the sizing table in docs/studies.md
+    .venv/bin/python -m pipelines.studies.sizing pipelines/studies/cifar10_lr   # the sizing table in docs/studies.md
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or not (Path(args[0]) / "results.csv").is_file():
         print(
-            "usage: python -m pipelines.study_sizing STUDY_DIR (a folder holding results.csv)",
+            "usage: python -m pipelines.studies.sizing STUDY_DIR (a folder holding results.csv)",
             file=sys.stderr,
         )
         return 2

@@ -1,0 +1,20 @@
+"""The Ray Tune sweep (`tcnn sweep`, or ``python -m pipelines.sweep``), one module per piece. Each imports only
+modules listed below it (.importlinter, contract ``sweep-layers``):
+
+- ``cli``: the command line; runs the driver here or submits it to SLURM (pipelines.slurm) and follows the job.
+- ``driver``: one sweep from start to end: the MLflow parent run, the rounds of trials, the outputs at the end.
+- ``spec``: the spec a driver and its trials run from (``sweep.json``), reconciled with a saved one on resume.
+- ``tuner``: Ray and Ray Tune on the driver's side: the connection, each round's Tuner (param_space,
+  resources, run config) and its restore.
+- ``progress``: the Tune callback that prints one line per trial event.
+- ``report``: ``report.html``, the sweep's one page.
+- ``summary``: ``summary.parquet`` (one row per trial), the over-seed and model-kind tables, the plots.
+- ``bracket``: growing the grid until every arm's validation-chosen value is interior (``sweep.select.bracket``).
+- ``selection``: hyperparameters chosen on validation data, the same way for both arms (``sweep.select``).
+- ``trial``: one trial, the Tune function trainable: the chain's stages in its directory, exactly once.
+- ``shared``: the work trials share: pretraining, matched controls, corrupted test sets.
+- ``plan``: grid expansion, per-trial params and shared-work keys (pure: no Ray, no MLflow).
+- ``tables``: the Parquet writer every table above uses.
+
+The studies that run on the sweep (designs and their committed results) are pipelines/studies/.
+"""

@@ -1,0 +1,136 @@
+"""The spec a sweep runs from: the params validated and planned (pipelines/sweep/plan.py) plus what the driver
+and its trials need (tracking, resources, selection and bracketing settings), all JSON-able; saved as
+``<sweep>/sweep.json`` and reconciled with it on ``--resume`` / ``--auto-resume``."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from core.config import Params
+from pipelines.sweep.plan import (
+    SweepError,
+    check_name,
+    default_name,
+    make_plan,
+    plan_device,
+    plan_spec,
+    spec_difference,
+)
+
+SWEEP_JSON = "sweep.json"
+
+
+def tracking_enabled(params: Params) -> bool:
+    """``tracking.enabled``, unless ``TCNN_TRACKING=0`` switches it off (as for the stages)."""
+    return params.tracking.enabled and os.environ.get("TCNN_TRACKING") != "0"
+
+
+def build_spec(
+    params: Params,
+    *,
+    name: str | None,
+    params_file: Path,
+    cwd: Path | None = None,
+    placement: str = "pack",
+) -> dict:
+    """Validate and plan the sweep; the returned spec is all a driver and its trials need (JSON-able).
+    ``placement``: how Ray places a trial's data-parallel workers (pipelines.ddp.PLACEMENTS)."""
+    from stages.harness.tracking_names import resolve_uri
+
+    cwd = Path(cwd or Path.cwd()).resolve()
+    sw = params.sweep
+    uri = resolve_uri(params.tracking.uri, cwd)
+    plan = make_plan(params, cwd=cwd, device=plan_device(params), tracking_uri=uri)
+    name = check_name(name or default_name(params_file, params))
+    spec = plan_spec(plan, name=name, share_pretraining=sw.share_pretraining)
+    spec.update(
+        {
+            "tracking": {
+                "enabled": tracking_enabled(params),
+                "uri": uri,
+                "experiment": params.tracking.experiment,
+                "parent_run_id": None,
+            },
+            **trial_resources(params),
+            "select": sw.select.model_dump(mode="json"),
+            "bracket": _bracket_settings(params),
+            "bracket_rounds": [],
+            "cwd": str(cwd),  # where relative paths resolve when bracketing plans more trials
+            "max_failures": sw.max_failures,
+            "placement": placement,
+            "uid": None,
+        }
+    )
+    return spec
+
+
+def _bracket_settings(params: Params) -> dict[str, Any] | None:
+    """``sweep.select.bracket`` as the driver uses it (pipelines/sweep/bracket.py): key, ratio, bound."""
+    from core.config import bracket_key, log_step
+
+    sel = params.sweep.select
+    key = bracket_key(sel)
+    if key is None or sel.bracket is None:
+        return None
+    return {"key": key, "ratio": log_step(params.sweep.grid[key]), "max_rounds": sel.bracket.max_rounds}
+
+
+def trial_resources(params: Params) -> dict[str, Any]:
+    """Ray resources of a trial. With ``workers_per_trial`` W > 1 its stages run as Ray Train workers (W for
+    training, one for reparam and evaluate: pipelines/ddp.py), each holding 1/W of ``sweep.cpus_per_trial`` /
+    ``gpus_per_trial``; the trial process (the TorchTrainer driver, the corrupted sets) holds one more CPU
+    share and no GPU: (W + 1) / W of the CPUs and exactly the GPUs asked for."""
+    sw, w = params.sweep, params.workers_per_trial
+    share = {"cpu": sw.cpus_per_trial / w, "gpu": sw.gpus_per_trial / w}
+    return {
+        "resources": share if w == 1 else {"cpu": share["cpu"], "gpu": 0.0},
+        "workers": w,
+        "worker_resources": share,
+        "threads": max(1, int(share["cpu"])),
+    }
+
+
+def load_saved(spec: dict) -> dict | None:
+    path = Path(spec["sweep_dir"]) / SWEEP_JSON
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        raise SweepError(
+            f"{path}: unreadable sweep state; remove the sweep directory to start over"
+        ) from None
+
+
+def reconcile(spec: dict, resume: str) -> dict:
+    """``resume``: "no" (the sweep must not exist), "yes" (it must), "auto". Returns the spec to run."""
+    saved = load_saved(spec)
+    where = spec["sweep_dir"]
+    if saved is None:
+        if resume == "yes":
+            raise SweepError(f"--resume: no sweep {spec['name']!r} in {where} (drop --resume to start it)")
+        return spec
+    if resume == "no":
+        raise SweepError(
+            f"sweep {spec['name']!r} exists in {where}: pass --resume to continue it, or --name for a new one"
+        )
+    from pipelines.sweep.bracket import asked
+
+    diff = spec_difference(asked(saved), asked(spec))  # the trials bracketing added are the sweep's own
+    if diff is not None:
+        raise SweepError(
+            f"--resume: the params differ from those sweep {spec['name']!r} started with: {diff}"
+        )
+    merged = dict(saved)
+    merged["tracking"] = {**spec["tracking"], "parent_run_id": saved.get("tracking", {}).get("parent_run_id")}
+    merged["placement"] = spec.get("placement", "pack")  # where workers go does not change results
+    # How the results are chosen and bracketed is the params' of this run (a larger max_rounds goes on).
+    merged |= {
+        "select": spec["select"],
+        "bracket": spec.get("bracket"),
+        "cwd": saved.get("cwd", spec.get("cwd")),
+    }
+    return merged

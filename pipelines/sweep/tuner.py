@@ -1,0 +1,127 @@
+"""Ray and Ray Tune for the sweep driver: the connection to Ray (a light local Ray, or a cluster's) and the Tune
+experiment of each round (``tune.Tuner`` over the round's trial ids: its param_space, resources, run config,
+failure config and progress callback; ``Tuner.restore`` for a resumed round). The trial side of Tune (the
+function trainable, its reports and checkpoints) is pipelines/sweep/trial.py."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+from typing import Any
+
+from pipelines.sweep.plan import SweepError, trial_label
+
+TUNE_DIR = "tune"
+ADDRESS_RE = re.compile(r"^(local|auto|ray://[^\s:/]+:\d{1,5}|[^\s:/]+:\d{1,5})$")
+LOCAL_OBJECT_STORE_MB = 256
+
+
+def check_address(address: str) -> str:
+    if not ADDRESS_RE.match(address or ""):
+        raise SweepError(f"--address {address!r}: expected local, auto, HOST:PORT or ray://HOST:PORT")
+    return address
+
+
+def connect_ray(address: str, num_cpus: int | None, object_store_mb: int | None) -> bool:
+    """Connect (or start a light local Ray); returns whether this process started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    if address != "local":
+        from pipelines.slurm import align_ray_auth
+
+        align_ray_auth()  # a cluster from `ray start` (sweep.sbatch) uses token auth when a token exists
+    term = signal.getsignal(signal.SIGTERM)
+    try:
+        if address == "local":
+            ray.init(
+                num_cpus=num_cpus or os.cpu_count() or 1,
+                include_dashboard=False,
+                log_to_driver=False,
+                object_store_memory=int((object_store_mb or LOCAL_OBJECT_STORE_MB) * 1024 * 1024),
+                logging_level="WARNING",
+            )
+        else:
+            ray.init(address=address, log_to_driver=False, logging_level="WARNING")
+    except Exception as err:  # ConnectionError, ValueError, RuntimeError from Ray
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise SweepError(f"--address {address}: cannot connect to Ray ({first})") from None
+    if getattr(term, "tcnn_stage_handler", False):  # ray.init set SIGTERM -> sys.exit: keep the driver's
+        signal.signal(signal.SIGTERM, term)
+    return True
+
+
+def check_multinode_tracking(spec: dict, nodes: int) -> None:
+    t = spec["tracking"]
+    if nodes > 1 and t["enabled"] and not t["uri"].startswith(("http://", "https://")):
+        raise SweepError(
+            f"tracking.uri {t['uri']}: a sweep on {nodes} nodes needs an MLflow server (http://HOST:PORT; "
+            "infra/mlflow/server.sh), not a local store"
+        )
+
+
+def _trial_dirname(trial: Any) -> str:
+    return str(trial.config["tid"])
+
+
+def _tune_order(spec: dict) -> list[str]:
+    """Trial ids, the groups interleaved: concurrent first trials start different pretraining groups."""
+    if not spec["share_pretraining"]:
+        return list(spec["trials"])
+    queues = [list(g["trials"]) for g in spec["groups"].values()]
+    order: list[str] = []
+    while any(queues):
+        for q in queues:
+            if q:
+                order.append(q.pop(0))
+    return order
+
+
+def _progress_callback(spec: dict, tids: list[str]) -> Any:
+    from pipelines.sweep.progress import SweepProgress
+
+    return SweepProgress({tid: trial_label(spec["trials"][tid]["overrides"]) for tid in tids})
+
+
+def tune_dir(k: int) -> str:
+    """The Tune experiment of round ``k``: 0 runs the asked grid, k >= 1 the trials bracketing added."""
+    return TUNE_DIR if k == 0 else f"{TUNE_DIR}-bracket{k}"
+
+
+def make_tuner(spec: dict, restore: bool, tids: list[str], name: str = TUNE_DIR) -> Any:
+    from ray import tune
+
+    from pipelines.sweep.trial import tune_trainable
+
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "5")
+    os.environ.setdefault("TUNE_RESULT_BUFFER_LENGTH", "1")
+    trainable = tune.with_resources(tune.with_parameters(tune_trainable, spec=spec), spec["resources"])
+    path = Path(spec["sweep_dir"]) / name
+    if restore:
+        return tune.Tuner.restore(str(path), trainable, resume_unfinished=True, resume_errored=True)
+    return tune.Tuner(
+        trainable,
+        param_space={"tid": tune.grid_search([t for t in _tune_order(spec) if t in set(tids)])},
+        tune_config=tune.TuneConfig(
+            trial_dirname_creator=_trial_dirname,
+            reuse_actors=True,  # one actor runs trial after trial: torch/timm are imported once per worker
+        ),
+        run_config=tune.RunConfig(
+            name=name,
+            storage_path=spec["sweep_dir"],
+            failure_config=tune.FailureConfig(max_failures=spec["max_failures"]),
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=None),  # tiny: {run id, stage}
+            verbose=0,
+            callbacks=[_progress_callback(spec, tids)],
+        ),
+    )
+
+
+def can_restore(path: Path) -> bool:
+    from ray import tune
+
+    return path.is_dir() and tune.Tuner.can_restore(str(path))
