@@ -439,3 +439,19 @@ def test_a_stage_published_before_a_kill_is_not_trained_again(tmp_path: Path) ->
 
     assert {ln["cpu"] for ln in lines} == {cpu_model()} and cpu_model()  # which CPU the stage ran on
     assert runner.stage("finetune", train, training=True) == ({"test_acc": 0.25}, False)  # the mark now
+
+
+def test_a_sweep_saved_before_the_package_still_unpickles() -> None:
+    """Ray Tune's tuner.pkl and submitit's job file name these objects by their old module paths (before
+    pipelines/sweep/ was a package): pickle finds each under its old name, and it is the current object."""
+    import pickle
+
+    from pipelines.sweep import driver, progress, tuner
+
+    old = {
+        b"pipelines.sweep\n_trial_dirname": tuner._trial_dirname,
+        b"pipelines.sweep\nslurm_driver": driver.slurm_driver,
+        b"pipelines.sweep_progress\nSweepProgress": progress.SweepProgress,
+    }
+    for ref, current in old.items():
+        assert pickle.loads(b"c" + ref + b"\n.") is current, ref

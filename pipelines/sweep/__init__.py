@@ -18,3 +18,17 @@ modules listed below it (.importlinter, contract ``sweep-layers``):
 
 The studies that run on the sweep (designs and their committed results) are pipelines/studies/.
 """
+
+import importlib
+from typing import Any
+
+#: What a sweep saved before this package existed names by its old module path (Ray Tune's ``tuner.pkl``
+#: pickles the trial-directory function; submitit's job file the SLURM driver): looked up here on first use, so
+#: such a sweep still resumes (``--resume``) and a queued job still starts.
+_MOVED = {"_trial_dirname": "pipelines.sweep.tuner", "slurm_driver": "pipelines.sweep.driver"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,5 +1,5 @@
 """The one catalogue of what a run reports, used by the DVC path (stages/harness/runner.py) and the Ray path
-(pipelines/sweep_trial.py) alike, so MLflow's compare view lines every run up: the artifacts and models each
+(pipelines/sweep/trial.py) alike, so MLflow's compare view lines every run up: the artifacts and models each
 stage logs, and the summary metrics with their stable names, read from the stages' output files. Which files
 a stage writes is dvc.yaml's to say (`stages.harness.chain.outputs`); this module only says how each is logged."""
 

@@ -7,7 +7,7 @@ same result?" all call it:
 - the DVC path's resume: a partial run (``runs/.partial/<stage>``) resumes only under the same identity (the
   ``run_hash`` core.training.loop.fit checks);
 - the sweep's shared runs: a shared pretraining, matched control or corrupted-set directory under
-  ``sweep.storage`` is named by :func:`key` of the identity (pipelines/sweep_plan.py);
+  ``sweep.storage`` is named by :func:`key` of the identity (pipelines/sweep/plan.py);
 - the corrupted-set cache: every stored set carries the key of the corrupt stage's identity and is reused
   only under the same key.
 
