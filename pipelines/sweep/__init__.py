@@ -15,6 +15,8 @@ modules listed below it (.importlinter, contract ``sweep-layers``):
 - ``shared``: the work trials share: pretraining, matched controls, corrupted test sets.
 - ``plan``: grid expansion, per-trial params and shared-work keys (pure: no Ray, no MLflow).
 - ``tables``: the Parquet writer every table above uses.
+- ``scheduling``: early stopping fair to both arms (one ASHA per arm, each on its own validation accuracy)
+  and each arm's choice among the trials that ran to the end.
 
 The studies that run on the sweep (designs and their committed results) are pipelines/studies/.
 """
