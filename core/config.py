@@ -130,6 +130,12 @@ class DataConfig(_Strict):
     dir: Path = Path("data/fashion_mnist")  # Parquet shards + manifest.json
     sample_fraction: float = Field(1.0, gt=0.0, le=1.0)
     val_size: int = Field(5000, ge=0)
+    # Where validation (lr choice, early stopping) comes from (core.data.splits.VAL_FROM): "train" carves val_size
+    # images out of the training split; "test_half" takes a fixed, seed-independent, class-balanced half of the
+    # test split (per class in test-index order, the even ranks; core.data.splits.half_split) and keeps the other
+    # half as the test split every stage reads -- for a CNN trained on every training image (a released one,
+    # pretrain.source). Training then uses every training image: val_size must be 0.
+    val_from: Literal["train", "test_half"] = "train"
     image_size: int = Field(28, ge=8, le=1024)
     num_workers: int = Field(0, ge=0, le=64)
     shard_rows: int = Field(10000, ge=16)
@@ -543,9 +549,23 @@ class Params(_Strict):
             raise ValueError("augment.randaugment: not available with data.stream (RandomResizedCrop + flip)")
         if self.data.name == "imagefolder" and self.data.source is None:
             raise ValueError("data.source: an imagefolder dataset needs the path of its tree")
+        self._check_val_from()
         self._check_robustness_paths_and_baseline()
         self._check_public_fits_dataset()
         return self
+
+    def _check_val_from(self) -> None:
+        """``data.val_from: test_half`` takes validation from the test split, so none is carved from the training
+        split, and a published benchmark (made from the whole test split, validation half included) cannot be
+        evaluated as its test half."""
+        if self.data.val_from != "test_half":
+            return
+        if self.data.val_size:
+            raise ValueError(f"data.val_size: {self.data.val_size} carves validation from the training split, "
+                             "data.val_from: test_half takes it from the test split; set data.val_size: 0")  # fmt: skip
+        if self.robustness.public is not None:
+            raise ValueError("robustness.public: a published benchmark covers the whole test split, validation "
+                             "half included, not data.val_from: test_half's test half; drop one of them")  # fmt: skip
 
     def _check_public_fits_dataset(self) -> None:
         """A published benchmark's images (core.robustness.public_kinds.PUBLIC_KINDS) against this dataset's

@@ -54,9 +54,9 @@ def identity(
     """What the CNN's evaluation on the generated sets depends on (`stages.harness.identity`): the checkpoint's bytes
     (its sha256: the same pretraining or import read anywhere), the test split's content (its manifest), the
     corrupted sets (the corrupt stage's identity and each set's sha256), which corruptions and severities in
-    which order, the cap on the clean test split (``data.limit.test``, when set), the resolution, the
-    normalization, the batch size, the precision, the device kind, the size of the check, and the evaluate
-    stage's code."""
+    which order, the cap on the clean test split (``data.limit.test``, when set), its half (``data.val_from``,
+    when not "train"), the resolution, the normalization, the batch size, the precision, the device kind, the
+    size of the check, and the evaluate stage's code."""
     rob = params.robustness
     parts = {"model": "cnn", "suite": SUITE, "corruptions": list(rob.corruptions),
              "severities": [int(s) for s in rob.severities], "image_size": params.test_image_size(),
@@ -66,6 +66,8 @@ def identity(
               "corrupted": sets_identity(root / rob.dir, rob.corruptions, rob.severities)}  # fmt: skip
     if params.data.limit is not None and params.data.limit.test is not None:  # a capped clean test split
         parts["test_limit"] = params.data.limit.test
+    if params.data.val_from != "train":  # the clean test split is the test half
+        parts["test_split"] = params.data.val_from
     return stage_identity(
         f"evaluate-{DIR}", parts, inputs=inputs, device=device, code=code_digest("evaluate")
     )

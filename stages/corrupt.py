@@ -2,20 +2,23 @@
 
     python -m stages.corrupt [--params params.yaml] [-S robustness.n_images=500]
 
-Reads the test split of ``data.dir``, keeps ``robustness.n_images`` images (capped at ``data.limit.test``,
-`Params.corrupted_images`) chosen class-stratified (classes take turns in index order, see
-``core.robustness.corruptions.select_indices``; deterministic, and growing n keeps the images already chosen:
-a capped test split's sets are the full split's first ones) and writes, under ``robustness.dir``:
+Reads the test split of ``data.dir`` (under ``data.val_from: test_half`` its test half only,
+`core.data.splits.half_split`: the validation half is never corrupted, and a set's ``index`` is then the
+image's position in the test half, as in the clean test split evaluate reads), keeps ``robustness.n_images``
+images (capped at ``data.limit.test``, `Params.corrupted_images`) chosen class-stratified (classes take turns
+in index order, see ``core.robustness.corruptions.select_indices``; deterministic, and growing n keeps the
+images already chosen: a capped test split's sets are the full split's first ones) and writes, under
+``robustness.dir``:
 
 - ``<corruption>/<severity>.parquet`` for every ``robustness.corruptions`` x ``robustness.severities``
   (columns index, label, image; metadata: band, seed, code version, source fingerprint, meaningful flag);
 - ``clean.parquet``: the chosen clean images (same layout, severity 0);
 - ``index.json``: what was generated (band, selection, per-set file and sha256, sets excluded from
-  summaries);
+  summaries) and from which test images (``test_split``: the whole split or its test half);
 - ``contact_sheet.png``: three test images across all corruptions and severities.
 
-Image i is seeded by (seed, corruption, severity, its index in the test split), so the files are
-byte-identical across runs, machines with the same libraries, and worker counts. A set already present
+Image i is seeded by (seed, corruption, severity, its index: in the test split, or in its test half), so the
+files are byte-identical across runs, machines with the same libraries, and worker counts. A set already present
 with matching metadata (and a readable footer) is kept, so re-runs and Ray trials only fill in what is
 missing; every write is atomic. Work runs in parallel over all cores (``robustness.workers`` when that key
 exists; 0 = all), with a progress bar.
@@ -43,15 +46,28 @@ INDEX = C.INDEX
 
 
 def _load_test(params: Params, data_dir: Path) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
-    """The test split's images and labels, and the manifest they come from."""
-    from core.data import DataError, load_split, read_manifest
+    """The test split's images and labels (its test half under ``data.val_from: test_half``:
+    `core.data.splits.positions_of_test`), and the manifest they come from."""
+    from core.data import DataError, load_split, positions_of_test, read_manifest
 
     try:
         manifest = read_manifest(data_dir)
         images, labels = load_split(data_dir, "test", image_size=_decode_size(params, manifest))
     except (DataError, FileNotFoundError, ValueError) as err:
         raise StageError(f"data.dir: {err}") from None
-    return images, labels, manifest
+    keep = positions_of_test(labels, val_from=params.data.val_from)  # capped by n_images (corrupted_images)
+    return (images, labels, manifest) if keep is None else (images[keep], labels[keep], manifest)
+
+
+def source_record(params: Params, data_dir: Path) -> dict[str, Any]:
+    """``index.json``'s ``test_split``: which test images the sets are drawn from (the whole split, or its test
+    half under ``data.val_from: test_half``; core.data.role_of_test, from the labels alone) and what a set's
+    ``index`` counts."""
+    from core.data import load_labels, role_of_test
+
+    role = role_of_test(load_labels(data_dir, "test"), val_from=params.data.val_from)
+    half = params.data.val_from == "test_half"
+    return {**role, "index": "position in the test half" if half else "index in the test split"}
 
 
 def _decode_size(params: Params, manifest: dict[str, Any]) -> int | None:
@@ -68,23 +84,30 @@ def identity(params: Params, manifest: dict[str, Any]) -> dict[str, Any]:
     each stored set names its own, and a set is kept when its metadata and this identity's key match."""
     parts = {"seed": params.cnn_seed, "n_images": params.corrupted_images(), "selection": B.SELECTION,
              "decode_size": _decode_size(params, manifest)}  # fmt: skip
+    if params.data.val_from != "train":  # the test half (the sets of the whole split keep their identity)
+        parts["test_split"] = params.data.val_from
     inputs = {"data": manifest_fingerprint(manifest)}
     code = f"corruptions-v{C.CORRUPTION_VERSION}"
     return stage_identity("corrupt", parts, inputs=inputs, code=code)
 
 
 def check(params: Params, root: Path = Path(".")) -> None:
-    """Before any run is opened: the prepared test split exists and holds ``robustness.n_images`` images."""
-    from core.data import DataError, read_manifest
+    """Before any run is opened: the prepared test split exists and holds ``robustness.n_images`` images (its
+    test half under ``data.val_from: test_half``; only its labels are read)."""
+    from core.data import DataError, half_split, load_labels, read_manifest
 
     data_dir = root / params.data.dir
+    half = params.data.val_from == "test_half"
     try:
         n = int(read_manifest(data_dir)["splits"]["test"]["num_rows"])
+        if half:
+            n = len(half_split(load_labels(data_dir, "test"))[1])
     except (DataError, FileNotFoundError, ValueError, KeyError) as err:
         raise StageError(f"data.dir: {err} (run the prepare stage)") from None
     if params.corrupted_images() > n:
+        what = "test-half images (data.val_from: test_half)" if half else "test images"
         raise StageError(
-            f"robustness.n_images: {params.corrupted_images()} exceeds the {n} test images of {data_dir}"
+            f"robustness.n_images: {params.corrupted_images()} exceeds the {n} {what} of {data_dir}"
         )
 
 
@@ -112,7 +135,11 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     shown = B.write_sets(sel, out_dir, pairs, todo, picks, seed=params.cnn_seed, workers=rb.workers)
     seconds = time.perf_counter() - t0
     _write_contact_sheet(params, sel, out_dir, pairs, todo, picks, shown)
-    atomic_write_json(out_dir / INDEX, B.index(sel, out_dir, pairs, data_dir=params.data.dir), indent=1)
+    index = {
+        **B.index(sel, out_dir, pairs, data_dir=params.data.dir),
+        "test_split": source_record(params, data_dir),
+    }
+    atomic_write_json(out_dir / INDEX, index, indent=1)
     result = {
         "n_images": len(sel.images),
         "n_sets": len(pairs),

@@ -7,8 +7,9 @@ Models (names used in tables, metrics and MLflow): ``cnn`` = the pretrained CNN 
 ``control`` = the same checkpoint fine-tuned with the T-CNN's recipe without attention
 (``runs/control/model/control-final.pt``; absent when the control is off) and ``tcnn`` = the fine-tuned
 model of ``model.kind`` (``runs/finetune/tcnn-final.pt``). All are evaluated at one resolution
-(`Params.test_image_size`) on the full clean test split and on the corrupt stage's sets
-(``robustness.dir``). Writes under ``results/``:
+(`Params.test_image_size`) on the full clean test split (its test half under ``data.val_from: test_half``:
+the validation half never tests) and on the corrupt stage's sets (``robustness.dir``). Writes under
+``results/``:
 
 - ``robustness.parquet``: one row per model x corruption x severity (clean row: severity 0) with n,
   correct, accuracy, error and the meaningful flag (core.robustness.TABLE_SCHEMA);
@@ -36,7 +37,8 @@ pretraining is (stages.cnn_evaluation): ``computed`` (this trial made it for the
 store, with the ``reason``, which the sweep driver repeats), ``shared`` (read,
 after this process predicted the first clean test images as the store says), ``recomputed`` (the check
 disagreed: evaluated here, ``reason`` says why); ``key`` names the store's entry, ``seconds`` the time spent
-evaluating the CNN here.
+evaluating the CNN here. ``test_split`` says which test images all of it is measured on
+(core.data.role_of_test).
 
 The models, sets and their evaluation: stages.robustness_bench (on core.robustness.bench); the scores and the
 files written from them: stages.robustness_scores.
@@ -82,12 +84,22 @@ def run(params: Params, *, root: Path = Path("."), shared: Path | str | None = N
     for name, (ptable, pimage) in list(results.items())[1:]:  # the published benchmark next to the main sets
         metrics["public"] = write_public(params, out, name, ptable, pimage, list(paths))
     metrics["cnn_evaluation"] = note
+    metrics["test_split"] = tested_images(params, root)
     metrics["wall_s"] = round(time.perf_counter() - t_start, 3)
     write_headline(out, metrics)
     atomic_write_json(out / "metrics.json", metrics)
     atomic_write_json(out / "summary.json", summaries)
     say_all("", summaries, comps)
     return metrics
+
+
+def tested_images(params: Params, root: Path) -> dict[str, Any]:
+    """Which test images the clean accuracy and the corrupted sets are measured on (``data.val_from``: the whole
+    split or its test half, then ``data.limit.test``; core.data.role_of_test, from the labels alone)."""
+    from core.data import load_labels, role_of_test
+
+    labels = load_labels(root / params.data.dir, "test")
+    return role_of_test(labels, val_from=params.data.val_from, limit=params.data.caps())
 
 
 def check(params: Params, root: Path = Path(".")) -> None:

@@ -209,6 +209,7 @@ def train(
     work_dir = variant.work_dir(root)
     result, test = _fit(params, model, recipe, loaders, r, variant, seed, run_hash, extra, device, work_dir)
     metrics = _metrics(params, result, test, recipe, model, r.size, len(frozen), device, t_wall)
+    metrics["data_roles"] = ds.roles  # which images trained, validated and tested (core.data.split_roles)
     final = {"kind": "model", "model": T.cpu_state(model), **extra, "source": {"checkpoint": str(src)}}
     csvs = {"gpsa.csv": variant.long_rows(result.history)} if variant.long_rows is not None else None
     T.publish(work_dir, variant.out_dir(root), objects={variant.final: final},

@@ -94,6 +94,7 @@ def import_cnn(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
         "val_loss": val.get("loss"),
         "val_acc": val.get("acc"),
         "val_split_seed": params.cnn_seed,
+        "data_roles": ds.roles,  # which images validated and tested (core.data.split_roles)
         "test_loss": test["loss"],
         "test_acc": test["acc"],
         "epochs": 0,

@@ -182,6 +182,7 @@ def metrics(
         "epochs": params.pretrain.epochs,
         "steps": result.global_step,
         "train_images": int(len(ds.train_y)),
+        "data_roles": ds.roles,
         "checkpoint_epochs": keep,
         "params_count": sum(t.numel() for t in model.parameters()),
         "device": device.type,

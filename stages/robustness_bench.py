@@ -73,11 +73,11 @@ def suites(params: Params, root: Path, n_clean: int) -> tuple[Suite, Suite | Non
 
 
 def bench(params: Params, root: Path) -> Bench:
-    """The :class:`Bench` of this config: the test split of ``root / data.dir`` (capped at ``data.limit.test``),
-    the device TCNN_DEVICE names."""
+    """The :class:`Bench` of this config: the test split of ``root / data.dir`` (its test half under
+    ``data.val_from: test_half``; capped at ``data.limit.test``), the device TCNN_DEVICE names."""
     try:
         manifest = read_manifest(root / params.data.dir)
-        images, labels = load_test(root / params.data.dir, params.data.caps())
+        images, labels = load_test(root / params.data.dir, params.data.caps(), val_from=params.data.val_from)
     except (DataError, FileNotFoundError, ValueError) as err:
         raise StageError(str(err)) from None
     norm = T.input_normalization(params) or {"mean": manifest["mean"], "std": manifest["std"]}

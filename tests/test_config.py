@@ -104,6 +104,8 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"data": {"limit": {"test": 0}}}, "data.limit.test: Input should be greater than 0"),
     ({"data": {"limit": {"train": 2.5}}}, "data.limit.train: Input should be a valid integer"),
     ({"data": {"limit": {"tests": 100}}}, "data.limit.tests: unknown key"),
+    ({"data": {"val_from": "test"}}, "data.val_from: Input should be 'train' or 'test_half'"),
+    ({"data": {"val_from": "test_half"}}, "data.val_size: 5000 carves validation from the training split, data.val_from: test_half takes it from the test split; set data.val_size: 0"),
 ]  # fmt: skip
 
 

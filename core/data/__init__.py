@@ -19,8 +19,10 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("MANIFEST", "DataError", "ImportResult", "atomic_output_dir", "import_cifar",
                      "import_dataset", "import_fashion_mnist", "parse_idx"), "core.data.importers"),
     **dict.fromkeys(("BatchLoader", "Mixing"), "core.data.loader"),
-    **dict.fromkeys(("ShardDataset", "Splits", "fraction_indices", "load_labels", "load_split", "load_splits",
-                     "read_manifest", "split_train_val", "train_val_indices", "verify_split"), "core.data.splits"),
+    **dict.fromkeys(("ShardDataset", "SplitPlan", "Splits", "VAL_FROM", "fraction_indices", "half_split",
+                     "load_labels", "load_split", "load_splits", "plan_splits", "positions_of_test", "read_manifest",
+                     "role_of_test", "roles_text", "split_roles", "split_train_val", "train_val_indices",
+                     "verify_split"), "core.data.splits"),
     "StreamLoader": "core.data.stream",
 }  # fmt: skip
 

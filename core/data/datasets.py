@@ -14,11 +14,11 @@ import torch
 
 from core.data.loader import BatchLoader, Mixing
 from core.data.splits import (
-    limit_positions,
     load_labels,
     load_splits,
+    plan_splits,
     read_manifest,
-    train_val_indices,
+    split_roles,
     verify_split,
 )
 from core.utils.hashing import stable_hash
@@ -43,23 +43,30 @@ class Datasets:
     # streamed (data.stream): no arrays (the *_x are None); the shards, and the train / val positions in them
     stream_dir: Path | None = None
     train_idx: np.ndarray | None = None
-    val_idx: np.ndarray | None = None
+    val_idx: np.ndarray | None = None  # positions in the stored `val_split`
     test_idx: np.ndarray | None = None  # None: the whole test split
+    # where validation comes from (data.val_from: "test" for test_half), and which images play which role
+    # (core.data.splits.split_roles; what metrics record)
+    val_split: str = "train"
+    roles: dict[str, Any] | None = None
 
 
 def load_datasets(
     data_dir: str | os.PathLike, *, val_size: int, sample_fraction: float, seed: int,
-    stream_size: int | None = None, limit: Mapping[str, int | None] | None = None,
+    stream_size: int | None = None, limit: Mapping[str, int | None] | None = None, val_from: str = "train",
 ) -> Datasets:  # fmt: skip
     """Load a prepared dataset (core.data.load_splits): a class-balanced validation set carved out of the
     training split, a class-balanced `sample_fraction` of the rest ([ConViT21] Table 2), and the test split,
-    each capped by `limit` (``data.limit``, core.data.splits.limit_positions) where it is set.
+    each capped by `limit` (``data.limit``, core.data.splits.limit_positions) where it is set. `val_from`
+    "test_half" (``data.val_from``): validation is the test split's fixed validation half, the test split its
+    other half, and training uses every training image (core.data.splits.plan_splits).
     `stream_size` (an encoded dataset streamed at that resolution): only labels are read here, the same split
     is kept as positions, and the loaders decode per batch (core.data.stream).
     Errors are core.data.DataError / ValueError with one line naming the file or key."""
     if stream_size is not None:
-        return _streamed(Path(data_dir), val_size, sample_fraction, seed, stream_size, limit)
-    s = load_splits(data_dir, val_size=val_size, sample_fraction=sample_fraction, seed=seed, limit=limit)
+        return _streamed(Path(data_dir), val_from, val_size, sample_fraction, seed, stream_size, limit)
+    s = load_splits(data_dir, val_size=val_size, sample_fraction=sample_fraction, seed=seed, limit=limit,
+                    val_from=val_from)  # fmt: skip
     h, _, c = s.manifest["image_shape"]
     return Datasets(
         train_x=s.train[0],
@@ -74,6 +81,8 @@ def load_datasets(
         in_chans=int(c),
         image_size=int(h),
         fingerprint=manifest_fingerprint(s.manifest),
+        val_split=s.plan.val_split,
+        roles=s.roles,
     )
 
 
@@ -84,8 +93,9 @@ def manifest_fingerprint(manifest: dict[str, Any]) -> str:
 
 
 def _streamed(
-    data_dir: Path, val_size: int, fraction: float, seed: int, size: int, limit: Mapping[str, int | None] | None
-) -> Datasets:
+    data_dir: Path, val_from: str, val_size: int, fraction: float, seed: int, size: int,
+    limit: Mapping[str, int | None] | None,
+) -> Datasets:  # fmt: skip
     manifest = read_manifest(data_dir)
     if manifest["image_encoding"] != "encoded":
         raise ValueError(
@@ -94,16 +104,19 @@ def _streamed(
     for split in ("train", "test"):
         verify_split(data_dir, split, manifest)  # once here; the loaders skip it
     labels = load_labels(data_dir, "train")
-    tr, va = train_val_indices(labels, val_size=val_size, fraction=fraction, seed=seed, limit=limit)
     test_y = load_labels(data_dir, "test")
-    te = limit_positions(test_y, limit, "test")
+    plan = plan_splits(labels, test_y, val_from=val_from, val_size=val_size, fraction=fraction, seed=seed,
+                       limit=limit)  # fmt: skip
+    tr, va, te = plan.train, plan.val, plan.test
+    val_y = (test_y if plan.val_split == "test" else labels)[va]
     return Datasets(
-        train_x=None, train_y=labels[tr], val_x=None, val_y=labels[va], test_x=None,
+        train_x=None, train_y=labels[tr], val_x=None, val_y=val_y, test_x=None,
         test_y=test_y if te is None else test_y[te], mean=[float(v) for v in manifest["mean"]],
         std=[float(v) for v in manifest["std"]], num_classes=int(manifest["num_classes"]),
         in_chans=1 if manifest.get("image_mode") == "L" else 3, image_size=int(size),
         fingerprint=manifest_fingerprint(manifest),
-        stream_dir=data_dir, train_idx=tr, val_idx=va, test_idx=te,
+        stream_dir=data_dir, train_idx=tr, val_idx=va, test_idx=te, val_split=plan.val_split,
+        roles=split_roles(plan, labels, test_y),
     )  # fmt: skip
 
 
@@ -162,7 +175,7 @@ def _stream_loader(ds: Datasets, split: str, *, augment: Any, num_workers: int, 
     top when `augment` asks for them."""
     from core.data.stream import StreamLoader
 
-    stored = "test" if split == "test" else "train"
+    stored = {"train": "train", "val": ds.val_split, "test": "test"}[split]
     indices = {"train": ds.train_idx, "val": ds.val_idx, "test": ds.test_idx}[split]
     kw["image_size"] = kw["image_size"] or ds.image_size
     loader = StreamLoader(ds.stream_dir, stored, indices=indices, mean=ds.mean, std=ds.std, verify=False,

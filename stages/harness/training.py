@@ -47,11 +47,13 @@ DATA_LOCATION_KEYS = ("dir", "source", "shard_rows")
 
 def data_identity(params: Params) -> dict[str, Any]:
     """What the data section means for a training run (stages.harness.identity): no location, no operational
-    keys; ``limit`` (the smoke size) only where it is set, so the identities of uncapped runs are those they
-    had before the key existed."""
+    keys; ``limit`` (the smoke size) only where it is set and ``val_from`` only where it is not "train", so
+    the identities of other runs are those they had before the keys existed."""
     out = {k: v for k, v in section_identity(params.data).items() if k not in DATA_LOCATION_KEYS}
     if out.get("limit") is None:
         out.pop("limit", None)
+    if out.get("val_from") == "train":
+        out.pop("val_from")
     return out
 
 
@@ -88,6 +90,7 @@ def _load_datasets(params: Params, root: Path) -> Datasets:
             seed=params.cnn_seed,  # the split belongs to the CNN (pretrain.seed)
             stream_size=params.data.image_size if params.data.stream else None,
             limit=params.data.caps(),
+            val_from=params.data.val_from,
         )
     except (OSError, ValueError, KeyError) as err:
         msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
