@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from core.config import Params
 from core.data import DataError, read_manifest
-from core.data.splits import load_test
+from core.data.splits import capped_test_positions, load_labels, load_test
 from core.robustness.bench import Bench, Suite, example_batch
 from core.robustness.metrics import array_batches, evaluate_model, predictions
 from core.training.checkpoint import CheckpointError, load_model
@@ -78,12 +78,14 @@ def bench(params: Params, root: Path) -> Bench:
     try:
         manifest = read_manifest(root / params.data.dir)
         images, labels = load_test(root / params.data.dir, params.data.caps(), val_from=params.data.val_from)
+        cap = capped_test_positions(load_labels(root / params.data.dir, "test"), val_from=params.data.val_from,
+                                    limit=params.data.caps())  # fmt: skip
     except (DataError, FileNotFoundError, ValueError) as err:
         raise StageError(str(err)) from None
     norm = T.input_normalization(params) or {"mean": manifest["mean"], "std": manifest["std"]}
     device = select_device()  # env TCNN_DEVICE, else CUDA when available
     return Bench(
-        images, labels, manifest, params.test_image_size(), norm, params.robustness.batch_size, device
+        images, labels, manifest, params.test_image_size(), norm, params.robustness.batch_size, device, cap
     )
 
 
@@ -160,6 +162,13 @@ def prepared(b: Bench, path: Path) -> tuple[Any, str]:
     return inference_model(model, example_batch(b.images, b.norm, b.size, min(b.batch_size, len(b.images))))
 
 
+def generated_index(b: Bench, suite: Suite) -> Any:
+    """Where the clean images sit in the split the corrupt stage's sets index (a ``data.limit`` cap;
+    :attr:`Bench.clean_index`): the generated suite's pairing. A published suite indexes its own positions
+    (core.robustness.public_sets)."""
+    return b.clean_index if suite.name == cnn_evaluation.SUITE else None
+
+
 def evaluate_suites(
     b: Bench, name: str, model: tuple[Any, str], suites_: Sequence[Suite]
 ) -> dict[str, tuple[pa.Table, pa.Table]]:
@@ -174,7 +183,7 @@ def evaluate_suites(
         try:
             out[suite.name] = evaluate_model(
                 model[0], (b.images, b.labels), suite.source, suite.corruptions, suite.severities,
-                batch_size=b.batch_size, model_name=name, per_image=True, **b.options(),
+                batch_size=b.batch_size, model_name=name, per_image=True, clean_index=generated_index(b, suite), **b.options(),
             )  # fmt: skip
         except (FileNotFoundError, ValueError) as err:  # a missing or damaged (checksum) set: says what to do
             where = "robustness.dir" if suite.name == "generated" else "robustness.public"

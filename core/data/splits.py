@@ -484,6 +484,18 @@ def positions_of_test(
     return _capped(half, labels, limit, "test")
 
 
+def capped_test_positions(
+    labels: Any, *, val_from: str = "train", limit: Mapping[str, int | None] | None = None
+) -> np.ndarray | None:
+    """Where the images :func:`load_test` returns sit in the split the corrupted sets index (the whole test
+    split, or its test half): ``data.limit``'s test cap as positions into that split; None when uncapped.
+    A corrupted image of index j pairs with the clean image at position ``searchsorted(result, j)``."""
+    labels = _labels(labels)
+    _check_val_from(val_from)
+    base = labels if val_from == "train" else labels[half_split(labels)[1]]
+    return limit_positions(base, limit, "test")
+
+
 def _check_val_from(val_from: str) -> None:
     if val_from not in VAL_FROM:
         raise ValueError(f"data.val_from: {val_from!r} is not one of {', '.join(VAL_FROM)}")

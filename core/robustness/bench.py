@@ -40,6 +40,9 @@ class Bench:
     norm: dict[str, Any]
     batch_size: int
     device: torch.device
+    #: Where the clean images sit in the split the corrupted sets index (a ``data.limit`` cap, sorted
+    #: positions; core.data.capped_test_positions); None: they are all of it, in order.
+    clean_index: Any = None
 
     def options(self) -> dict[str, Any]:
         """The options of core.robustness.metrics's evaluation functions."""

@@ -283,10 +283,12 @@ def evaluate_model(
     model_name: str = "model",
     image_size: int | None = None,
     per_image: bool = False,
+    clean_index: np.ndarray | None = None,
 ) -> pa.Table | tuple[pa.Table, pa.Table]:
     """Top-1 accuracy of `model` on the clean images and on every stored corrupted set.
 
-    `clean` is (uint8 images [N, H, W, C], labels [N]) -- image i has test index i; the sets are read from
+    `clean` is (uint8 images [N, H, W, C], labels [N]) -- image i has test index i, or ``clean_index[i]`` when
+    the clean images are a cap of the split the sets index (``data.limit``; sorted); the sets are read from
     ``<corrupted_dir>/<corruption>/<severity>.parquet`` (written by the corrupt stage), or, when
     `corrupted_dir` is a callable, from ``corrupted_dir(corruption, severity)`` (e.g.
     :meth:`core.robustness.public_sets.PublicSets.load`). Returns a table with
@@ -316,11 +318,24 @@ def evaluate_model(
             )
             meaningful = bool(stored.meta.get("meaningful", True))
             rows.append(_row(model_name, c, int(s), int(correct.sum()), len(correct), meaningful))
-            parts.append((c, int(s), stored.indices, correct))
+            parts.append((c, int(s), _clean_positions(stored.indices, clean_index, c, s), correct))
     table = pa.Table.from_pylist(rows, schema=TABLE_SCHEMA)
     if not per_image:
         return table
     return table, _per_image_table(model_name, parts)
+
+
+def _clean_positions(indices: np.ndarray, clean_index: np.ndarray | None, c: str, s: int) -> np.ndarray:
+    """The positions among the clean images of a set's images (their test indices): the indices themselves,
+    or where they sit in ``clean_index``; a corrupted image whose original is not among them is an error (the
+    paired bootstrap would pair it with another image)."""
+    if clean_index is None:
+        return np.asarray(indices)
+    pos = np.searchsorted(clean_index, indices)
+    inside = pos < len(clean_index)
+    if not inside.all() or not np.array_equal(clean_index[pos], indices):
+        raise ValueError(f"{c}/{s}: corrupted images whose clean originals are not in the capped test split")
+    return pos
 
 
 #: Per-image correctness: one row per model x set x image; ``index`` is the image's index in the test split
