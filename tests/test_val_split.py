@@ -181,3 +181,20 @@ def test_the_corrupted_sets_draw_only_from_the_test_half(prepared: Path, tmp_pat
     n = len(test)
     with pytest.raises(StageError, match=rf"^robustness.n_images: {n + 1} exceeds the {n} test-half images"):
         corrupt.check(_params(prepared, tmp_path, **{"robustness.n_images": n + 1}), Path("/"))
+
+
+def test_a_sweeps_margin_counts_the_validation_images_the_trial_recorded(tmp_path: Path) -> None:
+    """The lr choice's margin in images (pipelines/sweep/selection.py) is a share of the validation images the
+    trial's fine-tuning recorded (its data_roles: here the test split's half), not data.val_size (0 then)."""
+    import json
+
+    from pipelines.sweep.selection import _val_size
+    from stages.harness import chain
+
+    params = {"data": {"val_size": 0, "val_from": "test_half", "limit": None}}
+    assert _val_size(params, tmp_path) == 0  # nothing recorded: the params' carve-out
+    path = tmp_path / chain.metrics_file("finetune")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"data_roles": {"val": {"split": "test", "images": 5000, "per_class": 500}}}))
+    assert _val_size(params, tmp_path) == 5000
+    assert _val_size({"data": {"val_size": 5000, "limit": {"val": 300}}}, tmp_path / "none") == 300
