@@ -67,7 +67,7 @@ from pipelines.sweep_plan import (
     spec_difference,
     trial_label,
 )
-from stages.harness.runner import Stopped, stop_on_signals
+from stages.harness.runner import EXIT_IOERR, Stopped, io_error_line, stop_on_signals
 
 SWEEP_JSON = "sweep.json"
 TUNE_DIR = "tune"
@@ -388,6 +388,13 @@ def run_sweep(
             owns = False
         _close_stopped(tracker)
         raise stop from None
+    except Exception as err:
+        if io_error_line(err) is not None:  # a file or the store failed: the trials end first, then the runs
+            if owns:
+                ray.shutdown()
+                owns = False
+            _close_failed(tracker)
+        raise
     finally:
         if owns:
             ray.shutdown()
@@ -655,6 +662,17 @@ def _close_stopped(tracker: Any) -> None:
     tracker.end_parent("KILLED")
 
 
+def _close_failed(tracker: Any) -> None:
+    """A driver ended by an I/O or store fault ends its MLflow parent and every trial run still open under it
+    as FAILED, as far as the store still takes writes."""
+    if tracker is None or not tracker.enabled or tracker.parent_run_id is None:
+        return
+    with contextlib.suppress(Exception):
+        tracker.close_children(tracker.parent_run_id, "FAILED", reason="the sweep driver failed")
+    with contextlib.suppress(Exception):
+        tracker.end_parent("FAILED")
+
+
 def _can_restore(path: Path) -> bool:
     from ray import tune
 
@@ -841,4 +859,9 @@ def main_sweep(args: argparse.Namespace) -> int:
     except (SweepError, ConfigError) as err:
         print(f"tcnn sweep: error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # a file or the tracking store could not be read or written: one line, 74
+        if (line := io_error_line(err)) is None:
+            raise
+        print(f"tcnn sweep: error: {line}", file=sys.stderr)
+        return EXIT_IOERR
     return 0 if result["failed"] == 0 else 1
