@@ -6,8 +6,9 @@ writes, and whether it leaves an MLflow run RUNNING or a process behind.
 Every case runs against its own copy of a tiny finished chain (Fashion-MNIST slice, one pretraining and one
 fine-tuning epoch, a few corrupted sets, tracking on in the workspace's sqlite store), so cases do not see each
 other's damage. A case passes when the exit status is the expected one, stderr is one line (MLflow's own INFO
-logging aside; stop signals: the last line), nothing unexpected was written, no run is left RUNNING and no
-process it started outlives it. Exit status: the number of failing cases (0 = all behaved).
+logging aside; stop signals: the last line), nothing unexpected was written, no run is left RUNNING, no sqlite
+``-journal`` is left beside a store and no process it started outlives it. Exit status: the number of failing
+cases (0 = all behaved).
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class Case:
     # (signal, a path that exists once the stage is under way, or seconds to wait)
     signal_after: tuple[int, str | float] | None = None
     may_write: tuple[str, ...] = ()  # path prefixes this case is allowed to create or change
+    # (a fault done to the workspace, a path that exists once the stage is under way): a fault while it runs
+    during: tuple[Callable[[Path], None], str] | None = None
+    store: str = "mlruns.db"  # the store whose runs must not be left RUNNING
     env: dict[str, str] = field(default_factory=dict)
     expect: str = ""  # text the last line must hold (what the ending must say, not only that it ends)
     multi_line: bool = (
@@ -78,13 +82,13 @@ def listing(root: Path) -> dict[str, float]:
             if p.is_file() and not str(p.relative_to(root)).startswith(skip)}  # fmt: skip
 
 
-def running_runs(root: Path) -> list[str]:
+def running_runs(root: Path, store: str = "mlruns.db") -> list[str]:
     from mlflow import MlflowClient
 
-    if not (root / "mlruns.db").exists():
+    if not (root / store).exists():
         return []
     try:
-        client = MlflowClient(f"sqlite:///{root / 'mlruns.db'}")
+        client = MlflowClient(f"sqlite:///{root / store}")
         exps = [e.experiment_id for e in client.search_experiments()]
     except Exception:  # the case damaged the store: no run in it can have been opened or left open
         return []
@@ -112,14 +116,14 @@ def run_case(case: Case, base: Path, scratch: Path) -> None:
     proc = subprocess.Popen(case.cmd, cwd=ws, env={**env(), **case.env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)  # fmt: skip
     family: set = set()
+    if case.during:
+        fault, marker = case.during
+        _wait_for(proc, ws, marker)
+        if proc.poll() is None:
+            fault(ws)
     if case.signal_after:
         sig, marker = case.signal_after
-        deadline = time.monotonic() + (marker if isinstance(marker, float) else 600)
-        while proc.poll() is None and time.monotonic() < deadline:
-            if isinstance(marker, str) and (ws / marker).exists():
-                time.sleep(0.5)
-                break
-            time.sleep(0.05)
+        _wait_for(proc, ws, marker)
         with_children = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
         family = set(with_children)
         if proc.poll() is None:
@@ -147,18 +151,30 @@ def run_case(case: Case, base: Path, scratch: Path) -> None:
         if case.multi_line or case.status == 0
         else case.expect in (lines[-1] if lines else "")
     )
-    running = running_runs(ws)
+    running = running_runs(ws, case.store)
+    journals = [str(p.relative_to(ws)) for p in ws.rglob("*-journal")] if ws.is_dir() else []
     ok = (
         proc.returncode == case.status
         and one_line
         and said
         and not unexpected
         and not running
+        and not journals
         and not left + with_session
     )
     case.result = {"ok": ok, "status": proc.returncode, "line": lines[-1][:160] if lines else "", "written": changed,
-                   "unexpected": unexpected, "running": running, "left": left + with_session, "stderr": lines[-4:],
+                   "unexpected": unexpected, "running": running, "journals": journals, "left": left + with_session, "stderr": lines[-4:],
                    "seconds": round(time.monotonic() - t0, 1)}  # fmt: skip
+
+
+def _wait_for(proc: subprocess.Popen, ws: Path, marker: str | float) -> None:
+    """Until ``marker`` (a path in ``ws``) exists, or for ``marker`` seconds, or until the process ended."""
+    deadline = time.monotonic() + (marker if isinstance(marker, float) else 600)
+    while proc.poll() is None and time.monotonic() < deadline:
+        if isinstance(marker, str) and (ws / marker).exists():
+            time.sleep(0.5)
+            break
+        time.sleep(0.05)
 
 
 def _alive(p) -> bool:
@@ -303,6 +319,41 @@ def store_held(ws: Path) -> None:
     p = subprocess.Popen([PY, "-c", code, str(ws / "mlruns.db")], stdout=subprocess.PIPE, text=True)
     assert p.stdout is not None and p.stdout.readline().strip() == "held"
     HOLDERS.append(p)
+
+
+def store_in(folder: str) -> Callable[[Path], None]:
+    """A copy of the workspace's store in ``folder`` (the case runs with tracking.uri naming it)."""
+
+    def do(ws: Path) -> None:
+        (ws / folder).mkdir()
+        shutil.copy2(ws / "mlruns.db", ws / folder / "mlruns.db")
+
+    return do
+
+
+def replace_store(ws: Path) -> None:
+    """Another file, not an sqlite database, renamed into the store's place (as an editor or a copy does)."""
+    (ws / "other").write_text("not a database\n" * 100)
+    os.replace(ws / "other", ws / "mlruns.db")
+
+
+def under_size_limit(cmd: list[str], above_store: int) -> list[str]:
+    """``cmd`` under a file-size limit (RLIMIT_FSIZE) of the store's size plus ``above_store`` bytes: the
+    store's first write that grows the file fails (EFBIG; Python ignores SIGXFSZ), as on a disk filling up."""
+    limit = f"$(( $(stat -c %s mlruns.db) + {above_store} ))"
+    return ["sh", "-c", f'exec prlimit --fsize={limit} "$@"', "sh", *cmd]
+
+
+def read_only_store_case() -> Case:
+    """The store cannot be written: a read-only bind mount of its folder where this runs as root (root writes
+    a file whatever its mode) and may mount (``unshare -m``), else the store's file made read-only."""
+    uri = "tracking.uri=sqlite:///store/mlruns.db"
+    mount = 'mount --bind store store && mount -o remount,bind,ro store && exec "$@"'
+    can_mount = os.geteuid() == 0 and shutil.which("unshare") is not None
+    if can_mount and subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode == 0:
+        return Case("mlruns.db in a read-only folder", ["unshare", "-m", "sh", "-c", mount, "sh", *stage("report", "-S", uri)],
+                    74, store_in("store"), store="store/mlruns.db")  # fmt: skip
+    return Case("mlruns.db read-only", stage("report"), 74, lambda ws: (ws / "mlruns.db").chmod(0o444))
 
 
 def cifar_c_of(shape: tuple[int, ...], labels_dtype: str = "int64") -> Callable[[Path], None]:
@@ -503,6 +554,20 @@ def cases() -> list[Case]:
     add(Case("the lock path is a folder", stage("report"), 74, replace_by_dir(".tcnn.lock")))
     add(Case("mlruns.db damaged", stage("report"), 74, write("mlruns.db", "not a database\n" * 100)))
     add(Case("mlruns.db held by another writer", stage("report"), 74, store_held, may_write=bad))
+    # the store's file gone, replaced, unwritable or full while a stage runs (issue 47): one line naming it
+    under_way = "runs/.partial/pretrain"
+    add(Case("mlruns.db deleted during pretraining", stage("pretrain"), 74, remove("runs/pretrain"), may_write=bad,
+             during=(remove("mlruns.db"), under_way)))  # fmt: skip
+    add(Case("mlruns.db replaced by a file that is not a database during pretraining", stage("pretrain"), 74,
+             remove("runs/pretrain"), may_write=bad, during=(replace_store, under_way)))  # fmt: skip
+    add(Case("mlruns.db removed with its folder during pretraining",
+             stage("pretrain", "-S", "tracking.uri=sqlite:///store/mlruns.db"), 74, remove("runs/pretrain"),
+             may_write=(*bad, "store/"), during=(remove("store"), under_way), store="store/mlruns.db"))  # fmt: skip
+    add(read_only_store_case())
+    add(Case("mlruns.db of a copied workspace larger than the file-size limit",
+             ["prlimit", "--fsize=100000", *stage("report")], 74))  # fmt: skip
+    add(Case("mlruns.db write past the file-size limit (a disk filling up)", under_size_limit(stage("report"), 4096), 74,
+             may_write=bad))  # fmt: skip
     add(Case("checkpoint write past the file size limit (a full disk)",
              ["prlimit", "--fsize=1000000", *stage("pretrain", "-S", "tracking.enabled=false")], 74,
              remove("runs/pretrain"), may_write=bad))  # fmt: skip

@@ -1,13 +1,16 @@
 """I/O and tracking-store faults end a stage with one line naming the file, exit 74 (sysexits EX_IOERR), and no
 MLflow run left RUNNING. The faults are real ones: a file-size limit (RLIMIT_FSIZE, what a full disk
-does to a writer), a file where a folder must be, a folder where the lock file must be, a damaged sqlite store.
+does to a writer), a file where a folder must be, a folder where the lock file must be, a damaged sqlite store,
+a store deleted, replaced or removed with its folder while the stage runs, a store past the file-size limit.
 The stage here is the real harness (stages.harness.runner.stage_main, MLflow on a sqlite store) around a trivial run."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import resource
 import shutil
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -28,6 +31,28 @@ STAGE = textwrap.dedent(
 )
 
 
+#: The trivial stage with a fault of the store while its runs are open (argv[1]: which).
+FAULTY_STAGE = textwrap.dedent(
+    """
+    import os, shutil, sys
+    from pathlib import Path
+    from stages.harness.runner import stage_main
+
+    def run(params):
+        if sys.argv[1] == "deleted":
+            os.unlink("mlruns.db")
+        elif sys.argv[1] == "removed with its folder":
+            shutil.rmtree(os.getcwd())
+        elif sys.argv[1] == "replaced":
+            Path("other").write_bytes(b"not a database\\n" * 100)
+            os.replace("other", "mlruns.db")
+        return {"ok": 1}
+
+    sys.exit(stage_main("prepare", run, sys.argv[2:]))
+    """
+)
+
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A workspace whose stage ran once: a working store holding one finished parent and child."""
@@ -42,9 +67,14 @@ def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ws
 
 
-def _stage(ws: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", STAGE], cwd=ws, env=stage_env(TCNN_TRACKING="1", PYTHONPATH=repo_pythonpath()),
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+def _stage(ws: Path, *argv: str, fsize: int | None = None, code: str = STAGE) -> subprocess.CompletedProcess:
+    """The stage in ``ws`` (``fsize``: under that file-size limit, as ``ulimit -f``; Python ignores SIGXFSZ,
+    so a write past it fails with EFBIG)."""
+    limit = None if fsize is None else (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize)))
+    env = stage_env(TCNN_TRACKING="1", PYTHONPATH=repo_pythonpath())
+    env.pop("MLFLOW_TRACKING_URI", None)  # mlflow.set_tracking_uri in an earlier test of this process sets it
+    return subprocess.run([sys.executable, "-c", code, *argv], cwd=ws, env=env, capture_output=True, text=True,
+                          timeout=300, preexec_fn=limit)  # fmt: skip
 
 
 def _lines(proc: subprocess.CompletedProcess) -> list[str]:
@@ -87,7 +117,10 @@ def test_a_checkpoint_write_past_the_file_size_limit_names_the_file(tmp_path: Pa
     [
         ("runs is a file", "runs: File exists"),
         ("the lock path is a folder", f"{LOCK_FILE}: Is a directory"),
-        ("the store is damaged", "tracking store: file is not a database"),
+        (
+            "the store is damaged",
+            "mlruns.db is not an sqlite database (damaged, or another file in its place)",
+        ),
     ],
 )
 def test_io_and_store_faults_are_one_line_and_close_every_run(
@@ -112,6 +145,82 @@ def test_io_and_store_faults_are_one_line_and_close_every_run(
         assert sorted(_statuses(ws)) == ["FAILED", "FAILED", "FINISHED", "FINISHED"]
     elif fault == "the lock path is a folder":  # refused before any run opened
         assert sorted(_statuses(ws)) == ["FINISHED", "FINISHED"]
+
+
+def _journals(where: Path) -> list[Path]:
+    return sorted(where.rglob("*-journal")) if where.is_dir() else []
+
+
+def _one_line(proc: subprocess.CompletedProcess) -> str:
+    """stderr's only line (MLflow's and SQLAlchemy's own logging included: nothing else may be there)."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 74 and len(lines) == 1, (proc.returncode, proc.stderr[-3000:])
+    return lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fault,what",
+    [
+        ("deleted", "the MLflow store mlruns.db was deleted during the run"),
+        ("removed with its folder", "mlruns.db was removed with its folder"),
+        (
+            "replaced",
+            "the MLflow store mlruns.db was replaced during the run by a file that is not an sqlite",
+        ),
+    ],
+)
+def test_a_store_gone_while_the_stage_runs_is_one_line(
+    finished: Path, tmp_path: Path, fault: str, what: str
+) -> None:
+    """Issue 47: the store deleted (or replaced, or removed with its folder) under a running stage was 19 raw
+    MLflow/SQLAlchemy tracebacks before a line that said 'attempt to write a readonly database'."""
+    ws = tmp_path / "ws"
+    shutil.copytree(finished, ws)
+    line = _one_line(_stage(ws, fault, code=FAULTY_STAGE))
+    assert line.startswith("prepare: error: ") and what in line, line
+    assert _journals(tmp_path) == []
+    if fault == "deleted":  # and nothing recreated an empty store in its place
+        assert not (ws / "mlruns.db").exists()
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.slow
+def test_a_copied_store_past_the_file_size_limit_is_refused_before_its_rewrite(
+    finished: Path, tmp_path: Path
+) -> None:
+    """Issue 47: the rewrite of a copied workspace's store (stages.harness.store_location) under a file-size
+    limit below the store's size was a raw sqlite3.OperationalError, exit 1 and a hot mlruns.db-journal: sqlite
+    can neither write the store's pages past the limit nor roll them back. It is refused before any write."""
+    ws = tmp_path / "copy"
+    shutil.copytree(finished, ws)
+    before = _digest(ws / "mlruns.db")
+    line = _one_line(_stage(ws, fsize=100 * 1024))
+    assert line.startswith("prepare: error: the MLflow store mlruns.db cannot be written: it is larger"), line
+    assert "file-size limit (ulimit -f: 100 KiB)" in line, line
+    assert _journals(tmp_path) == [] and _digest(ws / "mlruns.db") == before
+    assert sorted(_statuses(ws)) == ["FINISHED", "FINISHED"]
+
+
+@pytest.mark.slow
+def test_a_store_write_past_the_file_size_limit_is_rolled_back(finished: Path, tmp_path: Path) -> None:
+    """A limit just above the store's size (a disk that fills during the stage): the copy's locations are
+    rewritten, MLflow's first write that grows the file fails, sqlite rolls it back (no journal), the stage
+    ends with one line and its runs FAILED."""
+    ws = tmp_path / "copy"
+    shutil.copytree(finished, ws)
+    line = _one_line(_stage(ws, fsize=(ws / "mlruns.db").stat().st_size + 4096))
+    assert line.startswith("prepare: error: the MLflow store mlruns.db could not be written past"), line
+    assert "file-size limit" in line and "(tracking store: disk I/O error)" in line, line
+    assert _journals(tmp_path) == []
+    with sqlite3.connect(ws / "mlruns.db") as con:
+        assert con.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+        (location,) = con.execute("SELECT artifact_location FROM experiments WHERE name = 't'").fetchone()
+    assert location == (ws / "mlartifacts").as_uri()
+    assert "RUNNING" not in _statuses(ws)
 
 
 def test_atomic_writes_get_the_umask_permissions(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from pipelines.sweep.driver import run_sweep, say, slurm_driver
 from pipelines.sweep.plan import SweepError
 from pipelines.sweep.spec import build_spec, reconcile
 from pipelines.sweep.tuner import check_address, check_multinode_tracking
-from stages.harness.runner import Stopped, stop_on_signals
+from stages.harness.runner import EXIT_IOERR, Stopped, io_error_line, stop_on_signals
 
 # ---------------------------------------------------------------------------------------------- SLURM
 
@@ -203,4 +203,9 @@ def main_sweep(args: argparse.Namespace) -> int:
     except (SweepError, ConfigError) as err:
         print(f"tcnn sweep: error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # a file or the tracking store could not be read or written: one line, 74
+        if (line := io_error_line(err)) is None:
+            raise
+        print(f"tcnn sweep: error: {line}", file=sys.stderr)
+        return EXIT_IOERR
     return 0 if result["failed"] == 0 else 1

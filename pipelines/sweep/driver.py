@@ -48,7 +48,7 @@ from core.utils.atomic import atomic_write_json
 from pipelines.sweep.plan import SweepError
 from pipelines.sweep.spec import SWEEP_JSON, reconcile
 from pipelines.sweep.tuner import can_restore, check_multinode_tracking, connect_ray, make_tuner, tune_dir
-from stages.harness.runner import Stopped
+from stages.harness.runner import Stopped, io_error_line
 
 
 def _final_is_tcnn(kind: str | None) -> bool:
@@ -142,6 +142,13 @@ def run_sweep(
             owns = False
         _close_stopped(tracker)
         raise stop from None
+    except Exception as err:
+        if io_error_line(err) is not None:  # a file or the store failed: the trials end first, then the runs
+            if owns:
+                ray.shutdown()
+                owns = False
+            _close_failed(tracker)
+        raise
     finally:
         if owns:
             ray.shutdown()
@@ -403,6 +410,17 @@ def _close_stopped(tracker: Any) -> None:
         return
     tracker.close_children(tracker.parent_run_id, "KILLED", reason="the sweep driver was stopped")
     tracker.end_parent("KILLED")
+
+
+def _close_failed(tracker: Any) -> None:
+    """A driver ended by an I/O or store fault ends its MLflow parent and every trial run still open under it
+    as FAILED, as far as the store still takes writes."""
+    if tracker is None or not tracker.enabled or tracker.parent_run_id is None:
+        return
+    with contextlib.suppress(Exception):
+        tracker.close_children(tracker.parent_run_id, "FAILED", reason="the sweep driver failed")
+    with contextlib.suppress(Exception):
+        tracker.end_parent("FAILED")
 
 
 def slurm_driver(spec: dict, num_cpus: int | None = None) -> dict:

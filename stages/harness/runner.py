@@ -32,6 +32,7 @@ from stages.harness.catalogue import (
     summary_metrics,
 )
 from stages.harness.parent_watch import DVC_STAGE_ENV, end_with_dvc
+from stages.harness.store_faults import StoreFault
 from stages.harness.tracking_names import NOTE_TAG, run_label
 
 
@@ -106,9 +107,12 @@ def _causes(err: BaseException) -> Iterator[BaseException]:
 
 def io_error_line(err: BaseException) -> str | None:
     """One line for a failed read or write (an OSError: full disk, read-only folder, a file where a folder
-    should be, a dangling link) or a failed tracking store (sqlalchemy under MLflow: 'database is locked',
-    'database disk image is malformed'), found anywhere in the exception's chain; None for other errors."""
+    should be, a dangling link) or a failed tracking store (a StoreFault: the sqlite store and what happened to
+    it; another store's sqlalchemy error under MLflow), found anywhere in the exception's chain; None for other
+    errors."""
     for e in _causes(err):
+        if isinstance(e, StoreFault):  # the tracking store: what happened to its file
+            return str(e)
         if isinstance(e, OSError):
             if e.filename is None:
                 return str(e)

@@ -138,14 +138,14 @@ def stage_run(
     exp_name = os.environ.get("DVC_EXP_NAME") or None
     name = parent_name or exp_name or run_label(params)
     tags = _parent_tags(params, root, name, exp_name, parent_tags)
-    tracker.start_parent(name, tags, key=workspace_key(root), params=params)
-    parent = tracker.parent_run_id
-    assert parent is not None
-    try:  # from here on whatever ends the process (also writing the run ids into a broken runs/) closes the runs
+    try:  # whatever ends the process (a failed store write, writing the run ids into a broken runs/) closes the runs
+        tracker.start_parent(name, tags, key=workspace_key(root), params=params)
+        parent = tracker.parent_run_id
+        assert parent is not None
         _open_child(tracker, params, stage, root, parent, exp_name, run_ids_file, child_kwargs)
         yield tracker
     except BaseException as err:
-        _close_failed(tracker, stage, parent, err)
+        _close_failed(tracker, stage, err)
         raise
     _close_finished(tracker, root, parent, end_parent)
 
@@ -194,13 +194,14 @@ def _open_child(
         record_run_ids(root / run_ids_file, parent, stage, child, meta)
 
 
-def _close_failed(tracker: Tracker, stage: str, parent: str, err: BaseException) -> None:
-    """After ``err`` ended the stage: tag the parent with the stage and the error, and end the child and the
-    parent FAILED (KILLED when resumable, :func:`_end_status`). The store may be what failed: its errors are
-    swallowed here, and the caller re-raises ``err``."""
+def _close_failed(tracker: Tracker, stage: str, err: BaseException) -> None:
+    """After ``err`` ended the stage: tag the parent (if one was opened) with the stage and the error, and end
+    the child and the parent FAILED (KILLED when resumable, :func:`_end_status`). The store may be what failed:
+    its errors are swallowed here, and the caller re-raises ``err``."""
     status = _end_status(err)
     with contextlib.suppress(Exception):
-        tracker.set_tags({"tcnn.failed_stage": stage, "tcnn.error": str(err)[:500]}, run_id=parent)
+        if (parent := tracker.parent_run_id) is not None:
+            tracker.set_tags({"tcnn.failed_stage": stage, "tcnn.error": str(err)[:500]}, run_id=parent)
     for close in (tracker.end, tracker.end_parent):
         with contextlib.suppress(Exception):
             close(status)

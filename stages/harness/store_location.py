@@ -46,7 +46,8 @@ def _old_roots(con: sqlite3.Connection, here: Path) -> set[str]:
 
 def follow_workspace(db: Path) -> str | None:
     """Rewrite the artifact locations of a store copied from another folder to this one's; returns the folder
-    it was copied from (None: nothing to do, a new store, or one MLflow itself will report as damaged)."""
+    it was copied from (None: nothing to do, a new store, or one MLflow itself will report as damaged). A write
+    that fails (sqlite3.Error) is rolled back and the connection closed, so no ``-journal`` stays beside it."""
     if not db.is_file():
         return None
     here = db.parent.resolve()
@@ -57,14 +58,23 @@ def follow_workspace(db: Path) -> str | None:
             return None
         if not olds:
             return None
-        tables = {name for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        with con:  # one transaction
-            for old in sorted(olds):
-                for table, column in LOCATION_COLUMNS:
-                    if table in tables:
-                        con.execute(
-                            f"UPDATE {table} SET {column} = ? || substr({column}, ?) "
-                            f"WHERE substr({column}, 1, ?) = ?",
-                            (here.as_uri(), len(old) + 1, len(old) + 1, old + "/"),
-                        )
+        try:
+            _rewrite(con, here, olds)
+        except sqlite3.Error:  # a full disk, the file-size limit: the store as it was, and no journal left
+            with contextlib.suppress(sqlite3.Error):
+                con.rollback()
+            raise
     return ", ".join(sorted(unquote(o.removeprefix("file://")) for o in olds))
+
+
+def _rewrite(con: sqlite3.Connection, here: Path, olds: set[str]) -> None:
+    """Rewrite every artifact location below one of ``olds`` to ``here``, in one transaction (committed)."""
+    tables = {name for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    for old in sorted(olds):
+        for table, column in LOCATION_COLUMNS:
+            if table in tables:
+                con.execute(
+                    f"UPDATE {table} SET {column} = ? || substr({column}, ?) WHERE substr({column}, 1, ?) = ?",
+                    (here.as_uri(), len(old) + 1, len(old) + 1, old + "/"),
+                )
+    con.commit()

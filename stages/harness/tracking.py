@@ -42,6 +42,13 @@ from typing import Any, Literal
 
 from core.utils.mlflow_ui import VIEW_KEY, VIEW_TAG_PREFIX, shared_view
 from stages.harness.catalogue import VIEW_METRICS, VIEW_PARAMS
+from stages.harness.store_faults import (
+    StoreClient,
+    StoreGuard,
+    check_size_limit,
+    lock_fault,
+    quiet_store_logging,
+)
 from stages.harness.store_location import artifact_root, follow_workspace
 from stages.harness.tracking_names import (
     ATTEMPT_TAG,
@@ -125,12 +132,12 @@ class Tracker:
         self._client: Any = None
         self._experiment_id: str | None = None
         self._fluent = False  # whether the child is MLflow's fluent active run (for its system metrics)
+        self._guard = StoreGuard(_sqlite_path(self.uri) if self.uri.startswith("sqlite:///") else None)
         if not enabled:
             self.mode = "disabled"
             return
         try:
             import mlflow  # noqa: F401  (optional at runtime)
-            from mlflow import MlflowClient
         except ImportError as err:  # pragma: no cover - mlflow is a declared dependency
             print(f"tracking: MLflow unavailable ({err}); continuing without tracking", file=sys.stderr)
             self.mode = "unavailable"
@@ -141,13 +148,26 @@ class Tracker:
                 "(start one with infra/mlflow/server.sh, or set tracking.enabled: false)"
             )
         self.mode = "mlflow"
-        with _store_creation_lock(self.uri):  # a new sqlite store: one process creates its schema
-            if self.uri.startswith("sqlite:///") and (moved := follow_workspace(_sqlite_path(self.uri))):
-                print(f"tracking: {_sqlite_path(self.uri)} was copied from {moved}; its artifact locations now "
-                      "point into this workspace's mlartifacts")  # fmt: skip
-            self._client = MlflowClient(tracking_uri=self.uri)
+        quiet_store_logging()  # a store fault is the stage's one line, not MLflow's and SQLAlchemy's tracebacks
+        self._open_store()
+        self._experiment_id = self._get_or_create_experiment(experiment)
+
+    def _open_store(self) -> None:
+        """Open the store (a new sqlite store: its schema, under a lock; a copied one: its artifact locations
+        follow it) with every call of the client guarded (stages.harness.store_faults)."""
+        from mlflow import MlflowClient
+
+        db = self._guard.db
+        # A new sqlite store: one process creates its schema (under the lock).
+        with self._guard(), _store_creation_lock(self.uri):
+            if db is not None:
+                check_size_limit(db)
+                if moved := follow_workspace(db):
+                    print(f"tracking: {db} was copied from {moved}; its artifact locations now point into this "
+                          "workspace's mlartifacts")  # fmt: skip
+            self._client = StoreClient(MlflowClient(tracking_uri=self.uri), self._guard)
             self._client.search_experiments(max_results=1)  # the store (and its schema) exists from here on
-            self._experiment_id = self._get_or_create_experiment(experiment)
+            self._guard.opened_now()
 
     @classmethod
     def from_params(cls, params: Any, *, base_dir: str | os.PathLike = ".", **kwargs: Any) -> Tracker:
@@ -174,7 +194,8 @@ class Tracker:
 
     @property
     def client(self) -> Any:
-        """The underlying ``MlflowClient`` (None unless enabled) for what this adapter does not wrap."""
+        """The store's ``MlflowClient`` (None unless enabled) for what this adapter does not wrap; its calls
+        raise a store's fault as a ``StoreFault`` (stages.harness.store_faults)."""
         return self._client
 
     def _get_or_create_experiment(self, name: str) -> str:
@@ -267,6 +288,7 @@ class Tracker:
         self.parent_created = found is None
         if found is not None:
             run = self._client.get_run(found)
+            self.parent_run_id = found  # from here on a failed write still leaves a run to close
             extra: dict[str, Any] = {}
             if run.info.status != "RUNNING":  # the chain's next stage, or an interrupted execution continued
                 self._client.update_run(found, status="RUNNING")
@@ -282,7 +304,7 @@ class Tracker:
             all_tags = resolve_tags(str_tags(all_tags))  # MLflow's git, source and user tags
             run = self._client.create_run(self._experiment_id, run_name=name, tags=all_tags)
             found = run.info.run_id
-        self.parent_run_id = found
+            self.parent_run_id = found
         if flat and (own or self.parent_created):  # never onto a shared parent (a sweep's, by id or env)
             self.log_params(flat, run_id=found)
         return found
@@ -418,10 +440,8 @@ class Tracker:
             raise ValueError(f"end: status must be one of {TERMINAL_STATUSES}, got {status!r}")
         if self.run_id is not None:
             if self._fluent:  # MLflow stops its system metrics monitor and ends the run
-                import mlflow
-
-                mlflow.end_run(status)
                 self._fluent = False
+                self._end_fluent(status)
             else:
                 self._client.set_terminated(self.run_id, status=status)
             self.run_id = None
@@ -436,6 +456,17 @@ class Tracker:
             self.end(status)
         self._client.set_terminated(self.parent_run_id, status=status)
         self.parent_run_id = None
+
+    def _end_fluent(self, status: RunStatus) -> None:
+        """``mlflow.end_run``; when the store refuses it, the system metrics monitor is stopped all the same."""
+        import mlflow
+
+        try:
+            with self._guard():
+                mlflow.end_run(status)
+        except BaseException:
+            _stop_system_metrics(self.run_id)
+            raise
 
     @contextlib.contextmanager
     def stage(self, stage: str, **kwargs: Any) -> Iterator[Tracker]:
@@ -572,7 +603,7 @@ class Tracker:
         previous = mlflow.get_tracking_uri()
         mlflow.set_tracking_uri(self.uri)
         try:
-            with mlflow.start_run(run_id=target):
+            with self._guard(), mlflow.start_run(run_id=target):
                 yield mlflow
                 # Leaving start_run() would mark the run FINISHED: put it back to RUNNING below.
         finally:
@@ -618,8 +649,20 @@ class Tracker:
         mlflow.set_tracking_uri(
             self.uri
         )  # MLflow samples every $MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL s (10)
-        mlflow.start_run(run_id=run_id, log_system_metrics=True)
+        with self._guard():
+            mlflow.start_run(run_id=run_id, log_system_metrics=True)
         self._fluent = True
+
+
+def _stop_system_metrics(run_id: str | None) -> None:
+    """Stop MLflow's system metrics monitor of ``run_id`` (``mlflow.end_run`` does, unless the store refused
+    to end the run first); what it fails to write is lost with the store."""
+    from mlflow.tracking.fluent import run_id_to_system_metrics_monitor
+
+    monitor = run_id_to_system_metrics_monitor.pop(run_id, None) if run_id else None
+    if monitor is not None:
+        with contextlib.suppress(Exception):
+            monitor.finish()
 
 
 def _sqlite_path(uri: str) -> Path:
@@ -632,9 +675,12 @@ def store_client(uri: str) -> Any:
     writer does (sqlite: 'database is locked')."""
     from mlflow import MlflowClient
 
-    with _store_creation_lock(uri):
-        client = MlflowClient(tracking_uri=uri)
+    quiet_store_logging()
+    guard = StoreGuard(_sqlite_path(uri) if uri.startswith("sqlite:///") else None)
+    with guard(), _store_creation_lock(uri):
+        client = StoreClient(MlflowClient(tracking_uri=uri), guard)
         client.search_experiments(max_results=1)
+    guard.opened_now()
     return client
 
 
@@ -650,8 +696,15 @@ def _store_creation_lock(uri: str) -> Iterator[None]:
 
     db = Path(uri[len("sqlite:///") :])
     db.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(db) + ".lock", timeout=600, mode=0o644):
+    lock = FileLock(str(db) + ".lock", timeout=600, mode=0o644)
+    try:
+        lock.acquire()
+    except OSError as err:  # a read-only folder: the store cannot be written either
+        raise lock_fault(db, err) from err
+    try:
         yield
+    finally:
+        lock.release()
 
 
 def resolved_environment() -> str:
