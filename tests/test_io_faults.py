@@ -163,7 +163,7 @@ def _one_line(proc: subprocess.CompletedProcess) -> str:
     "fault,what",
     [
         ("deleted", "the MLflow store mlruns.db was deleted during the run"),
-        ("removed with its folder", "mlruns.db was removed with its folder"),
+        ("removed with its folder", "mlruns.db was removed during the run with its folder"),
         (
             "replaced",
             "the MLflow store mlruns.db was replaced during the run by a file that is not an sqlite",

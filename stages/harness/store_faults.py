@@ -7,9 +7,10 @@ an ``OSError`` whose one line names the store and what happened to it (deleted, 
 read-only, not an sqlite database, damaged, locked, the disk full, a write past the file-size limit), and
 :class:`StoreClient` guards every call of an ``MlflowClient`` so. A fault that left no store to write to
 (deleted, replaced, its folder gone) is raised again by every later call without touching the store, so no
-call recreates an empty ``mlruns.db`` in its place. :func:`check_size_limit` refuses, before anything is
-written, a store larger than the process's file-size limit: sqlite could not write its pages past the limit
-nor roll a failed write back, and would leave a hot ``-journal`` beside it.
+call recreates an empty ``mlruns.db`` in its place. Before every call the guard refuses a store larger than
+the process's file-size limit (:func:`check_size_limit`): sqlite could neither write its pages past the limit
+nor roll a failed write back, and would leave a hot ``-journal`` beside it. A store within the limit only
+grows past it, and sqlite rolls such a failed write back (it restores pages below the limit).
 
 MLflow, SQLAlchemy and alembic log such faults themselves (a traceback per failed statement, the system-metrics
 thread's warnings) and a working store's life too (its tables created, the monitor started and stopped);
@@ -121,7 +122,7 @@ def check_size_limit(db: Path) -> None:
 def _gone(db: Path, opened: tuple[int, int] | None) -> str | None:
     """What removed or replaced the store since it was opened (``opened``: its file id then), or None."""
     if not db.parent.is_dir():
-        return f"was removed with its folder {_shown(db.parent)} during the run"
+        return f"was removed during the run with its folder {_shown(db.parent)}/"
     now = file_id(db)
     if now is None:
         return "was deleted during the run"
@@ -179,7 +180,9 @@ def lock_fault(db: Path, err: OSError) -> StoreFault:
 
 class StoreGuard:
     """Turns database errors of one sqlite store into :class:`StoreFault`; after a fault that left no store
-    (:attr:`StoreFault.gone`) it raises that fault again at once."""
+    (:attr:`StoreFault.gone`) it raises that fault again at once, and before every call it refuses a store that
+    has come to be larger than the file-size limit (:func:`check_size_limit`: also a limit lowered while the
+    stage runs)."""
 
     def __init__(self, db: Path | None) -> None:
         self.db = db
@@ -195,6 +198,8 @@ class StoreGuard:
     def __call__(self) -> Iterator[None]:
         if self.fault is not None:
             raise self.fault
+        if self.db is not None:
+            check_size_limit(self.db)
         try:
             yield
         except StoreFault as fault:

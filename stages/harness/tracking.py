@@ -45,7 +45,6 @@ from stages.harness.catalogue import VIEW_METRICS, VIEW_PARAMS
 from stages.harness.store_faults import (
     StoreClient,
     StoreGuard,
-    check_size_limit,
     lock_fault,
     quiet_store_logging,
 )
@@ -160,11 +159,9 @@ class Tracker:
         db = self._guard.db
         # A new sqlite store: one process creates its schema (under the lock).
         with self._guard(), _store_creation_lock(self.uri):
-            if db is not None:
-                check_size_limit(db)
-                if moved := follow_workspace(db):
-                    print(f"tracking: {db} was copied from {moved}; its artifact locations now point into this "
-                          "workspace's mlartifacts")  # fmt: skip
+            if db is not None and (moved := follow_workspace(db)):
+                print(f"tracking: {db} was copied from {moved}; its artifact locations now point into this "
+                      "workspace's mlartifacts")  # fmt: skip
             self._client = StoreClient(MlflowClient(tracking_uri=self.uri), self._guard)
             self._client.search_experiments(max_results=1)  # the store (and its schema) exists from here on
             self._guard.opened_now()
