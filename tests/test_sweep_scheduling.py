@@ -71,9 +71,12 @@ def ray_local():
     from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the trainable lives in this test module
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    started = not ray.is_initialized()  # another test of this process may have left one up: use it
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     yield
-    ray.shutdown()
+    if started:
+        ray.shutdown()
 
 
 def _fair_choices(rows: list[dict]) -> dict[str, float | None]:
