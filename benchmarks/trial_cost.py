@@ -44,17 +44,24 @@ def train_rates(cnn: torch.nn.Module, tcnn: torch.nn.Module, batch: int, steps: 
     opts = {k: build_adamw(m, lr=1e-5, gate_lr=1e-3, weight_decay=0.05) for k, m in models.items()}
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
+    return step_rates(models, opts, {k: x for k in models}, y, steps, rounds)
+
+
+def step_rates(models: dict[str, torch.nn.Module], opts: dict, inputs: dict[str, torch.Tensor], y: torch.Tensor,
+               steps: int, rounds: int) -> dict[str, float]:  # fmt: skip
+    """img/s of full optimizer steps of each model on its input, interleaved round by round (round 0 warms
+    up), the median over rounds."""
     rates: dict[str, list[float]] = {k: [] for k in models}
     for r in range(rounds + 1):
         for name, m in models.items():
             t0 = time.perf_counter()
             for _ in range(steps):
-                loss = F.cross_entropy(m(x), y)
+                loss = F.cross_entropy(m(inputs[name]), y)
                 opts[name].zero_grad(set_to_none=True)
                 loss.backward()
                 opts[name].step()
-            if r:  # round 0 warms up
-                rates[name].append(steps * batch / (time.perf_counter() - t0))
+            if r:
+                rates[name].append(steps * len(y) / (time.perf_counter() - t0))
     return {k: statistics.median(v) for k, v in rates.items()}
 
 

@@ -29,12 +29,11 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tcnn_eval import interleaved
+from trial_cost import step_rates
 
 from core.config import SourceConfig
 from core.models.factory import build, set_stochastic_depth
@@ -74,19 +73,8 @@ def train_rates(models: dict[str, torch.nn.Module], batch: int, steps: int, roun
     x, y = torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
     xcl = x.contiguous(memory_format=torch.channels_last)
     opts = {k: build_adamw(m, lr=1.25e-4, gate_lr=0.0125, weight_decay=0.05) for k, m in models.items()}
-    rates: dict[str, list[float]] = {k: [] for k in models}
-    for r in range(rounds + 1):
-        for name, m in models.items():
-            inp = xcl if "channels-last" in name else x
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                loss = F.cross_entropy(m(inp), y)
-                opts[name].zero_grad(set_to_none=True)
-                loss.backward()
-                opts[name].step()
-            if r:  # round 0 warms up
-                rates[name].append(steps * batch / (time.perf_counter() - t0))
-    return {k: statistics.median(v) for k, v in rates.items()}
+    inputs = {k: xcl if "channels-last" in k else x for k in models}
+    return step_rates(models, opts, inputs, y, steps, rounds)
 
 
 def trial_seconds(tr: dict, ev: dict, epochs: int, cnn_share: float) -> dict[str, float]:
