@@ -485,6 +485,68 @@ def log_step(values: list[Any]) -> float | None:
     return float(f"{ratios[0]:.12g}")
 
 
+#: The range kinds of ``sweep.search.space`` (Ray Tune's sampling functions of the same names).
+SEARCH_KINDS = ("loguniform", "uniform", "choice")
+#: Keys a search may range over: they change fine-tuning only, so every point of a search shares the base
+#: params' pretraining and the arms are compared on one CNN (T-CNN, d'Ascoli et al. 2021, SM A: the lr and the
+#: gating parameters' init decide how much of the CNN the T-CNN keeps).
+SEARCH_KEYS = ("finetune.lr", "finetune.gate_lr", "finetune.weight_decay", "finetune.warmup_epochs",
+               "reparam.alpha_init", "reparam.lambda_init")  # fmt: skip
+
+
+class SearchConfig(_Strict):
+    """``sweep.search``: points sampled from ranges instead of a grid (pipelines/sweep/search.py). Each point is
+    run by both arms, the T-CNN and its matched control (the same points for both)."""
+
+    space: dict[str, dict[str, Any]]  # key -> {loguniform: [lo, hi]} | {uniform: [lo, hi]} | {choice: [...]}
+    algorithm: Literal["random", "tpe"] = "random"  # tpe: Optuna's TPE sampler through Ray's OptunaSearch
+    num_samples: int = Field(8, ge=1)  # points (each run by both arms)
+    seed: int = Field(0, ge=0)  # same params, same seed: the same points
+
+    @field_validator("space")
+    @classmethod
+    def _ranges(cls, space: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        if not space:
+            raise ValueError(
+                "name at least one key and its range, e.g. {finetune.lr: {loguniform: [1e-4, 1e-2]}}"
+            )
+        for key, spec in space.items():
+            check_range(key, spec)
+        return space
+
+
+def check_range(key: str, spec: Any) -> None:
+    """One ``sweep.search.space`` entry: a searchable key and one range (``loguniform: [lo, hi]`` with
+    0 < lo < hi, ``uniform: [lo, hi]`` with lo < hi, or ``choice: [v, ...]``, not empty)."""
+    if key not in SEARCH_KEYS:
+        raise ValueError(f"{key}: not a searchable key (one of {', '.join(SEARCH_KEYS)})")
+    if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in SEARCH_KINDS:
+        raise ValueError(f"{key}: expected one of {{loguniform: [lo, hi]}}, {{uniform: [lo, hi]}}, "
+                         f"{{choice: [v, ...]}}, got {spec!r}")  # fmt: skip
+    kind, values = next(iter(spec.items()))
+    if kind == "choice":
+        if not isinstance(values, list) or not values:
+            raise ValueError(f"{key}: choice needs a non-empty list, got {values!r}")
+        return
+    ok = isinstance(values, list) and len(values) == 2
+    ok = ok and all(
+        isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values
+    )
+    if not ok or not values[0] < values[1] or (kind == "loguniform" and not values[0] > 0):
+        need = "0 < lo < hi" if kind == "loguniform" else "lo < hi"
+        raise ValueError(f"{key}: {kind} needs [lo, hi] with {need}, got {values!r}")
+
+
+class SchedulerConfig(_Strict):
+    """``sweep.scheduler``: early stopping on each arm's own validation accuracy, one copy per arm
+    (pipelines/sweep/scheduling.py; ASHA: Li et al. 2020, "A System for Massively Parallel Hyperparameter
+    Tuning", Alg. 2)."""
+
+    kind: Literal["asha"] = "asha"
+    grace_period: int = Field(1, ge=1)  # fine-tuning epochs every trial trains before it can be stopped
+    reduction_factor: float = Field(2.0, gt=1.0)  # the top 1/reduction_factor of a rung go on
+
+
 class SweepConfig(_Strict):
     grid: dict[str, list[Any]] = Field(default_factory=dict)
     select: SelectConfig = Field(default_factory=SelectConfig)
@@ -495,6 +557,8 @@ class SweepConfig(_Strict):
     # Trials with the same pretraining inputs share one content-addressed pretraining run (pipelines/sweep/plan.py);
     # false = every trial pretrains in its own directory (the naive grid, e.g. for benchmarks/sweep.py).
     share_pretraining: bool = True
+    search: SearchConfig | None = None  # points from ranges, both arms alike (instead of the grid)
+    scheduler: SchedulerConfig | None = None  # early stopping (with search only)
 
 
 class TrackingConfig(_Strict):
@@ -811,7 +875,48 @@ def validate_params(raw: Any) -> Params:
                 f"(sweep.grid has {sorted(params.sweep.grid) or 'none'})"
             )
     _check_bracket(params.sweep)
+    _check_search(params)
     return params
+
+
+def _check_search(params: Params) -> None:
+    """``sweep.search`` / ``sweep.scheduler`` against the rest: a search replaces the grid and the grid's
+    selection; each value of its ranges is a valid value of its key; both arms must see every point, so the
+    control's lr is not fixed apart; the scheduler and the choice need validation data."""
+    sw = params.sweep
+    if sw.search is None:
+        if sw.scheduler is not None:
+            raise ConfigError(
+                "sweep.scheduler: early stopping acts on the trials of a search; set sweep.search"
+            )
+        return
+    if sw.grid:
+        raise ConfigError(f"sweep.search: a search samples its points instead of the grid; sweep.grid must be "
+                          f"empty (has {sorted(sw.grid)}): search on one seed, then run the seeds at the values "
+                          "it chose")  # fmt: skip
+    if sw.select.over or sw.select.bracket is not None:
+        raise ConfigError("sweep.select: a search chooses per arm itself (on validation accuracy); "
+                          "leave sweep.select.over and bracket empty")  # fmt: skip
+    if "finetune.lr" in sw.search.space and params.finetune.control_lr is not None:
+        raise ConfigError("sweep.search.space.finetune.lr: the control must get the same points; "
+                          "finetune.control_lr fixes its lr apart: drop it")  # fmt: skip
+    if params.data.val_from == "train" and params.data.val_size == 0:
+        raise ConfigError("sweep.search: each arm chooses on its validation accuracy; data.val_size is 0 "
+                          "(set it, or data.val_from: test_half)")  # fmt: skip
+    if sw.scheduler is not None and sw.scheduler.grace_period > params.finetune.epochs:
+        raise ConfigError(f"sweep.scheduler.grace_period: {sw.scheduler.grace_period} exceeds "
+                          f"finetune.epochs={params.finetune.epochs}")  # fmt: skip
+    for key, spec in sw.search.space.items():
+        kind, values = next(iter(spec.items()))
+        for value in values:
+            base = params.model_dump(mode="json")
+            base["sweep"]["search"] = base["sweep"]["scheduler"] = None
+            set_dotted(base, key, value)
+            try:
+                Params.model_validate(base)
+            except ValidationError as err:
+                raise ConfigError(f"sweep.search.space.{key}: {kind} value {value!r} is invalid "
+                                  f"({_format_error(err)})") from None  # fmt: skip
 
 
 def _check_bracket(sweep: SweepConfig) -> None:

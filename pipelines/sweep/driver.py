@@ -128,8 +128,10 @@ def run_sweep(
             spec["tracking"]["parent_run_id"] = tracker.parent_run_id
             atomic_write_json(sweep_dir / SWEEP_JSON, spec)
             _announce(spec, nodes, sweep_dir)
-            _ensure_corrupted(spec, list(spec["corrupt"]))
             t0 = time.monotonic()
+            if spec.get("search") is not None:
+                return _search(spec, tracker, sweep_dir, t0)
+            _ensure_corrupted(spec, list(spec["corrupt"]))
             spec, status = _run_rounds(spec)
             atomic_write_json(sweep_dir / SWEEP_JSON, spec)  # with why bracketing stopped
             return _finish(spec, status, tracker, sweep_dir, t0)
@@ -154,8 +156,45 @@ def run_sweep(
             ray.shutdown()
 
 
+def _search(spec: dict, tracker: Any, sweep_dir: Path, t0: float) -> dict:
+    """A search (``sweep.search``): its Tune experiment (run or restored), then its report
+    (pipelines/sweep/search_report.py) on the parent run; the parent ends FINISHED when every arm chose."""
+    from pipelines.sweep import search_report as sr
+    from pipelines.sweep.tuner import make_search_tuner
+
+    path = sweep_dir / tune_dir(0)
+    restore = can_restore(path)
+    if restore:
+        say(f"resuming from {path}")
+    rows = sr.search_rows(spec, make_search_tuner(spec, restore).fit())
+    sr.close_stopped(spec, rows)
+    picks = sr.chosen(rows, sr.max_epochs(spec))
+    files = sr.write(spec, rows, picks)
+    metrics = {**sr.parent_metrics(spec, rows, picks), "wall_s": time.monotonic() - t0}
+    tracker.log_metrics(metrics)
+    if tracker.enabled:
+        for p in files:
+            tracker.log_artifact(p, "plots" if p.suffix == ".png" else None)
+        tracker.log_dict(spec["search"], "search.json")
+        tracker.end_parent("FINISHED" if all(picks.values()) else "FAILED")
+    atomic_write_json(sweep_dir / "metrics.json", metrics)
+    print(sr.markdown(spec, rows, picks), flush=True)
+    finished = sum(r["status"] == "finished" for r in rows)
+    say(f"{finished}/{len(rows)} search trials trained every epoch; report {sweep_dir / 'search.md'}")
+    return {"trials": len(rows), "finished": finished, "failed": sum(r["status"] in ("error", "refused") for r in rows),
+            "pretrain_runs": 0, "sweep_dir": str(sweep_dir), "summary": str(files[0]),
+            "plots": [str(p) for p in files if p.suffix == ".png"], "parent_run_id": spec["tracking"]["parent_run_id"],
+            "chosen": {arm: (p or {}).get("trial") for arm, p in picks.items()}}  # fmt: skip
+
+
 def _announce(spec: dict, nodes: int, sweep_dir: Path) -> None:
     """The driver's first line: how many trials and pretraining groups, on how many nodes, with what."""
+    if spec.get("search") is not None:
+        s = spec["search"]
+        say(f"{spec['name']}: search of {s['num_samples']} points x 2 arms ({s['algorithm']}), "
+            f"{nodes} Ray node(s), {spec['resources']['cpu']} CPU / {spec['resources']['gpu']} GPU per trial "
+            f"-> {sweep_dir}")  # fmt: skip
+        return
     n = len(spec["trials"])
     groups = len(spec["groups"]) if spec["share_pretraining"] else n
     say(

@@ -15,7 +15,11 @@ Asynchronous successive halving: Li et al. 2020, "A System for Massively Paralle
 
 from __future__ import annotations
 
+import os
+import pickle
+import tempfile
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from ray.tune.schedulers import FIFOScheduler, TrialScheduler
@@ -29,19 +33,47 @@ METRIC, TIME_ATTR = "val_acc", "epoch"
 class ArmwiseScheduler(FIFOScheduler):
     """One scheduler per arm, made by ``make`` (the same factory for every arm), each seeing only the trials
     of its arm (``arm_of(trial.config)``: ``config[ARM_KEY]`` unless the trial's config only names it, e.g. a
-    trial id the sweep's plan maps to its arm); Tune sees one scheduler."""
+    trial id the sweep's plan maps to its arm); Tune sees one scheduler.
+
+    ``state``: a file the arms' schedulers are saved to after every decision and loaded from when this object
+    is first used (Tune saves a searcher's state with the experiment, not a scheduler's): a restored sweep
+    goes on with the rungs its trials reached. ASHA keeps one value per trial and rung, so a trial that
+    reports a rung again after a restore is recorded once."""
 
     def __init__(
         self,
         make: Callable[[], TrialScheduler],
         arms: Iterable[str] = ARMS,
         arm_of: Callable[[Mapping[str, Any]], str] = lambda config: config.get(ARM_KEY),
+        state: str | None = None,
     ) -> None:
         super().__init__()
         self.by_arm = {arm: make() for arm in arms}
         self.arm_of = arm_of
+        self.state = state
+        self._loaded = False
+
+    def _load(self) -> None:
+        if self._loaded:
+            return
+        self._loaded = True
+        if self.state and Path(self.state).is_file():
+            saved = pickle.loads(Path(self.state).read_bytes())
+            for arm, values in saved.items():
+                self.by_arm[arm].__dict__.update(values)
+
+    def _save(self) -> None:
+        if not self.state:
+            return
+        path = Path(self.state)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "wb") as fh:
+            pickle.dump({arm: s.__dict__ for arm, s in self.by_arm.items()}, fh)
+        os.replace(tmp, path)
 
     def _of(self, trial: Any) -> TrialScheduler:
+        self._load()
         arm = self.arm_of(trial.config)
         if arm not in self.by_arm:
             raise ValueError(
@@ -54,12 +86,16 @@ class ArmwiseScheduler(FIFOScheduler):
 
     def on_trial_add(self, tune_controller: Any, trial: Any) -> None:
         self._of(trial).on_trial_add(tune_controller, trial)
+        self._save()
 
     def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
-        return self._of(trial).on_trial_result(tune_controller, trial, result)
+        decision = self._of(trial).on_trial_result(tune_controller, trial, result)
+        self._save()
+        return decision
 
     def on_trial_complete(self, tune_controller: Any, trial: Any, result: dict) -> None:
         self._of(trial).on_trial_complete(tune_controller, trial, result)
+        self._save()
 
     def on_trial_error(self, tune_controller: Any, trial: Any) -> None:
         self._of(trial).on_trial_error(tune_controller, trial)

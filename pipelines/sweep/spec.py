@@ -14,6 +14,7 @@ from pipelines.sweep.plan import (
     SweepError,
     check_name,
     default_name,
+    has_control,
     make_plan,
     plan_device,
     plan_spec,
@@ -45,6 +46,9 @@ def build_spec(
     uri = resolve_uri(params.tracking.uri, cwd)
     plan = make_plan(params, cwd=cwd, device=plan_device(params), tracking_uri=uri)
     name = check_name(name or default_name(params_file, params))
+    if sw.search is not None and not has_control(plan.trials[0].params):
+        raise SweepError("sweep.search: both arms are searched alike, and this model kind or finetune.control: "
+                         "false has no matched control")  # fmt: skip
     spec = plan_spec(plan, name=name, share_pretraining=sw.share_pretraining)
     spec.update(
         {
@@ -60,6 +64,8 @@ def build_spec(
             "bracket_rounds": [],
             "cwd": str(cwd),  # where relative paths resolve when bracketing plans more trials
             "max_failures": sw.max_failures,
+            "search": sw.search.model_dump(mode="json") if sw.search is not None else None,
+            "scheduler": sw.scheduler.model_dump(mode="json") if sw.scheduler is not None else None,
             "placement": placement,
             "uid": None,
         }

@@ -433,6 +433,10 @@ class TrialRunner:
 
         return run
 
+    def epoch_report(self, result: dict[str, Any]) -> dict[str, Any]:
+        """What a trial reports to Tune for one fine-tuning epoch (a grid trial: the epoch's row as it is)."""
+        return result
+
     def _watched(
         self, name: str, fn: Callable[[], dict[str, Any]], tracker: Any, report: Reporter
     ) -> Callable[[], dict[str, Any]]:
@@ -444,13 +448,8 @@ class TrialRunner:
             epoch = int(row.get("finetune_epoch", 0))
             tracker.log_metrics(m, step=epoch)
             keys = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
-            report(
-                {
-                    "stage": name,
-                    "finetune_epoch": epoch,
-                    **{k: m[f"epoch/{k}"] for k in keys if f"epoch/{k}" in m},
-                }
-            )
+            values = {k: m[f"epoch/{k}"] for k in keys if f"epoch/{k}" in m}
+            report(self.epoch_report({"stage": name, "finetune_epoch": epoch, **values}))
 
         def run() -> dict[str, Any]:
             watcher = EpochWatcher(self.root / chain.partial_dir(name) / "resume.pt", emit)

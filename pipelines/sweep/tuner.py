@@ -121,6 +121,66 @@ def make_tuner(spec: dict, restore: bool, tids: list[str], name: str = TUNE_DIR)
     )
 
 
+def _arm_dirname(trial: Any) -> str:
+    from pipelines.sweep.arm_trial import arm_tid
+    from pipelines.sweep.scheduling import ARM_KEY
+    from pipelines.sweep.search import POINT_KEY
+
+    return arm_tid(trial.config[POINT_KEY], trial.config[ARM_KEY])
+
+
+def scheduler(spec: dict) -> Any:
+    """``sweep.scheduler`` as Tune's scheduler: one ASHA per arm (pipelines/sweep/scheduling.py), over the
+    fine-tuning epochs; FIFO (every trial runs to the end) when none is set."""
+    from ray.tune.schedulers import FIFOScheduler
+
+    from pipelines.sweep.scheduling import ArmwiseScheduler, asha
+    from pipelines.sweep.search import state_file
+
+    s = spec.get("scheduler")
+    if s is None:
+        return FIFOScheduler()
+    max_t = int(spec["trials"][next(iter(spec["trials"]))]["params"]["finetune"]["epochs"])
+    make = asha(max_t, int(s["grace_period"]), float(s["reduction_factor"]))
+    return ArmwiseScheduler(make, state=str(state_file(spec)))
+
+
+def make_search_tuner(spec: dict, restore: bool) -> Any:
+    """The Tune experiment of a search (``sweep.search``): the paired searcher's points, one trial per point and
+    arm, ``sweep.scheduler`` acting within each arm. A restore brings back the searcher's state (Tune's) and the
+    scheduler's (its own state file)."""
+    from ray import tune
+
+    from pipelines.sweep.arm_trial import search_trainable
+    from pipelines.sweep.search import make_searcher, num_trials
+
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "5")
+    os.environ.setdefault("TUNE_RESULT_BUFFER_LENGTH", "1")
+    # A trial's first reports (start, stages) carry no epoch yet: the scheduler and the searcher skip them.
+    os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
+    trainable = tune.with_resources(tune.with_parameters(search_trainable, spec=spec), spec["resources"])
+    path = Path(spec["sweep_dir"]) / TUNE_DIR
+    if restore:
+        return tune.Tuner.restore(str(path), trainable, resume_unfinished=True, resume_errored=True)
+    return tune.Tuner(
+        trainable,
+        tune_config=tune.TuneConfig(
+            search_alg=make_searcher(spec["search"]),
+            scheduler=scheduler(spec),
+            num_samples=num_trials(spec["search"]),
+            trial_dirname_creator=_arm_dirname,
+            reuse_actors=False,  # a stopped trial's process ends with it
+        ),
+        run_config=tune.RunConfig(
+            name=TUNE_DIR,
+            storage_path=spec["sweep_dir"],
+            failure_config=tune.FailureConfig(max_failures=spec["max_failures"]),
+            checkpoint_config=tune.CheckpointConfig(num_to_keep=None),
+            verbose=0,
+        ),
+    )
+
+
 def can_restore(path: Path) -> bool:
     from ray import tune
 

@@ -1,0 +1,174 @@
+"""One trial of a search (``sweep.search``): one arm at one point (pipelines/sweep/search.py).
+
+Tune's config is the point's values plus ``point`` (its index) and ``arm``: ``tcnn`` runs reparam -> finetune,
+``control`` runs the matched control (the same CNN checkpoint fine-tuned with the same recipe, without attention:
+T-CNN, d'Ascoli et al. 2021, Table 1's "without SA"), both from the search's one shared pretraining
+(``<storage>/pretrain/<key>``, pipelines/sweep/shared.py) and with the DVC path's stage functions. Its directory is
+``<sweep>/trials/p<point>-<arm>/``.
+
+Every fine-tuning epoch is logged on the trial's MLflow run and reported to Tune (``epoch``, ``val_acc``, the
+losses, the lr: :meth:`TrialRunner._watched`), so a scheduler can stop the trial (pipelines/sweep/scheduling.py).
+A stopped trial's process is ended by Ray; its run is closed by the driver (search_summary.close_stopped). A
+trial that trained every epoch writes ``done.json`` (its history and last validation accuracy). Resume is the
+grid trial's: done marks per stage, the stages' own partial state, the run id in trial.json and in every Tune
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from core.config import Params, validate_params
+from core.utils.atomic import atomic_write_json
+from pipelines.ddp import node_name
+from pipelines.sweep.plan import trial_label
+from pipelines.sweep.scheduling import ARM_KEY, METRIC, TIME_ATTR
+from pipelines.sweep.search import POINT_KEY
+from pipelines.sweep.shared import ENSURE, link_pretraining
+from pipelines.sweep.trial import (
+    DONE,
+    NOTE_TAG,
+    STATE,
+    Reporter,
+    TrialRunner,
+    checkpoint_state,
+    close_run,
+    read_json,
+    stopped,
+    trial_dir,
+)
+from stages.harness import chain
+from stages.harness.runner import REFUSALS
+
+#: The stages of each arm after the shared pretraining (the DVC path's functions).
+ARM_STAGES = {"tcnn": ("reparam", "finetune"), "control": ("control",)}
+ARM_TAG, POINT_TAG = "tcnn.arm", "tcnn.point"
+
+
+def arm_tid(point: int, arm: str) -> str:
+    return f"p{int(point):03d}-{arm}"
+
+
+def point_values(config: dict[str, Any]) -> dict[str, Any]:
+    """The searched keys' values of a trial's Tune config (without ``point`` and ``arm``)."""
+    return {k: v for k, v in config.items() if k not in (POINT_KEY, ARM_KEY)}
+
+
+def base_tid(spec: dict[str, Any]) -> str:
+    """The search's base trial in the plan: its params, pretraining key and corrupted sets."""
+    (tid,) = spec["trials"]
+    return tid
+
+
+def arm_params(spec: dict[str, Any], values: dict[str, Any]) -> Params:
+    return validate_params(spec["trials"][base_tid(spec)]["params"]).with_overrides(values)
+
+
+class ArmTrial(TrialRunner):
+    def __init__(self, spec: dict[str, Any], config: dict[str, Any], *, report: bool = True) -> None:
+        self.point, self.arm = int(config[POINT_KEY]), str(config[ARM_KEY])
+        self.values = point_values(config)
+        self.spec = spec
+        self.tid = arm_tid(self.point, self.arm)
+        self.root = trial_dir(spec, self.tid)
+        self.params = arm_params(spec, self.values)
+        self.report_enabled = report
+        self.marks = self.root / ".sweep"
+        self.nodes: list[str] = []
+        self.current = "trial"
+
+    def epoch_report(self, result: dict[str, Any]) -> dict[str, Any]:
+        """An epoch's row with the scheduler's time attribute (``epoch``) and :data:`METRIC`; the last epoch's
+        without them, as it is reported once the trial's outputs and done.json are written (:func:`_final`): a
+        scheduler's decision at the last epoch (ASHA stops a trial at max_t) must not end it before."""
+        epoch = int(result["finetune_epoch"])
+        if epoch >= self.params.finetune.epochs:
+            return {k: v for k, v in result.items() if k != METRIC}
+        return {**result, TIME_ATTR: epoch}
+
+    def _run(self) -> dict[str, Any]:
+        refused = read_json(self.root / "refused.json")
+        if refused is not None:
+            return refused
+        done = read_json(self.root / DONE)
+        if done is not None:  # finished before: reported again, not run again
+            close_run(self.spec, done.get("mlflow_run_id"))
+            Reporter(self.tid, done.get("mlflow_run_id"), self.report_enabled)(_final(done))
+            return done
+        state = read_json(self.root / STATE) or {}
+        known = state.get("mlflow_run_id") or checkpoint_state().get("mlflow_run_id")
+        self.nodes = [*state.get("nodes", []), node_name()]
+        tracker = self._open(known)
+        attempts = int(state.get("attempts", 0)) + 1
+        atomic_write_json(self.root / STATE, {"tid": self.tid, "mlflow_run_id": tracker.run_id,
+                                              "attempts": attempts, "nodes": self.nodes, "point": self.point,
+                                              "arm": self.arm, "values": self.values})  # fmt: skip
+        report = Reporter(self.tid, tracker.run_id, self.report_enabled)
+        report({"stage": "start", "attempt": attempts})
+        try:
+            done = self._arm(tracker, report)
+            tracker.end("FINISHED")
+        except REFUSALS as err:
+            return self._refused(err, tracker, report)
+        except BaseException as err:
+            tracker.end("KILLED" if stopped(err) else "FAILED")
+            raise
+        report(_final(done))
+        return done
+
+    def _open(self, known: str | None) -> Any:
+        from stages.harness.tracking import Tracker, TrackingError
+
+        cfg = self.spec["tracking"]
+        tracker = Tracker(enabled=cfg["enabled"], uri=cfg["uri"], experiment=cfg["experiment"])
+        if not tracker.enabled:
+            return tracker
+        tracker.parent_run_id = cfg["parent_run_id"]
+        label = trial_label(self.values)
+        tags = {"tcnn.kind": "trial", "tcnn.sweep": self.spec["name"], "tcnn.trial": self.tid,
+                "tcnn.trial_dir": str(self.root), ARM_TAG: self.arm, POINT_TAG: str(self.point),
+                **{f"search.{k}": repr(v) for k, v in self.values.items()},
+                NOTE_TAG: f"search trial {self.tid} · {self.arm} arm · point {self.point}: {label}"}  # fmt: skip
+        if known:
+            try:
+                tracker.start_child(self.tid, params=self.params, tags=tags, run_id=known)
+                return tracker
+            except TrackingError:
+                pass
+        tracker.start_child(self.tid, params=self.params, tags=tags, run_name=self.tid)
+        return tracker
+
+    def _arm(self, tracker: Any, report: Reporter) -> dict[str, Any]:
+        """The shared pretraining, then the arm's own stages; the last one's epochs watched and reported."""
+        self.current = "pretrain"
+        key = self.spec["trials"][base_tid(self.spec)]["pretrain_key"]
+        directory, _, _ = ENSURE["pretrain"](self.spec, key, trial=self.tid)
+        link_pretraining(self.root, directory, "pretrain")
+        metrics: dict[str, Any] = {}
+        for name in ARM_STAGES[self.arm]:
+            self.current = name
+            fn = self._own(name)
+            if chain.trains(name):
+                fn = self._watched(name, fn, tracker, report)
+            metrics, _ = self.stage(name, fn, training=chain.trains(name))
+        history = read_json(self.root / chain.output(ARM_STAGES[self.arm][-1], "history.json"))
+        rows = history if isinstance(history, list) else []
+        last = rows[-1] if rows else {}
+        done = {"tid": self.tid, "point": self.point, "arm": self.arm, "values": self.values,
+                "epoch": int(last.get("finetune_epoch", 0)), "val_acc": last.get("val_acc"),
+                "test_acc": metrics.get("test_acc"), "history": rows, "mlflow_run_id": tracker.run_id,
+                "node": node_name(), "finished": time.time()}  # fmt: skip
+        tracker.log_metrics({"final_val_acc": float(done["val_acc"])} if done["val_acc"] is not None else {})
+        atomic_write_json(self.root / DONE, done)
+        return done
+
+
+def _final(done: dict[str, Any]) -> dict[str, Any]:
+    """The last report of a finished arm trial: its last epoch and validation accuracy."""
+    return {"stage": "done", TIME_ATTR: done["epoch"], METRIC: done["val_acc"]}
+
+
+def search_trainable(config: dict[str, Any], spec: dict[str, Any]) -> None:
+    """The Ray Tune function trainable of a search (config: the point's values, ``point`` and ``arm``)."""
+    ArmTrial(spec, config).run()

@@ -1,0 +1,176 @@
+"""The end of a search (``sweep.search``): what was tried, what was stopped when, what each arm chose.
+
+From Tune's results and the trials' own files: one row per trial (its point, arm, status, the epochs it
+trained, its last validation accuracy), each arm's choice among its trials that trained every epoch
+(:func:`pipelines.sweep.scheduling.choose`; a stopped trial is never chosen), the compute used (fine-tuning
+epochs trained, against the budget of every trial running to the end), the validation curves plot
+(core.viz.search_plots), and the MLflow side: a stopped trial's run is closed FINISHED with the tags
+``tcnn.status: stopped`` and ``tcnn.stopped_at_epoch`` (as Ray's own MLflow callback closes a trial its
+scheduler stopped), never FAILED. Written to ``<sweep>/search.parquet``, ``search.md``, ``chosen.json``,
+``plots/search_curves.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from core.utils.atomic import atomic_write_json, atomic_write_text
+from pipelines.sweep.arm_trial import arm_tid, point_values
+from pipelines.sweep.scheduling import ARM_KEY, ARMS, METRIC, TIME_ATTR, choose
+from pipelines.sweep.search import POINT_KEY
+from pipelines.sweep.tables import write_table
+from pipelines.sweep.trial import DONE, REFUSED, STATE, read_json, trial_dir
+
+STATUS_TAG, STOPPED_AT_TAG = "tcnn.status", "tcnn.stopped_at_epoch"
+
+
+def max_epochs(spec: dict[str, Any]) -> int:
+    """The fine-tuning epochs every trial would train without a scheduler."""
+    return int(next(iter(spec["trials"].values()))["params"]["finetune"]["epochs"])
+
+
+def _curve(result: Any) -> tuple[list[int], list[float]]:
+    """A trial's (epoch, val_acc) reports in order, one per epoch (the last report of an epoch counts)."""
+    df = result.metrics_dataframe
+    by_epoch: dict[int, float] = {}
+    if df is not None and TIME_ATTR in df and METRIC in df:
+        for e, v in zip(df[TIME_ATTR], df[METRIC], strict=True):
+            if (
+                isinstance(e, int | float)
+                and isinstance(v, int | float)
+                and not math.isnan(e)
+                and not math.isnan(v)
+            ):
+                by_epoch[int(e)] = float(v)
+    epochs = sorted(by_epoch)
+    return epochs, [by_epoch[e] for e in epochs]
+
+
+def search_rows(spec: dict[str, Any], results: Any) -> list[dict[str, Any]]:
+    """One row per trial of the search, in point then arm order, with its curve (``epochs``, ``curve``)."""
+    rows = []
+    for r in results:
+        config = r.config or {}
+        if POINT_KEY not in config:
+            continue
+        tid = arm_tid(config[POINT_KEY], config[ARM_KEY])
+        root = trial_dir(spec, tid)
+        done, refused, state = (
+            read_json(root / DONE),
+            read_json(root / REFUSED),
+            read_json(root / STATE) or {},
+        )
+        epochs, curve = _curve(r)
+        status = "refused" if refused else "finished" if done else "error" if r.error else "stopped"
+        rows.append({"trial": tid, "point": int(config[POINT_KEY]), "arm": config[ARM_KEY],
+                     **point_values(config), "status": status, TIME_ATTR: epochs[-1] if epochs else 0,
+                     METRIC: curve[-1] if curve else None, "test_acc": (done or {}).get("test_acc"),
+                     "mlflow_run_id": state.get("mlflow_run_id"), "epochs": epochs, "curve": curve})  # fmt: skip
+    return sorted(rows, key=lambda x: (x["point"], ARMS.index(x["arm"])))
+
+
+def chosen(rows: list[dict[str, Any]], max_t: int) -> dict[str, dict[str, Any] | None]:
+    """Each arm's choice: its finished trial with the best last validation accuracy (scheduling.choose)."""
+    done = [r for r in rows if r["status"] == "finished"]
+    return {arm: choose(done, arm, max_t) for arm in ARMS}
+
+
+def epochs_trained(rows: list[dict[str, Any]]) -> int:
+    """The compute a search used: fine-tuning epochs trained, over all trials."""
+    return sum(int(r[TIME_ATTR]) for r in rows)
+
+
+def close_stopped(spec: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """Close each stopped trial's MLflow run FINISHED, tagged stopped at its last epoch (its process was ended
+    by Ray while the run was open)."""
+    cfg = spec["tracking"]
+    stopped = [r for r in rows if r["status"] == "stopped" and r.get("mlflow_run_id")]
+    if not cfg["enabled"] or not stopped:
+        return
+    from stages.harness.tracking import Tracker
+
+    client = Tracker(enabled=True, uri=cfg["uri"], experiment=cfg["experiment"]).client
+    for r in stopped:
+        client.set_tag(r["mlflow_run_id"], STATUS_TAG, "stopped")
+        client.set_tag(r["mlflow_run_id"], STOPPED_AT_TAG, str(r[TIME_ATTR]))
+        client.set_terminated(r["mlflow_run_id"], status="FINISHED")
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _space_text(search: dict[str, Any]) -> str:
+    return ", ".join(f"{k} ~ {kind}{_fmt(vals) if kind == 'choice' else '[' + ', '.join(_fmt(v) for v in vals) + ']'}"
+                     for k, spec in search["space"].items() for kind, vals in spec.items())  # fmt: skip
+
+
+def markdown(spec: dict[str, Any], rows: list[dict[str, Any]], picks: dict[str, Any]) -> str:
+    """The search's table and each arm's choice, as printed and as search.md."""
+    search, sched, max_t = spec["search"], spec.get("scheduler"), max_epochs(spec)
+    keys = list(search["space"])
+    how = (f"ASHA within each arm (grace period {sched['grace_period']}, reduction factor "
+           f"{_fmt(sched['reduction_factor'])})" if sched else "none: every trial trains every epoch")  # fmt: skip
+    lines = [
+        f"Search {spec['name']}: {search['num_samples']} points x {len(ARMS)} arms ({search['algorithm']}, "
+        f"seed {search['seed']}) over {_space_text(search)}; scheduler: {how}.",
+        f"Compute: {epochs_trained(rows)} fine-tuning epochs trained of {len(rows) * max_t} "
+        "(every trial to the end).",
+        "",
+        "| trial | arm | " + " | ".join(keys) + " | status | epochs | val acc (%) |",
+        "|---|---|" + "---|" * len(keys) + "---|---|---|",
+    ]
+    for r in rows:
+        acc = "" if r[METRIC] is None else f"{100 * r[METRIC]:.2f}"
+        lines.append(f"| {r['trial']} | {r['arm']} | " + " | ".join(_fmt(r.get(k)) for k in keys)
+                     + f" | {r['status']} | {r[TIME_ATTR]}/{max_t} | {acc} |")  # fmt: skip
+    lines += ["", f"Chosen on validation accuracy, each arm among its trials that trained all {max_t} epochs "
+              "(a stopped trial is never chosen; the test split does not choose):"]  # fmt: skip
+    for arm in ARMS:
+        p = picks.get(arm)
+        lines.append(f"- {arm}: " + ("no trial of this arm trained every epoch" if p is None else
+                     f"{p['trial']} " + " ".join(f"{k}={_fmt(p[k])}" for k in keys)
+                     + f" (validation accuracy {100 * p[METRIC]:.2f}%)"))  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def parent_metrics(
+    spec: dict[str, Any], rows: list[dict[str, Any]], picks: dict[str, Any]
+) -> dict[str, float]:
+    out: dict[str, float] = {"search_points": float(len({r["point"] for r in rows})),
+                             "search_epochs_trained": float(epochs_trained(rows)),
+                             "search_epochs_budget": float(len(rows) * max_epochs(spec))}  # fmt: skip
+    for arm in ARMS:
+        out[f"search_{arm}_stopped"] = float(sum(r["arm"] == arm and r["status"] == "stopped" for r in rows))
+        p = picks.get(arm)
+        if p is not None:
+            out[f"chosen/{arm}/val_acc"] = float(p[METRIC])
+            out.update({f"chosen/{arm}/{k}": float(p[k]) for k in spec["search"]["space"]
+                        if isinstance(p.get(k), int | float)})  # fmt: skip
+    return out
+
+
+def write(spec: dict[str, Any], rows: list[dict[str, Any]], picks: dict[str, Any]) -> list[Path]:
+    """search.parquet, search.md, chosen.json and the curves plot in the sweep directory."""
+    from core.viz.search_plots import search_curves
+
+    sweep_dir = Path(spec["sweep_dir"])
+    table = [{k: (json.dumps(v) if isinstance(v, list) else v) for k, v in r.items()} for r in rows]
+    files = [write_table(table, sweep_dir / "search.parquet")]
+    files.append(atomic_write_text(sweep_dir / "search.md", markdown(spec, rows, picks)))
+    pick = {arm: (None if p is None else {"trial": p["trial"], METRIC: p[METRIC],
+                                          **{k: p[k] for k in spec["search"]["space"]}})
+            for arm, p in picks.items()}  # fmt: skip
+    files.append(atomic_write_json(sweep_dir / "chosen.json", pick))
+    key = next(iter(spec["search"]["space"]))
+    log = "loguniform" in spec["search"]["space"][key]
+    ids = {p["trial"] for p in picks.values() if p is not None}
+    curves = [{"arm": r["arm"], "value": r.get(key), "epochs": r["epochs"], "val_acc": r["curve"],
+               "stopped": r["status"] == "stopped", "chosen": r["trial"] in ids} for r in rows]  # fmt: skip
+    files.append(
+        search_curves(curves, key, log, ARMS, sweep_dir / "plots" / "search_curves.png", spec["name"])
+    )
+    return files
