@@ -18,7 +18,7 @@ inputs; data loading, corruption generation and process start-up are not in it.
 The trial is the design of cifar10_power.yaml with issue 48's data.val_from: test_half (the release trained
 on all 50,000 training images, so validation is a fixed half of the test split): 50,000 training images x up
 to 12 epochs per arm, 5,000 validation images per epoch and arm, the 5,000-image clean test half and
-19 corruptions x 5 severities = 95 corrupted sets of all 5,000 test-half images (CIFAR-10-C's size within the
+19 corruptions x 5 severities = 95 corrupted sets (trial_cost.corrupted_sets of cifar10_power.yaml) of all 5,000 test-half images (CIFAR-10-C's size within the
 half) for the T-CNN, the control and the CNN. The study's size comes from pipelines.studies.sizing on the
 first CIFAR-10 study's per-seed differences (pipelines/studies/cifar10_lr/results.csv). Compare ratios from
 one run on one machine; the CPU is printed.
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 from tcnn_eval import interleaved
-from trial_cost import step_rates
+from trial_cost import STUDIES, corrupted_sets, step_rates
 
 from core.config import SourceConfig
 from core.models.factory import build, set_stochastic_depth
@@ -49,8 +49,10 @@ WEIGHTS = Path("../shared/pretrained/resnet20-12fca82f.th")
 SHA256 = "12fca82f0bebc4135bf1f32f6e3710e61d5108578464b84fd6d7f5c1b04036c8"
 FIRST_STUDY = Path("pipelines/studies/cifar10_lr")  # its results.csv: the pilot SD the sizing reads
 # The design (cifar10_power.yaml + data.val_from: test_half): training images, epochs at most, validation
-# per epoch and arm, clean test half, corrupted sets (19 corruptions x 5 severities) of the whole test half.
-TRAIN, EPOCHS, VAL, TEST, SETS, PER_SET = 50_000, 12, 5_000, 5_000, 19 * 5, 5_000
+# per epoch and arm, clean test half, corrupted sets (the preset's robustness.corruptions x severities: 19 x 5)
+# of the whole test half.
+TRAIN, EPOCHS, VAL, TEST, PER_SET = 50_000, 12, 5_000, 5_000, 5_000
+SETS = corrupted_sets(STUDIES / "cifar10_power.yaml")
 PILOT_SEEDS, GRID, BRACKET_ROUNDS = 3, 3, 2  # sweep.grid seed x finetune.lr; sweep.select.bracket.max_rounds
 BUDGET_H = 20.0
 

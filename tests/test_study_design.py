@@ -5,10 +5,13 @@ validation images; and the pooled choice a follow-up sweep fixes (pipelines/swee
 from __future__ import annotations
 
 import csv
+import re
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from _train_helpers import tiny_params, write_dataset
 from scipy import stats
 from test_sweep import make_project
@@ -192,6 +195,40 @@ def test_the_docs_cost_table_is_the_committed_benchmark_run() -> None:
     assert len(table) == 9 and "trial before / after" in run
     studies = (REPO / "docs" / "studies.md").read_text()
     assert "\n".join(table) in studies
+
+
+def _cell(run: str, part: str, column: int) -> float:
+    """The seconds of ``part`` in the cost table's ``column`` (0: the first case)."""
+    row = next(line for line in run.splitlines() if line.startswith(f"| {part} |"))
+    return float(row.split(" | ")[1 + column].split(" (")[0].replace(",", ""))
+
+
+def test_the_committed_trial_cost_counts_every_corrupted_set_the_evaluate_stage_evaluates(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 48: each model is evaluated on robustness.corruptions x robustness.severities sets (19 x 5 = 95 by
+    default), not 19. The committed table is what ``--from-results`` prints from its own recorded rates, and
+    its evaluation cells equal images / rate computed here from core.robustness.suite and the presets."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import trial_cost
+
+    from core.robustness.suite import CORRUPTIONS, SEVERITIES
+
+    path = REPO / "benchmarks" / "results" / "trial_cost_epyc_avx2.txt"
+    run = path.read_text()
+    trial_cost.main(["--from-results", str(path.relative_to(REPO))])
+    assert capsys.readouterr().out == run  # reproducible from the rates it records
+    for study in ("cifar10_lr", "cifar10_power"):  # neither preset narrows the default suite
+        raw = yaml.safe_load((REPO / "pipelines" / "studies" / f"{study}.yaml").read_text())
+        assert not {"corruptions", "severities"} & set(raw["robustness"])
+    sets = len(CORRUPTIONS) * len(SEVERITIES)
+    assert sets == 95 and trial_cost.corrupted_sets(REPO / "pipelines/studies/cifar10_power.yaml") == sets
+    rate = {k: float(v) for k, v in re.findall(r"eval (T-CNN after|CNN) (\d+)", run)}
+    for column, per_set in ((1, 2_000), (2, 10_000), (3, 10_000)):
+        images = 10_000 + sets * per_set  # the clean test split and every corrupted set
+        assert _cell(run, "evaluate T-CNN", column) == round(images / rate["T-CNN after"])
+        assert _cell(run, "evaluate control", column) == round(images / rate["CNN"])
+        assert _cell(run, "evaluate CNN", column) == round(images / rate["CNN"] / 3)  # one CNN per 3 trials
 
 
 def test_the_sweep_summary_over_seeds_takes_the_cnn_as_its_unit_too() -> None:

@@ -372,3 +372,76 @@ def test_cost_csv_has_a_row_per_trial_and_stage_and_recomputes_compute_hours(
         assert corrupt["train_time_s"] is None
     assert S.cost_hours(rows) == S.compute_hours(sweep, spec) == _hand_hours()
     assert json.loads((out / "meta.json").read_text())["compute_h"] == S.cost_hours(rows)
+
+
+def test_the_readme_block_says_which_images_play_which_role_as_the_study_configures_them() -> None:
+    """Issue 48: the block prints the data roles. The committed study's trials recorded no data_roles, so they
+    come from its preset (pipelines/studies/cifar10_lr.yaml), read here independently of the renderer."""
+    import yaml
+
+    from core.robustness.suite import CORRUPTIONS, SEVERITIES
+
+    raw = yaml.safe_load((COMMITTED.parent / "cifar10_lr.yaml").read_text())
+    assert "data_roles" not in S.load(COMMITTED)["meta"] and "val_from" not in raw["data"]
+    line = next(x for x in _readme_block("cifar10-lr").splitlines() if x.startswith("**Images**"))
+    assert f"validation (each arm's lr): {raw['data']['val_size']:,} training images" in line
+    assert "carved from the training split; test: the whole test split" in line
+    sets = f"{len(CORRUPTIONS)} corruptions x {len(SEVERITIES)} severities = {len(CORRUPTIONS) * len(SEVERITIES)}"
+    assert f"{sets} sets of {raw['robustness']['n_images']:,} of those test images each" in line
+
+
+def test_the_images_paragraph_follows_the_params_and_the_recorded_roles(tmp_path: Path) -> None:
+    """Other params give other words (nothing in the paragraph is fixed text about CIFAR-10), and roles the
+    trials recorded (core.data.split_roles) win over the params, printed by core.data.roles_text."""
+    from core.data import plan_splits, roles_text, split_roles, training_text
+
+    d = _study(tmp_path / "toy")
+    (tmp_path / "toy.yaml").write_text("data: {val_size: 1234}\nrobustness: {n_images: 300, corruptions: [fog, "
+                                       "snow], severities: [2, 4, 5]}\n")  # fmt: skip
+    section, _ = R.render(d)
+    line = next(x for x in section.splitlines() if x.startswith("**Images**"))
+    assert (
+        "1,234 training images (`data.val_size`)" in line
+        and "2 corruptions x 3 severities = 6 sets of 300" in line
+    )
+    assert (
+        R.images_paragraph({}, None) == "Which images played which role was not recorded with these tables."
+    )
+
+    train, test = np.repeat(np.arange(10), 50), np.repeat(np.arange(10), 20)
+    roles = split_roles(
+        plan_splits(train, test, val_from="test_half", val_size=0, fraction=1.0, seed=0), train, test
+    )
+    meta = {"data": {"val_from": "test_half", "val_size": 0, "limit": None}, "data_roles": roles,
+            "robustness": {"n_images": 5000, "corruptions": ["fog"], "severities": [1, 2, 3, 4, 5]}}  # fmt: skip
+    text = R.images_paragraph(meta, tmp_path / "toy.yaml")
+    assert text.startswith("**Images**, as the trials' fine-tuning recorded them (`data_roles`")
+    assert f"{training_text(roles)}; {roles_text(roles)}" in text and training_text(roles).startswith(
+        "training: 500 training images (50 per class, every training image)"
+    )
+    assert (
+        "1 corruptions x 5 severities = 5 sets of 100 of those test images each" in text
+    )  # the 100-image half
+
+
+def test_export_records_the_trials_data_params_and_roles_and_refuses_trials_that_differ(
+    tmp_path: Path,
+) -> None:
+    from stages.harness import chain
+
+    params = {"data": {"val_from": "test_half", "val_size": 0, "limit": None, "name": "x"},
+              "robustness": {"n_images": 100, "corruptions": ["fog"], "severities": [1], "bootstrap": 10}}  # fmt: skip
+    spec = {"trials": {"t0": {"params": params}, "t1": {"params": params}}}
+    roles = {"val_from": "test_half", "val": {"images": 5}}
+    for tid in spec["trials"]:
+        path = tmp_path / "trials" / tid / chain.metrics_file("finetune")
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"data_roles": roles}))
+    got = S.images(tmp_path, spec)
+    assert (
+        got["data"] == {"val_from": "test_half", "val_size": 0, "limit": None} and got["data_roles"] == roles
+    )
+    assert got["robustness"] == {"n_images": 100, "corruptions": ["fog"], "severities": [1]}
+    (tmp_path / "trials" / "t1" / chain.metrics_file("finetune")).write_text(json.dumps({"data_roles": {}}))
+    with pytest.raises(S.StudyError, match="differ in data_roles"):
+        S.images(tmp_path, spec)

@@ -21,7 +21,7 @@ _EXPORTS: dict[str, str] = {
     **dict.fromkeys(("BatchLoader", "Mixing"), "core.data.loader"),
     **dict.fromkeys(("ShardDataset", "SplitPlan", "Splits", "VAL_FROM", "capped_test_positions", "fraction_indices", "half_split",
                      "load_labels", "load_split", "load_splits", "plan_splits", "positions_of_test", "read_manifest",
-                     "role_of_test", "roles_text", "split_roles", "split_train_val", "train_val_indices",
+                     "role_of_test", "roles_text", "split_roles", "split_train_val", "training_text", "train_val_indices",
                      "verify_split"), "core.data.splits"),
     "StreamLoader": "core.data.stream",
 }  # fmt: skip

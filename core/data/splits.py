@@ -578,14 +578,22 @@ def _role(split: str, labels: np.ndarray, rule: str) -> dict[str, Any]:
     return {"split": split, "images": len(labels), "per_class": _class_counts(labels), "rule": rule}
 
 
+def _per_class(r: dict[str, Any]) -> str:
+    n = r["per_class"]
+    return f"{n:,} per class" if isinstance(n, int) else f"{n[0]:,}-{n[1]:,} per class"
+
+
+def training_text(roles: dict[str, Any]) -> str:
+    """The training role of :func:`split_roles` as a report prints it, e.g. "training: 50,000 training images
+    (5,000 per class, every training image)"."""
+    train = roles["train"]
+    return f"training: {train['images']:,} training images ({_per_class(train)}, {train['rule']})"
+
+
 def roles_text(roles: dict[str, Any]) -> str:
     """One line a report can print, e.g. "validation: 5,000 test images (500 per class, even ranks of each class
     in test-index order); test and corrupted sets: the other 5,000 test images (500 per class)"."""
-
-    def per_class(r: dict[str, Any]) -> str:
-        n = r["per_class"]
-        return f"{n:,} per class" if isinstance(n, int) else f"{n[0]:,}-{n[1]:,} per class"
-
+    per_class = _per_class
     val, test = roles["val"], roles["test"]
     if roles["val_from"] == "test_half":
         return (f"validation: {val['images']:,} test images ({per_class(val)}, {val['rule']}); test and corrupted "

@@ -72,7 +72,73 @@ def headline(rows: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     return {m: t_interval([r[f"{DIFF}_{m}"] for r in sel]) for m in METRICS}
 
 
-def markdown(data: dict[str, Any], name: str, fig_dir: str) -> str:
+def images_paragraph(
+    meta: dict[str, Any], params_file: Path | None, shown: str = "the study's params"
+) -> str:
+    """Which images play which role in the study: the ``data_roles`` its trials recorded (core.data.split_roles)
+    where meta.json has them, else what its params configure; the ``data`` and ``robustness`` sections exported
+    with meta.json, else those of ``params_file`` (the study's preset, for tables exported before meta.json
+    carried them, named ``shown``)."""
+    cfg, source = _image_params(meta, params_file, shown)
+    if cfg is None:
+        return "Which images played which role was not recorded with these tables."
+    data, rob = cfg
+    roles = meta.get("data_roles")
+    if roles:
+        from core.data import roles_text, training_text
+
+        told = (
+            f"as the trials' fine-tuning recorded them (`data_roles`, `data.val_from: {roles['val_from']}`)"
+        )
+        split = f"{training_text(roles)}; {roles_text(roles)}"
+        test_images: int | None = roles["test"]["images"]
+    else:
+        told = (f"as {source} configures them (the trials, at `{(meta.get('commit') or '?')[:12]}`, recorded "
+                "no `data_roles`)")  # fmt: skip
+        split = _configured_split(data)
+        test_images = None
+    return f"**Images**, {told}: {split}; {_sets_text(rob, test_images)}."
+
+
+def _image_params(
+    meta: dict[str, Any], params_file: Path | None, shown: str
+) -> tuple[tuple[dict, Any] | None, str]:
+    """(the study's data section, its validated robustness section) and where they were read."""
+    from core.config import DataConfig, RobustnessConfig
+
+    if meta.get("data") and meta.get("robustness"):
+        raw, source = {"data": meta["data"], "robustness": meta["robustness"]}, "meta.json"
+    elif params_file is not None and params_file.is_file():
+        import yaml
+
+        raw, source = yaml.safe_load(params_file.read_text()) or {}, f"`{shown}`"
+    else:
+        return None, ""
+    # the defaults of the keys a study leaves out (the data section is not validated: its data need not be here)
+    fields = DataConfig.model_fields
+    data = {k: (raw.get("data") or {}).get(k, fields[k].default) for k in ("val_from", "val_size", "limit")}
+    return (data, RobustnessConfig.model_validate(raw.get("robustness") or {})), source
+
+
+def _configured_split(data: dict[str, Any]) -> str:
+    if data["val_from"] == "test_half":
+        return ("training: every training image; validation: the test split's class-balanced half of even "
+                "ranks (core.data.half_split); test and corrupted sets: its other half")  # fmt: skip
+    cap = f", capped by `data.limit` {data['limit']}" if data.get("limit") else ""
+    return (f"training: the training split less the validation images{cap}; validation (each arm's lr): "
+            f"{data['val_size']:,} training images (`data.val_size`), class-balanced, carved from the training "
+            "split; test: the whole test split")  # fmt: skip
+
+
+def _sets_text(rob: Any, test_images: int | None) -> str:
+    """The corrupted sets: how many, and how many of the test role's images each holds."""
+    n = len(rob.corruptions) * len(rob.severities)
+    per = rob.n_images if test_images is None else min(rob.n_images, test_images)
+    return (f"corrupted sets: {len(rob.corruptions)} corruptions x {len(rob.severities)} severities = {n} sets "
+            f"of {per:,} of those test images each (`robustness.n_images`, stratified by class)")  # fmt: skip
+
+
+def markdown(data: dict[str, Any], name: str, fig_dir: str, params_file: Path | None = None) -> str:
     """The README section (between the markers): the per-seed and over-seed table, the sentences, the grid
     table and the figures."""
     from pipelines.sweep.selection import verdict
@@ -118,6 +184,7 @@ def markdown(data: dict[str, Any], name: str, fig_dir: str) -> str:
         f"- Mean corruption accuracy, T-CNN - control: {h['mca']} pp: {says['mca']}.\n"
         f"- mCE, T-CNN - control: {h['mce']} pp: {says['mce']}.\n\n"
     )
+    text += images_paragraph(meta, params_file, f"{fig_dir}.yaml") + "\n\n"
     text += _grid_table(rows, key) + "\n" + _plateau_sentence(data["history"], sel) + "\n\n"
     text += _heads_sentence(data["attention"]) + "\n\n"
     text += (
@@ -207,14 +274,16 @@ def _heads_sentence(attention: list[dict[str, Any]]) -> str:
 
 def render(results: Path, readme: Path | None = None, *, check: bool = False) -> tuple[str, bool]:
     """Figures into ``results``, the Markdown section; with ``readme`` the block replaced (or compared).
-    Returns (section, whether the README matched)."""
+    Returns (section, whether the README matched). The study's params are ``<results>.yaml`` next to the
+    results folder (pipelines/studies/cifar10_lr.yaml for pipelines/studies/cifar10_lr) where meta.json does
+    not carry them."""
     from core.viz.study_plots import plot_head_gates, plot_lr_grid, plot_val_curves
 
     data = load(results)
     name = data["meta"]["sweep"]
     # the figures' links, relative to the README they go in (the same text from any working directory)
     fig_dir = Path(os.path.relpath(results, readme.parent)).as_posix() if readme else results.as_posix()
-    section = markdown(data, name, fig_dir)
+    section = markdown(data, name, fig_dir, params_file=results.parent / f"{results.name}.yaml")
     if not check:
         grid = [{**r, "lr": r["tcnn_value"]} for r in data["rows"] if r["row"] == "grid"]
         plot_lr_grid(grid, results / "lr_grid.png", title=name)

@@ -21,7 +21,8 @@ e.g. ``finetune.lr``) and writes kilobytes that hold everything its headline dep
   sets' rows carry the driver's executions; the pretrained CNN's evaluation, shared by the trials of one CNN
   (stages.cnn_evaluation), has a row of its own after evaluate's. :func:`cost_hours` recomputes meta.json's
   ``compute_h`` from it.
-- ``meta.json``: sweep name, commit, wall time, CPU.
+- ``meta.json``: sweep name, commit, wall time, CPU; the trials' ``data`` and ``robustness`` params that choose
+  the images and the ``data_roles`` their fine-tuning recorded (:func:`images`; the README block prints them).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ METRICS = ("clean_accuracy", "mca", "mce", "relative_mce")
 DIFF = "tcnn_minus_control"
 ENDS = ("", "_ci_low", "_ci_high")
 FILES = ("results.csv", "history.csv", "attention.csv", "cost.csv", "meta.json")
+DATA_KEYS = ("val_from", "val_size", "limit")  # meta.json's "data": the params that choose the images
+ROBUSTNESS_KEYS = ("n_images", "corruptions", "severities")  # and "robustness": the corrupted sets
 #: What ``render`` reads (a study exported before cost.csv existed renders the same).
 RENDERED = ("results.csv", "history.csv", "attention.csv", "meta.json")
 HISTORY = ("seed", "arm", "value", "epoch", "val_accuracy", "val_loss", "train_loss", "train_acc", "lr",
@@ -150,13 +153,42 @@ def _chosen_rows(chosen: list[dict[str, Any]], key: str) -> list[dict[str, Any]]
 
 
 def _meta(sweep_dir: Path, spec: dict[str, Any], key: str, cpu: str | None) -> dict[str, Any]:
-    """meta.json: the sweep, its selected key, commit, CPUs, compute hours and wall times."""
+    """meta.json: the sweep, its selected key, commit, CPUs, compute hours and wall times, and which images
+    played which role (:func:`images`)."""
     metrics = _json(sweep_dir / "metrics.json") if (sweep_dir / "metrics.json").is_file() else {}
     return {"sweep": spec["name"], "selected_key": key, "commit": _commit(sweep_dir),
             "cpus": _cpus(sweep_dir, spec["name"]) or ([cpu] if cpu else []), "export_cpu": cpu_model(),
             "trials": len(spec["trials"]), "compute_h": compute_hours(sweep_dir, spec),
             "wall_s_last_driver": metrics.get("wall_s"),
-            "first_trial_start": _first_start(sweep_dir), "last_trial_end": _last_end(sweep_dir)}  # fmt: skip
+            "first_trial_start": _first_start(sweep_dir), "last_trial_end": _last_end(sweep_dir),
+            **images(sweep_dir, spec)}  # fmt: skip
+
+
+def images(sweep_dir: Path, spec: dict[str, Any]) -> dict[str, Any]:
+    """The data roles of the study: its trials' configured ``data`` (val_from, val_size, limit) and
+    ``robustness`` (n_images, corruptions, severities) sections, and the ``data_roles`` their fine-tuning
+    recorded (core.data.split_roles); None for what the trials do not have. Trials that recorded different roles
+    are refused: a study's arms and seeds are compared on the same images."""
+    params = [t["params"] for t in spec["trials"].values()]
+    data = [_section(p, "data", DATA_KEYS) for p in params]
+    rob = [_section(p, "robustness", ROBUSTNESS_KEYS) for p in params]
+    recorded = [_recorded_roles(sweep_dir / "trials" / tid) for tid in spec["trials"]]
+    for name, values in (("data", data), ("robustness", rob), ("data_roles", recorded)):
+        if any(v != values[0] for v in values):
+            raise StudyError(
+                f"{sweep_dir}: the trials differ in {name}; a study compares them on one set of images"
+            )
+    return {"data": data[0], "robustness": rob[0], "data_roles": recorded[0]}
+
+
+def _section(params: dict[str, Any], name: str, keys: tuple[str, ...]) -> dict[str, Any] | None:
+    """``keys`` of the params' section ``name`` (None where the trial's params have no such section)."""
+    return {k: params[name].get(k) for k in keys} if params.get(name) else None
+
+
+def _recorded_roles(root: Path) -> dict[str, Any] | None:
+    path = root / chain.metrics_file("finetune")
+    return _json(path).get("data_roles") if path.is_file() else None
 
 
 def _seconds(v: Any) -> str | None:
