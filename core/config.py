@@ -864,6 +864,7 @@ def validate_params(raw: Any) -> Params:
                 ) from None
             except ConfigError as err:
                 raise ConfigError(f"sweep.grid.{key}: {err}") from None
+    _check_search(params)
     for key in params.sweep.select.over:
         fixed = params.finetune.control_lr is not None or "finetune.control_lr" in params.sweep.grid
         if key == "finetune.lr" and fixed:  # the scalar and the grid form alike
@@ -875,7 +876,6 @@ def validate_params(raw: Any) -> Params:
                 f"(sweep.grid has {sorted(params.sweep.grid) or 'none'})"
             )
     _check_bracket(params.sweep)
-    _check_search(params)
     return params
 
 

@@ -83,3 +83,32 @@ def test_sweep_via_slurm_survives_requeue(cluster: SlurmCluster, tmp_path: Path)
     assert pretrain_epoch_lines(sweep_dir) == 1
     heads = sorted(p.name for p in (sweep_dir / "slurm" / "ray-logs").glob("*-head.log"))
     assert heads == [f"{job_id}-0-head.log", f"{job_id}-1-head.log"]  # a fresh Ray cluster per run of the job
+
+
+def test_a_search_with_asha_runs_through_slurm(cluster: SlurmCluster, tmp_path: Path) -> None:
+    """`sweep.search` + `sweep.scheduler` in the SLURM job (the driver inside the allocation runs the search's
+    Tune experiment): every point run by both arms, each arm's choice made, one MLflow run per trial."""
+    import pyarrow.parquet as pq
+    import yaml
+
+    path = make_project(tmp_path, {}, finetune={"epochs": 2})
+    raw = yaml.safe_load(path.read_text())
+    raw["sweep"] |= {"search": {"space": {"finetune.lr": {"loguniform": [1e-3, 0.1]}}, "num_samples": 2},
+                     "scheduler": {"grace_period": 1, "reduction_factor": 2}}  # fmt: skip
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    cmd = [TCNN, "sweep", "--params", "params.yaml", "--name", "se", "--slurm", "--cpus-per-node",
+           str(min(2, cluster.cpus)), "--partition", cluster.partition, "--time", "30", "--object-store-mb", "200"]  # fmt: skip
+    res = subprocess.run(cmd, cwd=tmp_path, env=sweep_env(), capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    sweep_dir = tmp_path / "sweeps" / "se"
+    rows = pq.read_table(sweep_dir / "search.parquet").to_pylist()
+    assert [(r["point"], r["arm"]) for r in rows] == [(p, a) for p in range(2) for a in ("tcnn", "control")]
+    assert (
+        rows[0]["finetune.lr"] == rows[1]["finetune.lr"] and rows[2]["finetune.lr"] == rows[3]["finetune.lr"]
+    )
+    chosen = json.loads((sweep_dir / "chosen.json").read_text())
+    assert chosen["tcnn"]["trial"].endswith("-tcnn") and chosen["control"]["trial"].endswith("-control")
+    parent, children = sweep_runs(tmp_path, "se")
+    assert parent.info.status == "FINISHED" and parent.data.metrics["search_points"] == 2
+    assert sorted(c.info.run_name for c in children) == sorted(r["trial"] for r in rows)
+    assert {c.info.status for c in children} == {"FINISHED"}

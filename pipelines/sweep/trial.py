@@ -443,9 +443,13 @@ class TrialRunner:
         """A trial's own training stage, its epochs logged and reported as they finish (read from the resume
         state the stage rewrites at every epoch end)."""
 
+        logged = logged_epochs(tracker)  # by an earlier attempt: a resumed stage's history holds them again
+
         def emit(row: dict[str, Any]) -> None:
             m = epoch_metrics(row)  # the DVC path's per-epoch names (stages.harness.catalogue)
             epoch = int(row.get("finetune_epoch", 0))
+            if epoch in logged:
+                return
             tracker.log_metrics(m, step=epoch)
             keys = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
             values = {k: m[f"epoch/{k}"] for k in keys if f"epoch/{k}" in m}
@@ -463,6 +467,14 @@ class TrialRunner:
             return metrics
 
         return run
+
+
+def logged_epochs(tracker: Any) -> set[int]:
+    """The fine-tuning epochs the trial's run has logged already (``epoch/finetune_epoch`` steps)."""
+    if not tracker.enabled or tracker.run_id is None:
+        return set()
+    history = tracker.client.get_metric_history(tracker.run_id, "epoch/finetune_epoch")
+    return {int(m.step) for m in history}
 
 
 def stage_options(spec: dict[str, Any], stage: str) -> dict[str, Any]:

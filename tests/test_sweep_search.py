@@ -1,0 +1,279 @@
+"""`sweep.search` and `sweep.scheduler` (issue 49): ranges validated in one line, the same points for both arms,
+the scheduler's state across a restore, and a real search through `tcnn sweep` stopped by SIGTERM and resumed.
+
+The truths: the points are those Optuna's seeded sampler gives for the space (computed here from Optuna itself),
+each arm's choice is the best validation accuracy among its own trials that trained every epoch (recomputed
+here from the trials' MLflow histories), and a resumed search has the same trials as the plan (no point twice,
+no finished trial run again, one MLflow run per trial).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from test_sweep import TCNN, make_project, sweep_env
+
+from core.config import ConfigError, load_params, validate_params
+from pipelines.sweep.scheduling import ARM_KEY, ARMS, METRIC, TIME_ATTR, ArmwiseScheduler, asha
+from pipelines.sweep.search import POINT_KEY, PairedSearcher, inner_searcher, make_searcher
+from stages.harness.tracking import store_client
+
+SPACE = {"finetune.lr": {"loguniform": [1e-4, 1e-1]}, "reparam.alpha_init": {"choice": [0.5, 1.0, 2.0]}}
+
+
+def _raw(**sweep: Any) -> dict[str, Any]:
+    raw = load_params(Path(__file__).parents[1] / "params.yaml").model_dump(mode="json")
+    raw["sweep"].update(sweep)
+    return raw
+
+
+@pytest.mark.parametrize(
+    ("sweep", "line"),
+    [
+        ({"search": {"space": {"finetune.lr": {"loguniform": [0, 0.1]}}}},
+         "sweep.search.space: finetune.lr: loguniform needs [lo, hi] with 0 < lo < hi, got [0, 0.1]"),
+        ({"search": {"space": {"finetune.lr": {"uniform": [0.1, 0.01]}}}},
+         "sweep.search.space: finetune.lr: uniform needs [lo, hi] with lo < hi, got [0.1, 0.01]"),
+        ({"search": {"space": {"pretrain.lr": {"uniform": [0.01, 0.1]}}}},
+         "sweep.search.space: pretrain.lr: not a searchable key"),
+        ({"search": {"space": {"finetune.lr": {"normal": [0.01, 0.1]}}}}, "expected one of {loguniform"),
+        ({"search": {"space": {"reparam.alpha_init": {"choice": []}}}}, "choice needs a non-empty list"),
+        ({"search": {"space": {"reparam.alpha_init": {"choice": [1.0, -2.0]}}}},
+         "sweep.search.space.reparam.alpha_init: choice value -2.0 is invalid"),
+        ({"search": {"space": {}}}, "name at least one key"),
+        ({"search": {"space": SPACE, "algorithm": "bayes"}}, "sweep.search.algorithm"),
+        ({"search": {"space": SPACE, "num_samples": 0}}, "sweep.search.num_samples"),
+        ({"scheduler": {"kind": "asha"}}, "sweep.scheduler: early stopping acts on the trials of a search"),
+        ({"search": {"space": SPACE}, "scheduler": {"grace_period": 99}}, "grace_period: 99 exceeds"),
+        ({"search": {"space": SPACE}, "scheduler": {"reduction_factor": 1}}, "sweep.scheduler.reduction_factor"),
+        ({"search": {"space": SPACE}, "grid": {"seed": [0, 1]}}, "sweep.grid must be empty"),
+        ({"search": {"space": SPACE}, "select": {"over": ["finetune.lr"]}}, "sweep.select: a search chooses"),
+    ],
+)  # fmt: skip
+def test_a_bad_search_is_one_line_naming_the_key(sweep: dict[str, Any], line: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate_params(_raw(**sweep))
+    assert line in str(err.value) and "\n" not in str(err.value)
+
+
+def test_search_refuses_a_fixed_control_lr_and_no_validation() -> None:
+    raw = _raw(search={"space": SPACE})
+    raw["finetune"]["control_lr"] = 0.01
+    with pytest.raises(ConfigError, match="finetune.control_lr fixes its lr apart"):
+        validate_params(raw)
+    raw = _raw(search={"space": SPACE})
+    raw["data"]["val_size"] = 0
+    with pytest.raises(ConfigError, match="data.val_size is 0"):
+        validate_params(raw)
+    raw["data"]["val_from"] = "test_half"
+    assert validate_params(raw).sweep.search is not None  # validation from the test split's other half
+
+
+# ------------------------------------------------------------------------------------ same points
+
+
+def _search(seed: int = 3, algorithm: str = "tpe") -> dict[str, Any]:
+    return {"space": SPACE, "algorithm": algorithm, "num_samples": 6, "seed": seed}
+
+
+def _drive(searcher: Any, n: int, score: Any, start: int = 0) -> list[dict[str, Any]]:
+    """Ask ``n`` trials of ``searcher`` one at a time, completing each with ``score(config)``."""
+    configs = []
+    for i in range(start, start + n):
+        config = searcher.suggest(f"trial{i}")
+        configs.append(config)
+        searcher.on_trial_complete(f"trial{i}", {METRIC: score(config)})
+    return configs
+
+
+def _points_by_arm(configs: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    return {
+        arm: [{k: v for k, v in c.items() if k != ARM_KEY} for c in configs if c[ARM_KEY] == arm]
+        for arm in ARMS
+    }
+
+
+def _score(config: dict[str, Any]) -> float:
+    """The control does best at high lrs, the T-CNN at low ones: arms that steered apart would diverge."""
+    lr = config["finetune.lr"]
+    return lr * 10 if config[ARM_KEY] == "control" else 1 - lr * 10
+
+
+def test_both_arms_get_the_same_points_and_the_searcher_learns_their_mean() -> None:
+    searcher = make_searcher(_search())
+    configs = _drive(searcher, 28, _score)  # 14 points: past TPE's 10 random start-up points, it learns
+    by_arm = _points_by_arm(configs)
+    assert by_arm["tcnn"] == by_arm["control"] and len(by_arm["tcnn"]) == 14
+    assert len({c[POINT_KEY] for c in configs}) == 14
+    study = searcher.inner._ot_study  # Optuna's own record of what it learnt: the mean of the arms
+    for t, pt in zip(study.trials, by_arm["tcnn"], strict=True):
+        assert t.value == pytest.approx(
+            (_score({**pt, ARM_KEY: "tcnn"}) + _score({**pt, ARM_KEY: "control"})) / 2
+        )
+
+
+def test_the_unfair_variant_one_searcher_per_arm_fails_the_same_check() -> None:
+    """Each arm with its own TPE (same seed), learning its own accuracy: once TPE's random start-up (10 points)
+    is over, the arms are searched at different points."""
+    per_arm = {arm: inner_searcher(_search()) for arm in ARMS}
+    configs = []
+    for i in range(14):
+        for arm in ARMS:
+            config = {**per_arm[arm].suggest(f"p{i}"), POINT_KEY: i, ARM_KEY: arm}
+            per_arm[arm].on_trial_complete(f"p{i}", {METRIC: _score(config)})
+            configs.append(config)
+    by_arm = _points_by_arm(configs)
+    assert by_arm["tcnn"] != by_arm["control"]
+
+
+def test_the_same_seed_gives_the_same_points_and_a_restore_samples_no_point_twice(tmp_path: Path) -> None:
+    whole = _drive(make_searcher(_search()), 12, _score)
+    assert _drive(make_searcher(_search()), 12, _score) == whole
+    assert _drive(make_searcher(_search(seed=4)), 12, _score) != whole
+    first = make_searcher(_search())
+    part = _drive(first, 5, _score)  # stopped between a point's two arms
+    first.save(str(tmp_path / "searcher.pkl"))
+    restored = make_searcher(_search())
+    restored.restore(str(tmp_path / "searcher.pkl"))
+    assert part + _drive(restored, 7, _score, start=5) == whole
+
+
+def test_the_searcher_ends_when_its_inner_one_does() -> None:
+    class Two:
+        def __init__(self) -> None:
+            self.n = 0
+
+        def suggest(self, trial_id: str) -> dict[str, Any] | str:
+            self.n += 1
+            return {"finetune.lr": 0.01 * self.n} if self.n <= 2 else PairedSearcher.FINISHED
+
+        def on_trial_complete(self, *args: Any, **kw: Any) -> None:
+            pass
+
+    s = PairedSearcher(Two())  # type: ignore[arg-type]
+    got = [s.suggest(f"t{i}") for i in range(6)]
+    assert [g[ARM_KEY] for g in got[:4]] == ["tcnn", "control", "tcnn", "control"]
+    assert got[4:] == [PairedSearcher.FINISHED] * 2
+
+
+# ------------------------------------------------------------------------------- scheduler state
+
+
+def _trial(tid: str, arm: str) -> Any:
+    return SimpleNamespace(trial_id=tid, config={ARM_KEY: arm})
+
+
+def test_the_scheduler_goes_on_from_its_saved_rungs_after_a_restore(tmp_path: Path) -> None:
+    """ASHA (grace 1, reduction 2) within each arm: after the first trial of an arm reached rung 1 at 0.9, a
+    second one at 0.1 is stopped there. A scheduler restored from the state file decides the same; a fresh one
+    without it would let the second trial go on."""
+    state = tmp_path / "state.pkl"
+    make = asha(max_t=4, grace_period=1, reduction_factor=2)
+    first = ArmwiseScheduler(make, state=str(state))
+    a, b, c = _trial("a", "tcnn"), _trial("b", "tcnn"), _trial("c", "control")
+    for t in (a, b, c):
+        first.on_trial_add(None, t)
+    assert first.on_trial_result(None, a, {TIME_ATTR: 1, METRIC: 0.9}) == "CONTINUE"
+    restored = ArmwiseScheduler(make, state=str(state))
+    assert restored.on_trial_result(None, b, {TIME_ATTR: 1, METRIC: 0.1}) == "STOP"
+    assert restored.on_trial_result(None, c, {TIME_ATTR: 1, METRIC: 0.1}) == "CONTINUE"  # the other arm's own
+    fresh = ArmwiseScheduler(make)
+    fresh.on_trial_add(None, b)
+    assert fresh.on_trial_result(None, b, {TIME_ATTR: 1, METRIC: 0.1}) == "CONTINUE"
+
+
+# ------------------------------------------------------------------------------------- end to end
+
+
+def _start(root: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([TCNN, "sweep", "--params", "params.yaml", "--num-cpus", "2", "--name", "s", *args],
+                            cwd=root, env=sweep_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+
+
+def _wait_for(where: Path, pattern: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    t0 = time.monotonic()
+    while not list(where.glob(pattern)):
+        assert proc.poll() is None, proc.stdout.read()[-3000:] if proc.stdout else ""
+        assert time.monotonic() - t0 < timeout
+        time.sleep(1)
+
+
+def _trial_runs(root: Path) -> list[Any]:
+    client = store_client(f"sqlite:///{root / 'mlruns.db'}")
+    exp = client.get_experiment_by_name("sweeps")
+    return [r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("tcnn.kind") == "trial"]
+
+
+@pytest.mark.slow
+def test_a_search_stopped_by_sigterm_resumes_and_each_arm_chooses_its_own_best(tmp_path: Path) -> None:
+    path = make_project(
+        tmp_path, {}, finetune={"epochs": 3, "batch_size": 50, "lr": 0.004, "warmup_epochs": 0.5}
+    )
+    raw = yaml.safe_load(path.read_text())
+    search = {"space": {"finetune.lr": {"loguniform": [1e-4, 0.1]}}, "algorithm": "random", "num_samples": 3,
+              "seed": 0}  # fmt: skip
+    raw["sweep"] |= {"search": search, "scheduler": {"grace_period": 1, "reduction_factor": 2}}
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    sweep_dir = tmp_path / "sweeps" / "s"
+
+    proc = _start(tmp_path)
+    _wait_for(sweep_dir, "trials/*/done.json", proc)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 75, out[-3000:]
+    done_before = {p.parent.name: p.stat().st_mtime_ns for p in sweep_dir.glob("trials/*/done.json")}
+    res = subprocess.run([TCNN, "sweep", "--params", "params.yaml", "--num-cpus", "2", "--name", "s", "--resume"],
+                         cwd=tmp_path, env=sweep_env(), capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+    # The points: Optuna's seeded sampler's, each run by both arms, none twice; finished trials not run again.
+    expected = [c["finetune.lr"] for c in _drive(make_searcher(search), 6, lambda c: 0.5)[::2]]
+    rows = pq.read_table(sweep_dir / "search.parquet").to_pylist()
+    assert [(r["point"], r["arm"]) for r in rows] == [(p, a) for p in range(3) for a in ARMS]
+    assert [r["finetune.lr"] for r in rows] == pytest.approx([lr for lr in expected for _ in ARMS])
+    assert {p.parent.name: p.stat().st_mtime_ns for p in sweep_dir.glob("trials/*/done.json")
+            if p.parent.name in done_before} == done_before  # fmt: skip
+
+    # MLflow: one run per trial, none left open or failed; a stopped trial is tagged so, at its last epoch.
+    runs = {r.info.run_name: r for r in _trial_runs(tmp_path)}
+    assert sorted(runs) == sorted(r["trial"] for r in rows) and len(_trial_runs(tmp_path)) == len(rows)
+    client = store_client(f"sqlite:///{tmp_path / 'mlruns.db'}")
+    for r in rows:
+        run = runs[r["trial"]]
+        assert run.info.status == "FINISHED"
+        assert (run.data.tags.get("tcnn.status") == "stopped") == (r["status"] == "stopped")
+        history = sorted(
+            (m.step, m.value) for m in client.get_metric_history(run.info.run_id, "epoch/val_acc")
+        )
+        assert [s for s, _ in history] == list(range(r[TIME_ATTR] + 1))  # every epoch, once, from the start
+        assert r[METRIC] == pytest.approx(history[-1][1])
+        if r["status"] == "stopped":
+            assert run.data.tags["tcnn.stopped_at_epoch"] == str(r[TIME_ATTR]) and r[TIME_ATTR] < 3
+
+    # Each arm's choice: its best last validation accuracy among its trials that trained every epoch.
+    chosen = json.loads((sweep_dir / "chosen.json").read_text())
+    for arm in ARMS:
+        done = [r for r in rows if r["arm"] == arm and r["status"] == "finished"]
+        assert all(r[TIME_ATTR] == 3 for r in done)
+        best = max(done, key=lambda r: r[METRIC])
+        assert chosen[arm]["trial"] == best["trial"] and chosen[arm][METRIC] == best[METRIC]
+    report = (sweep_dir / "search.md").read_text()
+    assert f"- tcnn: {chosen['tcnn']['trial']} finetune.lr=" in report
+    trained = sum(r[TIME_ATTR] for r in rows)
+    assert f"Compute: {trained} fine-tuning epochs trained of {3 * len(rows)}" in report
+    metrics = json.loads((sweep_dir / "metrics.json").read_text())
+    assert (
+        metrics["search_epochs_trained"] == trained
+        and metrics["chosen/control/val_acc"] == chosen["control"][METRIC]
+    )
+    assert (sweep_dir / "plots" / "search_curves.png").stat().st_size > 10_000
