@@ -17,6 +17,7 @@ checkpoint.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from core.config import Params, validate_params
@@ -35,6 +36,7 @@ from pipelines.sweep.trial import (
     checkpoint_state,
     close_run,
     read_json,
+    shared_progress,
     stopped,
     trial_dir,
 )
@@ -143,7 +145,8 @@ class ArmTrial(TrialRunner):
         """The shared pretraining, then the arm's own stages; the last one's epochs watched and reported."""
         self.current = "pretrain"
         key = self.spec["trials"][base_tid(self.spec)]["pretrain_key"]
-        directory, _, _ = ENSURE["pretrain"](self.spec, key, trial=self.tid)
+        with shared_progress(Path(self.spec["storage"]) / "pretrain" / key, "pretrain", report):
+            directory, _, _ = ENSURE["pretrain"](self.spec, key, trial=self.tid)
         link_pretraining(self.root, directory, "pretrain")
         metrics: dict[str, Any] = {}
         for name in ARM_STAGES[self.arm]:

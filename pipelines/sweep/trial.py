@@ -405,7 +405,8 @@ class TrialRunner:
         t = self.spec["trials"][self.tid]
         key = t.get(f"{name}_key")
         if sweep_role(name) == "group" and self.spec["share_pretraining"] and key:
-            directory, executed, metrics = ENSURE[name](self.spec, key, trial=self.tid)
+            with shared_progress(Path(self.spec["storage"]) / name / key, name, report):
+                directory, executed, metrics = ENSURE[name](self.spec, key, trial=self.tid)
             link_pretraining(self.root, directory, name)
             if executed:
                 append_line(self.root / STAGE_LOG, {"stage": name, "shared": key, "finished": time.time()})
@@ -467,6 +468,27 @@ class TrialRunner:
             return metrics
 
         return run
+
+
+@contextlib.contextmanager
+def shared_progress(directory: Path, stage: str, report: Reporter) -> Iterator[None]:
+    """While a trial runs (or waits for) a shared stage in ``directory`` (the pretraining, a grid's shared
+    control), each of its epochs is reported to Tune as ``<stage>_epoch`` with its losses and accuracies
+    under ``<stage>_`` names (not the names a scheduler acts on: those are the trial's own fine-tuning's)."""
+    keys = ("train_loss", "train_acc", "val_loss", "val_acc")
+
+    def emit(row: dict[str, Any]) -> None:
+        epoch = row.get("finetune_epoch", row.get("epoch"))
+        if isinstance(epoch, int | float):
+            values = {f"{stage}_{k}": float(row[k]) for k in keys if isinstance(row.get(k), int | float)}
+            report({"stage": stage, f"{stage}_epoch": int(epoch), **values})
+
+    watcher = EpochWatcher(directory / chain.partial_dir(stage) / "resume.pt", emit)
+    watcher.start()
+    try:
+        yield
+    finally:
+        watcher.stop()
 
 
 def logged_epochs(tracker: Any) -> set[int]:
