@@ -269,6 +269,8 @@ def test_a_search_stopped_by_sigterm_resumes_and_each_arm_chooses_its_own_best(t
         assert chosen[arm]["trial"] == best["trial"] and chosen[arm][METRIC] == best[METRIC]
     report = (sweep_dir / "search.md").read_text()
     assert f"- tcnn: {chosen['tcnn']['trial']} finetune.lr=" in report
+    html = (sweep_dir / "report.html").read_text()
+    assert f"control: {chosen['control']['trial']} finetune.lr=" in html and "<img" in html
     trained = sum(r[TIME_ATTR] for r in rows)
     assert f"Compute: {trained} fine-tuning epochs trained of {3 * len(rows)}" in report
     metrics = json.loads((sweep_dir / "metrics.json").read_text())

@@ -7,7 +7,7 @@ epochs trained, against the budget of every trial running to the end), the valid
 (core.viz.search_plots), and the MLflow side: a stopped trial's run is closed FINISHED with the tags
 ``tcnn.status: stopped`` and ``tcnn.stopped_at_epoch`` (as Ray's own MLflow callback closes a trial its
 scheduler stopped), never FAILED. Written to ``<sweep>/search.parquet``, ``search.md``, ``chosen.json``,
-``plots/search_curves.png``.
+``plots/search_curves.png`` and ``report.html``.
 """
 
 from __future__ import annotations
@@ -108,33 +108,63 @@ def _space_text(search: dict[str, Any]) -> str:
                      for k, spec in search["space"].items() for kind, vals in spec.items())  # fmt: skip
 
 
-def markdown(spec: dict[str, Any], rows: list[dict[str, Any]], picks: dict[str, Any]) -> str:
-    """The search's table and each arm's choice, as printed and as search.md."""
+def head(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    """What was searched, how, and the compute it used (two sentences)."""
     search, sched, max_t = spec["search"], spec.get("scheduler"), max_epochs(spec)
-    keys = list(search["space"])
     how = (f"ASHA within each arm (grace period {sched['grace_period']}, reduction factor "
            f"{_fmt(sched['reduction_factor'])})" if sched else "none: every trial trains every epoch")  # fmt: skip
-    lines = [
+    return [
         f"Search {spec['name']}: {search['num_samples']} points x {len(ARMS)} arms ({search['algorithm']}, "
         f"seed {search['seed']}) over {_space_text(search)}; scheduler: {how}.",
         f"Compute: {epochs_trained(rows)} fine-tuning epochs trained of {len(rows) * max_t} "
         "(every trial to the end).",
-        "",
-        "| trial | arm | " + " | ".join(keys) + " | status | epochs | val acc (%) |",
-        "|---|---|" + "---|" * len(keys) + "---|---|---|",
     ]
-    for r in rows:
-        acc = "" if r[METRIC] is None else f"{100 * r[METRIC]:.2f}"
-        lines.append(f"| {r['trial']} | {r['arm']} | " + " | ".join(_fmt(r.get(k)) for k in keys)
-                     + f" | {r['status']} | {r[TIME_ATTR]}/{max_t} | {acc} |")  # fmt: skip
-    lines += ["", f"Chosen on validation accuracy, each arm among its trials that trained all {max_t} epochs "
-              "(a stopped trial is never chosen; the test split does not choose):"]  # fmt: skip
+
+
+def table(spec: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[list[str], list[list[str]]]:
+    """The trials as text cells: headers and rows."""
+    keys, max_t = list(spec["search"]["space"]), max_epochs(spec)
+    headers = ["trial", "arm", *keys, "status", "epochs", "val acc (%)"]
+    cells = [[r["trial"], r["arm"], *(_fmt(r.get(k)) for k in keys), r["status"], f"{r[TIME_ATTR]}/{max_t}",
+              "" if r[METRIC] is None else f"{100 * r[METRIC]:.2f}"] for r in rows]  # fmt: skip
+    return headers, cells
+
+
+def choices(spec: dict[str, Any], picks: dict[str, Any]) -> list[str]:
+    """One line per arm: its chosen trial, values and validation accuracy."""
+    keys = list(spec["search"]["space"])
+    out = []
     for arm in ARMS:
         p = picks.get(arm)
-        lines.append(f"- {arm}: " + ("no trial of this arm trained every epoch" if p is None else
-                     f"{p['trial']} " + " ".join(f"{k}={_fmt(p[k])}" for k in keys)
-                     + f" (validation accuracy {100 * p[METRIC]:.2f}%)"))  # fmt: skip
+        out.append(f"{arm}: " + ("no trial of this arm trained every epoch" if p is None else
+                   f"{p['trial']} " + " ".join(f"{k}={_fmt(p[k])}" for k in keys)
+                   + f" (validation accuracy {100 * p[METRIC]:.2f}%)"))  # fmt: skip
+    return out
+
+
+def markdown(spec: dict[str, Any], rows: list[dict[str, Any]], picks: dict[str, Any]) -> str:
+    """The search's table and each arm's choice, as printed and as search.md."""
+    headers, cells = table(spec, rows)
+    lines = [*head(spec, rows), "", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(c) + " |" for c in cells]
+    lines += ["", f"Chosen on validation accuracy, each arm among its trials that trained all {max_epochs(spec)} "
+              "epochs (a stopped trial is never chosen; the test split does not choose):"]  # fmt: skip
+    lines += [f"- {c}" for c in choices(spec, picks)]
     return "\n".join(lines) + "\n"
+
+
+def report_html(spec: dict[str, Any], rows: list[dict[str, Any]], picks: dict[str, Any], plot: Path) -> Path:
+    """``<sweep>/report.html``: the search's sentences, each arm's choice, the trials and the curves."""
+    import time
+
+    from core.viz.html import render as render_page
+
+    headers, cells = table(spec, rows)
+    text = render_page("search_report.html", name=spec["name"], head=head(spec, rows),
+                       choices=choices(spec, picks), headers=headers, rows=cells,
+                       plots=[{"title": "validation curves", "alt": plot.name, "data": plot.read_bytes()}],
+                       written=time.strftime("%Y-%m-%d %H:%M:%S %Z"))  # fmt: skip
+    return atomic_write_text(Path(spec["sweep_dir"]) / "report.html", text)
 
 
 def parent_metrics(
@@ -158,8 +188,8 @@ def write(spec: dict[str, Any], rows: list[dict[str, Any]], picks: dict[str, Any
     from core.viz.search_plots import search_curves
 
     sweep_dir = Path(spec["sweep_dir"])
-    table = [{k: (json.dumps(v) if isinstance(v, list) else v) for k, v in r.items()} for r in rows]
-    files = [write_table(table, sweep_dir / "search.parquet")]
+    records = [{k: (json.dumps(v) if isinstance(v, list) else v) for k, v in r.items()} for r in rows]
+    files = [write_table(records, sweep_dir / "search.parquet")]
     files.append(atomic_write_text(sweep_dir / "search.md", markdown(spec, rows, picks)))
     pick = {arm: (None if p is None else {"trial": p["trial"], METRIC: p[METRIC],
                                           **{k: p[k] for k in spec["search"]["space"]}})
@@ -170,7 +200,5 @@ def write(spec: dict[str, Any], rows: list[dict[str, Any]], picks: dict[str, Any
     ids = {p["trial"] for p in picks.values() if p is not None}
     curves = [{"arm": r["arm"], "value": r.get(key), "epochs": r["epochs"], "val_acc": r["curve"],
                "stopped": r["status"] == "stopped", "chosen": r["trial"] in ids} for r in rows]  # fmt: skip
-    files.append(
-        search_curves(curves, key, log, ARMS, sweep_dir / "plots" / "search_curves.png", spec["name"])
-    )
-    return files
+    plot = search_curves(curves, key, log, ARMS, sweep_dir / "plots" / "search_curves.png", spec["name"])
+    return [*files, plot, report_html(spec, rows, picks, plot)]
