@@ -278,3 +278,19 @@ def test_the_default_runs_differences_quoted_in_the_pipeline_page_are_the_commit
     assert [s[0] for s in shown] == ["clean", "mCA", "mCE"], quoted.group(1)
     for name, diff, low, high in shown:
         assert committed[f"tcnn-control {name}"] == f"{diff} [{low}, {high}]", name
+
+
+def test_the_search_vs_grid_table_in_the_sweeps_page_is_the_committed_one() -> None:
+    """docs/sweeps.md quotes the measured search-vs-grid comparison: every table line of the results file it
+    links (benchmarks/results/search_vs_grid_*.md, written by benchmarks/search_vs_grid.py) is on the page, in
+    order, so a rerun that changes the numbers changes the page."""
+    text = (REPO / "docs" / "sweeps.md").read_text()
+    linked = re.findall(r"\((\.\./benchmarks/results/search_vs_grid_[\w-]+\.md)\)", text)
+    assert linked, "docs/sweeps.md no longer links a search_vs_grid results file"
+    page = [line for line in text.splitlines() if line.startswith("|")]
+    for rel in set(linked):
+        rows = [line for line in (REPO / "docs" / rel).read_text().splitlines() if line.startswith("|")]
+        assert len(rows) >= 8, rel  # two tables: 4 arm rows and 2 method rows, with their headers
+        at = [page.index(r) if r in page else -1 for r in rows]
+        assert -1 not in at, f"{rel}: table lines not on the page: {[r for r, i in zip(rows, at) if i < 0]}"
+        assert at == sorted(at), f"{rel}: the page has its table lines in another order"
