@@ -631,10 +631,22 @@ def cases() -> list[Case]:
              tcnn("sweep", "--name", "r", "-S", "sweep.grid.reparam.stages=[[-1], [nomatch.*]]", "-S", "sweep.max_failures=2"),
              1, may_write=("sweeps/",), multi_line=True, expect="refused"))  # fmt: skip
     add(Case("sweep over an unknown key", tcnn("sweep", "-S", "sweep.grid.pretrain.epochz=[1,2]"), 2))
-    add(Case("search range upside down", tcnn("sweep", "-S", "sweep.search={space: {finetune.lr: {loguniform: [0.1, 0.001]}}}"),
-             2, expect="loguniform needs [lo, hi] with 0 < lo < hi"))
-    add(Case("scheduler without a search", tcnn("sweep", "-S", "sweep.scheduler={kind: asha}"), 2,
-             expect="early stopping acts on the trials of a search"))
+    add(
+        Case(
+            "search range upside down",
+            tcnn("sweep", "-S", "sweep.search={space: {finetune.lr: {loguniform: [0.1, 0.001]}}}"),
+            2,
+            expect="loguniform needs [lo, hi] with 0 < lo < hi",
+        )
+    )
+    add(
+        Case(
+            "scheduler without a search",
+            tcnn("sweep", "-S", "sweep.scheduler={kind: asha}"),
+            2,
+            expect="early stopping acts on the trials of a search",
+        )
+    )
     add(Case("sweep --resume of nothing", tcnn("sweep", "--name", "none", "--resume"), 2))
     add(Case("sweep --address bogus", tcnn("sweep", "--address", "not an address"), 2))
     add(Case("sweep name with a slash", tcnn("sweep", "--name", "a/b"), 2))
