@@ -274,6 +274,7 @@ def test_a_search_stopped_by_sigterm_resumes_and_each_arm_chooses_its_own_best(t
     trained = sum(r[TIME_ATTR] for r in rows)
     assert f"Compute: {trained} fine-tuning epochs trained of {3 * len(rows)}" in report
     metrics = json.loads((sweep_dir / "metrics.json").read_text())
+    assert metrics["pretrain_runs"] == 1  # the search's one pretraining, shared by every trial, not run again
     assert (
         metrics["search_epochs_trained"] == trained
         and metrics["chosen/control/val_acc"] == chosen["control"][METRIC]

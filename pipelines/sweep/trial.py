@@ -449,9 +449,13 @@ class TrialRunner:
         def emit(row: dict[str, Any]) -> None:
             m = epoch_metrics(row)  # the DVC path's per-epoch names (stages.harness.catalogue)
             epoch = int(row.get("finetune_epoch", 0))
-            if epoch in logged:
-                return
-            tracker.log_metrics(m, step=epoch)
+            if (
+                epoch not in logged
+            ):  # also within an attempt: a report that raised leaves the row to be seen again
+                tracker.log_metrics(m, step=epoch)
+                logged.add(epoch)
+            # Reported to Tune again on a resume: a scheduler records one result per trial and rung, and one
+            # that an earlier attempt logged but did not report must still reach it.
             keys = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
             values = {k: m[f"epoch/{k}"] for k in keys if f"epoch/{k}" in m}
             report(self.epoch_report({"stage": name, "finetune_epoch": epoch, **values}))
