@@ -900,6 +900,9 @@ def _check_search(params: Params) -> None:
     if "finetune.lr" in sw.search.space and params.finetune.control_lr is not None:
         raise ConfigError("sweep.search.space.finetune.lr: the control must get the same points; "
                           "finetune.control_lr fixes its lr apart: drop it")  # fmt: skip
+    if params.finetune.stop is not None:
+        raise ConfigError("finetune.stop: a search stops its trials itself (sweep.scheduler), and each arm chooses "
+                          "among trials that trained every epoch; drop finetune.stop")  # fmt: skip
     if params.data.val_from == "train" and params.data.val_size == 0:
         raise ConfigError("sweep.search: each arm chooses on its validation accuracy; data.val_size is 0 "
                           "(set it, or data.val_from: test_half)")  # fmt: skip

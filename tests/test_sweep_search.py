@@ -71,6 +71,10 @@ def test_search_refuses_a_fixed_control_lr_and_no_validation() -> None:
     with pytest.raises(ConfigError, match="finetune.control_lr fixes its lr apart"):
         validate_params(raw)
     raw = _raw(search={"space": SPACE})
+    raw["finetune"]["stop"] = {"patience": 2}
+    with pytest.raises(ConfigError, match="a search stops its trials itself"):
+        validate_params(raw)
+    raw = _raw(search={"space": SPACE})
     raw["data"]["val_size"] = 0
     with pytest.raises(ConfigError, match="data.val_size is 0"):
         validate_params(raw)
