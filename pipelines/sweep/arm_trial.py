@@ -30,6 +30,7 @@ from pipelines.sweep.shared import ENSURE, link_pretraining
 from pipelines.sweep.trial import (
     DONE,
     NOTE_TAG,
+    REFUSED,
     STATE,
     Reporter,
     TrialRunner,
@@ -90,7 +91,7 @@ class ArmTrial(TrialRunner):
         return {**result, TIME_ATTR: epoch}
 
     def _run(self) -> dict[str, Any]:
-        refused = read_json(self.root / "refused.json")
+        refused = read_json(self.root / REFUSED)
         if refused is not None:
             return refused
         done = read_json(self.root / DONE)

@@ -15,14 +15,14 @@ Asynchronous successive halving: Li et al. 2020, "A System for Massively Paralle
 
 from __future__ import annotations
 
-import os
 import pickle
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ray.tune.schedulers import FIFOScheduler, TrialScheduler
+
+from core.utils.atomic import atomic_write
 
 ARMS = ("tcnn", "control")
 ARM_KEY = "arm"
@@ -63,14 +63,9 @@ class ArmwiseScheduler(FIFOScheduler):
                 self.by_arm[arm].__dict__.update(values)
 
     def _save(self) -> None:
-        if not self.state:
-            return
-        path = Path(self.state)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-        with os.fdopen(fd, "wb") as fh:
-            pickle.dump({arm: s.__dict__ for arm, s in self.by_arm.items()}, fh)
-        os.replace(tmp, path)
+        if self.state:
+            saved = {arm: s.__dict__ for arm, s in self.by_arm.items()}
+            atomic_write(self.state, lambda fh: pickle.dump(saved, fh))
 
     def _of(self, trial: Any) -> TrialScheduler:
         self._load()

@@ -120,3 +120,8 @@ def num_trials(search: dict[str, Any]) -> int:
 def state_file(spec: dict[str, Any]) -> Path:
     """Where the search's scheduler keeps its state (pipelines/sweep/scheduling.py: ArmwiseScheduler)."""
     return Path(spec["sweep_dir"]) / "scheduler_state.pkl"
+
+
+def max_epochs(spec: dict[str, Any]) -> int:
+    """The fine-tuning epochs every trial of a search would train without a scheduler (its ASHA's max_t)."""
+    return int(next(iter(spec["trials"].values()))["params"]["finetune"]["epochs"])

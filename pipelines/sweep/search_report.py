@@ -20,16 +20,11 @@ from typing import Any
 from core.utils.atomic import atomic_write_json, atomic_write_text
 from pipelines.sweep.arm_trial import arm_tid, point_values
 from pipelines.sweep.scheduling import ARM_KEY, ARMS, METRIC, TIME_ATTR, choose
-from pipelines.sweep.search import POINT_KEY
+from pipelines.sweep.search import POINT_KEY, max_epochs
 from pipelines.sweep.tables import write_table
 from pipelines.sweep.trial import DONE, REFUSED, STATE, read_json, trial_dir
 
 STATUS_TAG, STOPPED_AT_TAG = "tcnn.status", "tcnn.stopped_at_epoch"
-
-
-def max_epochs(spec: dict[str, Any]) -> int:
-    """The fine-tuning epochs every trial would train without a scheduler."""
-    return int(next(iter(spec["trials"].values()))["params"]["finetune"]["epochs"])
 
 
 def _curve(result: Any) -> tuple[list[int], list[float]]:

@@ -92,17 +92,44 @@ def tune_dir(k: int) -> str:
     return TUNE_DIR if k == 0 else f"{TUNE_DIR}-bracket{k}"
 
 
+def _trainable(fn: Any, spec: dict) -> Any:
+    """``fn`` as Tune runs it: the spec bound, the trial's resources; the experiment checkpointed every few
+    seconds and each result passed on at once."""
+    from ray import tune
+
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "5")
+    os.environ.setdefault("TUNE_RESULT_BUFFER_LENGTH", "1")
+    return tune.with_resources(tune.with_parameters(fn, spec=spec), spec["resources"])
+
+
+def _run_config(spec: dict, name: str, callbacks: list[Any] | None = None) -> Any:
+    from ray import tune
+
+    return tune.RunConfig(
+        name=name,
+        storage_path=spec["sweep_dir"],
+        failure_config=tune.FailureConfig(max_failures=spec["max_failures"]),
+        checkpoint_config=tune.CheckpointConfig(num_to_keep=None),  # tiny: {run id, stage}
+        verbose=0,
+        callbacks=callbacks,
+    )
+
+
+def _restored(spec: dict, name: str, trainable: Any) -> Any:
+    from ray import tune
+
+    path = Path(spec["sweep_dir"]) / name
+    return tune.Tuner.restore(str(path), trainable, resume_unfinished=True, resume_errored=True)
+
+
 def make_tuner(spec: dict, restore: bool, tids: list[str], name: str = TUNE_DIR) -> Any:
     from ray import tune
 
     from pipelines.sweep.trial import tune_trainable
 
-    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "5")
-    os.environ.setdefault("TUNE_RESULT_BUFFER_LENGTH", "1")
-    trainable = tune.with_resources(tune.with_parameters(tune_trainable, spec=spec), spec["resources"])
-    path = Path(spec["sweep_dir"]) / name
+    trainable = _trainable(tune_trainable, spec)
     if restore:
-        return tune.Tuner.restore(str(path), trainable, resume_unfinished=True, resume_errored=True)
+        return _restored(spec, name, trainable)
     return tune.Tuner(
         trainable,
         param_space={"tid": tune.grid_search([t for t in _tune_order(spec) if t in set(tids)])},
@@ -110,14 +137,7 @@ def make_tuner(spec: dict, restore: bool, tids: list[str], name: str = TUNE_DIR)
             trial_dirname_creator=_trial_dirname,
             reuse_actors=True,  # one actor runs trial after trial: torch/timm are imported once per worker
         ),
-        run_config=tune.RunConfig(
-            name=name,
-            storage_path=spec["sweep_dir"],
-            failure_config=tune.FailureConfig(max_failures=spec["max_failures"]),
-            checkpoint_config=tune.CheckpointConfig(num_to_keep=None),  # tiny: {run id, stage}
-            verbose=0,
-            callbacks=[_progress_callback(spec, tids)],
-        ),
+        run_config=_run_config(spec, name, [_progress_callback(spec, tids)]),
     )
 
 
@@ -135,13 +155,12 @@ def scheduler(spec: dict) -> Any:
     from ray.tune.schedulers import FIFOScheduler
 
     from pipelines.sweep.scheduling import ArmwiseScheduler, asha
-    from pipelines.sweep.search import state_file
+    from pipelines.sweep.search import max_epochs, state_file
 
     s = spec.get("scheduler")
     if s is None:
         return FIFOScheduler()
-    max_t = int(spec["trials"][next(iter(spec["trials"]))]["params"]["finetune"]["epochs"])
-    make = asha(max_t, int(s["grace_period"]), float(s["reduction_factor"]))
+    make = asha(max_epochs(spec), int(s["grace_period"]), float(s["reduction_factor"]))
     return ArmwiseScheduler(make, state=str(state_file(spec)))
 
 
@@ -154,14 +173,11 @@ def make_search_tuner(spec: dict, restore: bool) -> Any:
     from pipelines.sweep.arm_trial import search_trainable
     from pipelines.sweep.search import make_searcher, num_trials
 
-    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "5")
-    os.environ.setdefault("TUNE_RESULT_BUFFER_LENGTH", "1")
     # A trial's first reports (start, stages) carry no epoch yet: the scheduler and the searcher skip them.
     os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
-    trainable = tune.with_resources(tune.with_parameters(search_trainable, spec=spec), spec["resources"])
-    path = Path(spec["sweep_dir"]) / TUNE_DIR
+    trainable = _trainable(search_trainable, spec)
     if restore:
-        return tune.Tuner.restore(str(path), trainable, resume_unfinished=True, resume_errored=True)
+        return _restored(spec, TUNE_DIR, trainable)
     return tune.Tuner(
         trainable,
         tune_config=tune.TuneConfig(
@@ -171,13 +187,7 @@ def make_search_tuner(spec: dict, restore: bool) -> Any:
             trial_dirname_creator=_arm_dirname,
             reuse_actors=False,  # a stopped trial's process ends with it
         ),
-        run_config=tune.RunConfig(
-            name=TUNE_DIR,
-            storage_path=spec["sweep_dir"],
-            failure_config=tune.FailureConfig(max_failures=spec["max_failures"]),
-            checkpoint_config=tune.CheckpointConfig(num_to_keep=None),
-            verbose=0,
-        ),
+        run_config=_run_config(spec, TUNE_DIR),
     )
 
 
