@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import _xdist_groups
@@ -30,6 +31,22 @@ torch.set_num_threads(_THREADS)
 @pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO
+
+
+_HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """Each test leaves pytest's process with the signal handlers it found. ray.init installs Ray's SIGTERM
+    handler (sys.exit) in the calling process and ray.shutdown leaves it; a later test of the same xdist worker
+    whose training loop chains to the handler before its own (core.training.loop.StopSignals.chain) then ended
+    in SystemExit(15) instead of Preempted."""
+    before = {s: signal.getsignal(s) for s in _HANDLED}
+    yield
+    for s, handler in before.items():
+        if signal.getsignal(s) is not handler:
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -163,11 +163,7 @@ def test_ray_train_ddp_equals_single_process_training(tmp_path: Path) -> None:
 
     x, y = fmnist_slice(256, 1)["train"]
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    # ray.init installs its own SIGTERM handler in this (pytest's) process and shutdown leaves it: restore ours,
-    # or later tests' stop signals end in Ray's sys.exit(15)
-    handlers = {
-        s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
-    }
+    # ray.init installs Ray's SIGTERM handler in pytest's process: conftest's autouse fixture restores ours
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     try:
         TorchTrainer(
@@ -178,8 +174,6 @@ def test_ray_train_ddp_equals_single_process_training(tmp_path: Path) -> None:
         ).fit()
     finally:
         ray.shutdown()
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
     got = pickle.loads((tmp_path / "ddp.pkl").read_bytes())
     assert got["world"] == 2
 

@@ -11,6 +11,7 @@ same check fails on it.
 from __future__ import annotations
 
 import math
+import signal
 from pathlib import Path
 
 import pytest
@@ -72,11 +73,16 @@ def ray_local():
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the trainable lives in this test module
     started = not ray.is_initialized()  # another test of this process may have left one up: use it
+    # ray.init installs Ray's SIGTERM handler in pytest's process and shutdown leaves it (conftest's autouse
+    # fixture restores per test, which is inside this module-scoped one): put back what was there
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     if started:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     yield
     if started:
         ray.shutdown()
+    for s, handler in handlers.items():
+        signal.signal(s, handler)
 
 
 def _fair_choices(rows: list[dict]) -> dict[str, float | None]:
