@@ -2,8 +2,10 @@
 
     tcnn study export SWEEP_DIR OUT_DIR      # results.csv, history.csv, attention.csv, cost.csv, meta.json
     tcnn study render OUT_DIR [--readme README.md] [--check]
+    tcnn study run PARAMS --name NAME --out DIR [--readme README.md] [--max-seeds N] [--dry-run] [-S k=v]
 
-Each verb is one function: :func:`pipelines.studies.results.export`, :func:`pipelines.studies.render.render`.
+Each verb is one function: :func:`pipelines.studies.results.export`, :func:`pipelines.studies.render.render`,
+:func:`pipelines.studies.run.run` (pilot, power arithmetic, main seeds, export; resumable).
 """
 
 from __future__ import annotations
@@ -30,6 +32,15 @@ def add_parser(sub: Any) -> None:
     r.add_argument("--readme", type=Path, default=None)
     r.add_argument("--check", action="store_true", help="exit 1 when the README block is not up to date")
     r.set_defaults(func=_main_render)
+    g = verbs.add_parser("run", help="pilot, power arithmetic, main seeds and the answer's block (resumable)")
+    g.add_argument("params", type=Path)
+    g.add_argument("--name", required=True, help="the study's sweeps are NAME-pilot and NAME-main")
+    g.add_argument("--out", type=Path, required=True, help="where study.json, the CSVs and study.md go")
+    g.add_argument("--readme", type=Path, default=None, help="also write the block into this file")
+    g.add_argument("--max-seeds", type=int, default=None, help="at most this many main seeds (recorded)")
+    g.add_argument("--dry-run", action="store_true", help="the same steps at smoke size on the CPU")
+    g.add_argument("-S", "--set", action="append", default=[], metavar="KEY=VALUE", help="override a param")
+    g.set_defaults(func=_main_run)
 
 
 def _main_export(args: argparse.Namespace) -> int:
@@ -56,4 +67,38 @@ def _main_render(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    return 0
+
+
+def _main_run(args: argparse.Namespace) -> int:
+    """`tcnn study run`: a stop signal ends the phase's trials and closes its runs (the sweep's own handling)
+    and exits 75 (130 for Ctrl-C); running it again continues."""
+    import os
+
+    from core.config import ConfigError
+    from pipelines.studies.run import run
+    from pipelines.sweep.plan import SweepError
+    from stages.harness.runner import Stopped, stop_on_signals
+
+    if args.max_seeds is not None and args.max_seeds < 2:
+        print(f"tcnn study: error: --max-seeds {args.max_seeds}: at least 2", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        os.environ["TCNN_DEVICE"] = "cpu"
+    os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"
+    try:
+        with stop_on_signals():
+            rec = run(args.params, args.name, args.out, overrides=args.set, max_seeds=args.max_seeds,
+                      dry_run=args.dry_run, readme=args.readme)  # fmt: skip
+    except Stopped as stop:
+        print(f"tcnn study: stopped by {stop}; run it again to continue", file=sys.stderr)
+        return stop.exit_status
+    except (SweepError, ConfigError, StudyError) as err:
+        print(f"tcnn study: error: {err}", file=sys.stderr)
+        return 2
+    print(f"study: wrote {args.out / 'study.json'} and {args.out / 'study.md'}")
+    for m in ("clean_accuracy", "mca"):
+        r = rec["answer"][m]
+        print(f"study: {r['name']}: T-CNN - control {100 * r['mean']:+.2f} pp "
+              f"[{100 * r['low']:+.2f}, {100 * r['high']:+.2f}]")  # fmt: skip
     return 0
