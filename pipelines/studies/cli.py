@@ -78,7 +78,7 @@ def _main_run(args: argparse.Namespace) -> int:
     from core.config import ConfigError
     from pipelines.studies.run import run
     from pipelines.sweep.plan import SweepError
-    from stages.harness.runner import Stopped, stop_on_signals
+    from stages.harness.runner import EXIT_IOERR, Stopped, io_error_line, stop_on_signals
 
     if args.max_seeds is not None and args.max_seeds < 2:
         print(f"tcnn study: error: --max-seeds {args.max_seeds}: at least 2", file=sys.stderr)
@@ -96,6 +96,11 @@ def _main_run(args: argparse.Namespace) -> int:
     except (SweepError, ConfigError, StudyError) as err:
         print(f"tcnn study: error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:  # a file or the tracking store could not be read or written: one line, 74
+        if (line := io_error_line(err)) is None:
+            raise
+        print(f"tcnn study: error: {line}", file=sys.stderr)
+        return EXIT_IOERR
     print(f"study: wrote {args.out / 'study.json'} and {args.out / 'study.md'}")
     for m in ("clean_accuracy", "mca"):
         r = rec["answer"][m]
