@@ -45,11 +45,11 @@ def _study(tmp: Path, diffs: tuple[float, ...] = (0.02, 0.025, 0.03)) -> Path:
             rows[-1]["tcnn_selected"], rows[-1]["control_selected"] = lr == 0.001, lr == 0.0001
         rows.append(_row("selected", seed, 0.001, 0.0001, 0.9, 0.85, d))
     tmp.mkdir(parents=True, exist_ok=True)
-    S._write_csv(tmp / "results.csv", rows, S._columns())
-    S._write_csv(tmp / "history.csv", [{"seed": s, "arm": a, "value": lr, "epoch": e, "val_accuracy": 0.8 + e / 100}
+    S.write_csv(tmp / "results.csv", rows, S._columns())
+    S.write_csv(tmp / "history.csv", [{"seed": s, "arm": a, "value": lr, "epoch": e, "val_accuracy": 0.8 + e / 100}
                                        for s in range(3) for a in ("tcnn", "control") for lr in LRS for e in range(3)],
                  ["seed", "arm", "value", "epoch", "val_accuracy"])  # fmt: skip
-    S._write_csv(tmp / "attention.csv", [{"seed": s, "epoch": e, "layer": "layer4.0.conv1", "head": h,
+    S.write_csv(tmp / "attention.csv", [{"seed": s, "epoch": e, "layer": "layer4.0.conv1", "head": h,
                                           "inv_alpha": 1.0, "gate": 0.73 - 0.35 * e * (h == 0), "nonlocality": 1.5}
                                          for s in range(3) for e in range(3) for h in range(9)],
                  ["seed", "epoch", "layer", "head", "inv_alpha", "gate", "nonlocality"])  # fmt: skip
@@ -85,7 +85,7 @@ def test_a_selected_row_that_is_not_the_validation_argmax_is_refused(tmp_path: P
     for r in rows:
         if r["row"] == "selected" and r["seed"] == "1":
             r["tcnn_value"] = "0.01"  # the test-best choice, not the validation one
-    S._write_csv(d / "results.csv", rows, S._columns())
+    S.write_csv(d / "results.csv", rows, S._columns())
     with pytest.raises(S.StudyError, match="seed 1: the tcnn row chose 0.01, the validation argmax is 0.001"):
         R.selected(S.load(d)["rows"])
 
@@ -97,7 +97,7 @@ def test_a_flipped_selection_flag_or_a_row_cut_short_is_one_line(tmp_path: Path)
     text = (d / "results.csv").read_text()
     rows = list(csv.DictReader(text.splitlines()))
     rows[1]["control_selected"] = "True"  # seed 0, lr 1e-3: not the control's validation argmax (1e-4)
-    S._write_csv(d / "results.csv", rows, S._columns())
+    S.write_csv(d / "results.csv", rows, S._columns())
     with pytest.raises(S.StudyError, match=r"seed 0, control 0.001: control_selected is True, but the validation "
                                            r"argmax is 0.0001"):  # fmt: skip
         R.selected(S.load(d)["rows"])

@@ -71,39 +71,28 @@ def _main_render(args: argparse.Namespace) -> int:
 
 
 def _main_run(args: argparse.Namespace) -> int:
-    """`tcnn study run`: a stop signal ends the phase's trials and closes its runs (the sweep's own handling)
-    and exits 75 (130 for Ctrl-C); running it again continues."""
+    """`tcnn study run`: its sweeps driven from this process (pipelines.sweep.cli.driving_sweeps: a stop signal
+    exits 75, 130 for Ctrl-C); running it again continues."""
     import os
 
-    from core.config import ConfigError
     from pipelines.studies.run import run
-    from pipelines.sweep.plan import SweepError
-    from stages.harness.runner import EXIT_IOERR, Stopped, io_error_line, stop_on_signals
+    from pipelines.sweep.cli import command_status, driving_sweeps
 
     if args.max_seeds is not None and args.max_seeds < 2:
         print(f"tcnn study: error: --max-seeds {args.max_seeds}: at least 2", file=sys.stderr)
         return 2
     if args.dry_run:
         os.environ["TCNN_DEVICE"] = "cpu"
-    os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"
-    try:
-        with stop_on_signals():
+
+    def body() -> int:
+        with driving_sweeps():
             rec = run(args.params, args.name, args.out, overrides=args.set, max_seeds=args.max_seeds,
                       dry_run=args.dry_run, readme=args.readme)  # fmt: skip
-    except Stopped as stop:
-        print(f"tcnn study: stopped by {stop}; run it again to continue", file=sys.stderr)
-        return stop.exit_status
-    except (SweepError, ConfigError, StudyError) as err:
-        print(f"tcnn study: error: {err}", file=sys.stderr)
-        return 2
-    except Exception as err:  # a file or the tracking store could not be read or written: one line, 74
-        if (line := io_error_line(err)) is None:
-            raise
-        print(f"tcnn study: error: {line}", file=sys.stderr)
-        return EXIT_IOERR
-    print(f"study: wrote {args.out / 'study.json'} and {args.out / 'study.md'}")
-    for m in ("clean_accuracy", "mca"):
-        r = rec["answer"][m]
-        print(f"study: {r['name']}: T-CNN - control {100 * r['mean']:+.2f} pp "
-              f"[{100 * r['low']:+.2f}, {100 * r['high']:+.2f}]")  # fmt: skip
-    return 0
+        print(f"study: wrote {args.out / 'study.json'} and {args.out / 'study.md'}")
+        for m in ("clean_accuracy", "mca"):
+            r = rec["answer"][m]
+            print(f"study: {r['name']}: T-CNN - control {100 * r['mean']:+.2f} pp "
+                  f"[{100 * r['low']:+.2f}, {100 * r['high']:+.2f}]")  # fmt: skip
+        return 0
+
+    return command_status("tcnn study", body, again="run it again to continue", errors=(StudyError,))

@@ -272,6 +272,16 @@ def _heads_sentence(attention: list[dict[str, Any]]) -> str:
     )
 
 
+def with_block(text: str, name: str, section: str) -> str | None:
+    """``text`` with the block between ``<!-- study:NAME:begin -->`` and its end marker replaced by ``section``;
+    None when the markers are not there."""
+    begin, end = f"<!-- study:{name}:begin -->", f"<!-- study:{name}:end -->"
+    if begin not in text or end not in text:
+        return None
+    head, rest = text.split(begin, 1)
+    return f"{head}{begin}\n{section}{end}{rest.split(end, 1)[1]}"
+
+
 def render(results: Path, readme: Path | None = None, *, check: bool = False) -> tuple[str, bool]:
     """Figures into ``results``, the Markdown section; with ``readme`` the block replaced (or compared).
     Returns (section, whether the README matched). The study's params are ``<results>.yaml`` next to the
@@ -294,13 +304,10 @@ def render(results: Path, readme: Path | None = None, *, check: bool = False) ->
             plot_head_gates(data["attention"], results / "attention.png", title=name)
     if readme is None:
         return section, True
-    begin, end = f"<!-- study:{name}:begin -->", f"<!-- study:{name}:end -->"
     text = readme.read_text()
-    if begin not in text or end not in text:
-        raise StudyError(f"{readme}: no {begin} ... {end} block")
-    head, rest = text.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    new = f"{head}{begin}\n{section}{end}{tail}"
+    new = with_block(text, name, section)
+    if new is None:
+        raise StudyError(f"{readme}: no <!-- study:{name}:begin --> ... <!-- study:{name}:end --> block")
     same = new == text
     if not check and not same:
         atomic_write_text(readme, new)

@@ -91,10 +91,10 @@ def export(sweep_dir: Path, out: Path, cpu: str | None = None) -> list[Path]:
     rows += _chosen_rows(chosen, key)
     out.mkdir(parents=True, exist_ok=True)
     rates = ["images_per_s"] if any(h.get("images_per_s") is not None for h in history) else []
-    written = [_write_csv(out / "results.csv", rows, _columns()),
-               _write_csv(out / "history.csv", history, [*HISTORY, *rates]),
-               _write_csv(out / "attention.csv", attention, list(attention[0]) if attention else ["seed"]),
-               _write_csv(out / "cost.csv", cost_rows(sweep_dir, spec, key), list(COST))]  # fmt: skip
+    written = [write_csv(out / "results.csv", rows, _columns()),
+               write_csv(out / "history.csv", history, [*HISTORY, *rates]),
+               write_csv(out / "attention.csv", attention, list(attention[0]) if attention else ["seed"]),
+               write_csv(out / "cost.csv", cost_rows(sweep_dir, spec, key), list(COST))]  # fmt: skip
     atomic_write_text(out / "meta.json", json.dumps(_meta(sweep_dir, spec, key, cpu), indent=1) + "\n")
     return [*written, out / "meta.json"]
 
@@ -444,7 +444,7 @@ def _last_end(sweep_dir: Path) -> str | None:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(max(ends))) if ends else None
 
 
-def _write_csv(path: Path, rows: list[dict[str, Any]], cols: list[str]) -> Path:
+def write_csv(path: Path, rows: list[dict[str, Any]], cols: list[str]) -> Path:
     import io
 
     buf = io.StringIO()

@@ -26,7 +26,6 @@ set, at most 2 pilot seeds and 2 main seeds) on the CPU: it checks the chain, it
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import statistics
@@ -34,8 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from core.utils.atomic import atomic_write_json, atomic_write_text
+from pipelines.studies.results import write_csv
 from pipelines.studies.sizing import TARGET, half_width, seeds_needed
 from pipelines.sweep.plan import SweepError
+from pipelines.sweep.selection import mean_of
 
 KEY = "finetune.lr"
 STATE = "study.json"
@@ -148,11 +149,6 @@ def main_overrides(pilot_seeds: list[int], n: int, lrs: dict[str, float]) -> lis
             f"{KEY}={lrs['tcnn']!r}", f"finetune.control_lr={lrs['control']!r}"]  # fmt: skip
 
 
-def _mean(values: list[Any]) -> float | None:
-    vals = [v for v in values if v is not None]
-    return statistics.mean(vals) if vals else None
-
-
 def answer(main_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The main phase's mean T-CNN - control with Student's 95% interval over its seeds (the sweep's
     seeds.parquet, core.robustness.intervals.t_interval) and its per-seed rows (summary.parquet)."""
@@ -167,7 +163,7 @@ def answer(main_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     for metric, name in SIZED:
         col = f"tcnn_minus_control_{metric}"
         lo, hi = agg[f"{col}_seeds_ci_low"], agg[f"{col}_seeds_ci_high"]
-        means = {a: _mean([r[f"{a}_{metric}"] for r in per_seed]) for a in MODELS}
+        means = {a: mean_of([r[f"{a}_{metric}"] for r in per_seed]) for a in MODELS}
         out[metric] = {"name": name, "means": means, "mean": agg[f"{col}_seeds_mean"], "low": lo, "high": hi,
                        "half_width": (hi - lo) / 2, "resolved": (hi - lo) / 2 <= TARGET + 1e-12,
                        "sign": "above" if lo > 0 else "below" if hi < 0 else "spans"}  # fmt: skip
@@ -237,21 +233,16 @@ def write(out: Path, record: dict[str, Any], diffs: list[dict[str, Any]], per_se
     """study.json, pilot.csv, main.csv and study.md in ``out``; the block in ``readme`` when given."""
     out.mkdir(parents=True, exist_ok=True)
     text = markdown(record)
-    files = [atomic_write_json(out / STATE, record), _csv(out / "pilot.csv", diffs),
-             _csv(out / "main.csv", per_seed), atomic_write_text(out / "study.md", text)]  # fmt: skip
+    files = [atomic_write_json(out / STATE, record), write_csv(out / "pilot.csv", diffs, _columns(diffs)),
+             write_csv(out / "main.csv", per_seed, _columns(per_seed)),
+             atomic_write_text(out / "study.md", text)]  # fmt: skip
     if readme is not None:
         files.append(insert_block(readme, record["name"], text))
     return files
 
 
-def _csv(path: Path, rows: list[dict[str, Any]]) -> Path:
-    import io
-
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else ["seed"], lineterminator="\n")
-    w.writeheader()
-    w.writerows(rows)
-    return atomic_write_text(path, buf.getvalue())
+def _columns(rows: list[dict[str, Any]]) -> list[str]:
+    return list(rows[0]) if rows else ["seed"]
 
 
 def _pp(v: float | None, sign: bool = True) -> str:
@@ -313,12 +304,11 @@ def markdown(rec: dict[str, Any]) -> str:
 
 def insert_block(readme: Path, name: str, text: str) -> Path:
     """Replace (or append) the block between ``<!-- study:NAME:begin -->`` and its end marker."""
-    begin, end = f"<!-- study:{name}:begin -->", f"<!-- study:{name}:end -->"
+    from pipelines.studies.render import with_block
+
     old = readme.read_text() if readme.is_file() else ""
-    block = f"{begin}\n{text}{end}"
-    if begin in old and end in old:
-        head, rest = old.split(begin, 1)
-        new = head + block + rest.split(end, 1)[1]
-    else:
-        new = old + ("\n" if old and not old.endswith("\n") else "") + block + "\n"
+    new = with_block(old, name, text)
+    if new is None:
+        sep = "\n" if old and not old.endswith("\n") else ""
+        new = f"{old}{sep}<!-- study:{name}:begin -->\n{text}<!-- study:{name}:end -->\n"
     return atomic_write_text(readme, new)

@@ -13,10 +13,12 @@ pipelines.slurm.launch_ray_cluster starts (:func:`submit_slurm`; :func:`follow` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -169,12 +171,40 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _run_here(spec: dict, args: argparse.Namespace, address: str) -> dict:
-    """The sweep driven from this process: a stop signal (stages.harness.runner.STAGE_SIGNALS) anywhere in it ends
-    the trials, closes the MLflow runs KILLED and exits 75 (130 for Ctrl-C) -- Tune's own Ctrl-C handler,
-    which would let the driver go on to a summary of a half-run grid, is turned off."""
+@contextlib.contextmanager
+def driving_sweeps() -> Iterator[None]:
+    """Sweeps driven from this process: a stop signal (stages.harness.runner.STAGE_SIGNALS) anywhere inside
+    ends the trials, closes the MLflow runs KILLED and raises Stopped (exit 75, 130 for Ctrl-C) -- Tune's own
+    Ctrl-C handler, which would let the driver go on to a summary of a half-run grid, is turned off."""
     os.environ["TUNE_DISABLE_SIGINT_HANDLER"] = "1"
     with stop_on_signals():
+        yield
+
+
+def command_status(
+    prog: str, body: Callable[[], int], *, again: str, errors: tuple[type[Exception], ...] = ()
+) -> int:
+    """``body``'s exit status, or how it ended: stopped (75/130, with ``again``: how to continue), bad input
+    (SweepError, ConfigError or ``errors``: one line, 2), a file or the tracking store that could not be read
+    or written (one line, 74)."""
+    try:
+        return body()
+    except Stopped as stop:
+        print(f"{prog}: stopped by {stop}; {again}", file=sys.stderr)
+        return stop.exit_status
+    except (SweepError, ConfigError, *errors) as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+    except Exception as err:  # a file or the tracking store could not be read or written: one line, 74
+        if (line := io_error_line(err)) is None:
+            raise
+        print(f"{prog}: error: {line}", file=sys.stderr)
+        return EXIT_IOERR
+
+
+def _run_here(spec: dict, args: argparse.Namespace, address: str) -> dict:
+    """The sweep driven from this process (:func:`driving_sweeps`)."""
+    with driving_sweeps():
         return run_sweep(
             spec,
             address=address,
@@ -184,28 +214,19 @@ def _run_here(spec: dict, args: argparse.Namespace, address: str) -> dict:
         )
 
 
+def _sweep(args: argparse.Namespace) -> int:
+    params = load_params(args.params, args.set)
+    if args.slurm and args.address != "local":
+        raise SweepError("--address: not with --slurm (the job starts its own Ray cluster)")
+    address = check_address(args.address)
+    spec = build_spec(params, name=args.name, params_file=Path(args.params), placement=args.worker_placement)
+    spec = reconcile(spec, args.resume)
+    if args.slurm:
+        return submit_slurm(spec, args)
+    return 0 if _run_here(spec, args, address)["failed"] == 0 else 1
+
+
 def main_sweep(args: argparse.Namespace) -> int:
-    try:
-        params = load_params(args.params, args.set)
-        if args.slurm and args.address != "local":
-            raise SweepError("--address: not with --slurm (the job starts its own Ray cluster)")
-        address = check_address(args.address)
-        spec = build_spec(
-            params, name=args.name, params_file=Path(args.params), placement=args.worker_placement
-        )
-        spec = reconcile(spec, args.resume)
-        if args.slurm:
-            return submit_slurm(spec, args)
-        result = _run_here(spec, args, address)
-    except Stopped as stop:
-        print(f"tcnn sweep: stopped by {stop}; run it again with --auto-resume to continue", file=sys.stderr)
-        return stop.exit_status
-    except (SweepError, ConfigError) as err:
-        print(f"tcnn sweep: error: {err}", file=sys.stderr)
-        return 2
-    except Exception as err:  # a file or the tracking store could not be read or written: one line, 74
-        if (line := io_error_line(err)) is None:
-            raise
-        print(f"tcnn sweep: error: {line}", file=sys.stderr)
-        return EXIT_IOERR
-    return 0 if result["failed"] == 0 else 1
+    return command_status(
+        "tcnn sweep", lambda: _sweep(args), again="run it again with --auto-resume to continue"
+    )
