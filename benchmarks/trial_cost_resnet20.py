@@ -95,6 +95,45 @@ def trial_seconds(tr: dict, ev: dict, epochs: int, cnn_share: float) -> dict[str
     return out
 
 
+# Issue 57's design (pipelines/studies/cifar10_resnet20.yaml, its own params read): the lr of each arm by a
+# search on one seed (validation only, no evaluate stage), then main seeds one at a time (3 at least, 10 at most).
+DESIGN = STUDIES / "cifar10_resnet20.yaml"
+AVX2_RATES = {"train": {"control": 238.0, "T-CNN": 82.0},  # issue 57: the idle AVX2 EPYC (Zen 3) of 9f9610d
+              "eval": {"tcnn_cl": 173.0, "cnn_cl": 691.0, "tcnn": 310.0, "cnn": 1091.0}}  # fmt: skip
+
+
+def design_price(tr: dict, ev: dict, design: Path = DESIGN) -> list[tuple[str, float]]:
+    """Hours of the search-then-sequential-seeds design at the rates ``tr`` (training img/s per arm) and ``ev``
+    (evaluation img/s): the search at its best (ASHA stops every trial it may at the first rung, the minimum of
+    finished trials per arm runs to the end) and worst (no trial stopped), each main seed (clean test half and
+    every corrupted set for the T-CNN, its control and the CNN), and the study at 3, 5 and 10 main seeds."""
+    import yaml
+
+    p = yaml.safe_load(design.read_text())
+    epochs, search = int(p["finetune"]["epochs"]), p["sweep"]["search"]
+    points, keep = int(search["num_samples"]), int(search.get("min_finished", 3))
+    grace, per_set = int(p["sweep"]["scheduler"]["grace_period"]), int(p["robustness"]["n_images"])
+    epoch_s = TRAIN / tr["control"] + TRAIN / tr["T-CNN"] + VAL * (1 / ev["tcnn_cl"] + 1 / ev["cnn_cl"])
+    best = (keep * epochs + (points - keep) * grace) * epoch_s
+    worst = points * epochs * epoch_s
+    evaluated = TEST + corrupted_sets(design) * per_set
+    seed = (epochs * epoch_s + TEST * (1 / ev["tcnn_cl"] + 1 / ev["cnn_cl"])
+            + evaluated * (1 / ev["tcnn"] + 2 / ev["cnn"]))  # fmt: skip
+    rows = [("search, best case (ASHA stops all it may at the first rung)", best),
+            ("search, worst case (no trial stopped)", worst), ("one main seed", seed)]  # fmt: skip
+    for n in (3, 5, 10):
+        rows.append((f"study, worst-case search + {n} main seeds", worst + n * seed))
+    return [(name, sec / 3600) for name, sec in rows]
+
+
+def print_design(tr: dict, ev: dict, where: str) -> None:
+    print(
+        f"\n| issue 57's design ({DESIGN.name}), {where} | 2-core hours | fits {BUDGET_H:.0f} h |\n|---|---:|---|"
+    )
+    for name, h in design_price(tr, ev):
+        print(f"| {name} | {h:.2f} | {'yes' if h <= BUDGET_H or not name.startswith('study') else 'no'} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -103,7 +142,15 @@ def main() -> None:
     ap.add_argument("--eval-batch", type=int, default=500)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--weights", type=Path, default=WEIGHTS)
+    ap.add_argument(
+        "--design-only",
+        action="store_true",
+        help="price issue 57's design at the AVX2 EPYC's rates only (no measurement)",
+    )
     args = ap.parse_args()
+    if args.design_only:
+        print_design(AVX2_RATES["train"], AVX2_RATES["eval"], "at the idle AVX2 EPYC's rates (issue 57)")
+        return
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"CPU: {cpu_model()}; torch {torch.__version__}, {args.threads} threads, "
@@ -192,6 +239,8 @@ def main() -> None:
         pilot = lo_pilot * trial_seconds(tr, ev, ep, 1 / GRID)["trial"]
         return imp + pilot + (n - PILOT_SEEDS) * trial_seconds(tr, ev, ep, 1.0)["trial"]
 
+    print_design(tr, ev, "at the rates measured above")
+    print_design(AVX2_RATES["train"], AVX2_RATES["eval"], "at the idle AVX2 EPYC's rates (issue 57)")
     f0, per_epoch = base(0), base(1) - base(0)
     fit = (BUDGET_H * 3600 - f0) / per_epoch
     print(f"\nbase case: evaluation and import alone (0 epochs) {f0 / 3600:.1f} h; each epoch of both arms in "

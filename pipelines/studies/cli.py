@@ -2,10 +2,10 @@
 
     tcnn study export SWEEP_DIR OUT_DIR      # results.csv, history.csv, attention.csv, cost.csv, meta.json
     tcnn study render OUT_DIR [--readme README.md] [--check]
-    tcnn study run PARAMS --name NAME --out DIR [--readme README.md] [--max-seeds N] [--dry-run] [-S k=v]
+    tcnn study run PARAMS --name NAME --out DIR [--readme README.md] [--max-seeds N] [--force] [--dry-run] [-S k=v]
 
 Each verb is one function: :func:`pipelines.studies.results.export`, :func:`pipelines.studies.render.render`,
-:func:`pipelines.studies.run.run` (pilot, power arithmetic, main seeds, export; resumable).
+:func:`pipelines.studies.run.run` (search, sequential main seeds, export; resumable).
 """
 
 from __future__ import annotations
@@ -32,12 +32,19 @@ def add_parser(sub: Any) -> None:
     r.add_argument("--readme", type=Path, default=None)
     r.add_argument("--check", action="store_true", help="exit 1 when the README block is not up to date")
     r.set_defaults(func=_main_render)
-    g = verbs.add_parser("run", help="pilot, power arithmetic, main seeds and the answer's block (resumable)")
+    g = verbs.add_parser(
+        "run", help="search each arm's lr, seeds until the interval is narrow, the answer's block (resumable)"
+    )
     g.add_argument("params", type=Path)
-    g.add_argument("--name", required=True, help="the study's sweeps are NAME-pilot and NAME-main")
+    g.add_argument("--name", required=True, help="the study's sweeps are NAME-search and NAME-seed<k>")
     g.add_argument("--out", type=Path, required=True, help="where study.json, the CSVs and study.md go")
     g.add_argument("--readme", type=Path, default=None, help="also write the block into this file")
-    g.add_argument("--max-seeds", type=int, default=None, help="at most this many main seeds (recorded)")
+    g.add_argument(
+        "--max-seeds", type=int, default=None, help="at most this many main seeds (default 10; recorded)"
+    )
+    g.add_argument(
+        "--force", action="store_true", help="go on when an arm chose among fewer than min_finished"
+    )
     g.add_argument("--dry-run", action="store_true", help="the same steps at smoke size on the CPU")
     g.add_argument("-S", "--set", action="append", default=[], metavar="KEY=VALUE", help="override a param")
     g.set_defaults(func=_main_run)
@@ -76,10 +83,12 @@ def _main_run(args: argparse.Namespace) -> int:
     import os
 
     from pipelines.studies.run import run
+    from pipelines.studies.sequential import FIRST
     from pipelines.sweep.cli import command_status, driving_sweeps
 
-    if args.max_seeds is not None and args.max_seeds < 2:
-        print(f"tcnn study: error: --max-seeds {args.max_seeds}: at least 2", file=sys.stderr)
+    if args.max_seeds is not None and args.max_seeds < FIRST:
+        print(f"tcnn study: error: --max-seeds {args.max_seeds}: at least {FIRST} (the seeds run before the "
+              "rule is first applied)", file=sys.stderr)  # fmt: skip
         return 2
     if args.dry_run:
         os.environ["TCNN_DEVICE"] = "cpu"
@@ -87,9 +96,9 @@ def _main_run(args: argparse.Namespace) -> int:
     def body() -> int:
         with driving_sweeps():
             rec = run(args.params, args.name, args.out, overrides=args.set, max_seeds=args.max_seeds,
-                      dry_run=args.dry_run, readme=args.readme)  # fmt: skip
+                      dry_run=args.dry_run, readme=args.readme, force=args.force)  # fmt: skip
         print(f"study: wrote {args.out / 'study.json'} and {args.out / 'study.md'}")
-        for m in ("clean_accuracy", "mca"):
+        for m in ("clean_accuracy", "mca", "mce"):
             r = rec["answer"][m]
             print(f"study: {r['name']}: T-CNN - control {100 * r['mean']:+.2f} pp "
                   f"[{100 * r['low']:+.2f}, {100 * r['high']:+.2f}]")  # fmt: skip
