@@ -226,6 +226,11 @@ def test_a_dry_run_chains_search_seeds_and_block_and_a_rerun_changes_nothing(tmp
     assert len((tmp_path / "out" / "search.csv").read_text().splitlines()) == 1 + len(rows)
     assert len((tmp_path / "out" / "main.csv").read_text().splitlines()) == 3
 
+    # the block again from the committed outputs alone (`tcnn study render OUT`): the same text, README up to date
+    render = subprocess.run([TCNN, "study", "render", "out", "--readme", "R.md", "--check"], cwd=tmp_path,
+                            env=sweep_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert render.returncode == 0, render.stderr
+
     # resumable: a second run trains nothing and writes the same record
     done = {p: p.stat().st_mtime_ns for p in (tmp_path / "sweeps").glob("st-*/trials/*/done.json")}
     assert len(done) == 4 + 2

@@ -61,9 +61,14 @@ def _main_export(args: argparse.Namespace) -> int:
 
 
 def _main_render(args: argparse.Namespace) -> int:
+    from pipelines.studies.run import STATE, StudyRunError, render_block
+
     try:
-        section, same = render(args.results, args.readme, check=args.check)
-    except (StudyError, OSError) as err:
+        if (args.results / STATE).is_file():  # a `tcnn study run` output: its block from study.json
+            section, same = render_block(args.results, args.readme, check=args.check)
+        else:
+            section, same = render(args.results, args.readme, check=args.check)
+    except (StudyError, StudyRunError, OSError, ValueError) as err:
         print(f"tcnn study: error: {err}", file=sys.stderr)
         return 2
     if args.readme is None:

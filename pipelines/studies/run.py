@@ -120,6 +120,23 @@ def seed_row(sweep_dir: Path) -> dict[str, Any]:
     return out | compute(sweep_dir)
 
 
+def attention_rows(sweep_dir: Path) -> list[dict[str, Any]]:
+    """Every GPSA head of the seed's T-CNN over fine-tuning (the finetune stage's gpsa.csv: gate sigma(lambda),
+    span 1/alpha, nonlocality per epoch), with its seed."""
+    import csv
+
+    from stages.harness import chain
+
+    spec = json.loads((sweep_dir / "sweep.json").read_text())
+    out = []
+    for tid, t in spec["trials"].items():
+        gpsa = sweep_dir / "trials" / tid / chain.output("finetune", "gpsa.csv")
+        if gpsa.is_file():
+            with open(gpsa) as fh:
+                out += [{"seed": t["params"]["seed"], **r} for r in csv.DictReader(fh)]
+    return out
+
+
 def compute(sweep_dir: Path) -> dict[str, Any]:
     """A phase's compute as its records say (pipelines.studies.results: training epochs kept, stages' and the
     driver's recorded times) and the CPUs it ran on."""
@@ -174,6 +191,7 @@ def run(params_file: Path, name: str, out: Path, *, overrides: list[str] | None 
                               "main": {"seeds": []}, "target_pp": 100 * sequential.TARGET}  # fmt: skip
     unit = "seeds of one CNN"
     per_seed: list[dict[str, Any]] = []
+    attention: list[dict[str, Any]] = []
     seed = params.seed + 1
     while True:
         step = sequential.decide(
@@ -185,16 +203,19 @@ def run(params_file: Path, name: str, out: Path, *, overrides: list[str] | None 
         main_dir = _sweep(load_params(params_file, [*sets, *main_overrides(seed, lrs)]), f"{name}-seed{seed}",
                           params_file)  # fmt: skip
         per_seed.append(seed_row(main_dir))
+        attention += attention_rows(main_dir)
         record["main"]["seeds"].append({"seed": seed, "sweep": str(main_dir), **compute(main_dir)})
         record["answer"] = answer(per_seed, unit) if len(per_seed) >= 2 else None
         record["answer_sets"] = corrupted_sets(main_dir)
         record["search"]["compute"] = compute(search_dir)
         record["state"] = f"running: {len(per_seed)} main seed(s) finished"
-        write(out, record, search_rows(search_dir), per_seed, readme)
+        record["attention"] = heads(attention)
+        write(out, record, search_rows(search_dir), per_seed, attention, readme)
         seed += 1
     record["answer"] = answer(per_seed, unit)
     record["state"] = f"finished: {len(per_seed)} main seeds ({step['reason']})"
-    write(out, record, search_rows(search_dir), per_seed, readme)
+    record["attention"] = heads(attention)
+    write(out, record, search_rows(search_dir), per_seed, attention, readme)
     return record
 
 
@@ -229,17 +250,41 @@ def corrupted_sets(sweep_dir: Path) -> dict[str, Any]:
             "n_images": rob["n_images"]}  # fmt: skip
 
 
+def heads(attention: list[dict[str, Any]]) -> dict[str, Any]:
+    """The attention analysis of the first CIFAR-10 study (pipelines/studies/render.py): how many heads became
+    content-based (gate sigma(lambda) below core.viz.study_plots.CONTENT_GATE) at the end of fine-tuning in each
+    seed's T-CNN, in a sentence, and the heads' mean span 1/alpha there against its start."""
+    from pipelines.studies.render import _heads_sentence
+
+    if not attention:
+        return {"sentence": _heads_sentence([]), "span_start": None, "span_end": None}
+    first, last = min(int(r["epoch"]) for r in attention), max(int(r["epoch"]) for r in attention)
+
+    def span(epoch: int) -> float | None:
+        return mean_of([float(r["inv_alpha"]) for r in attention if int(r["epoch"]) == epoch])
+
+    return {"sentence": _heads_sentence(attention), "span_start": span(first), "span_end": span(last),
+            "epochs": [first, last]}  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------- outputs
 
 
 def write(out: Path, record: dict[str, Any], searched: list[dict[str, Any]], per_seed: list[dict[str, Any]],
-          readme: Path | None) -> list[Path]:  # fmt: skip
-    """study.json, search.csv, main.csv and study.md in ``out``; the block in ``readme`` when given."""
+          attention: list[dict[str, Any]], readme: Path | None) -> list[Path]:  # fmt: skip
+    """study.json, search.csv, main.csv, attention.csv (+ attention.png) and study.md in ``out``; the block in
+    ``readme`` when given."""
+    from core.viz.study_plots import plot_head_gates
+
     out.mkdir(parents=True, exist_ok=True)
     text = markdown(record)
     files = [atomic_write_json(out / STATE, record), write_csv(out / "search.csv", searched, _columns(searched)),
              write_csv(out / "main.csv", per_seed, _columns(per_seed)),
+             write_csv(out / "attention.csv", attention, _columns(attention)),
              atomic_write_text(out / "study.md", text)]  # fmt: skip
+    if attention:
+        plot_head_gates(attention, out / "attention.png", title=record["name"])
+        files.append(out / "attention.png")
     if readme is not None:
         files.append(insert_block(readme, record["name"], text))
     return files
@@ -322,6 +367,11 @@ def markdown(rec: dict[str, Any]) -> str:
               f"{', '.join(map(str, sets['severities']))}), up to {sets['n_images']} test images per set; "
               "a difference of 1 pp is 1 pp of that mean accuracy.", ""]  # fmt: skip
     lines += [f"   - {sentence(ans[m], ans['unit'])}" for m, _ in REPORTED]
+    att = rec.get("attention") or {}
+    if att.get("span_end") is not None:
+        lines += ["", f"4. Attention: {att['sentence']} The heads' mean span 1/alpha went from "
+                  f"{att['span_start']:.3f} (epoch {att['epochs'][0]}) to {att['span_end']:.3f} (epoch "
+                  f"{att['epochs'][1]}) (attention.csv, attention.png)."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -335,3 +385,21 @@ def insert_block(readme: Path, name: str, text: str) -> Path:
         sep = "\n" if old and not old.endswith("\n") else ""
         new = f"{old}{sep}<!-- study:{name}:begin -->\n{text}<!-- study:{name}:end -->\n"
     return atomic_write_text(readme, new)
+
+
+def render_block(out: Path, readme: Path | None, *, check: bool = False) -> tuple[str, bool]:
+    """The block of a study run, again, from its committed ``out/study.json`` (``tcnn study render OUT``):
+    returns (block, whether ``readme`` already held it); without ``check`` the README is rewritten."""
+    rec = json.loads((out / STATE).read_text())
+    text = markdown(rec)
+    if readme is None:
+        return text, True
+    from pipelines.studies.render import with_block
+
+    old = readme.read_text()
+    new = with_block(old, rec["name"], text)
+    if new is None:
+        raise StudyRunError(f"{readme}: no <!-- study:{rec['name']}:begin --> ... end --> block")
+    if not check and new != old:
+        atomic_write_text(readme, new)
+    return text, new == old
