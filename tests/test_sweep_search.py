@@ -253,6 +253,36 @@ def test_tpe_gets_its_start_up_from_params_and_says_when_that_is_every_point(cap
     assert warnings_for({**_search(algorithm="random"), "num_samples": 4}) == []
 
 
+def test_each_arms_choice_says_its_candidates_runner_up_margin_and_tie() -> None:
+    """Finished trials of 3 epochs, 500 validation images; a stopped one (epoch 1) is no candidate. The T-CNN's
+    best two tie at 0.81 (405 images each): the lower point index is kept, margin 0. The control's best is 0.80,
+    its runner-up 0.79: 5 images."""
+    from pipelines.sweep.search_report import CHOICE_KEYS, choices, chosen
+
+    def row(point: int, arm: str, acc: float, epoch: int = 3) -> dict[str, Any]:
+        status = "finished" if epoch == 3 else "stopped"
+        return {"trial": f"p{point:03d}-{arm}", "point": point, "arm": arm, "finetune.lr": 0.01 * (point + 1),
+                "status": status, TIME_ATTR: epoch, METRIC: acc, "val_images": 500}  # fmt: skip
+
+    rows = [row(0, "tcnn", 0.70), row(0, "control", 0.79), row(1, "tcnn", 0.81), row(1, "control", 0.95, 1),
+            row(2, "tcnn", 0.81), row(2, "control", 0.80), row(3, "tcnn", 0.99, 1), row(3, "control", 0.60)]  # fmt: skip
+    picks = chosen(rows, 3)
+    got = {arm: {k: picks[arm][k] for k in ("trial", *CHOICE_KEYS)} for arm in ARMS}
+    assert got == {
+        "tcnn": {"trial": "p001-tcnn", "candidates": 3, "runner_up": {"trial": "p002-tcnn", METRIC: 0.81},
+                 "margin_images": 0, "tie": True},
+        "control": {"trial": "p002-control", "candidates": 3, "runner_up": {"trial": "p000-control", METRIC: 0.79},
+                    "margin_images": round((0.80 - 0.79) * 500), "tie": False},
+    }  # fmt: skip
+    assert got["control"]["margin_images"] == 5
+    spec = {"search": {"space": {"finetune.lr": {"loguniform": [1e-3, 1]}}}}
+    tcnn, control = choices(spec, picks)
+    assert "among 3 candidates, tied with p002-tcnn (81.00%): the lower point index (sampled earlier)" in tcnn
+    assert "ahead of the runner-up p000-control (79.00%) by 5 of 500 validation images" in control
+    assert chosen([row(0, "tcnn", 0.7)], 3) == {"tcnn": {**row(0, "tcnn", 0.7), "candidates": 1, "runner_up": None,
+                                                         "margin_images": None, "tie": False}, "control": None}  # fmt: skip
+
+
 # ------------------------------------------------------------------------------- scheduler state
 
 
@@ -309,7 +339,7 @@ def test_a_search_stopped_by_sigterm_resumes_and_each_arm_chooses_its_own_best(t
     )
     raw = yaml.safe_load(path.read_text())
     search = {"space": {"finetune.lr": {"loguniform": [1e-4, 0.1]}}, "algorithm": "random", "num_samples": 3,
-              "seed": 0}  # fmt: skip
+              "seed": 0, "min_finished": 2}  # fmt: skip
     raw["sweep"] |= {"search": search, "scheduler": {"grace_period": 1, "reduction_factor": 2}}
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     sweep_dir = tmp_path / "sweeps" / "s"
@@ -348,20 +378,32 @@ def test_a_search_stopped_by_sigterm_resumes_and_each_arm_chooses_its_own_best(t
         if r["status"] == "stopped":
             assert run.data.tags["tcnn.stopped_at_epoch"] == str(r[TIME_ATTR]) and r[TIME_ATTR] < 3
 
-    # Each arm's choice: its best last validation accuracy among its trials that trained every epoch.
+    # Each arm's choice: its best last validation accuracy among its trials that trained every epoch, at least
+    # min_finished of them; the runner-up and the margin in the validation images its fine-tuning recorded.
     chosen = json.loads((sweep_dir / "chosen.json").read_text())
+    metrics = json.loads((sweep_dir / "metrics.json").read_text())
+    report = (sweep_dir / "search.md").read_text()
     for arm in ARMS:
         done = [r for r in rows if r["arm"] == arm and r["status"] == "finished"]
         assert all(r[TIME_ATTR] == 3 for r in done)
-        best = max(done, key=lambda r: r[METRIC])
+        assert len(done) >= search["min_finished"], (arm, done)
+        best, second = sorted(done, key=lambda r: (-r[METRIC], r["point"]))[:2]
         assert chosen[arm]["trial"] == best["trial"] and chosen[arm][METRIC] == best[METRIC]
-    report = (sweep_dir / "search.md").read_text()
+        stage = "finetune" if arm == "tcnn" else "control"
+        roles = json.loads(
+            (sweep_dir / "trials" / best["trial"] / "runs" / stage / "metrics.json").read_text()
+        )
+        n_val = roles["data_roles"]["val"]["images"]
+        assert chosen[arm]["candidates"] == len(done) == metrics[f"chosen/{arm}/candidates"]
+        assert chosen[arm]["runner_up"] == {"trial": second["trial"], METRIC: second[METRIC]}
+        assert chosen[arm]["margin_images"] == round((best[METRIC] - second[METRIC]) * n_val)
+        assert chosen[arm]["tie"] == (best[METRIC] == second[METRIC]) == bool(metrics[f"chosen/{arm}/tie"])
+        assert f"among {len(done)} candidates" in report.split(f"- {arm}: ")[1].splitlines()[0]
     assert f"- tcnn: {chosen['tcnn']['trial']} finetune.lr=" in report
     html = (sweep_dir / "report.html").read_text()
     assert f"control: {chosen['control']['trial']} finetune.lr=" in html and "<img" in html
     trained = sum(r[TIME_ATTR] for r in rows)
     assert f"Compute: {trained} fine-tuning epochs trained of {3 * len(rows)}" in report
-    metrics = json.loads((sweep_dir / "metrics.json").read_text())
     assert metrics["pretrain_runs"] == 1  # the search's one pretraining, shared by every trial, not run again
     assert (
         metrics["search_epochs_trained"] == trained

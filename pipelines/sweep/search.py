@@ -14,9 +14,9 @@ exactly the same points and the number of points is the same. The inner searcher
 the mean of the two arms' validation accuracies at the same epoch: the last epoch both arms' trials reported
 (each trial's per-epoch history is kept from ``on_trial_result``), so a point whose control ASHA stopped at
 epoch 1 while its T-CNN ran to epoch 3 is valued at epoch 1 for both. One sampler fed this symmetric value, not
-one sampler per arm: both arms then get the same points by construction (a sampler per arm, fed the same points,
-would learn from its own arm but could not propose, so it would not be TPE), and neither arm steers where the
-search goes next. Early stopping acts within each arm (pipelines/sweep/scheduling.py), and each arm chooses among
+one sampler per arm: both arms then get the same points by construction, neither arm steers where the search
+goes next, and TPE models the points it proposed itself (a sampler per arm, each told the other's points, would
+learn from points it did not propose: no longer TPE). Early stopping acts within each arm (pipelines/sweep/scheduling.py), and each arm chooses among
 its own trials that ran to the end, on its own validation accuracy (:func:`pipelines.sweep.scheduling.choose`).
 
 The searcher's state (the inner study, the points handed out and the arms' results) is saved with Tune's
