@@ -309,6 +309,21 @@ def test_the_scheduler_goes_on_from_its_saved_rungs_after_a_restore(tmp_path: Pa
     assert fresh.on_trial_result(None, b, {TIME_ATTR: 1, METRIC: 0.1}) == "CONTINUE"
 
 
+def test_the_trials_an_arm_lost_are_kept_across_a_restore(tmp_path: Path) -> None:
+    """3 points, min_finished 2: the T-CNN's second trial is stopped (2 stay able to finish); after a restore
+    its third, as poor, is promoted to the end, since stopping it would leave 1."""
+    state, make = tmp_path / "state.pkl", asha(max_t=4, grace_period=1, reduction_factor=2)
+    first = ArmwiseScheduler(make, state=str(state), points=3, min_finished=2, max_t=4)
+    a, b, c = _trial("a", "tcnn"), _trial("b", "tcnn"), _trial("c", "tcnn")
+    for t in (a, b, c):
+        first.on_trial_add(None, t)
+    assert first.on_trial_result(None, a, {TIME_ATTR: 1, METRIC: 0.9}) == "CONTINUE"
+    assert first.on_trial_result(None, b, {TIME_ATTR: 1, METRIC: 0.1}) == "STOP"
+    restored = ArmwiseScheduler(make, state=str(state), points=3, min_finished=2, max_t=4)
+    assert restored.on_trial_result(None, c, {TIME_ATTR: 1, METRIC: 0.1}) == "CONTINUE"
+    assert restored.lost == {"tcnn": {"b"}, "control": set()} and restored.promoted["tcnn"] == {"c"}
+
+
 # ------------------------------------------------------------------------------------- end to end
 
 
