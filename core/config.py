@@ -502,6 +502,11 @@ class SearchConfig(_Strict):
     algorithm: Literal["random", "tpe"] = "random"  # tpe: Optuna's TPE sampler through Ray's OptunaSearch
     num_samples: int = Field(8, ge=1)  # points (each run by both arms)
     seed: int = Field(0, ge=0)  # same params, same seed: the same points
+    # each arm chooses among at least this many trials that trained every epoch: the scheduler stops at most
+    # num_samples - min_finished trials per arm (pipelines/sweep/scheduling.py: ArmwiseScheduler)
+    min_finished: int = Field(3, ge=1)
+    # tpe: its first n_startup_trials points are random (Optuna's TPESampler, whose own default is 10)
+    n_startup_trials: int = Field(10, ge=1)
 
     @field_validator("space")
     @classmethod
@@ -906,9 +911,11 @@ def _check_search(params: Params) -> None:
     if params.data.val_from == "train" and params.data.val_size == 0:
         raise ConfigError("sweep.search: each arm chooses on its validation accuracy; data.val_size is 0 "
                           "(set it, or data.val_from: test_half)")  # fmt: skip
-    if sw.scheduler is not None and sw.scheduler.grace_period > params.finetune.epochs:
-        raise ConfigError(f"sweep.scheduler.grace_period: {sw.scheduler.grace_period} exceeds "
-                          f"finetune.epochs={params.finetune.epochs}")  # fmt: skip
+    if sw.search.min_finished > sw.search.num_samples:
+        raise ConfigError(f"sweep.search.min_finished: {sw.search.min_finished} exceeds num_samples="
+                          f"{sw.search.num_samples} (each arm has num_samples trials to choose among)")  # fmt: skip
+    if sw.scheduler is not None:
+        _check_scheduler(sw.scheduler, sw.search, params.finetune.epochs)
     for key, spec in sw.search.space.items():
         kind, values = next(iter(spec.items()))
         for value in values:
@@ -920,6 +927,27 @@ def _check_search(params: Params) -> None:
             except ValidationError as err:
                 raise ConfigError(f"sweep.search.space.{key}: {kind} value {value!r} is invalid "
                                   f"({_format_error(err)})") from None  # fmt: skip
+
+
+def _check_scheduler(sched: SchedulerConfig, search: SearchConfig, epochs: int) -> None:
+    """A scheduler that could stop no trial is refused (ASHA, Li et al. 2020: a trial is stopped at a rung,
+    ``grace_period * reduction_factor**k`` epochs, short of the last epoch; a rung keeps the top
+    1/reduction_factor of an arm's points; at most ``num_samples - min_finished`` trials per arm are stopped)."""
+    if sched.grace_period > epochs:
+        raise ConfigError(
+            f"sweep.scheduler.grace_period: {sched.grace_period} exceeds finetune.epochs={epochs}"
+        )
+    if sched.grace_period == epochs:
+        raise ConfigError(f"sweep.scheduler.grace_period: {sched.grace_period} equals finetune.epochs, so no "
+                          "trial could be stopped before its last epoch; lower it or drop sweep.scheduler")  # fmt: skip
+    if search.num_samples < sched.reduction_factor:
+        raise ConfigError(f"sweep.scheduler.reduction_factor: {sched.reduction_factor:g} points per arm make one "
+                          f"rung, sweep.search.num_samples={search.num_samples} is fewer; raise it or drop "
+                          "sweep.scheduler")  # fmt: skip
+    if search.min_finished >= search.num_samples:
+        raise ConfigError(f"sweep.search.min_finished: {search.min_finished} of num_samples={search.num_samples} "
+                          "trials per arm must train every epoch, so the scheduler could stop none; lower it or "
+                          "drop sweep.scheduler")  # fmt: skip
 
 
 def _check_bracket(sweep: SweepConfig) -> None:

@@ -647,6 +647,15 @@ def cases() -> list[Case]:
             expect="early stopping acts on the trials of a search",
         )
     )
+    add(
+        Case(
+            "a scheduler that could stop no trial",
+            tcnn("sweep", "-S", "sweep.search={space: {finetune.lr: {loguniform: [0.001, 0.1]}}, num_samples: 3}",
+                 "-S", "finetune.epochs=3", "-S", "sweep.scheduler={kind: asha}"),
+            2,
+            expect="so the scheduler could stop none",
+        )
+    )  # fmt: skip
     add(Case("sweep --resume of nothing", tcnn("sweep", "--name", "none", "--resume"), 2))
     add(Case("sweep --address bogus", tcnn("sweep", "--address", "not an address"), 2))
     add(Case("sweep name with a slash", tcnn("sweep", "--name", "a/b"), 2))

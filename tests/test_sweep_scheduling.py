@@ -6,6 +6,10 @@ the lrs in the same order. Each arm gets the same six points. A fair rule must l
 train to the end and choose it. The unfair variant -- one ASHA over both arms' trials -- ranks the control's
 trials against the T-CNN's, stops them all at the first rung, and leaves the control nothing to choose: the
 same check fails on it.
+
+A choice needs candidates (``min_finished``): on curves that fall with the point index, ASHA alone leaves each arm
+one finished trial; the rule counted within each arm leaves each exactly ``min_finished`` and still stops the rest;
+the same rule counted over both arms together, or applied to one arm only, leaves an arm short.
 """
 
 from __future__ import annotations
@@ -113,3 +117,94 @@ def test_one_asha_over_both_arms_fails_the_same_check(ray_local, tmp_path: Path)
     best = max(LRS, key=lambda lr: curve("control", lr, MAX_T))
     assert choices["control"] != best  # what the fair test asserts does not hold
     assert all(r[TIME_ATTR] < MAX_T for r in rows if r[ARM_KEY] == "control")
+
+
+# ------------------------------------------------------------------ a choice among min_finished candidates
+# Each arm's ASHA driven by Tune's own scheduler objects, with stand-in trials: the trials of a point come in
+# as Tune runs them (the T-CNN's, then its control's), one at a time, and each arm's accuracy falls with the
+# point index, so the first trial of an arm reaches every rung first and ASHA alone stops every later one.
+
+POINTS, MIN_FINISHED = 8, 3
+
+
+def falling(arm: str, point: int, epoch: int) -> float:
+    """Validation accuracy of ``arm`` at ``point`` after ``epoch`` epochs: lower for each later point."""
+    return PEAK[arm] - (0.02 if arm == "tcnn" else 0.03) * point - 0.2 / epoch
+
+
+def _drive(
+    scheduler: ArmwiseScheduler, fail: frozenset[tuple[str, int]] = frozenset()
+) -> dict[str, list[int]]:
+    """Every point's two trials to their end (the last epoch or a STOP); a (arm, point) in ``fail`` errors at
+    its first report. Returns each arm's epochs trained per point."""
+    from types import SimpleNamespace
+
+    trained: dict[str, list[int]] = {arm: [] for arm in ARMS}
+    for point in range(POINTS):
+        for arm in ARMS:
+            trial = SimpleNamespace(trial_id=f"p{point}-{arm}", config={ARM_KEY: arm})
+            scheduler.on_trial_add(None, trial)
+            if (arm, point) in fail:
+                scheduler.on_trial_error(None, trial)
+                trained[arm].append(0)
+                continue
+            for epoch in range(1, MAX_T + 1):
+                result = {TIME_ATTR: epoch, METRIC: falling(arm, point, epoch)}
+                if scheduler.on_trial_result(None, trial, result) == "STOP":
+                    break
+            scheduler.on_trial_complete(None, trial, result)
+            trained[arm].append(epoch)
+    return trained
+
+
+def _finished(trained: dict[str, list[int]]) -> dict[str, int]:
+    return {arm: sum(e == MAX_T for e in epochs) for arm, epochs in trained.items()}
+
+
+def _with_minimum(cls: type = ArmwiseScheduler) -> ArmwiseScheduler:
+    return cls(asha(MAX_T, GRACE, RF), points=POINTS, min_finished=MIN_FINISHED, max_t=MAX_T)
+
+
+def test_asha_alone_leaves_each_arm_one_candidate() -> None:
+    """The problem: the first trial of each arm to reach the rungs goes on, every later one is stopped."""
+    assert _finished(_drive(ArmwiseScheduler(asha(MAX_T, GRACE, RF)))) == {"tcnn": 1, "control": 1}
+
+
+def test_each_arm_keeps_min_finished_candidates_and_asha_stops_the_rest() -> None:
+    trained = _drive(_with_minimum())
+    for arm in ARMS:  # each arm: min_finished trials to the end, the other points stopped early
+        assert _finished(trained)[arm] == MIN_FINISHED, (arm, trained[arm])
+        assert sum(e < MAX_T for e in trained[arm]) == POINTS - MIN_FINISHED, (arm, trained[arm])
+    assert trained["tcnn"] == trained["control"]  # the same rule, the same points: the same shape
+    # the choice among them is the arm's best (point 0, the first sampled)
+    rows = [{ARM_KEY: arm, "point": p, TIME_ATTR: e, METRIC: falling(arm, p, e)}
+            for arm in ARMS for p, e in enumerate(trained[arm])]  # fmt: skip
+    assert all(choose(rows, arm, MAX_T)["point"] == 0 for arm in ARMS)
+
+
+def test_a_failed_trial_leaves_its_arm_fewer_to_stop() -> None:
+    """A trial that errors will not finish: the arm's later trials are kept on sooner, the other arm's not."""
+    trained = _drive(_with_minimum(), fail=frozenset({("control", 1)}))
+    assert _finished(trained) == {"tcnn": MIN_FINISHED, "control": MIN_FINISHED}
+    assert sum(0 < e < MAX_T for e in trained["control"]) == POINTS - MIN_FINISHED - 1
+
+
+class _Pooled(ArmwiseScheduler):
+    """Unfair: the minimum counted over both arms together."""
+
+    def may_stop(self, arm: str) -> bool:
+        lost = sum(len(ids) for ids in self.lost.values())
+        return len(self.by_arm) * self.points - lost - 1 >= self.min_finished
+
+
+class _TcnnOnly(ArmwiseScheduler):
+    """Unfair: the minimum applied to the T-CNN's arm only."""
+
+    def may_stop(self, arm: str) -> bool:
+        return arm != "tcnn" or super().may_stop(arm)
+
+
+@pytest.mark.parametrize("variant", [_Pooled, _TcnnOnly])
+def test_the_unfair_minimums_fail_the_same_check(variant: type) -> None:
+    finished = _finished(_drive(_with_minimum(variant)))
+    assert min(finished.values()) < MIN_FINISHED, finished  # what the fair test asserts does not hold

@@ -24,7 +24,14 @@ from test_sweep import TCNN, make_project, sweep_env
 
 from core.config import ConfigError, load_params, validate_params
 from pipelines.sweep.scheduling import ARM_KEY, ARMS, METRIC, TIME_ATTR, ArmwiseScheduler, asha
-from pipelines.sweep.search import POINT_KEY, PairedSearcher, inner_searcher, make_searcher
+from pipelines.sweep.search import (
+    POINT_KEY,
+    PairedSearcher,
+    first_points,
+    inner_searcher,
+    make_searcher,
+    warnings_for,
+)
 from stages.harness.tracking import store_client
 
 SPACE = {"finetune.lr": {"loguniform": [1e-4, 1e-1]}, "reparam.alpha_init": {"choice": [0.5, 1.0, 2.0]}}
@@ -54,14 +61,25 @@ def _raw(**sweep: Any) -> dict[str, Any]:
         ({"search": {"space": SPACE, "num_samples": 0}}, "sweep.search.num_samples"),
         ({"scheduler": {"kind": "asha"}}, "sweep.scheduler: early stopping acts on the trials of a search"),
         ({"search": {"space": SPACE}, "scheduler": {"grace_period": 99}}, "grace_period: 99 exceeds"),
+        ({"search": {"space": SPACE}, "scheduler": {"grace_period": 4}},  # finetune.epochs: 4 (below)
+         "sweep.scheduler.grace_period: 4 equals finetune.epochs, so no trial could be stopped"),
+        ({"search": {"space": SPACE, "num_samples": 4, "min_finished": 1}, "scheduler": {"reduction_factor": 5}},
+         "sweep.scheduler.reduction_factor: 5 points per arm make one rung, sweep.search.num_samples=4 is fewer"),
+        ({"search": {"space": SPACE, "num_samples": 3}, "scheduler": {}},
+         "sweep.search.min_finished: 3 of num_samples=3 trials per arm must train every epoch"),
+        ({"search": {"space": SPACE, "num_samples": 2}}, "sweep.search.min_finished: 3 exceeds num_samples=2"),
+        ({"search": {"space": SPACE, "min_finished": 0}}, "sweep.search.min_finished"),
+        ({"search": {"space": SPACE, "n_startup_trials": 0}}, "sweep.search.n_startup_trials"),
         ({"search": {"space": SPACE}, "scheduler": {"reduction_factor": 1}}, "sweep.scheduler.reduction_factor"),
         ({"search": {"space": SPACE}, "grid": {"seed": [0, 1]}}, "sweep.grid must be empty"),
         ({"search": {"space": SPACE}, "select": {"over": ["finetune.lr"]}}, "sweep.select: a search chooses"),
     ],
 )  # fmt: skip
 def test_a_bad_search_is_one_line_naming_the_key(sweep: dict[str, Any], line: str) -> None:
+    raw = _raw(**sweep)
+    raw["finetune"]["epochs"] = 4  # room for a rung before the last epoch
     with pytest.raises(ConfigError) as err:
-        validate_params(_raw(**sweep))
+        validate_params(raw)
     assert line in str(err.value) and "\n" not in str(err.value)
 
 
@@ -169,6 +187,102 @@ def test_the_searcher_ends_when_its_inner_one_does() -> None:
     assert got[4:] == [PairedSearcher.FINISHED] * 2
 
 
+def _epochs(searcher: PairedSearcher, trial_id: str, curve: list[float]) -> None:
+    """The trial reports ``curve`` (epochs 1, 2, ...), then ends with its last report."""
+    for epoch, value in enumerate(curve, start=1):
+        searcher.on_trial_result(trial_id, {TIME_ATTR: epoch, METRIC: value})
+    searcher.on_trial_complete(trial_id, {TIME_ATTR: len(curve), METRIC: curve[-1]})
+
+
+class _LastValues(PairedSearcher):
+    """Unfair: each arm's last value, whatever epoch it reached."""
+
+    @staticmethod
+    def value(by_arm: dict[str, dict[int, float]]) -> float | None:
+        return sum(h[max(h)] for h in by_arm.values()) / len(by_arm)
+
+
+@pytest.mark.parametrize("cls", [PairedSearcher, _LastValues])
+def test_the_sampler_learns_both_arms_at_the_epoch_both_reached(cls: type, tmp_path: Path) -> None:
+    """The control stopped at epoch 1 (0.40), the T-CNN ran to 3 (0.30, 0.60, 0.80): the point's value is the
+    mean at epoch 1, (0.30 + 0.40) / 2, not a mean of values at epochs 3 and 1. The searcher is saved and
+    restored between the arms' reports (Tune pickles it with the experiment): the history survives."""
+    searcher = cls(inner_searcher(_search()))
+    tcnn, control = searcher.suggest("t0"), searcher.suggest("t1")
+    assert (tcnn[ARM_KEY], control[ARM_KEY]) == ("tcnn", "control")
+    searcher.on_trial_result("t0", {TIME_ATTR: 1, METRIC: 0.30})
+    searcher.save(str(tmp_path / "searcher.pkl"))
+    restored = cls(inner_searcher(_search()))
+    restored.restore(str(tmp_path / "searcher.pkl"))
+    _epochs(restored, "t1", [0.40])
+    for epoch, value in ((2, 0.60), (3, 0.80)):
+        restored.on_trial_result("t0", {TIME_ATTR: epoch, METRIC: value})
+    restored.on_trial_complete("t0", {TIME_ATTR: 3, METRIC: 0.80})
+    (told,) = restored.inner._ot_study.trials  # Optuna's own record of what it learnt
+    fair = told.value == pytest.approx((0.30 + 0.40) / 2)
+    assert fair if cls is PairedSearcher else not fair
+
+
+@pytest.mark.parametrize("algorithm", ["random", "tpe"])
+def test_a_choice_of_four_values_in_four_points_tries_each_once(algorithm: str) -> None:
+    """Asked for all four points before any result (as Tune asks with trials running side by side)."""
+    values = [0.25, 0.5, 1.0, 2.0]
+    search = {
+        **_search(algorithm=algorithm),
+        "space": {"reparam.alpha_init": {"choice": values}},
+        "num_samples": 4,
+    }
+    for seed in (0, 1):
+        searcher = make_searcher({**search, "seed": seed})
+        got = [searcher.suggest(f"t{i}")["reparam.alpha_init"] for i in range(8)][::2]
+        assert sorted(got) == values, (seed, got)
+    # the draw is the seed's: another seed, another order (fixed here, so the check can fail)
+    orders = {
+        tuple(c["reparam.alpha_init"] for c in first_points({**search, "seed": seed})) for seed in range(4)
+    }
+    assert len(orders) > 1
+
+
+def test_tpe_gets_its_start_up_from_params_and_says_when_that_is_every_point(capsys: Any) -> None:
+    searcher = make_searcher({**_search(), "num_samples": 6, "n_startup_trials": 4})
+    assert searcher.inner._ot_study.sampler._n_startup_trials == 4
+    assert capsys.readouterr().out == ""
+    make_searcher({**_search(), "num_samples": 4, "n_startup_trials": 4})
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("sweep: warning: sweep.search: tpe with num_samples=4 <= n_startup_trials=4")
+    assert warnings_for({**_search(algorithm="random"), "num_samples": 4}) == []
+
+
+def test_each_arms_choice_says_its_candidates_runner_up_margin_and_tie() -> None:
+    """Finished trials of 3 epochs, 500 validation images; a stopped one (epoch 1) is no candidate. The T-CNN's
+    best two tie at 0.81 (405 images each): the lower point index is kept, margin 0. The control's best is 0.80,
+    its runner-up 0.79: 5 images."""
+    from pipelines.sweep.search_report import CHOICE_KEYS, choices, chosen
+
+    def row(point: int, arm: str, acc: float, epoch: int = 3) -> dict[str, Any]:
+        status = "finished" if epoch == 3 else "stopped"
+        return {"trial": f"p{point:03d}-{arm}", "point": point, "arm": arm, "finetune.lr": 0.01 * (point + 1),
+                "status": status, TIME_ATTR: epoch, METRIC: acc, "val_images": 500}  # fmt: skip
+
+    rows = [row(0, "tcnn", 0.70), row(0, "control", 0.79), row(1, "tcnn", 0.81), row(1, "control", 0.95, 1),
+            row(2, "tcnn", 0.81), row(2, "control", 0.80), row(3, "tcnn", 0.99, 1), row(3, "control", 0.60)]  # fmt: skip
+    picks = chosen(rows, 3)
+    got = {arm: {k: picks[arm][k] for k in ("trial", *CHOICE_KEYS)} for arm in ARMS}
+    assert got == {
+        "tcnn": {"trial": "p001-tcnn", "candidates": 3, "runner_up": {"trial": "p002-tcnn", METRIC: 0.81},
+                 "margin_images": 0, "tie": True},
+        "control": {"trial": "p002-control", "candidates": 3, "runner_up": {"trial": "p000-control", METRIC: 0.79},
+                    "margin_images": round((0.80 - 0.79) * 500), "tie": False},
+    }  # fmt: skip
+    assert got["control"]["margin_images"] == 5
+    spec = {"search": {"space": {"finetune.lr": {"loguniform": [1e-3, 1]}}}}
+    tcnn, control = choices(spec, picks)
+    assert "among 3 candidates, tied with p002-tcnn (81.00%): the lower point index (sampled earlier)" in tcnn
+    assert "ahead of the runner-up p000-control (79.00%) by 5 of 500 validation images" in control
+    assert chosen([row(0, "tcnn", 0.7)], 3) == {"tcnn": {**row(0, "tcnn", 0.7), "candidates": 1, "runner_up": None,
+                                                         "margin_images": None, "tie": False}, "control": None}  # fmt: skip
+
+
 # ------------------------------------------------------------------------------- scheduler state
 
 
@@ -193,6 +307,21 @@ def test_the_scheduler_goes_on_from_its_saved_rungs_after_a_restore(tmp_path: Pa
     fresh = ArmwiseScheduler(make)
     fresh.on_trial_add(None, b)
     assert fresh.on_trial_result(None, b, {TIME_ATTR: 1, METRIC: 0.1}) == "CONTINUE"
+
+
+def test_the_trials_an_arm_lost_are_kept_across_a_restore(tmp_path: Path) -> None:
+    """3 points, min_finished 2: the T-CNN's second trial is stopped (2 stay able to finish); after a restore
+    its third, as poor, is promoted to the end, since stopping it would leave 1."""
+    state, make = tmp_path / "state.pkl", asha(max_t=4, grace_period=1, reduction_factor=2)
+    first = ArmwiseScheduler(make, state=str(state), points=3, min_finished=2, max_t=4)
+    a, b, c = _trial("a", "tcnn"), _trial("b", "tcnn"), _trial("c", "tcnn")
+    for t in (a, b, c):
+        first.on_trial_add(None, t)
+    assert first.on_trial_result(None, a, {TIME_ATTR: 1, METRIC: 0.9}) == "CONTINUE"
+    assert first.on_trial_result(None, b, {TIME_ATTR: 1, METRIC: 0.1}) == "STOP"
+    restored = ArmwiseScheduler(make, state=str(state), points=3, min_finished=2, max_t=4)
+    assert restored.on_trial_result(None, c, {TIME_ATTR: 1, METRIC: 0.1}) == "CONTINUE"
+    assert restored.lost == {"tcnn": {"b"}, "control": set()} and restored.promoted["tcnn"] == {"c"}
 
 
 # ------------------------------------------------------------------------------------- end to end
@@ -225,7 +354,7 @@ def test_a_search_stopped_by_sigterm_resumes_and_each_arm_chooses_its_own_best(t
     )
     raw = yaml.safe_load(path.read_text())
     search = {"space": {"finetune.lr": {"loguniform": [1e-4, 0.1]}}, "algorithm": "random", "num_samples": 3,
-              "seed": 0}  # fmt: skip
+              "seed": 0, "min_finished": 2}  # fmt: skip
     raw["sweep"] |= {"search": search, "scheduler": {"grace_period": 1, "reduction_factor": 2}}
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     sweep_dir = tmp_path / "sweeps" / "s"
@@ -264,20 +393,32 @@ def test_a_search_stopped_by_sigterm_resumes_and_each_arm_chooses_its_own_best(t
         if r["status"] == "stopped":
             assert run.data.tags["tcnn.stopped_at_epoch"] == str(r[TIME_ATTR]) and r[TIME_ATTR] < 3
 
-    # Each arm's choice: its best last validation accuracy among its trials that trained every epoch.
+    # Each arm's choice: its best last validation accuracy among its trials that trained every epoch, at least
+    # min_finished of them; the runner-up and the margin in the validation images its fine-tuning recorded.
     chosen = json.loads((sweep_dir / "chosen.json").read_text())
+    metrics = json.loads((sweep_dir / "metrics.json").read_text())
+    report = (sweep_dir / "search.md").read_text()
     for arm in ARMS:
         done = [r for r in rows if r["arm"] == arm and r["status"] == "finished"]
         assert all(r[TIME_ATTR] == 3 for r in done)
-        best = max(done, key=lambda r: r[METRIC])
+        assert len(done) >= search["min_finished"], (arm, done)
+        best, second = sorted(done, key=lambda r: (-r[METRIC], r["point"]))[:2]
         assert chosen[arm]["trial"] == best["trial"] and chosen[arm][METRIC] == best[METRIC]
-    report = (sweep_dir / "search.md").read_text()
+        stage = "finetune" if arm == "tcnn" else "control"
+        roles = json.loads(
+            (sweep_dir / "trials" / best["trial"] / "runs" / stage / "metrics.json").read_text()
+        )
+        n_val = roles["data_roles"]["val"]["images"]
+        assert chosen[arm]["candidates"] == len(done) == metrics[f"chosen/{arm}/candidates"]
+        assert chosen[arm]["runner_up"] == {"trial": second["trial"], METRIC: second[METRIC]}
+        assert chosen[arm]["margin_images"] == round((best[METRIC] - second[METRIC]) * n_val)
+        assert chosen[arm]["tie"] == (best[METRIC] == second[METRIC]) == bool(metrics[f"chosen/{arm}/tie"])
+        assert f"among {len(done)} candidates" in report.split(f"- {arm}: ")[1].splitlines()[0]
     assert f"- tcnn: {chosen['tcnn']['trial']} finetune.lr=" in report
     html = (sweep_dir / "report.html").read_text()
     assert f"control: {chosen['control']['trial']} finetune.lr=" in html and "<img" in html
     trained = sum(r[TIME_ATTR] for r in rows)
     assert f"Compute: {trained} fine-tuning epochs trained of {3 * len(rows)}" in report
-    metrics = json.loads((sweep_dir / "metrics.json").read_text())
     assert metrics["pretrain_runs"] == 1  # the search's one pretraining, shared by every trial, not run again
     assert (
         metrics["search_epochs_trained"] == trained

@@ -93,7 +93,8 @@ def test_a_search_with_asha_runs_through_slurm(cluster: SlurmCluster, tmp_path: 
 
     path = make_project(tmp_path, {}, finetune={"epochs": 2})
     raw = yaml.safe_load(path.read_text())
-    raw["sweep"] |= {"search": {"space": {"finetune.lr": {"loguniform": [1e-3, 0.1]}}, "num_samples": 2},
+    raw["sweep"] |= {"search": {"space": {"finetune.lr": {"loguniform": [1e-3, 0.1]}}, "num_samples": 2,
+                                "min_finished": 1},
                      "scheduler": {"grace_period": 1, "reduction_factor": 2}}  # fmt: skip
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     cmd = [TCNN, "sweep", "--params", "params.yaml", "--name", "se", "--slurm", "--cpus-per-node",

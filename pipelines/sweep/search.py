@@ -2,15 +2,22 @@
 
 A search samples ``num_samples`` points from ``sweep.search.space`` (Ray Tune's ``loguniform`` / ``uniform`` /
 ``choice``) with Optuna through Ray's ``OptunaSearch``: ``random`` (Optuna's RandomSampler) or ``tpe`` (its TPE
-sampler; Bergstra et al. 2011, "Algorithms for Hyper-Parameter Optimization"), both seeded by
-``sweep.search.seed``, so the same params give the same points.
+sampler; Bergstra et al. 2011, "Algorithms for Hyper-Parameter Optimization", whose first
+``sweep.search.n_startup_trials`` points are random: a warning says so when that is every point), both seeded
+by ``sweep.search.seed``, so the same params give the same points. When every key is a ``choice``, the first
+points are a seeded shuffle of the space's combinations, so none repeats while the space has one left:
+``random``'s every point, ``tpe``'s random start-up (:func:`first_points`; Ray's ``points_to_evaluate``).
 
 :class:`PairedSearcher` makes the search fair to both arms: every point the inner searcher proposes is handed out
 twice, first as the T-CNN's trial, then as its matched control's (``config["arm"]``), so both arms are run at
-exactly the same points and the number of points is the same. The inner searcher learns one value per point, the
-mean of the two arms' validation accuracies (symmetric in the arms), so neither arm steers where the search
-goes next. Early stopping acts within each arm (pipelines/sweep/scheduling.py), and each arm chooses among its
-own trials that ran to the end, on its own validation accuracy (:func:`pipelines.sweep.scheduling.choose`).
+exactly the same points and the number of points is the same. The inner searcher learns one value per point,
+the mean of the two arms' validation accuracies at the same epoch: the last epoch both arms' trials reported
+(each trial's per-epoch history is kept from ``on_trial_result``), so a point whose control ASHA stopped at
+epoch 1 while its T-CNN ran to epoch 3 is valued at epoch 1 for both. One sampler fed this symmetric value, not
+one sampler per arm: both arms then get the same points by construction, neither arm steers where the search
+goes next, and TPE models the points it proposed itself (a sampler per arm, each told the other's points, would
+learn from points it did not propose: no longer TPE). Early stopping acts within each arm (pipelines/sweep/scheduling.py), and each arm chooses among
+its own trials that ran to the end, on its own validation accuracy (:func:`pipelines.sweep.scheduling.choose`).
 
 The searcher's state (the inner study, the points handed out and the arms' results) is saved with Tune's
 experiment state and restored by ``Tuner.restore``: a resumed driver samples no point twice.
@@ -18,15 +25,15 @@ experiment state and restored by ``Tuner.restore``: a resumed driver samples no 
 
 from __future__ import annotations
 
+import itertools
 import pickle
+import random
 from pathlib import Path
 from typing import Any
 
 from ray.tune.search import Searcher
 
-from pipelines.sweep.scheduling import ARM_KEY, ARMS, METRIC
-
-POINT_KEY = "point"
+from pipelines.sweep.scheduling import ARM_KEY, ARMS, METRIC, POINT_KEY, TIME_ATTR  # POINT_KEY: also here
 
 
 def tune_space(space: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -41,17 +48,63 @@ def tune_space(space: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def combinations(space: dict[str, dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """Every point of a space whose keys are all ``choice`` (in the order of the keys and values); None when a
+    key is a range."""
+    if any(next(iter(spec)) != "choice" for spec in space.values()):
+        return None
+    keys = list(space)
+    return [
+        dict(zip(keys, values, strict=True))
+        for values in itertools.product(*(space[k]["choice"] for k in keys))
+    ]
+
+
+def first_points(search: dict[str, Any]) -> list[dict[str, Any]]:
+    """The points proposed before the sampler's own: with every key a ``choice``, a shuffle of the combinations
+    seeded by ``seed`` (sampling without replacement), as many as the sampler would draw at random: all
+    ``num_samples`` for ``random``, the ``n_startup_trials`` first for ``tpe`` (capped at the combinations).
+    Empty when a key is a range (a repeat there has probability 0)."""
+    combos = combinations(search["space"])
+    if combos is None:
+        return []
+    n = int(search["num_samples"])
+    if search["algorithm"] == "tpe":
+        n = min(n, int(search.get("n_startup_trials", 10)))
+    order = random.Random(int(search["seed"])).sample(range(len(combos)), len(combos))
+    return [combos[i] for i in order[: min(n, len(combos))]]
+
+
 def inner_searcher(search: dict[str, Any]) -> Searcher:
-    """Ray's OptunaSearch over the space, maximising :data:`METRIC`, with the seeded sampler of ``algorithm``."""
+    """Ray's OptunaSearch over the space, maximising :data:`METRIC`, with the seeded sampler of ``algorithm``
+    (TPE with ``n_startup_trials`` random points first), after :func:`first_points`."""
     import optuna
     from ray.tune.search.optuna import OptunaSearch
 
     seed = int(search["seed"])
-    sampler = (optuna.samplers.TPESampler(seed=seed) if search["algorithm"] == "tpe"
-               else optuna.samplers.RandomSampler(seed=seed))  # fmt: skip
+    sampler = (optuna.samplers.TPESampler(seed=seed, n_startup_trials=int(search.get("n_startup_trials", 10)))
+               if search["algorithm"] == "tpe" else optuna.samplers.RandomSampler(seed=seed))  # fmt: skip
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     space = OptunaSearch.convert_search_space(tune_space(search["space"]))
-    return OptunaSearch(space=space, metric=METRIC, mode="max", sampler=sampler)
+    return OptunaSearch(space=space, metric=METRIC, mode="max", sampler=sampler,
+                        points_to_evaluate=first_points(search) or None)  # fmt: skip
+
+
+def warnings_for(search: dict[str, Any]) -> list[str]:
+    """One line per way the search is not what its algorithm promises (printed when a search starts)."""
+    out = []
+    n, startup = int(search["num_samples"]), int(search.get("n_startup_trials", 10))
+    if search["algorithm"] == "tpe" and n <= startup:
+        out.append(f"sweep.search: tpe with num_samples={n} <= n_startup_trials={startup} samples every point at "
+                   "random (TPE models only the points after its start-up)")  # fmt: skip
+    combos = combinations(search["space"])
+    if combos is not None and n > len(combos):
+        out.append(f"sweep.search: {n} points over the {len(combos)} combinations of the choices: each is "
+                   "tried once, then repeated")  # fmt: skip
+    elif combos is not None and search["algorithm"] == "tpe" and n > startup:
+        out.append(f"sweep.search: tpe's points after its {startup} start-up points may repeat a combination "
+                   "of the choices (each repeat is trained again)")  # fmt: skip
+    return out
 
 
 class PairedSearcher(Searcher):
@@ -65,7 +118,8 @@ class PairedSearcher(Searcher):
         self.points: list[dict[str, Any]] = []  # point index -> its values
         self.queue: list[tuple[int, str]] = []  # (point, arm) still to hand out
         self.trials: dict[str, tuple[int, str]] = {}  # Tune trial id -> (point, arm)
-        self.results: dict[int, dict[str, float | None]] = {}  # point -> arm -> its last METRIC
+        self.results: dict[int, dict[str, dict[int, float]]] = {}  # point -> arm -> epoch -> METRIC (done)
+        self.history: dict[str, dict[int, float]] = {}  # Tune trial id -> epoch -> METRIC (as it runs)
         self.finished = False
 
     def set_search_properties(self, metric: str | None, mode: str | None, config: dict, **spec: Any) -> bool:
@@ -85,19 +139,46 @@ class PairedSearcher(Searcher):
         self.trials[trial_id] = (point, arm)
         return {**self.points[point], POINT_KEY: point, ARM_KEY: arm}
 
+    def _record(self, trial_id: str, result: dict | None) -> None:
+        epoch, value = (result or {}).get(TIME_ATTR), (result or {}).get(METRIC)
+        if isinstance(epoch, int | float) and isinstance(value, int | float):
+            self.history.setdefault(trial_id, {})[int(epoch)] = float(value)
+
+    def on_trial_result(self, trial_id: str, result: dict) -> None:
+        """Keep the trial's validation accuracy at each epoch it reports (what :meth:`value` compares)."""
+        if trial_id in self.trials:
+            self._record(trial_id, result)
+
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         if trial_id not in self.trials:
             return
         point, arm = self.trials[trial_id]
-        value = None if error or not result else result.get(METRIC)
+        if not error:
+            self._record(trial_id, result)
+            value = (result or {}).get(METRIC)
+            if trial_id not in self.history and isinstance(value, int | float):  # a result without epochs
+                self.history[trial_id] = {0: float(value)}
         got = self.results.setdefault(point, {})
-        got[arm] = float(value) if isinstance(value, int | float) else None
+        got[arm] = {} if error else dict(self.history.pop(trial_id, {}))
         if len(got) == len(self.arms):
-            values = [v for v in got.values() if v is not None]
-            mean = sum(values) / len(values) if values else None
+            mean = self.value(got)
             self.inner.on_trial_complete(
                 f"point{point}", None if mean is None else {METRIC: mean}, error=mean is None
             )
+
+    @staticmethod
+    def value(by_arm: dict[str, dict[int, float]]) -> float | None:
+        """A point's value for the sampler: the mean over its arms of :data:`METRIC` at the last epoch every arm
+        with a history reported (an arm that failed before its first epoch counts as missing; None when all
+        did). One arm stopped at epoch 1, the other at 3: both at epoch 1."""
+        curves = [h for h in by_arm.values() if h]
+        if not curves:
+            return None
+        common = set.intersection(*(set(h) for h in curves))
+        if not common:  # no epoch in common (cannot happen with per-epoch reports from 1): each its first
+            return sum(h[min(h)] for h in curves) / len(curves)
+        epoch = max(common)
+        return sum(h[epoch] for h in curves) / len(curves)
 
     def save(self, checkpoint_path: str) -> None:
         with open(checkpoint_path, "wb") as fh:
@@ -109,6 +190,10 @@ class PairedSearcher(Searcher):
 
 
 def make_searcher(search: dict[str, Any]) -> PairedSearcher:
+    """The search's searcher, for a fresh start (a restore brings back the saved one); prints
+    :func:`warnings_for`."""
+    for line in warnings_for(search):
+        print(f"sweep: warning: {line}", flush=True)
     return PairedSearcher(inner_searcher(search))
 
 

@@ -1,8 +1,10 @@
 """The end of a search (``sweep.search``): what was tried, what was stopped when, what each arm chose.
 
 From Tune's results and the trials' own files: one row per trial (its point, arm, status, the epochs it
-trained, its last validation accuracy), each arm's choice among its trials that trained every epoch
-(:func:`pipelines.sweep.scheduling.choose`; a stopped trial is never chosen), the compute used (fine-tuning
+trained, its last validation accuracy, the validation images it was measured on), each arm's choice among its
+trials that trained every epoch (:func:`pipelines.sweep.scheduling.candidates`; a stopped trial is never chosen)
+with how many candidates it had, the runner-up and the margin in validation images (a tie is said: the lower
+point index, the point sampled earlier, is kept), the compute used (fine-tuning
 epochs trained, against the budget of every trial running to the end), the validation curves plot
 (core.viz.search_plots), and the MLflow side: a stopped trial's run is closed FINISHED with the tags
 ``tcnn.status: stopped`` and ``tcnn.stopped_at_epoch`` (as Ray's own MLflow callback closes a trial its
@@ -18,13 +20,17 @@ from pathlib import Path
 from typing import Any
 
 from core.utils.atomic import atomic_write_json, atomic_write_text
-from pipelines.sweep.arm_trial import arm_tid, point_values
-from pipelines.sweep.scheduling import ARM_KEY, ARMS, METRIC, TIME_ATTR, choose
+from pipelines.sweep.arm_trial import ARM_STAGES, arm_tid, base_tid, point_values
+from pipelines.sweep.scheduling import ARM_KEY, ARMS, METRIC, TIME_ATTR, candidates
 from pipelines.sweep.search import POINT_KEY, max_epochs
+from pipelines.sweep.selection import val_images
 from pipelines.sweep.tables import write_table
 from pipelines.sweep.trial import DONE, REFUSED, STATE, read_json, trial_dir
 
 STATUS_TAG, STOPPED_AT_TAG = "tcnn.status", "tcnn.stopped_at_epoch"
+#: What chosen.json says of each arm's choice beside its trial, values and val_acc (``tcnn sweep --from-search``
+#: reads ``candidates``).
+CHOICE_KEYS = ("candidates", "runner_up", "margin_images", "tie")
 
 
 def _curve(result: Any) -> tuple[list[int], list[float]]:
@@ -60,17 +66,36 @@ def search_rows(spec: dict[str, Any], results: Any) -> list[dict[str, Any]]:
         )
         epochs, curve = _curve(r)
         status = "refused" if refused else "finished" if done else "error" if r.error else "stopped"
+        n_val = val_images(spec["trials"][base_tid(spec)]["params"], root, ARM_STAGES[config[ARM_KEY]][-1])
         rows.append({"trial": tid, "point": int(config[POINT_KEY]), "arm": config[ARM_KEY],
                      **point_values(config), "status": status, TIME_ATTR: epochs[-1] if epochs else 0,
                      METRIC: curve[-1] if curve else None, "test_acc": (done or {}).get("test_acc"),
-                     "mlflow_run_id": state.get("mlflow_run_id"), "epochs": epochs, "curve": curve})  # fmt: skip
+                     "val_images": n_val, "mlflow_run_id": state.get("mlflow_run_id"), "epochs": epochs,
+                     "curve": curve})  # fmt: skip
     return sorted(rows, key=lambda x: (x["point"], ARMS.index(x["arm"])))
 
 
 def chosen(rows: list[dict[str, Any]], max_t: int) -> dict[str, dict[str, Any] | None]:
-    """Each arm's choice: its finished trial with the best last validation accuracy (scheduling.choose)."""
+    """Each arm's choice: the first of its finished trials ranked by last validation accuracy
+    (scheduling.candidates: a tie to the lower point index), with ``candidates`` (how many it was chosen
+    among), ``runner_up`` ({trial, val_acc} of the second, or None), ``margin_images`` (the lead over the
+    runner-up in validation images: the accuracy difference times the images the chosen trial was validated
+    on, or None) and ``tie`` (the runner-up had the same accuracy). None for an arm with no finished trial."""
     done = [r for r in rows if r["status"] == "finished"]
-    return {arm: choose(done, arm, max_t) for arm in ARMS}
+    out: dict[str, dict[str, Any] | None] = {}
+    for arm in ARMS:
+        ranked = candidates(done, arm, max_t)
+        if not ranked:
+            out[arm] = None
+            continue
+        best, second = ranked[0], (ranked[1] if len(ranked) > 1 else None)
+        n_val = best.get("val_images")
+        lead = None if second is None else float(best[METRIC]) - float(second[METRIC])
+        out[arm] = {**best, "candidates": len(ranked),
+                    "runner_up": None if second is None else {"trial": second["trial"], METRIC: second[METRIC]},
+                    "margin_images": None if lead is None or not n_val else round(lead * int(n_val)),
+                    "tie": lead == 0}  # fmt: skip
+    return out
 
 
 def epochs_trained(rows: list[dict[str, Any]]) -> int:
@@ -125,15 +150,32 @@ def table(spec: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[list[str], 
     return headers, cells
 
 
+def _against(p: dict[str, Any]) -> str:
+    """How a choice was made: among how many candidates, against which runner-up, by how many images."""
+    n, second = p["candidates"], p["runner_up"]
+    among = f"among {n} candidate{'s' if n != 1 else ''}"
+    if second is None:
+        return f"{among}: no runner-up"
+    other = f"{second['trial']} ({100 * second[METRIC]:.2f}%)"
+    if p["tie"]:
+        return f"{among}, tied with {other}: the lower point index (sampled earlier) is kept"
+    images = (
+        ""
+        if p["margin_images"] is None
+        else f" by {p['margin_images']} of {p['val_images']} validation images"
+    )
+    return f"{among}, ahead of the runner-up {other}{images}"
+
+
 def choices(spec: dict[str, Any], picks: dict[str, Any]) -> list[str]:
-    """One line per arm: its chosen trial, values and validation accuracy."""
+    """One line per arm: its chosen trial, values and validation accuracy, its candidates and runner-up."""
     keys = list(spec["search"]["space"])
     out = []
     for arm in ARMS:
         p = picks.get(arm)
-        out.append(f"{arm}: " + ("no trial of this arm trained every epoch" if p is None else
+        out.append(f"{arm}: " + ("no trial of this arm trained every epoch (0 candidates)" if p is None else
                    f"{p['trial']} " + " ".join(f"{k}={_fmt(p[k])}" for k in keys)
-                   + f" (validation accuracy {100 * p[METRIC]:.2f}%)"))  # fmt: skip
+                   + f" (validation accuracy {100 * p[METRIC]:.2f}%), {_against(p)}"))  # fmt: skip
     return out
 
 
@@ -143,7 +185,8 @@ def markdown(spec: dict[str, Any], rows: list[dict[str, Any]], picks: dict[str, 
     lines = [*head(spec, rows), "", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(c) + " |" for c in cells]
     lines += ["", f"Chosen on validation accuracy, each arm among its trials that trained all {max_epochs(spec)} "
-              "epochs (a stopped trial is never chosen; the test split does not choose):"]  # fmt: skip
+              f"epochs (at least {spec['search'].get('min_finished', 1)} kept able to; a stopped trial is never "
+              "chosen; a tie goes to the lower point index; the test split does not choose):"]  # fmt: skip
     lines += [f"- {c}" for c in choices(spec, picks)]
     return "\n".join(lines) + "\n"
 
@@ -171,8 +214,14 @@ def parent_metrics(
     for arm in ARMS:
         out[f"search_{arm}_stopped"] = float(sum(r["arm"] == arm and r["status"] == "stopped" for r in rows))
         p = picks.get(arm)
+        out[f"chosen/{arm}/candidates"] = float(p["candidates"] if p is not None else 0)
         if p is not None:
             out[f"chosen/{arm}/val_acc"] = float(p[METRIC])
+            out[f"chosen/{arm}/tie"] = float(p["tie"])
+            if p["runner_up"] is not None:
+                out[f"chosen/{arm}/runner_up_val_acc"] = float(p["runner_up"][METRIC])
+            if p["margin_images"] is not None:
+                out[f"chosen/{arm}/margin_images"] = float(p["margin_images"])
             out.update({f"chosen/{arm}/{k}": float(p[k]) for k in spec["search"]["space"]
                         if isinstance(p.get(k), int | float)})  # fmt: skip
     return out
@@ -187,7 +236,8 @@ def write(spec: dict[str, Any], rows: list[dict[str, Any]], picks: dict[str, Any
     files = [write_table(records, sweep_dir / "search.parquet")]
     files.append(atomic_write_text(sweep_dir / "search.md", markdown(spec, rows, picks)))
     pick = {arm: (None if p is None else {"trial": p["trial"], METRIC: p[METRIC],
-                                          **{k: p[k] for k in spec["search"]["space"]}})
+                                          **{k: p[k] for k in spec["search"]["space"]},
+                                          **{k: p[k] for k in CHOICE_KEYS}, "val_images": p["val_images"]})
             for arm, p in picks.items()}  # fmt: skip
     files.append(atomic_write_json(sweep_dir / "chosen.json", pick))
     key = next(iter(spec["search"]["space"]))

@@ -158,7 +158,7 @@ def selected_rows(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict
             row |= {f"{arm}_{k}": r.get(k) for k in over}
             row[f"{arm}_val_accuracy"] = r.get(f"{arm}_val_accuracy")
             margin = arms[arm]["margin"]
-            n_val = _val_size(params, Path(r["trial_dir"]))
+            n_val = val_images(params, Path(r["trial_dir"]))
             row[f"{arm}_margin_images"] = None if margin is None or not n_val else round(margin * n_val)
             row[f"{arm}_candidates"] = arms[arm]["candidates"]
         row |= pair_metrics(
@@ -169,12 +169,12 @@ def selected_rows(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict
     return out
 
 
-def _val_size(params: dict[str, Any], trial_dir: Path) -> int:
-    """The validation images a trial's accuracy is a share of: what its fine-tuning recorded (``data_roles``,
-    core.data.split_roles: the training split's carve-out or the test split's validation half), else
-    data.val_size capped at data.limit.val."""
+def val_images(params: dict[str, Any], trial_dir: Path, stage: str = "finetune") -> int:
+    """The validation images a trial's accuracy is a share of: what its fine-tuning (``stage``: finetune, or
+    control for a search's control trial) recorded (``data_roles``, core.data.split_roles: the training split's
+    carve-out or the test split's validation half), else data.val_size capped at data.limit.val."""
     try:
-        roles = json.loads((trial_dir / chain.metrics_file("finetune")).read_text()).get("data_roles") or {}
+        roles = json.loads((trial_dir / chain.metrics_file(stage)).read_text()).get("data_roles") or {}
         return int(roles["val"]["images"])
     except (OSError, ValueError, KeyError, TypeError):
         data = params.get("data") or {}

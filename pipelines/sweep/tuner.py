@@ -161,7 +161,9 @@ def scheduler(spec: dict) -> Any:
     if s is None:
         return FIFOScheduler()
     make = asha(max_epochs(spec), int(s["grace_period"]), float(s["reduction_factor"]))
-    return ArmwiseScheduler(make, state=str(state_file(spec)))
+    search = spec["search"]
+    return ArmwiseScheduler(make, state=str(state_file(spec)), points=int(search["num_samples"]),
+                            min_finished=int(search["min_finished"]), max_t=max_epochs(spec))  # fmt: skip
 
 
 def make_search_tuner(spec: dict, restore: bool) -> Any:
