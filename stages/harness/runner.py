@@ -32,6 +32,7 @@ from stages.harness.catalogue import (
     summary_metrics,
 )
 from stages.harness.parent_watch import DVC_STAGE_ENV, end_with_dvc
+from stages.harness.previous import kept_until_done
 from stages.harness.store_faults import StoreFault
 from stages.harness.tracking_names import NOTE_TAG, run_label
 
@@ -181,6 +182,14 @@ def _one_writer(name: str) -> contextlib.AbstractContextManager:
     return workspace_lock(".", f"python -m stages.{name}")
 
 
+def _kept(name: str, params: Params) -> contextlib.AbstractContextManager:
+    """The stage's outputs as they were unless its run, logging and MLflow close all succeed
+    (stages.harness.previous); a rank of our own torchrun leaves that to the launching process."""
+    if int(os.environ.get("RANK", "0") or 0) != 0 or os.environ.get(RANK_STATUS_ENV):
+        return contextlib.nullcontext()
+    return kept_until_done(name, params.model_dump(mode="json"))
+
+
 def log_history(tracker: Any, path: Path, step_key: str = "epoch") -> int:
     """Per-epoch metrics of a training history (``history.json``: a list of rows) with step = the epoch."""
     rows = read_json(path)
@@ -304,7 +313,7 @@ def _stage(
                 check(params)
             args_list = sys.argv[1:] if argv is None else list(argv)
             launch = data_parallel(params, name, args_list) if data_parallel else contextlib.nullcontext()
-            with _one_writer(name), launch, _tracked(params, name) as tracker:
+            with _one_writer(name), launch, _kept(name, params), _tracked(params, name) as tracker:
                 metrics = run(params)
                 _log_outputs(tracker, params, name, metrics)
         except Stopped as stop:
