@@ -661,6 +661,12 @@ def issue59_view_cases() -> list[Case]:
     # outputs are back in place (stages.harness.previous); only runs/ (the run ids) may change
     add(Case("mlruns.db deleted during evaluate", stage("evaluate"), 74, may_write=("runs/",),
              during=(remove("mlruns.db"), "runs/.previous/evaluate"), expect="was deleted during the run"))  # fmt: skip
+    # DVC's views after a fault (pipelines/views.py): the missing file and the command that brings it back
+    add(Case("tcnn show metrics without the headline", tcnn("show", "metrics"), 2, remove("results/headline"),
+             expect="`git checkout -- results/headline`"))  # fmt: skip
+    page = "[plots]\n    html_template = ../infra/dvc/plots/offline.html\n"
+    add(Case("tcnn show plots without its page template", tcnn("show", "plots"), 2, write(".dvc/config", page),
+             expect="`.venv/bin/python scripts/dvc_plots_page.py` writes it"))  # fmt: skip
     return c
 
 
