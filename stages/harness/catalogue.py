@@ -112,7 +112,10 @@ VIEW_METRICS: tuple[str, ...] = (
     ),
     *(f"{m}_{n}" for n in ("clean_accuracy", "mca") for m in ("tcnn", "control", "cnn")),
 )
-VIEW_PARAMS: tuple[str, ...] = ()  # the run's name already says kind, arch, dataset, init, fraction and seed
+#: The params the view shows first (MLflow's flattened names, stages.harness.tracking_names.flatten_params): what
+#: an experiment most often changes (the README's gate init, the fine-tuning lr, the epoch of the switch, the
+#: seed), so that a change is visible in a column, not only in the run's name.
+VIEW_PARAMS: tuple[str, ...] = ("lambda_init", "finetune.lr", "reparam_epoch", "seed")
 
 #: Training histories each stage logs as per-epoch metrics (its ``history.json`` output): stage -> the rows'
 #: step key.
