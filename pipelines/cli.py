@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     from pipelines.studies.cli import add_parser as add_study
 
     add_study(sub)
+    from pipelines.views import add_parser as add_show
+
+    add_show(sub)
     return parser
 
 

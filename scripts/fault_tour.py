@@ -659,6 +659,43 @@ def cases() -> list[Case]:
     add(Case("sweep --resume of nothing", tcnn("sweep", "--name", "none", "--resume"), 2))
     add(Case("sweep --address bogus", tcnn("sweep", "--address", "not an address"), 2))
     add(Case("sweep name with a slash", tcnn("sweep", "--name", "a/b"), 2))
+    return c + issue59_view_cases()
+
+
+def refused_under_dvc(recorded: bool) -> Callable[[Path], None]:
+    """params.yaml with pretrain.epochs -1, and (``recorded``) a dvc.lock whose last pretrain run had 1."""
+
+    def do(ws: Path) -> None:
+        text = (ws / "params.yaml").read_text()
+        (ws / "params.yaml").write_text(text.replace("pretrain: {epochs: 1,", "pretrain: {epochs: -1,"))
+        if recorded:
+            lock = "schema: '2.0'\nstages:\n  pretrain:\n    cmd: scripts/stage pretrain\n    params:\n"
+            (ws / "dvc.lock").write_text(lock + "      params.yaml:\n        pretrain.epochs: 1\n")
+
+    return do
+
+
+def issue59_view_cases() -> list[Case]:
+    """Issue 59's faults of what a run leaves and what its views say."""
+    c: list[Case] = []
+    add = c.append
+    # a store fault after evaluate wrote results/* (the git-tracked headline too): the last finished run's
+    # outputs are back in place (stages.harness.previous); only runs/ (the run ids) may change. The marker: the
+    # run ids, written once the stage's runs opened (the store deleted before would simply be made anew)
+    add(Case("mlruns.db deleted during evaluate", stage("evaluate"), 74, remove("runs/mlflow_runs.json"),
+             may_write=("runs/",), during=(remove("mlruns.db"), "runs/mlflow_runs.json"),
+             expect="was deleted during the run"))  # fmt: skip
+    # a value refused under DVC: the value to put back when dvc.lock records an earlier one, no such advice else
+    add(Case("a refused value under DVC names the one to put back", stage("pretrain"), 2, refused_under_dvc(True),
+             env={"DVC_STAGE": "pretrain"}, expect="its last run had pretrain.epochs: 1)"))  # fmt: skip
+    add(Case("a refused value with no earlier one", stage("pretrain"), 2, refused_under_dvc(False),
+             env={"DVC_STAGE": "pretrain"}, expect="pretrain.epochs: Input should be"))  # fmt: skip
+    # DVC's views after a fault (pipelines/views.py): the missing file and the command that brings it back
+    add(Case("tcnn show metrics without the headline", tcnn("show", "metrics"), 2, remove("results/headline"),
+             expect="`git checkout -- results/headline`"))  # fmt: skip
+    page = "[plots]\n    html_template = ../infra/dvc/plots/offline.html\n"
+    add(Case("tcnn show plots without its page template", tcnn("show", "plots"), 2, write(".dvc/config", page),
+             expect="`.venv/bin/python scripts/dvc_plots_page.py` writes it"))  # fmt: skip
     return c
 
 

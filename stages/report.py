@@ -87,8 +87,12 @@ def _write_outputs(root: Path, inputs: Inputs, figs: dict[str, bytes | None], te
 
 
 def check(params: Params, root: Path = Path(".")) -> None:
-    """Before any run opens: the models and evaluate's metrics exist, and every JSON input that exists parses
-    (the run ids aside: the stage rewrites them when its runs open)."""
+    """Before any run opens: the models and evaluate's metrics exist, every JSON input that exists parses (the
+    run ids aside: the stage rewrites them when its runs open), and the local MLflow UI's port its links name
+    (``TCNN_MLFLOW_PORT``, core.utils.mlflow_ui) is one."""
+    from core.utils.mlflow_ui import ui_port
+
+    ui_port()
     paths = report_inputs.input_paths(params, root)
     missing = [str(paths[k]) for k in ("cnn", "tcnn", "metrics") if not paths[k].is_file()]
     if missing:

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import os
 import signal
+import uuid
 from pathlib import Path
 
 import _xdist_groups
 import pytest
 import torch
-from slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401  (SLURM test-cluster fixture)
+from slurm_cluster import (  # noqa: F401  (SLURM test-cluster fixture)
+    SESSION_ENV,
+    SlurmCluster,
+    slurm_cluster,
+    stop_started_clusters,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -109,6 +115,29 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 
 def pytest_configure(config: pytest.Config) -> None:
     _xdist_groups.configure(config)
+    # The run's id, named by the clusters it starts (slurm_cluster.SESSION_ENV): set by the first process of a
+    # run (the xdist controller, whose workers inherit it), not by a pytest a test starts (it inherits it too).
+    if not hasattr(config, "workerinput") and not os.environ.get(SESSION_ENV):
+        os.environ[SESSION_ENV] = uuid.uuid4().hex
+        config.stash[_OWNER] = os.environ[SESSION_ENV]
+
+
+_OWNER = pytest.StashKey[str]()
+_CLUSTER_LINES = pytest.StashKey[list[str]]()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """At the very end of the run (the xdist controller's session finish comes after every worker's): stop the
+    SLURM test clusters this run started, unless TCNN_KEEP_CLUSTER=1 (slurm_cluster.stop_started_clusters)."""
+    config = session.config
+    if (run_id := config.stash.get(_OWNER, None)) is not None:
+        config.stash[_CLUSTER_LINES] = stop_started_clusters(run_id)
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    """Say what became of the test clusters this run started (stopped, or left running and how to stop them)."""
+    for line in config.stash.get(_CLUSTER_LINES, []):
+        terminalreporter.write_line(f"SLURM: {line}")
 
 
 @pytest.fixture

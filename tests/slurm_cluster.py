@@ -4,8 +4,11 @@ and :func:`start_cluster` ``(nodes=N)`` for a multi-node one (N slurmd, each in 
 Import the fixture in tests/conftest.py (``from slurm_cluster import slurm_cluster  # noqa: F401``).
 
 The cluster is started once (idempotent: an already running one is reused, also across pytest sessions and
-by concurrent sessions) and left running afterwards, so that another session's jobs are never killed; stop
-it with ``infra/slurm/local_cluster.sh stop``. ``SLURM_CONF`` of the one-node cluster is exported into
+by concurrent sessions). At the end of the pytest run (the xdist controller's session finish, after every
+worker's tests: tests/conftest.py) :func:`stop_started_clusters` stops each cluster this run started (a marker
+in its state folder names the run, :data:`SESSION_ENV`) and says so; a cluster it found running, one with jobs
+still queued (another session's), or any with ``TCNN_KEEP_CLUSTER=1`` is left running, and the run says how to
+stop it (``infra/slurm/local_cluster.sh stop``). ``SLURM_CONF`` of the one-node cluster is exported into
 ``os.environ`` for the session so sbatch/srun/squeue and submitit (in this process and in subprocesses) talk
 to it; a multi-node cluster is only reached through its own ``SlurmCluster.env`` (``SLURM_CONF``), so the
 one-node tests never land on it. Its state lives next to the one-node cluster's (``<TCNN_SLURM_DIR>-<N>n``),
@@ -32,6 +35,12 @@ from pipelines.slurm import _tail
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "infra" / "slurm" / "local_cluster.sh"
 STATE_DIR = Path(os.environ.get("TCNN_SLURM_DIR", "/tmp/tcnn-slurm"))
+#: The pytest run's id, set by its first process (the xdist controller, or pytest alone) and inherited by its
+#: workers: a cluster started under it gets a marker (:data:`STARTED_BY`) naming it.
+SESSION_ENV = "TCNN_TEST_SESSION"
+#: ``TCNN_KEEP_CLUSTER=1``: leave the clusters this run started running at its end.
+KEEP_ENV = "TCNN_KEEP_CLUSTER"
+STARTED_BY = "started-by-pytest"  # in <state dir>/run/: the id of the pytest run that started the cluster
 
 
 @dataclass(frozen=True)
@@ -172,6 +181,8 @@ def start_cluster(nodes: int = 1) -> SlurmCluster:
             pytest.fail(f"infra/slurm/local_cluster.sh start failed:\n{res.stderr[-3000:]}")
         if "already running" in res.stderr:
             took = 0.0
+        elif session := os.environ.get(SESSION_ENV):  # this run started it: stopped at its end
+            (Path(settings["TCNN_SLURM_DIR"]) / "run" / STARTED_BY).write_text(session)
     if nodes == 1:
         os.environ["SLURM_CONF"] = str(conf)
     out = subprocess.run(
@@ -199,3 +210,35 @@ def start_cluster(nodes: int = 1) -> SlurmCluster:
 def slurm_cluster() -> SlurmCluster:
     """The running local SLURM cluster (session-scoped; left running at the end, see the module docstring)."""
     return start_cluster()
+
+
+def _stop_one(nodes: int, keep: bool) -> str:
+    """Stop the ``nodes``-node cluster (or say why it stays up); one line."""
+    settings = cluster_settings(nodes)
+    where = settings["TCNN_SLURM_DIR"]
+    env = {**os.environ, **settings, "SLURM_CONF": f"{where}/slurm.conf"}
+    stop = f"sudo -E env {' '.join(f'{k}={v}' for k, v in settings.items())} {SCRIPT.relative_to(REPO)} stop"
+    if keep:
+        return f"left running ({KEEP_ENV}=1): the {nodes}-node test cluster in {where}; stop it with `{stop}`"
+    queued = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True, text=True, timeout=60)
+    if queued.stdout.strip():
+        jobs = " ".join(queued.stdout.split())
+        return f"left running: the {nodes}-node test cluster in {where} still holds jobs ({jobs}); stop it with `{stop}`"
+    res = subprocess.run([str(SCRIPT), "stop"], env=env, capture_output=True, text=True, timeout=300)
+    (Path(where) / "run" / STARTED_BY).unlink(missing_ok=True)
+    if res.returncode != 0:
+        why = (res.stderr.strip().splitlines() or ["no message"])[-1]
+        return f"could not stop the {nodes}-node test cluster in {where}: {why}"
+    return f"stopped the {nodes}-node test cluster this run started ({where}: slurmctld, slurmd, munged if it started it)"
+
+
+def stop_started_clusters(session: str) -> list[str]:
+    """At the end of the pytest run ``session``: stop every test cluster it started (module docstring), the
+    multi-node ones first (the one-node cluster's munged may serve them); one line per cluster it started."""
+    found = []
+    for state in [*sorted(STATE_DIR.parent.glob(f"{STATE_DIR.name}-*n")), STATE_DIR]:
+        marker = state / "run" / STARTED_BY
+        if marker.is_file() and marker.read_text().strip() == session:
+            found.append(1 if state == STATE_DIR else int(state.name.rsplit("-", 1)[1].removesuffix("n")))
+    keep = os.environ.get(KEEP_ENV) == "1"
+    return [_stop_one(n, keep) for n in found]

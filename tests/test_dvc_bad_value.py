@@ -52,6 +52,7 @@ def test_a_refused_value_costs_nothing_dvc_repro_cannot_bring_back(tmp_path: Pat
     good = {p: (ws / p).read_bytes() for p in ("out/model.bin", "out/metrics.json", "params.yaml")}
 
     raw = yaml.safe_load(good["params.yaml"])
+    raw_lr = raw["finetune"]["lr"]
     raw["finetune"]["lr"] = -1
     write_params(ws / "params.yaml", raw)
     bad = _dvc(ws, "repro", check=False)
@@ -59,6 +60,7 @@ def test_a_refused_value_costs_nothing_dvc_repro_cannot_bring_back(tmp_path: Pat
     assert bad.returncode != 0
     assert "finetune: error: params.yaml: finetune.lr: Input should be greater than 0" in said
     assert "put the value back and run dvc repro: DVC's run cache restores this stage's outputs" in said
+    assert f"its last run had finetune.lr: {raw_lr!r})" in said  # the value to put back (issue 59, 10)
     assert (
         not (ws / "out" / "model.bin").exists() and not (ws / "out" / "metrics.json").exists()
     )  # DVC's doing
@@ -68,3 +70,25 @@ def test_a_refused_value_costs_nothing_dvc_repro_cannot_bring_back(tmp_path: Pat
     assert "Stage 'finetune' is cached - skipping run, checking out outputs" in again.stdout
     assert {p: (ws / p).read_bytes() for p in good} == good  # every output back, the uncached metrics too
     assert (ws / "runs.log").read_text() == "ran\n"  # restored, not run again
+
+
+def test_a_refusal_with_no_earlier_value_does_not_say_put_it_back(tmp_path: Path) -> None:
+    """Issue 59 (10): a value refused at the stage's first run (dvc.lock records no earlier one) gets no advice to
+    put a value back: there is none."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    raw = tiny_params(ws / "data")
+    raw["finetune"]["lr"] = -1
+    write_params(ws / "params.yaml", raw)
+    (ws / "stage.py").write_text(STAGE)
+    stage = {"cmd": f"{sys.executable} stage.py", "deps": ["stage.py"], "params": ["finetune.lr"],
+             "outs": ["out/model.bin"], "metrics": [{"out/metrics.json": {"cache": False}}]}  # fmt: skip
+    (ws / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"finetune": stage}}))
+    _dvc(ws, "init", "--no-scm", "-q")
+    bad = _dvc(ws, "repro", check=False)
+    said = bad.stdout + bad.stderr
+    assert (
+        bad.returncode != 0
+        and "finetune: error: params.yaml: finetune.lr: Input should be greater than 0" in said
+    )
+    assert "put the value back" not in said and "run cache" not in said, said

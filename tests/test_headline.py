@@ -166,6 +166,13 @@ def test_the_parent_description_and_the_saved_view_show_the_headline(tmp_path: P
         f"metrics.`tcnn_minus_control_clean_accuracy{e}`" for e in ("", "_ci_low", "_ci_high")
     ]
     assert {f"tcnn_minus_control_mca{e}" for e in ("", "_ci_low", "_ci_high")} <= set(run.data.metrics)
+    # issue 59 (15): param columns first, each a name the tracking logs
+    from stages.harness.catalogue import VIEW_PARAMS
+    from stages.harness.tracking_names import flatten_params
+
+    params = [c for c in view["selectedColumns"] if c.startswith("params.")]
+    assert params == [f"params.`{p}`" for p in VIEW_PARAMS] == view["selectedColumns"][: len(VIEW_PARAMS)]
+    assert VIEW_PARAMS and set(VIEW_PARAMS) <= set(flatten_params(validate_params({})))
 
 
 def test_the_dvc_headline_rows_are_the_scored_numbers() -> None:
@@ -186,6 +193,12 @@ def test_the_dvc_headline_rows_are_the_scored_numbers() -> None:
         rows["tcnn-control"]["tcnn-control mCA"]
         == f"+{100 * d['diff']:.2f} [{100 * d['low']:+.2f}, {100 * d['high']:+.2f}]"
     )
+    # beside each string, its three numbers (pp, as the string rounds them): what `dvc metrics diff` subtracts
+    for col, key in (("clean", "clean_accuracy"), ("mCA", "mca"), ("mCE", "mce")):
+        e = out["comparisons"]["tcnn-control"][key]
+        got = [rows["tcnn-control"][f"tcnn-control {col} pp{end}"] for end in ("", " low", " high")]
+        assert got == [round(100 * e[k], 2) for k in ("diff", "low", "high")], (col, got)
+        assert rows["tcnn-control"][f"tcnn-control {col}"] == "{:+.2f} [{:+.2f}, {:+.2f}]".format(*got)
     without = {k: v for k, v in metrics.items() if k != "control"}
     without["comparisons"] = {k: v for k, v in metrics["comparisons"].items() if "control" not in k}
     assert list(headline_rows(without)) == ["cnn", "tcnn", "tcnn-cnn"]

@@ -235,3 +235,44 @@ def test_atomic_writes_get_the_umask_permissions(tmp_path: Path) -> None:
         assert (tmp_path / "b.json").stat().st_mode & 0o777 == 0o600
     finally:
         os.umask(old)
+
+
+#: A stage named evaluate (its outs: dvc.yaml's) that writes its headline and metrics, then (argv[1] ==
+#: "deleted") deletes the store before its MLflow logging: the logging fails, exit 74.
+WRITING_STAGE = textwrap.dedent(
+    """
+    import os, sys
+    from pathlib import Path
+    from stages.harness.runner import stage_main
+
+    def run(params):
+        Path("results/headline").mkdir(parents=True, exist_ok=True)
+        Path("results/headline/tcnn_minus_control.json").write_text(sys.argv[2])
+        Path("results/metrics.json").write_text(sys.argv[2])
+        if sys.argv[1] == "deleted":
+            os.unlink("mlruns.db")
+        return {"ok": 1}
+
+    sys.exit(stage_main("evaluate", run, sys.argv[3:]))
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_store_fault_after_the_outputs_were_written_leaves_the_last_finished_ones(
+    finished: Path, tmp_path: Path
+) -> None:
+    """Issue 59 (8): evaluate rewrote results/* (the git-tracked headline too) and then the store failed, exit
+    74: the workspace held the headline of a run that did not finish. Now the outputs of the last run that
+    finished are back in place (stages.harness.previous), and nothing is left aside."""
+    ws = tmp_path / "ws"
+    shutil.copytree(finished, ws)
+    ok = _stage(ws, "none", '{"run": 1}', code=WRITING_STAGE)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    head, metrics = ws / "results/headline/tcnn_minus_control.json", ws / "results/metrics.json"
+    assert head.read_text() == metrics.read_text() == '{"run": 1}'
+    line = _one_line(_stage(ws, "deleted", '{"run": 2}', code=WRITING_STAGE))
+    assert line.startswith("evaluate: error: the MLflow store mlruns.db was deleted during the run"), line
+    assert head.read_text() == metrics.read_text() == '{"run": 1}'
+    assert sorted(p.name for p in (ws / "results").iterdir()) == ["headline", "metrics.json"]
+    assert not (ws / "runs/.previous").exists()

@@ -432,6 +432,26 @@ def test_run_ids_file_written_by_the_tracking_layer(tmp_path) -> None:
     assert "--backend-store-uri" not in html  # a server: its own address, nothing to start
 
 
+def test_the_local_ui_port_follows_tcnn_mlflow_port(tmp_path, monkeypatch) -> None:
+    """Issue 59 (15): the report's links and its "serve it first" line name the port of TCNN_MLFLOW_PORT (what
+    infra/mlflow/server.sh serves on), 5000 without it; a value that is not a port is one line, exit 2."""
+    from core.config import ConfigError
+    from core.utils import mlflow_ui
+
+    meta = {"experiment_id": "7", "tracking_uri": "sqlite:///x.db"}
+    monkeypatch.setenv("TCNN_MLFLOW_PORT", "5123")
+    html = section_runs({"parent": "P2"}, {"tracking": {}}, None, meta)
+    assert '<a href="http://127.0.0.1:5123/#/experiments/7/runs/P2?workflowType=machine_learning">' in html
+    assert "--backend-store-uri sqlite:///x.db --host 127.0.0.1 --port 5123</code>" in html
+    assert "5000" not in html
+    monkeypatch.delenv("TCNN_MLFLOW_PORT")
+    assert "--port 5000</code>" in section_runs({"parent": "P2"}, {"tracking": {}}, None, meta)
+    for bad in ("http", "0", "70000"):
+        monkeypatch.setenv("TCNN_MLFLOW_PORT", bad)
+        with pytest.raises(ConfigError, match="TCNN_MLFLOW_PORT"):
+            mlflow_ui.local_ui()
+
+
 # ------------------------------------------------------------------------------------------------ real chain
 @pytest.mark.slow
 def test_report_on_the_real_chain(tmp_path, monkeypatch) -> None:

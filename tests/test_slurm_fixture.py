@@ -28,3 +28,29 @@ def test_required_cluster_fails_instead_of_skipping(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("TCNN_REQUIRE_SLURM", "1")
     with pytest.raises(pytest.fail.Exception, match="TCNN_REQUIRE_SLURM=1"):
         slurm_cluster.start_cluster()
+
+
+def test_the_end_of_a_run_stops_only_the_clusters_it_started(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Issue 59: the daemons of the clusters a run started are stopped at its end; a cluster another run (or
+    the user) started is never touched. Here: the one-node cluster's marker names another run, the two-node
+    cluster's this one, the three-node cluster has none (it was found running)."""
+    state = tmp_path / "tcnn-slurm"
+    monkeypatch.setattr(slurm_cluster, "STATE_DIR", state)
+    for folder, run in (
+        (state, "another-run"),
+        (tmp_path / "tcnn-slurm-2n", "this-run"),
+        (tmp_path / "tcnn-slurm-3n", None),
+    ):
+        (folder / "run").mkdir(parents=True)
+        if run is not None:
+            (folder / "run" / slurm_cluster.STARTED_BY).write_text(run)
+    asked: list[tuple[int, bool]] = []
+    monkeypatch.setattr(slurm_cluster, "_stop_one", lambda nodes, keep: asked.append((nodes, keep)) or "said")
+    monkeypatch.delenv(slurm_cluster.KEEP_ENV, raising=False)
+    assert slurm_cluster.stop_started_clusters("this-run") == ["said"]
+    assert asked == [(2, False)]
+    monkeypatch.setenv(slurm_cluster.KEEP_ENV, "1")
+    assert slurm_cluster.stop_started_clusters("another-run") == ["said"]
+    assert asked[1:] == [(1, True)]

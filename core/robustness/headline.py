@@ -4,7 +4,9 @@ source, so `dvc metrics show`, `dvc exp show` and the MLflow parent's descriptio
 - per model (pretrained CNN, matched control, T-CNN): clean accuracy and mean corruption accuracy (mCA), in %;
 - the main difference, T-CNN minus its matched control (what attention buys; T-CNN minus the pretrained CNN
   when the control is off): clean accuracy, mCA and mCE (Hendrycks & Dietterich 2019), each with its paired
-  bootstrap 95% interval over test images, in percentage points: ``"+0.31 [-0.20, +0.83]"``.
+  bootstrap 95% interval over test images, in percentage points: ``"+0.31 [-0.20, +0.83]"``, and the same as
+  numbers beside it (``"tcnn-control clean pp"``, ``"... pp low"``, ``"... pp high"``), which `dvc metrics diff`
+  can subtract and `dvc exp show` sort.
 
 Accuracies are percentages (not fractions) so that a column of `dvc metrics show` reads as the report does.
 """
@@ -65,7 +67,21 @@ def headline_rows(metrics: Mapping[str, Any]) -> dict[str, dict[str, float | str
         rows[main] = {
             diff_column(main, col): interval_text(diffs.get(key)) for col, (key, _) in COLUMNS.items()
         }
+        for col, (key, _) in COLUMNS.items():  # the same difference as numbers: diffable, sortable
+            rows[main] |= number_columns(main, col, diffs.get(key))
     return rows
+
+
+#: The difference's numbers beside its readable string, in percentage points (their column names say so).
+NUMBER_ENDS = {"diff": "pp", "low": "pp low", "high": "pp high"}
+
+
+def number_columns(comparison: str, col: str, d: Mapping[str, Any] | None) -> dict[str, float | str]:
+    """``{"tcnn-control clean pp": -0.46, "... pp low": -0.74, "... pp high": -0.14}``: the difference, its 95%
+    interval's ends, in pp rounded as the string shows them (``"n/a"`` where not finite), so that `dvc metrics
+    diff` gives its change and `dvc exp show --sort-by` sorts by it."""
+    d = d or {}
+    return {f"{diff_column(comparison, col)} {end}": _pct(d.get(k)) for k, end in NUMBER_ENDS.items()}
 
 
 def diff_column(comparison: str, col: str) -> str:

@@ -12,11 +12,36 @@ tag ``mlflow.sharedViewState.<key>`` holding the view as JSON (what the UI's "Sh
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
+from core.config import ConfigError
+
+#: The local UI's port: ``TCNN_MLFLOW_PORT``, infra/mlflow/server.sh's own setting (one port for the server, the
+#: report's links and its "serve it first" line), else :data:`DEFAULT_PORT`.
+PORT_ENV = "TCNN_MLFLOW_PORT"
+DEFAULT_PORT = 5000
 #: Where `mlflow ui` / infra/mlflow/server.sh serve by default (the README's command).
-DEFAULT_UI = "http://127.0.0.1:5000"
+DEFAULT_UI = f"http://127.0.0.1:{DEFAULT_PORT}"
+
+
+def ui_port() -> int:
+    """The local UI's port (:data:`PORT_ENV`); a value that is not a port (1-65535) is refused (ConfigError:
+    one line, exit 2, from a stage or `tcnn`)."""
+    raw = os.environ.get(PORT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_PORT
+    if not raw.isdigit() or not 1 <= int(raw) <= 65535:
+        raise ConfigError(f"{PORT_ENV}={raw!r}: expected a port number, 1-65535")
+    return int(raw)
+
+
+def local_ui() -> str:
+    """The address of the local `mlflow ui` (127.0.0.1 on :func:`ui_port`)."""
+    return f"http://127.0.0.1:{ui_port()}"
+
+
 #: The "Model training" workflow, as a URL parameter.
 WORKFLOW = "workflowType=machine_learning"
 #: The shared view tcnn stores on its experiment: the runs table with the headline's columns.
@@ -40,22 +65,22 @@ def header_px(name: str) -> int:
 def ui_base(tracking_uri: str | None) -> str:
     """The UI's address: the tracking server itself when runs go to one, else the local `mlflow ui`."""
     uri = (tracking_uri or "").rstrip("/")
-    return uri if uri.startswith(("http://", "https://")) else DEFAULT_UI
+    return uri if uri.startswith(("http://", "https://")) else local_ui()
 
 
-def root_url(base: str = DEFAULT_UI) -> str:
+def root_url(base: str | None = None) -> str:
     """The experiments list, in the training workflow (a click on an experiment keeps it)."""
-    return f"{base}/#/?{WORKFLOW}"
+    return f"{base or local_ui()}/#/?{WORKFLOW}"
 
 
-def runs_url(experiment_id: str, base: str = DEFAULT_UI) -> str:
+def runs_url(experiment_id: str, base: str | None = None) -> str:
     """The experiment's runs table with tcnn's saved columns (:data:`VIEW_KEY`)."""
-    return f"{base}/#/experiments/{experiment_id}/runs?{WORKFLOW}&viewStateShareKey={VIEW_KEY}"
+    return f"{base or local_ui()}/#/experiments/{experiment_id}/runs?{WORKFLOW}&viewStateShareKey={VIEW_KEY}"
 
 
-def run_url(experiment_id: str, run_id: str, base: str = DEFAULT_UI) -> str:
+def run_url(experiment_id: str, run_id: str, base: str | None = None) -> str:
     """One run's page, in the training workflow."""
-    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}?{WORKFLOW}"
+    return f"{base or local_ui()}/#/experiments/{experiment_id}/runs/{run_id}?{WORKFLOW}"
 
 
 def column(kind: str, name: str) -> str:

@@ -112,7 +112,10 @@ VIEW_METRICS: tuple[str, ...] = (
     ),
     *(f"{m}_{n}" for n in ("clean_accuracy", "mca") for m in ("tcnn", "control", "cnn")),
 )
-VIEW_PARAMS: tuple[str, ...] = ()  # the run's name already says kind, arch, dataset, init, fraction and seed
+#: The params the view shows first (MLflow's flattened names, stages.harness.tracking_names.flatten_params): what
+#: an experiment most often changes (the README's gate init, the fine-tuning lr, the epoch of the switch, the
+#: seed), so that a change is visible in a column, not only in the run's name.
+VIEW_PARAMS: tuple[str, ...] = ("lambda_init", "finetune.lr", "reparam_epoch", "seed")
 
 #: Training histories each stage logs as per-epoch metrics (its ``history.json`` output): stage -> the rows'
 #: step key.
@@ -232,7 +235,14 @@ def stage_description(params: Any, stage: str) -> str:
 def parent_description(label: str, root: Path) -> str:
     """The parent run's MLflow description (Markdown): its name, T-CNN - control with its intervals on one line,
     one sentence per interval (the report's own words), then the headline table (core.robustness.headline)."""
-    from core.robustness.headline import COMPARISON_LABELS, headline_markdown, headline_rows, main_comparison
+    from core.robustness.headline import (
+        COLUMNS,
+        COMPARISON_LABELS,
+        diff_column,
+        headline_markdown,
+        headline_rows,
+        main_comparison,
+    )
     from core.viz.report_html import verdict
 
     metrics = read_json(root / chain.metrics_file("evaluate"))
@@ -241,7 +251,8 @@ def parent_description(label: str, root: Path) -> str:
     main = main_comparison(metrics)
     other = "the control" if main == "tcnn-control" else "the pretrained CNN"
     diffs = metrics["comparisons"][main]
-    cells = [f"{col.split(' ', 1)[-1]} {cell}" for col, cell in headline_rows(metrics)[main].items()]
+    row = headline_rows(metrics)[main]
+    cells = [f"{col} {row[diff_column(main, col)]}" for col in COLUMNS]  # the readable strings
     # the answer first: the UI shows a description's first lines and folds the rest under "Show more"
     lines = [f"**{label}**", "",
              f"**{COMPARISON_LABELS[main]}** (pp, paired bootstrap 95% interval over test images): " + " · ".join(cells), ""]  # fmt: skip

@@ -53,6 +53,12 @@ def outputs(stage: str, repo: Path = REPO) -> tuple[str, ...]:
     return tuple(next(iter(e)) if isinstance(e, dict) else e for e in entries)
 
 
+def persistent(stage: str, repo: Path = REPO) -> tuple[str, ...]:
+    """The stage's outs that DVC keeps across runs (``persist: true``), as dvc.yaml writes them."""
+    outs = _stages(repo)[stage].get("outs", [])
+    return tuple(k for e in outs if isinstance(e, dict) for k, v in e.items() if (v or {}).get("persist"))
+
+
 #: DVC's record of the pipeline's state, rewritten by `dvc repro` (git-tracked).
 LOCK_FILE = "dvc.lock"
 

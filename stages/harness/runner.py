@@ -32,6 +32,7 @@ from stages.harness.catalogue import (
     summary_metrics,
 )
 from stages.harness.parent_watch import DVC_STAGE_ENV, end_with_dvc
+from stages.harness.previous import kept_until_done
 from stages.harness.store_faults import StoreFault
 from stages.harness.tracking_names import NOTE_TAG, run_label
 
@@ -124,12 +125,40 @@ def io_error_line(err: BaseException) -> str | None:
     return None
 
 
-def _under_dvc_hint() -> str:
+def _recorded_changes(name: str, params_file: str) -> list[str] | None:
+    """The params dvc.lock records for ``name``'s last run that differ now (``key: recorded value``); None when
+    dvc.lock records no run of the stage (or cannot be read)."""
+    try:
+        lock = yaml.safe_load(Path(chain.LOCK_FILE).read_text()) or {}
+        recorded = lock["stages"][name].get("params", {}).get(Path(params_file).name, {})
+        values = yaml.safe_load(Path(params_file).read_text()) or {}
+    except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
+        return None
+    changed = []
+    for key, old in (recorded or {}).items():
+        node: Any = values
+        for part in str(key).split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node != old:
+            shown = "as dvc.lock records it" if isinstance(old, (dict, list)) else f"{old!r}"
+            changed.append(f"{key}: {shown}")
+    return changed
+
+
+def _under_dvc_hint(name: str, params_file: str) -> str:
     """For a refused params value under DVC, which removed the stage's outputs before starting it: how they
-    come back (DVC's run cache holds every output of a run, ``cache: false`` ones too)."""
+    come back (DVC's run cache holds every output of a run, ``cache: false`` ones too) -- only when dvc.lock
+    records an earlier run whose value differs (it names it); a value with no earlier one (a param the stage's
+    last run did not have, a first run) gets no such advice."""
     if not os.environ.get(DVC_STAGE_ENV):
         return ""
-    return " (put the value back and run dvc repro: DVC's run cache restores this stage's outputs)"
+    changed = _recorded_changes(name, params_file)
+    if not changed:
+        return ""
+    return (
+        f" (put the value back and run dvc repro: DVC's run cache restores this stage's outputs; its last run "
+        f"had {', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''})"
+    )
 
 
 def _removed_by_dvc(name: str, params_file: str) -> str:
@@ -179,6 +208,14 @@ def _one_writer(name: str) -> contextlib.AbstractContextManager:
     if int(os.environ.get("RANK", "0") or 0) != 0 or os.environ.get(RANK_STATUS_ENV):
         return contextlib.nullcontext()  # a rank of our own torchrun: the launching process holds the lock
     return workspace_lock(".", f"python -m stages.{name}")
+
+
+def _kept(name: str, params: Params) -> contextlib.AbstractContextManager:
+    """The stage's outputs as they were unless its run, logging and MLflow close all succeed
+    (stages.harness.previous); a rank of our own torchrun leaves that to the launching process."""
+    if int(os.environ.get("RANK", "0") or 0) != 0 or os.environ.get(RANK_STATUS_ENV):
+        return contextlib.nullcontext()
+    return kept_until_done(name, params.model_dump(mode="json"))
 
 
 def log_history(tracker: Any, path: Path, step_key: str = "epoch") -> int:
@@ -304,20 +341,20 @@ def _stage(
                 check(params)
             args_list = sys.argv[1:] if argv is None else list(argv)
             launch = data_parallel(params, name, args_list) if data_parallel else contextlib.nullcontext()
-            with _one_writer(name), launch, _tracked(params, name) as tracker:
+            with _one_writer(name), launch, _kept(name, params), _tracked(params, name) as tracker:
                 metrics = run(params)
                 _log_outputs(tracker, params, name, metrics)
         except Stopped as stop:
             print(f"{name}: stopped by {stop}; run the same command again to continue", file=sys.stderr)
             return stop.exit_status
         except ConfigError as err:
-            print(f"{name}: error: {err}{_under_dvc_hint()}", file=sys.stderr)
+            print(f"{name}: error: {err}{_under_dvc_hint(name, args.params)}", file=sys.stderr)
             return 2
         except WorkspaceBusy as err:
             print(f"{name}: error: {err}{_removed_by_dvc(name, args.params)}", file=sys.stderr)
             return 2
         except (StageError, DataError) as err:
-            print(f"{name}: error: {err}", file=sys.stderr)
+            print(f"{name}: error: {err}{_under_dvc_hint(name, args.params)}", file=sys.stderr)
             return 2
         except Exception as err:
             if (
