@@ -50,7 +50,7 @@ from core.utils.atomic import atomic_write_json
 from pipelines.sweep.plan import SweepError
 from pipelines.sweep.spec import SWEEP_JSON, check_resources, reconcile
 from pipelines.sweep.tuner import can_restore, check_multinode_tracking, connect_ray, make_tuner, tune_dir
-from stages.harness.runner import Stopped, io_error_line
+from stages.harness.runner import Stopped
 
 
 def _final_is_tcnn(kind: str | None) -> bool:
