@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from core.utils.output_paths import OutputPathError
 from pipelines.studies.render import render
 from pipelines.studies.results import StudyError, export
 
@@ -47,7 +48,7 @@ def _main_export(args: argparse.Namespace) -> int:
     try:
         for path in export(args.sweep_dir, args.out, cpu=args.cpu):
             print(f"study: wrote {path}")
-    except (StudyError, OSError) as err:
+    except (StudyError, OutputPathError, OSError) as err:
         print(f"tcnn study: error: {err}", file=sys.stderr)
         return 2
     return 0
@@ -56,7 +57,7 @@ def _main_export(args: argparse.Namespace) -> int:
 def _main_render(args: argparse.Namespace) -> int:
     try:
         section, same = render(args.results, args.readme, check=args.check)
-    except (StudyError, OSError) as err:
+    except (StudyError, OutputPathError, OSError) as err:
         print(f"tcnn study: error: {err}", file=sys.stderr)
         return 2
     if args.readme is None:
@@ -95,4 +96,6 @@ def _main_run(args: argparse.Namespace) -> int:
                   f"[{100 * r['low']:+.2f}, {100 * r['high']:+.2f}]")  # fmt: skip
         return 0
 
-    return command_status("tcnn study", body, again="run it again to continue", errors=(StudyError,))
+    return command_status(
+        "tcnn study", body, again="run it again to continue", errors=(StudyError, OutputPathError)
+    )

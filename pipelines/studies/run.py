@@ -175,8 +175,14 @@ def answer(main_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 def run(params_file: Path, name: str, out: Path, *, overrides: list[str] | None = None,
         max_seeds: int | None = None, dry_run: bool = False, readme: Path | None = None) -> dict[str, Any]:  # fmt: skip
-    """Run (or continue) the study; returns the record written to ``out/study.json``."""
+    """Run (or continue) the study; returns the record written to ``out/study.json``. Where it writes at the end
+    (``out``, ``readme``) is checked first, before the pilot (core.utils.output_paths)."""
     from core.config import load_params
+    from core.utils.output_paths import check_output_dir, check_output_file
+
+    check_output_dir(out, "--out")
+    if readme is not None:
+        check_output_file(readme, "--readme")
 
     user = list(overrides or [])
     sets = [*(DRY_RUN if dry_run else []), *user]  # the user's overrides may resize a dry run

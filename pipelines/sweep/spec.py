@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import Params
+from core.utils.output_paths import OutputPathError, check_output_dir
 from pipelines.sweep.plan import (
     SweepError,
     check_name,
@@ -43,6 +44,10 @@ def build_spec(
 
     cwd = Path(cwd or Path.cwd()).resolve()
     sw = params.sweep
+    try:  # where every sweep writes, checked before Ray starts (core.utils.output_paths)
+        check_output_dir(cwd / sw.storage, "sweep.storage")
+    except OutputPathError as err:
+        raise SweepError(str(err)) from None
     uri = resolve_uri(params.tracking.uri, cwd)
     plan = make_plan(params, cwd=cwd, device=plan_device(params), tracking_uri=uri)
     name = check_name(name or default_name(params_file, params))
