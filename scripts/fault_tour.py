@@ -690,6 +690,14 @@ def issue59_cases(add: Callable[[Case], None]) -> None:
              expect="OUT_DIR /proc/nope: cannot create files in /proc"))  # fmt: skip
     add(Case("sweep.storage under /proc", tcnn("sweep", "-S", "sweep.storage=/proc/nope"), 2,
              expect="sweep.storage /proc/nope: cannot create files in /proc"))  # fmt: skip
+    # a published set checked from its .npy headers and labels before any training, and before prepare
+    public = "robustness.public={kind: cifar10_c, dir: pub, use: add}"
+    add(Case("published sets with float labels: pretrain refuses before training",
+             stage("pretrain", "-S", public, "-S", "data.name=cifar10"), 2, cifar_c_of((300, 28, 28, 1), "float64"),
+             expect="pub/labels.npy: labels must be integers"))  # fmt: skip
+    add(Case("validate: a CIFAR-10-C copy of 28 px before prepare",
+             tcnn("validate", "-S", public, "-S", "data.name=cifar10", "-S", "data.dir=data/none"), 2,
+             cifar_c_of((300, 28, 28, 3)), expect="the clean test images are uint8 [N, 32, 32, 3]"))  # fmt: skip
     # model.code as the docs say: relative to the workspace, inside it, existing (where dvc.yaml is)
     add(Case("model.code absolute", tcnn("validate", "-S", "model.code=/etc/hostname"), 2,
              expect="model.code: /etc/hostname is not inside the workspace"))  # fmt: skip
