@@ -87,6 +87,16 @@ class ConfigError(ValueError):
 
 #: The largest seed: torch.manual_seed takes 64-bit seeds, and derived seeds are hashed from it.
 SEED_MAX = 2**63 - 1
+#: The largest seed NumPy's legacy seeding and Optuna's samplers take (``sweep.search.seed``): 2**32 - 1.
+SEED32_MAX = 2**32 - 1
+# Upper bounds of the counts (issue 59): each far beyond any run this project makes, so that a typo
+# (10**20 points, a million epochs) is refused in one line instead of running for ever or overflowing a library.
+EPOCHS_MAX = 100_000
+BATCH_MAX = 1_000_000
+IMAGES_MAX = 100_000_000  # images of a split, a corrupted set or a cap (ImageNet's training split: 1.28 M)
+STEPS_MAX = 10_000_000
+TRIALS_MAX = 10_000  # points of a search, retries of a trial
+CPUS_MAX = 4096  # CPUs / GPUs of one trial, processes of a stage
 
 
 class _Strict(BaseModel):
@@ -116,9 +126,9 @@ class LimitConfig(_Strict):
     sets take at most that many: ``robustness.n_images`` and ``robustness.public.n_images`` are capped at it).
     None leaves a split whole. A capped run answers nothing: it checks that a preset runs end to end."""
 
-    train: int | None = Field(None, gt=0)
-    val: int | None = Field(None, gt=0)
-    test: int | None = Field(None, gt=0)
+    train: int | None = Field(None, gt=0, le=IMAGES_MAX)
+    val: int | None = Field(None, gt=0, le=IMAGES_MAX)
+    test: int | None = Field(None, gt=0, le=IMAGES_MAX)
 
     def caps(self) -> dict[str, int | None]:
         return {"train": self.train, "val": self.val, "test": self.test}
@@ -129,7 +139,7 @@ class DataConfig(_Strict):
     source: Path | None = None  # raw files; None = the dataset's default location (or a download)
     dir: Path = Path("data/fashion_mnist")  # Parquet shards + manifest.json
     sample_fraction: float = Field(1.0, gt=0.0, le=1.0)
-    val_size: int = Field(5000, ge=0)
+    val_size: int = Field(5000, ge=0, le=IMAGES_MAX)
     # Where validation (lr choice, early stopping) comes from (core.data.splits.VAL_FROM): "train" carves val_size
     # images out of the training split; "test_half" takes a fixed, seed-independent, class-balanced half of the
     # test split (per class in test-index order, the even ranks; core.data.splits.half_split) and keeps the other
@@ -138,7 +148,7 @@ class DataConfig(_Strict):
     val_from: Literal["train", "test_half"] = "train"
     image_size: int = Field(28, ge=8, le=1024)
     num_workers: int = Field(0, ge=0, le=64)
-    shard_rows: int = Field(10000, ge=16)
+    shard_rows: int = Field(10000, ge=16, le=IMAGES_MAX)
     # ImageFolder (encoded) datasets: decode and augment each batch from the shards in `num_workers` DataLoader
     # workers (core.data.stream: RandomResizedCrop(image_size) + flip; eval resize + centre crop) instead of
     # decoding the whole dataset into memory -- what ImageNet needs.
@@ -201,9 +211,11 @@ class ModelConfig(_Strict):
     @field_validator("code")
     @classmethod
     def _holds_builder(cls, v: Path, info: ValidationInfo) -> Path:
-        """``code`` is not the workspace itself, and a user's builder in the workspace (``model.arch:
-        package.module:function``) lies in it: dvc.yaml makes it a dependency of every stage that builds the
-        network (`core.models.builders.check_code`)."""
+        """``code`` is not the workspace itself (that it is a path relative to the workspace, inside it, that
+        exists is checked where the params are read, :func:`check_workspace_paths`: a sweep's trials get it
+        absolute), and a user's builder in the workspace (``model.arch: package.module:function``) lies in it:
+        dvc.yaml makes it a dependency of every stage that builds the network
+        (`core.models.builders.check_code`)."""
         if Path.cwd().resolve().is_relative_to((Path.cwd() / v).resolve()):
             raise ValueError(
                 f"{v} holds the whole workspace (the stages' outputs too): name the network's code"
@@ -232,7 +244,7 @@ class AugmentConfig(_Strict):
     """Training augmentation. One policy (`Params.augment`) serves pretraining, fine-tuning and the control;
     `pretrain.augment` / `finetune.augment` replace it for one phase when set."""
 
-    crop_padding: int = Field(0, ge=0)
+    crop_padding: int = Field(0, ge=0, le=1024)
     hflip: bool = True
     randaugment: str | None = None  # a timm RandAugment spec, e.g. "rand-m9-mstd0.5"
     mixup: float = Field(0.0, ge=0.0)
@@ -300,15 +312,15 @@ class SourceConfig(_Strict):
 
 
 class PretrainConfig(_Strict):
-    epochs: int = Field(2, gt=0)
-    batch_size: int = Field(128, gt=0)
+    epochs: int = Field(2, gt=0, le=EPOCHS_MAX)
+    batch_size: int = Field(128, gt=0, le=BATCH_MAX)
     lr: float = Field(0.1, gt=0.0)
     momentum: float = Field(0.9, ge=0.0, lt=1.0)
     weight_decay: float = Field(5e-4, ge=0.0)
     warmup_epochs: float = Field(0.3, ge=0.0)
     checkpoint_epochs: list[int] = Field(default_factory=list)  # extra t1 epochs to keep
     # resume checkpoints between epoch ends; 0 = epoch ends only
-    checkpoint_every_steps: int = Field(200, ge=0)
+    checkpoint_every_steps: int = Field(200, ge=0, le=STEPS_MAX)
     augment: AugmentConfig | None = None  # None = the shared policy `augment`
     # A pretrained CNN to import instead of training one (SourceConfig); None = train it here.
     source: SourceConfig | None = None
@@ -319,7 +331,7 @@ class PretrainConfig(_Strict):
 
 
 class ReparamConfig(_Strict):
-    epoch: int = Field(2, ge=0)  # t1; 0 = reparameterize the untrained CNN
+    epoch: int = Field(2, ge=0, le=EPOCHS_MAX)  # t1; 0 = reparameterize the untrained CNN
     alpha_init: float = Field(1.0, gt=0.0)
     lambda_init: float = 1.0
     stride_mode: str = "exact"  # core.nn.positional.STRIDE_MODES
@@ -347,23 +359,23 @@ class StopConfig(_Strict):
     count has not risen by >= ``min_delta_images`` (0 counts as 1) for ``patience`` consecutive epochs, keeping
     the best-validation epoch's weights; ``finetune.epochs`` is then the maximum."""
 
-    patience: int = Field(3, ge=1)
-    min_delta_images: int = Field(10, ge=0)
+    patience: int = Field(3, ge=1, le=EPOCHS_MAX)
+    min_delta_images: int = Field(10, ge=0, le=IMAGES_MAX)
 
 
 class FinetuneConfig(_Strict):
-    epochs: int = Field(1, gt=0)
+    epochs: int = Field(1, gt=0, le=EPOCHS_MAX)
     mode: Literal[FINETUNE_MODES] = "fresh"
     # Both learning rates are the paper's values at batch 1024 ([TCNN21] Sec. 3: AdamW warmed up to 1e-4, the gates
     # at 0.1) and both scale linearly with batch_size, so the gate / weight ratio stays the paper's 1000.
     lr: float = Field(1e-4, gt=0.0)
     gate_lr: float = Field(0.1, gt=0.0)
-    batch_size: int = Field(128, gt=0)
+    batch_size: int = Field(128, gt=0, le=BATCH_MAX)
     weight_decay: float = Field(0.05, ge=0.0)
     warmup_epochs: float = Field(0.2, ge=0.0)
     drop_path: float = Field(0.1, ge=0.0, lt=1.0)
     image_size: int | None = Field(None, ge=8, le=1024)  # None = pretraining resolution
-    checkpoint_every_steps: int = Field(200, ge=0)
+    checkpoint_every_steps: int = Field(200, ge=0, le=STEPS_MAX)
     freeze: list[str] = Field(default_factory=list)  # parameter leaf names to freeze, e.g. [qkv_weight]
     augment: AugmentConfig | None = None  # None = the shared policy `augment`
     # The matched control: the same pretrained checkpoint fine-tuned with this same recipe, without attention
@@ -389,7 +401,9 @@ class PublicSetsConfig(_Strict):
     kind: str  # a key of core.robustness.public_kinds.PUBLIC_KINDS
     dir: Path  # CIFAR-10-C: <dir>/<corruption>.npy + labels.npy; ImageNet-C: <dir>/<corruption>/<severity>/<wnid>/
     use: Literal["add", "replace"] = "add"
-    n_images: int | None = Field(None, gt=0)  # images per set (evenly spaced); None = robustness.n_images
+    n_images: int | None = Field(
+        None, gt=0, le=IMAGES_MAX
+    )  # images per set (evenly spaced); None = robustness.n_images
 
     @field_validator("kind")
     @classmethod
@@ -405,11 +419,11 @@ class PublicSetsConfig(_Strict):
 
 
 class RobustnessConfig(_Strict):
-    n_images: int = Field(500, gt=0)
+    n_images: int = Field(500, gt=0, le=IMAGES_MAX)
     corruptions: list[str] = Field(default_factory=lambda: list(allowed("corruptions")))
     severities: list[int] = Field(default_factory=lambda: [1, 2, 3, 4, 5])
     dir: Path = Path("data/fashion_mnist-c")
-    batch_size: int = Field(500, gt=0)
+    batch_size: int = Field(500, gt=0, le=BATCH_MAX)
     # CE/mCE normaliser: "cnn" (this run's pretrained CNN), "alexnet" (ImageNet-C only), or a baseline JSON
     baseline: str = Field("cnn", min_length=1)
     workers: int = Field(0, ge=0, le=256)  # corrupt-stage processes; 0 = all cores
@@ -500,13 +514,13 @@ class SearchConfig(_Strict):
 
     space: dict[str, dict[str, Any]]  # key -> {loguniform: [lo, hi]} | {uniform: [lo, hi]} | {choice: [...]}
     algorithm: Literal["random", "tpe"] = "random"  # tpe: Optuna's TPE sampler through Ray's OptunaSearch
-    num_samples: int = Field(8, ge=1)  # points (each run by both arms)
-    seed: int = Field(0, ge=0)  # same params, same seed: the same points
+    num_samples: int = Field(8, ge=1, le=TRIALS_MAX)  # points (each run by both arms)
+    seed: int = Field(0, ge=0, le=SEED32_MAX)  # same params, same seed: the same points (Optuna: < 2**32)
     # each arm chooses among at least this many trials that trained every epoch: the scheduler stops at most
     # num_samples - min_finished trials per arm (pipelines/sweep/scheduling.py: ArmwiseScheduler)
-    min_finished: int = Field(3, ge=1)
+    min_finished: int = Field(3, ge=1, le=TRIALS_MAX)
     # tpe: its first n_startup_trials points are random (Optuna's TPESampler, whose own default is 10)
-    n_startup_trials: int = Field(10, ge=1)
+    n_startup_trials: int = Field(10, ge=1, le=TRIALS_MAX)
 
     @field_validator("space")
     @classmethod
@@ -548,16 +562,18 @@ class SchedulerConfig(_Strict):
     Tuning", Alg. 2)."""
 
     kind: Literal["asha"] = "asha"
-    grace_period: int = Field(1, ge=1)  # fine-tuning epochs every trial trains before it can be stopped
+    grace_period: int = Field(
+        1, ge=1, le=EPOCHS_MAX
+    )  # fine-tuning epochs every trial trains before it can be stopped
     reduction_factor: float = Field(2.0, gt=1.0)  # the top 1/reduction_factor of a rung go on
 
 
 class SweepConfig(_Strict):
     grid: dict[str, list[Any]] = Field(default_factory=dict)
     select: SelectConfig = Field(default_factory=SelectConfig)
-    cpus_per_trial: float = Field(1.0, gt=0.0)
-    gpus_per_trial: float = Field(0.0, ge=0.0)
-    max_failures: int = Field(2, ge=0)
+    cpus_per_trial: float = Field(1.0, gt=0.0, le=CPUS_MAX)
+    gpus_per_trial: float = Field(0.0, ge=0.0, le=CPUS_MAX)
+    max_failures: int = Field(2, ge=0, le=TRIALS_MAX)
     storage: Path = Path("sweeps")
     # Trials with the same pretraining inputs share one content-addressed pretraining run (pipelines/sweep/plan.py);
     # false = every trial pretrains in its own directory (the naive grid, e.g. for benchmarks/sweep.py).
@@ -577,7 +593,7 @@ class Params(_Strict):
     precision: str = "auto"  # core.training.precision.PRECISIONS: auto | fp32 | bf16 | fp16
     # Data-parallel (DDP) processes per training run: torchrun under `dvc repro`, Ray Train workers in a sweep
     # trial (core.training.distributed). batch sizes stay global and must divide by it.
-    workers_per_trial: int = Field(1, ge=1)
+    workers_per_trial: int = Field(1, ge=1, le=CPUS_MAX)
     data: DataConfig = Field(default_factory=DataConfig)
     augment: AugmentConfig = Field(default_factory=AugmentConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -869,6 +885,10 @@ def validate_params(raw: Any) -> Params:
                 ) from None
             except ConfigError as err:
                 raise ConfigError(f"sweep.grid.{key}: {err}") from None
+    trials = math.prod(len(v) for v in params.sweep.grid.values())
+    if trials > TRIALS_MAX:
+        raise ConfigError(f"sweep.grid: {trials} trials (the product of its lists' lengths) is more than "
+                          f"{TRIALS_MAX}; sweep fewer values")  # fmt: skip
     _check_search(params)
     for key in params.sweep.select.over:
         fixed = params.finetune.control_lr is not None or "finetune.control_lr" in params.sweep.grid
@@ -972,20 +992,41 @@ def _check_bracket(sweep: SweepConfig) -> None:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """`key=value` with the value parsed as YAML (so `3`, `0.5`, `true`, `[1, 2]` get their types)."""
+    """`key=value` with the value parsed as YAML (so `3`, `0.5`, `1e-4`, `true`, `[1, 2]` get their types), by
+    the loader of the params files (:class:`ParamsLoader`), so a value reads the same in a file and in `-S`."""
     if "=" not in text:
         raise ConfigError(f"override {text!r}: expected key=value")
     key, value = text.split("=", 1)
     try:
-        return key.strip(), yaml.safe_load(value)
+        return key.strip(), yaml.load(value, Loader=ParamsLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         mark = getattr(err, "problem", None) or type(err).__name__
         raise ConfigError(f"override {text!r}: the value is not valid YAML ({mark})") from None
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader, refusing a key given twice in one mapping (``{epochs: 1, epochs: 7}``: plain YAML
-    keeps the last silently)."""
+#: YAML 1.2's float (core schema, section 10.3.2): a dot or an exponent, so ``1e-4`` and ``1E5`` are numbers.
+#: YAML 1.1 (PyYAML) needs a dot, and reads ``1e-4`` as the string "1e-4" where DVC (YAML 1.2) reads a float.
+_FLOAT_12 = re.compile(r"^[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?$")
+
+
+class ParamsLoader(yaml.SafeLoader):
+    """YAML's safe loader reading numbers as YAML 1.2 (and DVC, which reads params.yaml too) does: ``1e-4``,
+    ``5E-3``, ``1e5`` are floats, in a params file and in a ``-S`` value alike (block or flow style). Plain
+    integers stay integers (PyYAML's int resolver is tried first); ``.inf`` / ``.nan`` keep their YAML 1.1
+    spelling."""
+
+
+ParamsLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_12, list("-+.0123456789"))
+
+
+def read_yaml(text: str) -> Any:
+    """``text`` as :class:`ParamsLoader` reads it (numbers as in a params file)."""
+    return yaml.load(text, Loader=ParamsLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+class _UniqueKeyLoader(ParamsLoader):
+    """The params loader (:class:`ParamsLoader`), refusing a key given twice in one mapping (``{epochs: 1,
+    epochs: 7}``: plain YAML keeps the last silently)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
@@ -1011,6 +1052,30 @@ def _yaml_error(path: Path, text: str, err: yaml.YAMLError) -> ConfigError:
     return ConfigError(f"{path}: not valid YAML{where}: {what}")
 
 
+def check_workspace_paths(params: Params, workspace: Path | None = None) -> None:
+    """What the params name in the workspace and must find there before anything runs (docs/configuration.md):
+    ``model.code``, a DVC dependency of the stages that build the network, is relative to the workspace and
+    stays inside it (no absolute path, no ``..``: DVC would hash another file, and an absolute path changes
+    with the clone); in a DVC workspace (the working directory holding dvc.yaml, where `dvc repro` runs the
+    stages) it exists (DVC would fail at the first stage with its own error) and no symlink leads it outside.
+    Outside a DVC workspace (a stage run alone from another folder) it is no dependency and is not looked for.
+    Called by :func:`load_params`, not by the model: a sweep's trials get it absolute (pipelines/sweep/plan.py)."""
+    rel = params.model.code
+    if rel.is_absolute() or os.path.normpath(rel).split(os.sep)[0] == "..":
+        raise ConfigError(f"model.code: {rel} is not inside the workspace: give the network's code as a path "
+                          f"relative to it (a DVC dependency; e.g. {DEFAULT_CODE})")  # fmt: skip
+    root = (workspace or Path.cwd()).resolve()
+    if not (root / "dvc.yaml").is_file():
+        return
+    code = root / rel
+    if not code.exists():
+        raise ConfigError(f"model.code: {params.model.code} does not exist in the workspace {root} (the file or "
+                          f"folder of model.arch's code; the default is {DEFAULT_CODE})")  # fmt: skip
+    if not code.resolve().is_relative_to(root):
+        raise ConfigError(f"model.code: {params.model.code} leads outside the workspace ({code.resolve()}): "
+                          "keep the network's code in the workspace")  # fmt: skip
+
+
 def load_params(path: str | os.PathLike = "params.yaml", overrides: list[str] | None = None) -> Params:
     path = Path(path)
     if path.is_dir():
@@ -1034,6 +1099,8 @@ def load_params(path: str | os.PathLike = "params.yaml", overrides: list[str] | 
             key, value = parse_override(text)
             set_dotted(raw, key, value, create=True)
     try:
-        return validate_params(raw)
+        params = validate_params(raw)
+        check_workspace_paths(params)
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
+    return params

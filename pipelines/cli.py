@@ -10,15 +10,15 @@ from core.config import ConfigError, load_params
 
 def _validate(args: argparse.Namespace) -> int:
     """The params, and what they name that can be checked without compute: a published benchmark's array
-    headers and labels against the prepared data (when it is prepared; the evaluate stage checks it again before
-    any model loads)."""
+    headers and labels against the prepared data, or before prepare against what the dataset's name says
+    (the training stages and evaluate check it again before they train or load a model)."""
     params = load_params(args.file, args.set)
-    if params.robustness.public is not None and (params.data.dir / "manifest.json").is_file():
+    if params.robustness.public is not None:
         from stages.harness.runner import StageError
         from stages.robustness_bench import check_public_sets
 
         try:
-            check_public_sets(params)
+            check_public_sets(params, prepared=False)
         except StageError as err:
             print(f"tcnn validate: error: {err}", file=sys.stderr)
             return 2

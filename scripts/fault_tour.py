@@ -657,6 +657,7 @@ def cases() -> list[Case]:
         )
     )  # fmt: skip
     add(Case("sweep --resume of nothing", tcnn("sweep", "--name", "none", "--resume"), 2))
+    issue59_cases(add)
     add(Case("sweep --address bogus", tcnn("sweep", "--address", "not an address"), 2))
     add(Case("sweep name with a slash", tcnn("sweep", "--name", "a/b"), 2))
     return c + issue59_view_cases()
@@ -697,6 +698,59 @@ def issue59_view_cases() -> list[Case]:
     add(Case("tcnn show plots without its page template", tcnn("show", "plots"), 2, write(".dvc/config", page),
              expect="`.venv/bin/python scripts/dvc_plots_page.py` writes it"))  # fmt: skip
     return c
+
+
+def _gpus_here() -> int:
+    """The GPUs a local Ray finds here (torch's count: Ray's own detection agrees on CUDA machines)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def issue59_cases(add: Callable[[Case], None]) -> None:
+    """Issue 59: each kind refused before any compute, one line, exit 2, nothing written."""
+    space = "space: {finetune.lr: {loguniform: [1e-4, 1e-2]}}"
+    # a bound a library enforces (numpy / Optuna: seeds below 2**32) is enforced at validation, as are counts
+    add(Case("search seed beyond numpy's 2**32 - 1", tcnn("sweep", "-S", f"sweep.search={{{space}, seed: 4294967296}}"),
+             2, expect="sweep.search.seed: Input should be less than or equal to 4294967295"))  # fmt: skip
+    add(Case("search of 10**20 points", tcnn("sweep", "-S", f"sweep.search={{{space}, num_samples: {10**20}}}"), 2,
+             expect="sweep.search.num_samples: Input should be less than or equal to 10000"))  # fmt: skip
+    add(Case("grid of 20,000 trials", tcnn("validate", "-S", f"sweep.grid.seed={list(range(200))}",
+                                           "-S", f"sweep.grid.finetune.lr={[1e-4] * 100}"), 2,
+             expect="sweep.grid: 20000 trials"))  # fmt: skip
+    # numbers in flow style read as YAML 1.2 (and DVC) read them
+    add(Case("search range in flow style with exponents", tcnn("validate", "-S", f"sweep.search={{{space}}}"), 0,
+             expect="params.yaml: ok"))  # fmt: skip
+    # a trial no node can hold: refused once Ray's resources are known (locally), and in the SLURM request
+    gpus = _gpus_here() + 1
+    add(Case(f"{gpus} GPU(s) per trial on a machine with {gpus - 1}",
+             tcnn("sweep", "--num-cpus", "2", "-S", f"sweep.gpus_per_trial={gpus}"), 2,
+             expect=f"sweep.gpus_per_trial: a trial needs {gpus} GPU on one node"))  # fmt: skip
+    add(Case("a GPU per trial in a SLURM request of none", tcnn("sweep", "--slurm", "-S", "sweep.gpus_per_trial=1"), 2,
+             expect="no node of the SLURM job (1 node(s) x 1 CPUs, 0 GPUs"))  # fmt: skip
+    # output paths checked before compute
+    add(Case("study run --readme under /proc", tcnn("study", "run", "params.yaml", "--name", "x", "--out", "o",
+                                                    "--readme", "/proc/nope/R.md"), 2,
+             expect="--readme /proc/nope/R.md: cannot create files in /proc"))  # fmt: skip
+    add(Case("study export into /proc", tcnn("study", "export", "sweeps/none", "/proc/nope"), 2,
+             expect="OUT_DIR /proc/nope: cannot create files in /proc"))  # fmt: skip
+    add(Case("sweep.storage under /proc", tcnn("sweep", "-S", "sweep.storage=/proc/nope"), 2,
+             expect="sweep.storage /proc/nope: cannot create files in /proc"))  # fmt: skip
+    # a published set checked from its .npy headers and labels before any training, and before prepare
+    public = "robustness.public={kind: cifar10_c, dir: pub, use: add}"
+    add(Case("published sets with float labels: pretrain refuses before training",
+             stage("pretrain", "-S", public, "-S", "data.name=cifar10"), 2, cifar_c_of((300, 28, 28, 1), "float64"),
+             expect="pub/labels.npy: labels must be integers"))  # fmt: skip
+    add(Case("validate: a CIFAR-10-C copy of 28 px before prepare",
+             tcnn("validate", "-S", public, "-S", "data.name=cifar10", "-S", "data.dir=data/none"), 2,
+             cifar_c_of((300, 28, 28, 3)), expect="the clean test images are uint8 [N, 32, 32, 3]"))  # fmt: skip
+    # model.code as the docs say: relative to the workspace, inside it, existing (where dvc.yaml is)
+    add(Case("model.code absolute", tcnn("validate", "-S", "model.code=/etc/hostname"), 2,
+             expect="model.code: /etc/hostname is not inside the workspace"))  # fmt: skip
+    add(Case("model.code above the workspace", tcnn("validate", "-S", "model.code=../shared"), 2,
+             expect="model.code: ../shared is not inside the workspace"))  # fmt: skip
+    add(Case("model.code missing in a DVC workspace", tcnn("validate", "-S", "model.code=nets/nope.py"), 2,
+             write("dvc.yaml", "stages: {}\n"), expect="model.code: nets/nope.py does not exist in the workspace"))  # fmt: skip
 
 
 def main() -> int:

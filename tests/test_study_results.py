@@ -382,7 +382,7 @@ def test_the_readme_block_says_which_images_play_which_role_as_the_study_configu
     from core.robustness.suite import CORRUPTIONS, SEVERITIES
 
     raw = yaml.safe_load((COMMITTED.parent / "cifar10_lr.yaml").read_text())
-    assert "data_roles" not in S.load(COMMITTED)["meta"] and "val_from" not in raw["data"]
+    assert "data_roles" not in S.load(COMMITTED)["meta"] and raw["data"].get("val_from", "train") == "train"
     line = next(x for x in _readme_block("cifar10-lr").splitlines() if x.startswith("**Images**"))
     assert f"validation (each arm's lr): {raw['data']['val_size']:,} training images" in line
     assert "carved from the training split; test: the whole test split" in line

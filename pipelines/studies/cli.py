@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from core.utils.output_paths import OutputPathError
 from pipelines.studies.render import render
 from pipelines.studies.results import StudyError, export
 
@@ -54,7 +55,7 @@ def _main_export(args: argparse.Namespace) -> int:
     try:
         for path in export(args.sweep_dir, args.out, cpu=args.cpu):
             print(f"study: wrote {path}")
-    except (StudyError, OSError) as err:
+    except (StudyError, OutputPathError, OSError) as err:
         print(f"tcnn study: error: {err}", file=sys.stderr)
         return 2
     return 0
@@ -68,7 +69,7 @@ def _main_render(args: argparse.Namespace) -> int:
             section, same = render_block(args.results, args.readme, check=args.check)
         else:
             section, same = render(args.results, args.readme, check=args.check)
-    except (StudyError, StudyRunError, OSError, ValueError) as err:
+    except (StudyError, StudyRunError, OutputPathError, OSError, ValueError) as err:
         print(f"tcnn study: error: {err}", file=sys.stderr)
         return 2
     if args.readme is None:
@@ -109,4 +110,6 @@ def _main_run(args: argparse.Namespace) -> int:
                   f"[{100 * r['low']:+.2f}, {100 * r['high']:+.2f}]")  # fmt: skip
         return 0
 
-    return command_status("tcnn study", body, again="run it again to continue", errors=(StudyError,))
+    return command_status(
+        "tcnn study", body, again="run it again to continue", errors=(StudyError, OutputPathError)
+    )

@@ -287,10 +287,17 @@ def render(results: Path, readme: Path | None = None, *, check: bool = False) ->
     Returns (section, whether the README matched). The study's params are ``<results>.yaml`` next to the
     results folder (pipelines/studies/cifar10_lr.yaml for pipelines/studies/cifar10_lr) where meta.json does
     not carry them."""
+    from core.utils.output_paths import check_output_dir, check_output_file
     from core.viz.study_plots import plot_head_gates, plot_lr_grid, plot_val_curves
 
     data = load(results)
     name = data["meta"]["sweep"]
+    if not check:  # where the figures and the block go, before anything is drawn (core.utils.output_paths)
+        check_output_dir(results, "results")
+        if readme is not None:
+            check_output_file(
+                readme, "--readme", holds=(f"<!-- study:{name}:begin -->", f"<!-- study:{name}:end -->")
+            )
     # the figures' links, relative to the README they go in (the same text from any working directory)
     fig_dir = Path(os.path.relpath(results, readme.parent)).as_posix() if readme else results.as_posix()
     section = markdown(data, name, fig_dir, params_file=results.parent / f"{results.name}.yaml")

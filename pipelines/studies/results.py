@@ -77,6 +77,9 @@ def export(sweep_dir: Path, out: Path, cpu: str | None = None) -> list[Path]:
     trials ran on where their records do not (records made before they carried ``cpu``)."""
     import pyarrow.parquet as pq
 
+    from core.utils.output_paths import check_output_dir
+
+    check_output_dir(out, "OUT_DIR")  # before anything is read or written
     spec = _json(sweep_dir / "sweep.json")
     over = list((spec.get("select") or {}).get("over") or [])
     if len(over) != 1:

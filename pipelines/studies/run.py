@@ -170,8 +170,14 @@ def answer(per_seed: list[dict[str, Any]], unit: str) -> dict[str, Any]:
 def run(params_file: Path, name: str, out: Path, *, overrides: list[str] | None = None,
         max_seeds: int | None = None, dry_run: bool = False, readme: Path | None = None,
         force: bool = False) -> dict[str, Any]:  # fmt: skip
-    """Run (or continue) the study; returns the record written to ``out/study.json``."""
+    """Run (or continue) the study; returns the record written to ``out/study.json``. Where it writes
+    (``out``, ``readme``) is checked first, before the search (core.utils.output_paths)."""
     from core.config import load_params
+    from core.utils.output_paths import check_output_dir, check_output_file
+
+    check_output_dir(out, "--out")
+    if readme is not None:
+        check_output_file(readme, "--readme")
 
     sets = [*(DRY_RUN if dry_run else []), *list(overrides or [])]  # the user's may resize a dry run
     params = load_params(params_file, sets)

@@ -26,7 +26,7 @@ from core.config import ConfigError, load_params
 from pipelines.ddp import PLACEMENTS
 from pipelines.sweep.driver import run_sweep, say, slurm_driver
 from pipelines.sweep.plan import SweepError
-from pipelines.sweep.spec import build_spec, reconcile
+from pipelines.sweep.spec import build_spec, check_resources, reconcile
 from pipelines.sweep.tuner import check_address, check_multinode_tracking
 from stages.harness.runner import EXIT_IOERR, Stopped, io_error_line, stop_on_signals
 
@@ -54,6 +54,10 @@ def submit_slurm(spec: dict, args: argparse.Namespace) -> int:
     check_multinode_tracking(spec, args.nodes)
     w = spec.get("workers", 1)
     cpus = args.cpus_per_node or max(1, math.ceil(spec["resources"]["cpu"] * (w + 1 if w > 1 else 1)))
+    asked = (
+        f"the SLURM job ({args.nodes} node(s) x {cpus} CPUs, {count} GPUs: --cpus-per-node, --gpus-per-node)"
+    )
+    check_resources(spec, [{"CPU": cpus, "GPU": count}] * args.nodes, asked)  # before anything is submitted
     sweep_dir = Path(spec["sweep_dir"])
     folder = sweep_dir / "slurm"
     if args.ray_port:

@@ -37,6 +37,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import os
+import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -46,9 +48,9 @@ from typing import Any
 from core.utils import mlflow_ui
 from core.utils.atomic import atomic_write_json
 from pipelines.sweep.plan import SweepError
-from pipelines.sweep.spec import SWEEP_JSON, reconcile
+from pipelines.sweep.spec import SWEEP_JSON, check_resources, reconcile
 from pipelines.sweep.tuner import can_restore, check_multinode_tracking, connect_ray, make_tuner, tune_dir
-from stages.harness.runner import Stopped, io_error_line
+from stages.harness.runner import Stopped
 
 
 def _final_is_tcnn(kind: str | None) -> bool:
@@ -65,12 +67,20 @@ def say(msg: str) -> None:
 # --------------------------------------------------------------------------------------------- driver
 
 
+LOCK = ".driver.lock"
+
+
 @contextlib.contextmanager
 def driver_lock(sweep_dir: Path) -> Any:
+    """One driver per sweep: an flock on ``<sweep>/.driver.lock``, removed when the driver ends (while it still
+    holds the lock; a driver that took the lock of a file removed meanwhile sees another inode and is refused)."""
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    with open(sweep_dir / ".driver.lock", "a+") as fh:
+    path = sweep_dir / LOCK
+    with open(path, "a+") as fh:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if not path.exists() or path.stat().st_ino != os.fstat(fh.fileno()).st_ino:
+                raise BlockingIOError
         except BlockingIOError:
             raise SweepError(
                 f"sweep {sweep_dir.name!r}: another driver is running it ({sweep_dir})"
@@ -78,6 +88,7 @@ def driver_lock(sweep_dir: Path) -> Any:
         try:
             yield
         finally:
+            path.unlink(missing_ok=True)
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
@@ -117,11 +128,18 @@ def run_sweep(
     spec = reconcile(spec, resume)
     owns = connect_ray(address, num_cpus, object_store_mb) if address is not None else False
     tracker: Any = None
+    sweep_dir = Path(spec["sweep_dir"])
+    new = not sweep_dir.exists()  # this driver creates it: a failure before any trial ran leaves nothing
+    held = (
+        False  # this driver holds the sweep's lock (a refused second driver touches nothing of the first's)
+    )
     try:
-        nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+        alive = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        nodes = len(alive)
         check_multinode_tracking(spec, nodes)
-        sweep_dir = Path(spec["sweep_dir"])
+        check_resources(spec, alive, "this Ray cluster" if address != "local" else "the local Ray")
         with driver_lock(sweep_dir):
+            held = True
             spec = reconcile(spec, "auto")  # a requeued or resumed driver: the saved uid and parent run
             spec["uid"] = spec.get("uid") or uuid.uuid4().hex
             tracker = _open_parent(spec)
@@ -138,18 +156,24 @@ def run_sweep(
     except (Stopped, SystemError) as err:
         stop = _stop_of(err)
         if stop is None:
+            if owns:
+                ray.shutdown()
+                owns = False
+            _end_failed(tracker, sweep_dir, held=held, new=new)
             raise
         if owns:  # the trials' workers end first, so that no trial writes to its run after it is closed
             ray.shutdown()
             owns = False
         _close_stopped(tracker)
         raise stop from None
-    except Exception as err:
-        if io_error_line(err) is not None:  # a file or the store failed: the trials end first, then the runs
-            if owns:
-                ray.shutdown()
-                owns = False
-            _close_failed(tracker)
+    except Exception:
+        # A refusal (one line, 2), a file or the store that failed (one line, 74) or a bug (its traceback): the
+        # trials end first, then the runs end FAILED, and a new sweep that failed before any trial ran leaves
+        # no directory behind.
+        if owns:
+            ray.shutdown()
+            owns = False
+        _end_failed(tracker, sweep_dir, held=held, new=new)
         raise
     finally:
         if owns:
@@ -459,9 +483,27 @@ def _close_stopped(tracker: Any) -> None:
     tracker.end_parent("KILLED")
 
 
+def _end_failed(tracker: Any, sweep_dir: Path, *, held: bool, new: bool) -> None:
+    """What a driver that failed leaves once its trials ended: its runs FAILED (:func:`_close_failed`) and, for
+    a sweep it created, no directory if no trial ran. Nothing of a sweep whose lock it did not get."""
+    if not held:
+        return
+    _close_failed(tracker)
+    if new:
+        _remove_if_unstarted(sweep_dir)
+
+
+def _remove_if_unstarted(sweep_dir: Path) -> None:
+    """Remove the directory of a new sweep that failed before any trial ran: it holds only sweep.json (and the
+    lock), which would make the same command a "sweep exists" refusal instead of a fresh start."""
+    left = {p.name for p in sweep_dir.iterdir()} if sweep_dir.is_dir() else set()
+    if left <= {SWEEP_JSON, LOCK}:
+        shutil.rmtree(sweep_dir, ignore_errors=True)
+
+
 def _close_failed(tracker: Any) -> None:
-    """A driver ended by an I/O or store fault ends its MLflow parent and every trial run still open under it
-    as FAILED, as far as the store still takes writes."""
+    """A driver ended by an I/O or store fault, or by a bug, ends its MLflow parent and every trial run still
+    open under it as FAILED, as far as the store still takes writes."""
     if tracker is None or not tracker.enabled or tracker.parent_run_id is None:
         return
     with contextlib.suppress(Exception):

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import Params
+from core.utils.output_paths import OutputPathError, check_output_dir
 from pipelines.sweep.plan import (
     SweepError,
     check_name,
@@ -43,6 +44,10 @@ def build_spec(
 
     cwd = Path(cwd or Path.cwd()).resolve()
     sw = params.sweep
+    try:  # where every sweep writes, checked before Ray starts (core.utils.output_paths)
+        check_output_dir(cwd / sw.storage, "sweep.storage")
+    except OutputPathError as err:
+        raise SweepError(str(err)) from None
     uri = resolve_uri(params.tracking.uri, cwd)
     plan = make_plan(params, cwd=cwd, device=plan_device(params), tracking_uri=uri)
     name = check_name(name or default_name(params_file, params))
@@ -140,3 +145,35 @@ def reconcile(spec: dict, resume: str) -> dict:
         "cwd": saved.get("cwd", spec.get("cwd")),
     }
     return merged
+
+
+def check_resources(spec: dict, nodes: list[dict[str, float]], where: str) -> None:
+    """Refuse, before any compute, a trial no node can hold: Ray would otherwise keep it pending for ever
+    (printing its insufficient-resources warning) after the driver has built the shared inputs. ``nodes``: the
+    CPUs and GPUs of each node (Ray's ``CPU`` / ``GPU`` resources: the cluster the driver connected to, or what
+    the SLURM job asks for per node); ``where`` names them in the line. A trial is its own process (``resources``)
+    plus, with ``workers_per_trial`` W > 1, W Ray Train workers (``worker_resources`` each): each must fit a
+    node, and all of them the whole cluster (one worker per node with ``strict_spread``)."""
+    trial, worker, w = (
+        spec["resources"],
+        spec.get("worker_resources", spec["resources"]),
+        spec.get("workers", 1),
+    )
+    bundles = [trial] + ([worker] * w if w > 1 else [])
+    have = [{"cpu": float(n.get("CPU", 0.0)), "gpu": float(n.get("GPU", 0.0))} for n in nodes]
+    shape = ", ".join(f"{h['cpu']:g} CPU / {h['gpu']:g} GPU" for h in have) or "none"
+    key = {"cpu": "sweep.cpus_per_trial", "gpu": "sweep.gpus_per_trial"}
+    for kind in ("gpu", "cpu"):
+        need = max(b[kind] for b in bundles)
+        if need > 0 and not any(h[kind] >= need - 1e-9 for h in have):
+            raise SweepError(f"{key[kind]}: a trial needs {need:g} {kind.upper()} on one node, and no node of "
+                             f"{where} has that many (nodes: {shape}); lower it or add such a node")  # fmt: skip
+        total = sum(b[kind] for b in bundles)
+        if total > sum(h[kind] for h in have) + 1e-9:
+            raise SweepError(f"{key[kind]}: a trial asks for {total:g} {kind.upper()} in all (workers_per_trial="
+                             f"{w}), more than {where} has (nodes: {shape})")  # fmt: skip
+    if w > 1 and spec.get("placement") == "strict_spread":
+        fit = sum(all(h[k] >= worker[k] - 1e-9 for k in ("cpu", "gpu")) for h in have)
+        if fit < w:
+            raise SweepError(f"--worker-placement strict_spread: a trial's {w} workers need {w} nodes that hold "
+                             f"one each, {where} has {fit} (nodes: {shape})")  # fmt: skip

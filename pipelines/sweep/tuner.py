@@ -5,6 +5,7 @@ function trainable, its reports and checkpoints) is pipelines/sweep/trial.py."""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -38,6 +39,11 @@ def connect_ray(address: str, num_cpus: int | None, object_store_mb: int | None)
     term = signal.getsignal(signal.SIGTERM)
     try:
         if address == "local":
+            # The Ray this process starts for itself enables token auth by default and says so on stderr: not
+            # the user's cluster nor a setting of theirs, so not a line of theirs (a refusal stays one line).
+            logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(
+                logging.ERROR
+            )
             ray.init(
                 num_cpus=num_cpus or os.cpu_count() or 1,
                 include_dashboard=False,
