@@ -425,3 +425,102 @@ def test_a_search_stopped_by_sigterm_resumes_and_each_arm_chooses_its_own_best(t
         and metrics["chosen/control/val_acc"] == chosen["control"][METRIC]
     )
     assert (sweep_dir / "plots" / "search_curves.png").stat().st_size > 10_000
+
+
+# ------------------------------------------------------------------------------- shared controls
+
+
+def _search_project(root: Path, space: dict[str, Any], epochs: int = 2) -> Path:
+    path = make_project(
+        root, {}, finetune={"epochs": epochs, "batch_size": 50, "lr": 0.004, "warmup_epochs": 0.5}
+    )
+    raw = yaml.safe_load(path.read_text())
+    raw["sweep"] |= {"search": {"space": space, "algorithm": "random", "num_samples": 2, "seed": 0,
+                                "min_finished": 2}}  # fmt: skip
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def test_a_search_points_control_is_the_grids_at_the_same_values(tmp_path: Path) -> None:
+    """The control a search point trains is keyed as a grid's trial at the same values keys its shared control
+    (the grid planner's own key, pipelines.sweep.plan.make_plan): the reparam values do not change it, the lr
+    does."""
+    from pipelines.sweep.arm_trial import arm_params, control_key
+    from pipelines.sweep.spec import build_spec
+
+    path = _search_project(tmp_path, {"finetune.lr": {"choice": [0.004, 0.01]},
+                                      "reparam.alpha_init": {"choice": [0.5, 2.0]}})  # fmt: skip
+    search = build_spec(load_params(path), name="s", params_file=path, cwd=tmp_path)
+    raw = yaml.safe_load(path.read_text())
+    del raw["sweep"]["search"]
+    raw["sweep"]["grid"] = {"finetune.lr": [0.01], "reparam.alpha_init": [0.5, 2.0]}
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    grid = build_spec(load_params(path), name="g", params_file=path, cwd=tmp_path)
+    grid_keys = {t["overrides"]["reparam.alpha_init"]: t["control_key"] for t in grid["trials"].values()}
+    assert len(set(grid_keys.values())) == 1  # the grid shares one control between its two alphas
+    for alpha, want in grid_keys.items():
+        assert (
+            control_key(search, arm_params(search, {"finetune.lr": 0.01, "reparam.alpha_init": alpha}))[0]
+            == want
+        )
+    other = control_key(search, arm_params(search, {"finetune.lr": 0.004, "reparam.alpha_init": 0.5}))[0]
+    assert other != grid_keys[0.5]
+
+
+def test_a_shared_control_counts_its_epochs_once() -> None:
+    from pipelines.sweep.search_report import epochs_trained
+
+    def row(arm: str, epochs: int, key: str | None = None, before: int = 0) -> dict[str, Any]:
+        return {"arm": arm, TIME_ATTR: epochs, "control_key": key, "control_before": before if key else None}
+
+    # two T-CNNs (3 + 1 epochs); one control shared by two points, one stopped at 1 while the other went on to 3
+    # (3 epochs trained once); one control finished by an earlier search (3 held before: none trained here);
+    # one an earlier search stopped at 1 and this one resumed to 3 (2 trained here)
+    rows = [row("tcnn", 3), row("tcnn", 1), row("control", 1, "a"), row("control", 3, "a", before=1),
+            row("control", 3, "b", before=3), row("control", 3, "b", before=3), row("control", 3, "c", before=1)]  # fmt: skip
+    assert epochs_trained(rows) == (3 + 1) + 3 + 0 + 2
+
+
+def _shared_control_dirs(root: Path) -> list[Path]:
+    return sorted(p for p in (root / "sweeps" / "control").iterdir() if p.is_dir())
+
+
+@pytest.mark.slow
+def test_points_that_differ_in_reparam_and_a_later_search_train_the_control_once(tmp_path: Path) -> None:
+    """Two points that differ only in reparam.alpha_init: one control trained, both control trials report its
+    epochs (on Tune and their MLflow runs); a second search in the same storage trains no control again."""
+    _search_project(tmp_path, {"reparam.alpha_init": {"choice": [0.5, 2.0]}})
+    client = store_client(f"sqlite:///{tmp_path / 'mlruns.db'}")
+    for name in ("s1", "s2"):
+        res = subprocess.run([TCNN, "sweep", "--params", "params.yaml", "--num-cpus", "2", "--name", name],
+                             cwd=tmp_path, env=sweep_env(), capture_output=True, text=True, timeout=900)  # fmt: skip
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        (shared,) = _shared_control_dirs(tmp_path)  # one control identity for both points
+        executions = (shared / "executions.jsonl").read_text().splitlines()
+        assert [json.loads(line)["sweep"] for line in executions] == ["s1"]  # once, by the first search
+        sweep_dir = tmp_path / "sweeps" / name
+        assert (sweep_dir / "control_runs.jsonl").exists() == (name == "s1")
+        history = json.loads((shared / "runs" / "control" / "history.json").read_text())
+        rows = pq.read_table(sweep_dir / "search.parquet").to_pylist()
+        assert sorted(r["reparam.alpha_init"] for r in rows if r["arm"] == "control") == [0.5, 2.0]
+        runs = {r.info.run_name: r for r in _trial_runs(tmp_path) if r.data.tags["tcnn.sweep"] == name}
+        for r in rows:
+            run_id = runs[r["trial"]].info.run_id
+            logged = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "epoch/val_acc"))
+            trial = sweep_dir / "trials" / r["trial"]
+            if r["arm"] == "control":  # the shared run's epochs, each reported and logged
+                assert (trial / "runs" / "control").resolve() == (shared / "runs" / "control").resolve()
+                assert r["control_key"] == shared.name and r["status"] == "finished"
+                assert logged == [(h["finetune_epoch"], pytest.approx(h["val_acc"])) for h in history]
+                assert json.loads(r["epochs"]) == [h["finetune_epoch"] for h in history] and r[TIME_ATTR] == 2
+                assert r[METRIC] == pytest.approx(history[-1]["val_acc"])
+            else:  # the T-CNN's own fine-tuning, in its trial's directory
+                assert not (trial / "runs" / "finetune").is_symlink()
+                assert [s for s, _ in logged] == list(range(r[TIME_ATTR] + 1)) and r[TIME_ATTR] == 2
+        # what the shared directory held when each control trial started: none for s1's first, all for s2's
+        before = sorted(r["control_before"] for r in rows if r["arm"] == "control")
+        assert before[0] == 0 if name == "s1" else before == [history[-1]["finetune_epoch"]] * 2
+        report = (sweep_dir / "search.md").read_text()
+        control_trained = 2 if name == "s1" else 0
+        assert (f"Compute: {4 + control_trained} fine-tuning epochs trained of 8 (every trial to the end); "
+                f"{4 - control_trained} more epochs reported came from shared matched controls") in report  # fmt: skip

@@ -438,12 +438,9 @@ class TrialRunner:
         """What a trial reports to Tune for one fine-tuning epoch (a grid trial: the epoch's row as it is)."""
         return result
 
-    def _watched(
-        self, name: str, fn: Callable[[], dict[str, Any]], tracker: Any, report: Reporter
-    ) -> Callable[[], dict[str, Any]]:
-        """A trial's own training stage, its epochs logged and reported as they finish (read from the resume
-        state the stage rewrites at every epoch end)."""
-
+    def epoch_emitter(self, name: str, tracker: Any, report: Reporter) -> Callable[[dict[str, Any]], None]:
+        """What a fine-tuning epoch's history row becomes: metrics on the trial's MLflow run (once per epoch,
+        over attempts) and a Tune report (:meth:`epoch_report`; again on a resume)."""
         logged = logged_epochs(tracker)  # by an earlier attempt: a resumed stage's history holds them again
 
         def emit(row: dict[str, Any]) -> None:
@@ -459,6 +456,15 @@ class TrialRunner:
             keys = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
             values = {k: m[f"epoch/{k}"] for k in keys if f"epoch/{k}" in m}
             report(self.epoch_report({"stage": name, "finetune_epoch": epoch, **values}))
+
+        return emit
+
+    def _watched(
+        self, name: str, fn: Callable[[], dict[str, Any]], tracker: Any, report: Reporter
+    ) -> Callable[[], dict[str, Any]]:
+        """A trial's own training stage, its epochs logged and reported as they finish (read from the resume
+        state the stage rewrites at every epoch end)."""
+        emit = self.epoch_emitter(name, tracker, report)
 
         def run() -> dict[str, Any]:
             watcher = EpochWatcher(self.root / chain.partial_dir(name) / "resume.pt", emit)
