@@ -524,3 +524,83 @@ def test_points_that_differ_in_reparam_and_a_later_search_train_the_control_once
         control_trained = 2 if name == "s1" else 0
         assert (f"Compute: {4 + control_trained} fine-tuning epochs trained of 8 (every trial to the end); "
                 f"{4 - control_trained} more epochs reported came from shared matched controls") in report  # fmt: skip
+
+
+_HOLDER = """
+import json, sys
+from pipelines.sweep.arm_trial import ArmTrial
+spec = json.loads(open(sys.argv[1]).read())
+ArmTrial(spec, json.loads(sys.argv[2]), report=False).run()
+"""
+
+
+@pytest.mark.slow
+def test_a_stopped_holder_of_a_shared_control_leaves_it_to_the_trial_waiting_for_it(tmp_path: Path) -> None:
+    """The rule for a control two points share: point 0's control trial trains it and is killed (as Ray ends a
+    trial its scheduler stops) while point 1's waits on the lock; point 1 has reported each epoch point 0
+    trained, takes the lock, resumes the stage's partial state (bitwise: tests/test_resume_kill.py) and
+    finishes it, every epoch reported once, the control trained to the end once."""
+    import os
+    import sys
+    import threading
+
+    from pipelines.sweep.arm_trial import ArmTrial, arm_params, base_tid, control_key, shared_epochs
+    from pipelines.sweep.shared import ENSURE
+    from pipelines.sweep.spec import build_spec
+    from pipelines.sweep.trial import DONE
+
+    path = _search_project(tmp_path, {"reparam.alpha_init": {"choice": [0.5, 2.0]}}, epochs=4)
+    spec = build_spec(load_params(path), name="s", params_file=path, cwd=tmp_path)
+    spec["tracking"]["enabled"] = False
+    Path(spec["sweep_dir"]).mkdir(parents=True)
+    ENSURE["pretrain"](spec, spec["trials"][base_tid(spec)]["pretrain_key"], trial="test")
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    configs = [{POINT_KEY: p, ARM_KEY: "control", "reparam.alpha_init": a} for p, a in ((0, 2.0), (1, 0.5))]
+    key = control_key(spec, arm_params(spec, {"reparam.alpha_init": 2.0}))[0]
+    assert key == control_key(spec, arm_params(spec, {"reparam.alpha_init": 0.5}))[0]
+    shared = tmp_path / "sweeps" / "control" / key
+
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp_path / "spec.json"), json.dumps(configs[0])],
+                              cwd=Path(__file__).parents[1], env=sweep_env())  # fmt: skip
+    try:
+        t0 = time.monotonic()
+        while shared_epochs(shared) < 1:  # the holder finished its first epoch (its resume state says so)
+            assert holder.poll() is None and time.monotonic() - t0 < 600
+            time.sleep(0.05)
+        os.kill(holder.pid, signal.SIGSTOP)  # frozen mid-training, holding the lock
+        trained_by_holder = shared_epochs(shared)
+        assert 1 <= trained_by_holder < 4
+
+        class Waiting(ArmTrial):
+            seen: list[int]
+
+            def epoch_report(self, result: dict[str, Any]) -> dict[str, Any]:
+                self.seen.append(int(result["finetune_epoch"]))
+                return super().epoch_report(result)
+
+        waiting = Waiting(spec, configs[1], report=False)
+        waiting.seen = []
+        thread = threading.Thread(target=waiting.run)
+        thread.start()
+        log = waiting.root / "trial.log"
+        while trained_by_holder not in waiting.seen or "waiting for another process" not in (
+            log.read_text() if log.exists() else ""
+        ):
+            assert thread.is_alive() and time.monotonic() - t0 < 600
+            time.sleep(0.1)
+        os.kill(holder.pid, signal.SIGKILL)  # the stop: the holder's process ends, the lock with it
+        holder.wait()
+        thread.join(timeout=600)
+        assert not thread.is_alive()
+    finally:
+        holder.kill()  # not left stopped when an assertion fails
+        holder.wait()
+
+    history = json.loads((shared / "runs" / "control" / "history.json").read_text())
+    epochs = [h["finetune_epoch"] for h in history]
+    assert epochs == list(range(5)) and waiting.seen == epochs  # each epoch reported once, in order
+    runs = [json.loads(line) for line in (shared / "executions.jsonl").read_text().splitlines()]
+    assert [r["trial"] for r in runs] == ["p001-control"]  # trained to the end once, by the trial that waited
+    done = json.loads((waiting.root / DONE).read_text())
+    assert done["epoch"] == 4 and done["val_acc"] == pytest.approx(history[-1]["val_acc"])
+    assert not (Path(spec["sweep_dir"]) / "trials" / "p000-control" / DONE).exists()

@@ -1,11 +1,12 @@
 """Work that sweep trials share: one pretraining run per group, one matched control per (pretraining, t1,
-fine-tuning recipe), one corrupted test set per sweep input.
+fine-tuning recipe) for a grid's trials and a search's control arms alike, one corrupted test set per sweep
+input.
 
 Both live in content-addressed directories under ``sweep.storage`` (see pipelines/sweep/plan.py) and are
 built under an exclusive ``fcntl.flock`` on a lock file in that directory: the first trial (or driver) to
 get the lock does the work, the others block until it is done and then find it complete. The kernel drops
 the lock when its holder dies, so a killed trial never leaves it held; the next holder resumes the
-interrupted pretraining exactly (stages.pretrain keeps its partial state under the group directory).
+interrupted pretraining or control exactly (the stages keep their partial state under the shared directory).
 
 The pretrained CNN's evaluation is shared the same way, by the evaluate stage itself
 (stages.cnn_evaluation: ``<storage>/cnn_evaluation/<key>/``).
