@@ -489,7 +489,7 @@ def _shared_control_dirs(root: Path) -> list[Path]:
 def test_points_that_differ_in_reparam_and_a_later_search_train_the_control_once(tmp_path: Path) -> None:
     """Two points that differ only in reparam.alpha_init: one control trained, both control trials report its
     epochs (on Tune and their MLflow runs); a second search in the same storage trains no control again."""
-    _search_project(tmp_path, {"reparam.alpha_init": {"choice": [0.5, 2.0]}})
+    path = _search_project(tmp_path, {"reparam.alpha_init": {"choice": [0.5, 2.0]}})
     client = store_client(f"sqlite:///{tmp_path / 'mlruns.db'}")
     for name in ("s1", "s2"):
         res = subprocess.run([TCNN, "sweep", "--params", "params.yaml", "--num-cpus", "2", "--name", name],
@@ -524,6 +524,35 @@ def test_points_that_differ_in_reparam_and_a_later_search_train_the_control_once
         control_trained = 2 if name == "s1" else 0
         assert (f"Compute: {4 + control_trained} fine-tuning epochs trained of 8 (every trial to the end); "
                 f"{4 - control_trained} more epochs reported came from shared matched controls") in report  # fmt: skip
+
+    # A grid at one searched point, at the search's seed: its T-CNN fine-tuning is the first search's trial's
+    # (found by the finetune stage's identity, copied), its control the shared one; only evaluate is new.
+    raw = yaml.safe_load(path.read_text())
+    del raw["sweep"]["search"]
+    raw["sweep"]["grid"] = {"reparam.alpha_init": [2.0]}
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    res = subprocess.run([TCNN, "sweep", "--params", "params.yaml", "--num-cpus", "2", "--name", "g"],
+                         cwd=tmp_path, env=sweep_env(), capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = pq.read_table(tmp_path / "sweeps" / "s1" / "search.parquet").to_pylist()
+    (source,) = [tmp_path / "sweeps" / "s1" / "trials" / r["trial"] for r in rows
+                 if r["arm"] == "tcnn" and r["reparam.alpha_init"] == 2.0]  # fmt: skip
+    (trial,) = (tmp_path / "sweeps" / "g" / "trials").iterdir()
+    lines = [json.loads(line) for line in (trial / "stages.jsonl").read_text().splitlines()]
+    assert [line["reused"] for line in lines if "reused" in line] == [str(source)]
+    assert [line["stage"] for line in lines if "reused" not in line and "shared" not in line] == [
+        "reparam", "finetune", "evaluate"]  # fmt: skip
+    history = json.loads((source / "runs" / "finetune" / "history.json").read_text())
+    assert json.loads((trial / "runs" / "finetune" / "history.json").read_text()) == history
+    assert (trial / "runs" / "finetune" / "metrics.json").read_bytes() == (
+        source / "runs" / "finetune" / "metrics.json").read_bytes()  # fmt: skip
+    assert not (tmp_path / "sweeps" / "g" / "control_runs.jsonl").exists()
+    (shared,) = _shared_control_dirs(tmp_path)
+    assert len((shared / "executions.jsonl").read_text().splitlines()) == 1
+    (run,) = [r for r in _trial_runs(tmp_path) if r.data.tags["tcnn.sweep"] == "g"]
+    logged = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "epoch/val_acc"))
+    assert logged == [(h["finetune_epoch"], pytest.approx(h["val_acc"])) for h in history]
+    assert (trial / "done.json").is_file()
 
 
 _HOLDER = """
@@ -604,3 +633,29 @@ def test_a_stopped_holder_of_a_shared_control_leaves_it_to_the_trial_waiting_for
     done = json.loads((waiting.root / DONE).read_text())
     assert done["epoch"] == 4 and done["val_acc"] == pytest.approx(history[-1]["val_acc"])
     assert not (Path(spec["sweep_dir"]) / "trials" / "p000-control" / DONE).exists()
+
+
+def test_a_finished_fine_tuning_is_found_only_under_the_same_identity(tmp_path: Path) -> None:
+    """pipelines.sweep.reuse: found for the same params from a byte-identical reparameterized checkpoint once
+    its outputs are published; not for another checkpoint, another lr, or the trial itself; the index's
+    directory is no sweep name."""
+    from pipelines.sweep import reuse
+    from pipelines.sweep.plan import SweepError, check_name
+
+    params = validate_params(_raw())
+    spec = {"storage": str(tmp_path / "sweeps"), "name": "s"}
+    roots = {}
+    for name, content in (("a", b"one"), ("b", b"two"), ("c", b"one")):
+        roots[name] = tmp_path / name
+        (roots[name] / "runs" / "reparam").mkdir(parents=True)
+        (roots[name] / "runs" / "reparam" / "tcnn.pt").write_bytes(content)
+    reuse.register(spec, params, roots["a"], "a")
+    assert reuse.finished(spec, params, roots["c"]) is None  # registered, its outputs not published
+    (roots["a"] / "runs" / "finetune").mkdir()
+    (roots["a"] / "runs" / "finetune" / "metrics.json").write_text("{}")
+    assert reuse.finished(spec, params, roots["c"]) == roots["a"]
+    assert reuse.finished(spec, params, roots["b"]) is None  # another checkpoint
+    assert reuse.finished(spec, params.with_overrides({"finetune.lr": 0.5}), roots["c"]) is None
+    assert reuse.finished(spec, params, roots["a"]) is None  # itself
+    with pytest.raises(SweepError):
+        check_name(reuse.INDEX)

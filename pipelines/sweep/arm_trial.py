@@ -23,6 +23,7 @@ from typing import Any
 from core.config import Params, validate_params
 from core.utils.atomic import atomic_write_json
 from pipelines.ddp import node_name
+from pipelines.sweep import reuse
 from pipelines.sweep.plan import control_identity, plan_device, trial_label
 from pipelines.sweep.scheduling import ARM_KEY, METRIC, TIME_ATTR
 from pipelines.sweep.search import POINT_KEY
@@ -189,6 +190,8 @@ class ArmTrial(TrialRunner):
             if chain.trains(name):
                 fn = self._watched(name, fn, tracker, report)
             metrics, _ = self.stage(name, fn, training=chain.trains(name))
+            if name == reuse.STAGE and self.spec["share_pretraining"]:  # for a grid at these values to find
+                reuse.register(self.spec, self.params, self.root, self.tid)
         history = read_json(self.root / chain.output(ARM_STAGES[self.arm][-1], "history.json"))
         rows = history if isinstance(history, list) else []
         last = rows[-1] if rows else {}

@@ -46,6 +46,7 @@ from core.utils.atomic import atomic_write_json
 from core.utils.locks import locked
 from core.utils.machine import cpu_model
 from pipelines.ddp import node_name, run_stage, worker_nodes
+from pipelines.sweep import reuse
 from pipelines.sweep.plan import trial_label, trial_params
 from pipelines.sweep.shared import ENSURE, append_line, link_pretraining, published, runs_log
 from stages.harness import chain
@@ -414,9 +415,28 @@ class TrialRunner:
         fn = self._own(name)
         if sweep_role(name) == "group":  # run in the trial (sharing off): counted as the sweep's execution
             return self.stage(name, self._counted(name, fn))
+        share = self.spec["share_pretraining"] and name == reuse.STAGE
+        source = reuse.finished(self.spec, self.params, self.root) if share else None
+        if source is not None:  # the same fine-tuning, finished by another trial in this storage
+            return self.stage(name, lambda: self._adopted(source, tracker, report))
         if trains(name):
             fn = self._watched(name, fn, tracker, report)
-        return self.stage(name, fn, training=trains(name))
+        out = self.stage(name, fn, training=trains(name))
+        if share:
+            reuse.register(self.spec, self.params, self.root, self.tid)
+        return out
+
+    def _adopted(self, source: Path, tracker: Any, report: Reporter) -> dict[str, Any]:
+        """``source``'s finished fine-tuning as this trial's (pipelines.sweep.reuse): its outputs copied, its
+        epochs logged and reported as if trained here, a ``reused`` line in stages.jsonl."""
+        metrics, history = reuse.adopt(source, self.root)
+        emit = self.epoch_emitter(reuse.STAGE, tracker, report)
+        for row in history:
+            emit(row)
+        append_line(
+            self.root / STAGE_LOG, {"stage": reuse.STAGE, "reused": str(source), "finished": time.time()}
+        )
+        return metrics
 
     def _own(self, name: str) -> Callable[[], dict[str, Any]]:
         workers = None if trains(name) else 1  # only training stages run data parallel
