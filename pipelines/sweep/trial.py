@@ -274,12 +274,18 @@ class TrialRunner:
         self.current = "trial"  # the stage running now (named by a refusal)
 
     def stage(
-        self, name: str, fn: Callable[[], dict[str, Any]], *, training: bool = False
+        self,
+        name: str,
+        fn: Callable[[], dict[str, Any]],
+        *,
+        training: bool = False,
+        line: dict[str, Any] | None = None,
     ) -> tuple[dict[str, Any], bool]:
         """Run a stage unless its done-mark exists; returns (its metrics, whether it ran now).
 
         ``training``: a training stage whose published outputs count as done when a kill came between its
-        publication and the mark (pipelines.sweep.shared.published); its line says ``recovered``."""
+        publication and the mark (pipelines.sweep.shared.published); its line says ``recovered``. ``line``:
+        more fields for its stages.jsonl line (filled by ``fn``: ``reused``)."""
         mark = self.marks / f"{name}.json"
         saved = read_json(mark)
         if saved is not None:
@@ -299,6 +305,7 @@ class TrialRunner:
                 "cpu": cpu_model(),
                 "pid": os.getpid(),
                 **({"recovered": True} if done is not None else {}),
+                **(line or {}),
             },
         )
         return metrics, done is None
@@ -418,7 +425,8 @@ class TrialRunner:
         share = self.spec["share_pretraining"] and name == reuse.STAGE
         source = reuse.finished(self.spec, self.params, self.root) if share else None
         if source is not None:  # the same fine-tuning, finished by another trial in this storage
-            return self.stage(name, lambda: self._adopted(source, tracker, report))
+            line: dict[str, Any] = {}
+            return self.stage(name, lambda: self._adopted(source, tracker, report, line), line=line)
         if trains(name):
             fn = self._watched(name, fn, tracker, report)
         out = self.stage(name, fn, training=trains(name))
@@ -426,16 +434,14 @@ class TrialRunner:
             reuse.register(self.spec, self.params, self.root, self.tid)
         return out
 
-    def _adopted(self, source: Path, tracker: Any, report: Reporter) -> dict[str, Any]:
+    def _adopted(self, source: Path, tracker: Any, report: Reporter, line: dict[str, Any]) -> dict[str, Any]:
         """``source``'s finished fine-tuning as this trial's (pipelines.sweep.reuse): its outputs copied, its
-        epochs logged and reported as if trained here, a ``reused`` line in stages.jsonl."""
+        epochs logged and reported as if trained here; its stages.jsonl line says ``reused``: ``source``."""
         metrics, history = reuse.adopt(source, self.root)
         emit = self.epoch_emitter(reuse.STAGE, tracker, report)
         for row in history:
             emit(row)
-        append_line(
-            self.root / STAGE_LOG, {"stage": reuse.STAGE, "reused": str(source), "finished": time.time()}
-        )
+        line["reused"] = str(source)
         return metrics
 
     def _own(self, name: str) -> Callable[[], dict[str, Any]]:
