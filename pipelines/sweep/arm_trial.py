@@ -183,7 +183,7 @@ class ArmTrial(TrialRunner):
         metrics: dict[str, Any] = {}
         for name in ARM_STAGES[self.arm]:
             self.current = name
-            if name == "control":  # shared by identity, not trained in the trial's directory
+            if name == "control" and self.spec["share_pretraining"]:  # shared by identity, not in the trial
                 metrics, _ = self.stage(name, lambda: self._shared_control(tracker, report))
                 continue
             fn = self._own(name)
