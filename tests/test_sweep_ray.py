@@ -164,6 +164,15 @@ def test_sweep_2x2_one_pretraining_mlflow_parent_children_and_reuse(tmp_path: Pa
     trials_b = sorted((tmp_path / "sweeps" / "b" / "trials").iterdir())
     notes = [json.loads((t / "results" / "metrics.json").read_text())["cnn_evaluation"] for t in trials_b]
     assert {(n["source"], n["key"]) for n in notes} == {("shared", evaluation.name)}  # the first sweep's
+    # ... and each trial's T-CNN fine-tuning is the first sweep's same trial's (pipelines.sweep.reuse), not retrained
+    for t in trials_b:
+        lines = [json.loads(line) for line in (t / "stages.jsonl").read_text().splitlines()]
+        assert [ln.get("reused") for ln in lines if ln["stage"] == "finetune"] == [
+            str(sweep_dir / "trials" / t.name)
+        ]
+        assert (t / "runs/finetune/history.json").read_bytes() == (
+            sweep_dir / "trials" / t.name / "runs/finetune/history.json"
+        ).read_bytes()
 
 
 def _artifacts(root: Path, run_id: str) -> list[Any]:

@@ -425,3 +425,239 @@ def test_a_search_stopped_by_sigterm_resumes_and_each_arm_chooses_its_own_best(t
         and metrics["chosen/control/val_acc"] == chosen["control"][METRIC]
     )
     assert (sweep_dir / "plots" / "search_curves.png").stat().st_size > 10_000
+
+
+# ------------------------------------------------------------------------------- shared controls
+
+
+def _search_project(root: Path, space: dict[str, Any], epochs: int = 2) -> Path:
+    path = make_project(
+        root, {}, finetune={"epochs": epochs, "batch_size": 50, "lr": 0.004, "warmup_epochs": 0.5}
+    )
+    raw = yaml.safe_load(path.read_text())
+    raw["sweep"] |= {"search": {"space": space, "algorithm": "random", "num_samples": 2, "seed": 0,
+                                "min_finished": 2}}  # fmt: skip
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+def test_a_search_points_control_is_the_grids_at_the_same_values(tmp_path: Path) -> None:
+    """The control a search point trains is keyed as a grid's trial at the same values keys its shared control
+    (the grid planner's own key, pipelines.sweep.plan.make_plan): the reparam values do not change it, the lr
+    does."""
+    from pipelines.sweep.arm_trial import arm_params, control_key
+    from pipelines.sweep.spec import build_spec
+
+    path = _search_project(tmp_path, {"finetune.lr": {"choice": [0.004, 0.01]},
+                                      "reparam.alpha_init": {"choice": [0.5, 2.0]}})  # fmt: skip
+    search = build_spec(load_params(path), name="s", params_file=path, cwd=tmp_path)
+    raw = yaml.safe_load(path.read_text())
+    del raw["sweep"]["search"]
+    raw["sweep"]["grid"] = {"finetune.lr": [0.01], "reparam.alpha_init": [0.5, 2.0]}
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    grid = build_spec(load_params(path), name="g", params_file=path, cwd=tmp_path)
+    grid_keys = {t["overrides"]["reparam.alpha_init"]: t["control_key"] for t in grid["trials"].values()}
+    assert len(set(grid_keys.values())) == 1  # the grid shares one control between its two alphas
+    for alpha, want in grid_keys.items():
+        assert (
+            control_key(search, arm_params(search, {"finetune.lr": 0.01, "reparam.alpha_init": alpha}))[0]
+            == want
+        )
+    other = control_key(search, arm_params(search, {"finetune.lr": 0.004, "reparam.alpha_init": 0.5}))[0]
+    assert other != grid_keys[0.5]
+
+
+def test_a_shared_control_counts_its_epochs_once() -> None:
+    from pipelines.sweep.search_report import epochs_trained
+
+    def row(arm: str, epochs: int, key: str | None = None, before: int = 0) -> dict[str, Any]:
+        return {"arm": arm, TIME_ATTR: epochs, "control_key": key, "control_before": before if key else None}
+
+    # two T-CNNs (3 + 1 epochs); one control shared by two points, one stopped at 1 while the other went on to 3
+    # (3 epochs trained once); one control finished by an earlier search (3 held before: none trained here);
+    # one an earlier search stopped at 1 and this one resumed to 3 (2 trained here)
+    rows = [row("tcnn", 3), row("tcnn", 1), row("control", 1, "a"), row("control", 3, "a", before=1),
+            row("control", 3, "b", before=3), row("control", 3, "b", before=3), row("control", 3, "c", before=1)]  # fmt: skip
+    assert epochs_trained(rows) == (3 + 1) + 3 + 0 + 2
+
+
+def _shared_control_dirs(root: Path) -> list[Path]:
+    return sorted(p for p in (root / "sweeps" / "control").iterdir() if p.is_dir())
+
+
+@pytest.mark.slow
+def test_points_that_differ_in_reparam_and_a_later_search_train_the_control_once(tmp_path: Path) -> None:
+    """Two points that differ only in reparam.alpha_init: one control trained, both control trials report its
+    epochs (on Tune and their MLflow runs); a second search in the same storage trains no control again."""
+    path = _search_project(tmp_path, {"reparam.alpha_init": {"choice": [0.5, 2.0]}})
+    client = store_client(f"sqlite:///{tmp_path / 'mlruns.db'}")
+    for name in ("s1", "s2"):
+        res = subprocess.run([TCNN, "sweep", "--params", "params.yaml", "--num-cpus", "2", "--name", name],
+                             cwd=tmp_path, env=sweep_env(), capture_output=True, text=True, timeout=900)  # fmt: skip
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        (shared,) = _shared_control_dirs(tmp_path)  # one control identity for both points
+        executions = (shared / "executions.jsonl").read_text().splitlines()
+        assert [json.loads(line)["sweep"] for line in executions] == ["s1"]  # once, by the first search
+        sweep_dir = tmp_path / "sweeps" / name
+        assert (sweep_dir / "control_runs.jsonl").exists() == (name == "s1")
+        history = json.loads((shared / "runs" / "control" / "history.json").read_text())
+        rows = pq.read_table(sweep_dir / "search.parquet").to_pylist()
+        assert sorted(r["reparam.alpha_init"] for r in rows if r["arm"] == "control") == [0.5, 2.0]
+        runs = {r.info.run_name: r for r in _trial_runs(tmp_path) if r.data.tags["tcnn.sweep"] == name}
+        for r in rows:
+            run_id = runs[r["trial"]].info.run_id
+            logged = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "epoch/val_acc"))
+            trial = sweep_dir / "trials" / r["trial"]
+            if r["arm"] == "control":  # the shared run's epochs, each reported and logged
+                assert (trial / "runs" / "control").resolve() == (shared / "runs" / "control").resolve()
+                assert r["control_key"] == shared.name and r["status"] == "finished"
+                assert logged == [(h["finetune_epoch"], pytest.approx(h["val_acc"])) for h in history]
+                assert json.loads(r["epochs"]) == [h["finetune_epoch"] for h in history] and r[TIME_ATTR] == 2
+                assert r[METRIC] == pytest.approx(history[-1]["val_acc"])
+            else:  # the T-CNN's own fine-tuning, in its trial's directory
+                assert not (trial / "runs" / "finetune").is_symlink()
+                assert [s for s, _ in logged] == list(range(r[TIME_ATTR] + 1)) and r[TIME_ATTR] == 2
+        # what the shared directory held when each control trial started: none for s1's first, all for s2's
+        before = sorted(r["control_before"] for r in rows if r["arm"] == "control")
+        assert before[0] == 0 if name == "s1" else before == [history[-1]["finetune_epoch"]] * 2
+        report = (sweep_dir / "search.md").read_text()
+        control_trained = 2 if name == "s1" else 0
+        assert (f"Compute: {4 + control_trained} fine-tuning epochs trained of 8 (every trial to the end); "
+                f"{4 - control_trained} more epochs reported came from shared matched controls") in report  # fmt: skip
+
+    # A grid at one searched point, at the search's seed: its T-CNN fine-tuning is the first search's trial's
+    # (found by the finetune stage's identity, copied), its control the shared one; only evaluate is new.
+    raw = yaml.safe_load(path.read_text())
+    del raw["sweep"]["search"]
+    raw["sweep"]["grid"] = {"reparam.alpha_init": [2.0]}
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    res = subprocess.run([TCNN, "sweep", "--params", "params.yaml", "--num-cpus", "2", "--name", "g"],
+                         cwd=tmp_path, env=sweep_env(), capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    rows = pq.read_table(tmp_path / "sweeps" / "s1" / "search.parquet").to_pylist()
+    (source,) = [tmp_path / "sweeps" / "s1" / "trials" / r["trial"] for r in rows
+                 if r["arm"] == "tcnn" and r["reparam.alpha_init"] == 2.0]  # fmt: skip
+    (trial,) = (tmp_path / "sweeps" / "g" / "trials").iterdir()
+    lines = [json.loads(line) for line in (trial / "stages.jsonl").read_text().splitlines()]
+    assert [(line["stage"], line.get("reused")) for line in lines if "shared" not in line] == [
+        ("reparam", None),
+        ("finetune", str(source)),
+        ("evaluate", None),
+    ]  # one line per stage, finetune reused
+    history = json.loads((source / "runs" / "finetune" / "history.json").read_text())
+    assert json.loads((trial / "runs" / "finetune" / "history.json").read_text()) == history
+    assert (trial / "runs" / "finetune" / "metrics.json").read_bytes() == (
+        source / "runs" / "finetune" / "metrics.json").read_bytes()  # fmt: skip
+    assert not (tmp_path / "sweeps" / "g" / "control_runs.jsonl").exists()
+    (shared,) = _shared_control_dirs(tmp_path)
+    assert len((shared / "executions.jsonl").read_text().splitlines()) == 1
+    (run,) = [r for r in _trial_runs(tmp_path) if r.data.tags["tcnn.sweep"] == "g"]
+    logged = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "epoch/val_acc"))
+    assert logged == [(h["finetune_epoch"], pytest.approx(h["val_acc"])) for h in history]
+    assert (trial / "done.json").is_file()
+
+
+_HOLDER = """
+import json, sys
+from pipelines.sweep.arm_trial import ArmTrial
+spec = json.loads(open(sys.argv[1]).read())
+ArmTrial(spec, json.loads(sys.argv[2]), report=False).run()
+"""
+
+
+@pytest.mark.slow
+def test_a_stopped_holder_of_a_shared_control_leaves_it_to_the_trial_waiting_for_it(tmp_path: Path) -> None:
+    """The rule for a control two points share: point 0's control trial trains it and is killed (as Ray ends a
+    trial its scheduler stops) while point 1's waits on the lock; point 1 has reported each epoch point 0
+    trained, takes the lock, resumes the stage's partial state (bitwise: tests/test_resume_kill.py) and
+    finishes it, every epoch reported once, the control trained to the end once."""
+    import os
+    import sys
+    import threading
+
+    from pipelines.sweep.arm_trial import ArmTrial, arm_params, base_tid, control_key, shared_epochs
+    from pipelines.sweep.shared import ENSURE
+    from pipelines.sweep.spec import build_spec
+    from pipelines.sweep.trial import DONE
+
+    path = _search_project(tmp_path, {"reparam.alpha_init": {"choice": [0.5, 2.0]}}, epochs=4)
+    spec = build_spec(load_params(path), name="s", params_file=path, cwd=tmp_path)
+    spec["tracking"]["enabled"] = False
+    Path(spec["sweep_dir"]).mkdir(parents=True)
+    ENSURE["pretrain"](spec, spec["trials"][base_tid(spec)]["pretrain_key"], trial="test")
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    configs = [{POINT_KEY: p, ARM_KEY: "control", "reparam.alpha_init": a} for p, a in ((0, 2.0), (1, 0.5))]
+    key = control_key(spec, arm_params(spec, {"reparam.alpha_init": 2.0}))[0]
+    assert key == control_key(spec, arm_params(spec, {"reparam.alpha_init": 0.5}))[0]
+    shared = tmp_path / "sweeps" / "control" / key
+
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(tmp_path / "spec.json"), json.dumps(configs[0])],
+                              cwd=Path(__file__).parents[1], env=sweep_env())  # fmt: skip
+    try:
+        t0 = time.monotonic()
+        while shared_epochs(shared) < 1:  # the holder finished its first epoch (its resume state says so)
+            assert holder.poll() is None and time.monotonic() - t0 < 600
+            time.sleep(0.05)
+        os.kill(holder.pid, signal.SIGSTOP)  # frozen mid-training, holding the lock
+        trained_by_holder = shared_epochs(shared)
+        assert 1 <= trained_by_holder < 4
+
+        class Waiting(ArmTrial):
+            seen: list[int]
+
+            def epoch_report(self, result: dict[str, Any]) -> dict[str, Any]:
+                self.seen.append(int(result["finetune_epoch"]))
+                return super().epoch_report(result)
+
+        waiting = Waiting(spec, configs[1], report=False)
+        waiting.seen = []
+        thread = threading.Thread(target=waiting.run)
+        thread.start()
+        log = waiting.root / "trial.log"
+        while trained_by_holder not in waiting.seen or "waiting for another process" not in (
+            log.read_text() if log.exists() else ""
+        ):
+            assert thread.is_alive() and time.monotonic() - t0 < 600
+            time.sleep(0.1)
+        os.kill(holder.pid, signal.SIGKILL)  # the stop: the holder's process ends, the lock with it
+        holder.wait()
+        thread.join(timeout=600)
+        assert not thread.is_alive()
+    finally:
+        holder.kill()  # not left stopped when an assertion fails
+        holder.wait()
+
+    history = json.loads((shared / "runs" / "control" / "history.json").read_text())
+    epochs = [h["finetune_epoch"] for h in history]
+    assert epochs == list(range(5)) and waiting.seen == epochs  # each epoch reported once, in order
+    runs = [json.loads(line) for line in (shared / "executions.jsonl").read_text().splitlines()]
+    assert [r["trial"] for r in runs] == ["p001-control"]  # trained to the end once, by the trial that waited
+    done = json.loads((waiting.root / DONE).read_text())
+    assert done["epoch"] == 4 and done["val_acc"] == pytest.approx(history[-1]["val_acc"])
+    assert not (Path(spec["sweep_dir"]) / "trials" / "p000-control" / DONE).exists()
+
+
+def test_a_finished_fine_tuning_is_found_only_under_the_same_identity(tmp_path: Path) -> None:
+    """pipelines.sweep.reuse: found for the same params from a byte-identical reparameterized checkpoint once
+    its outputs are published; not for another checkpoint, another lr, or the trial itself; the index's
+    directory is no sweep name."""
+    from pipelines.sweep import reuse
+    from pipelines.sweep.plan import SweepError, check_name
+
+    params = validate_params(_raw())
+    spec = {"storage": str(tmp_path / "sweeps"), "name": "s"}
+    roots = {}
+    for name, content in (("a", b"one"), ("b", b"two"), ("c", b"one")):
+        roots[name] = tmp_path / name
+        (roots[name] / "runs" / "reparam").mkdir(parents=True)
+        (roots[name] / "runs" / "reparam" / "tcnn.pt").write_bytes(content)
+    reuse.register(spec, params, roots["a"], "a")
+    assert reuse.finished(spec, params, roots["c"]) is None  # registered, its outputs not published
+    (roots["a"] / "runs" / "finetune").mkdir()
+    (roots["a"] / "runs" / "finetune" / "metrics.json").write_text("{}")
+    assert reuse.finished(spec, params, roots["c"]) == roots["a"]
+    assert reuse.finished(spec, params, roots["b"]) is None  # another checkpoint
+    assert reuse.finished(spec, params.with_overrides({"finetune.lr": 0.5}), roots["c"]) is None
+    assert reuse.finished(spec, params, roots["a"]) is None  # itself
+    with pytest.raises(SweepError):
+        check_name(reuse.INDEX)

@@ -23,15 +23,17 @@ from typing import Any
 from core.config import Params, validate_params
 from core.utils.atomic import atomic_write_json
 from pipelines.ddp import node_name
-from pipelines.sweep.plan import trial_label
+from pipelines.sweep import reuse
+from pipelines.sweep.plan import control_identity, plan_device, trial_label
 from pipelines.sweep.scheduling import ARM_KEY, METRIC, TIME_ATTR
 from pipelines.sweep.search import POINT_KEY
-from pipelines.sweep.shared import ENSURE, link_pretraining
+from pipelines.sweep.shared import COMPLETE, ENSURE, link_pretraining, train_control
 from pipelines.sweep.trial import (
     DONE,
     NOTE_TAG,
     REFUSED,
     STATE,
+    EpochWatcher,
     Reporter,
     TrialRunner,
     checkpoint_state,
@@ -42,6 +44,7 @@ from pipelines.sweep.trial import (
     trial_dir,
 )
 from stages.harness import chain
+from stages.harness.identity import key as identity_key
 from stages.harness.runner import REFUSALS
 
 #: The stages of each arm after the shared pretraining (the DVC path's functions).
@@ -66,6 +69,34 @@ def base_tid(spec: dict[str, Any]) -> str:
 
 def arm_params(spec: dict[str, Any], values: dict[str, Any]) -> Params:
     return validate_params(spec["trials"][base_tid(spec)]["params"]).with_overrides(values)
+
+
+def control_key(spec: dict[str, Any], params: Params) -> tuple[str, dict[str, Any]]:
+    """A search point's matched control: the key and identity a grid's trial with these params would share
+    (pipelines.sweep.plan.control_identity, on the search's pretraining): points that differ only in
+    ``reparam.*`` keys, later searches and grids in the same storage find it in ``<storage>/control/<key>``."""
+    identity = control_identity(params, spec["trials"][base_tid(spec)]["pretrain_key"], plan_device(params))
+    return identity_key(identity), identity
+
+
+def shared_epochs(directory: Path) -> int:
+    """The last fine-tuning epoch a shared control directory holds now (its ``finetune_epoch``, as trials report
+    it): its history's when finished, else its stage's resume state's (a holder stopped mid-training), else 0."""
+    rows: Any = None
+    if (directory / COMPLETE).is_file():
+        rows = read_json(directory / chain.output("control", "history.json"))
+    elif (directory / chain.partial_dir("control") / "resume.pt").is_file():
+        import torch
+
+        try:
+            state = torch.load(directory / chain.partial_dir("control") / "resume.pt", map_location="cpu",
+                               weights_only=False)  # fmt: skip
+            rows = state.get("history")
+        except (
+            Exception
+        ):  # replaced while read: counted as none (the compute line then counts them as trained)
+            rows = None
+    return int(rows[-1].get("finetune_epoch", 0)) if isinstance(rows, list) and rows else 0
 
 
 class ArmTrial(TrialRunner):
@@ -104,7 +135,7 @@ class ArmTrial(TrialRunner):
         self.nodes = [*state.get("nodes", []), node_name()]
         tracker = self._open(known)
         attempts = int(state.get("attempts", 0)) + 1
-        atomic_write_json(self.root / STATE, {"tid": self.tid, "mlflow_run_id": tracker.run_id,
+        atomic_write_json(self.root / STATE, {**state, "tid": self.tid, "mlflow_run_id": tracker.run_id,
                                               "attempts": attempts, "nodes": self.nodes, "point": self.point,
                                               "arm": self.arm, "values": self.values})  # fmt: skip
         report = Reporter(self.tid, tracker.run_id, self.report_enabled)
@@ -152,20 +183,56 @@ class ArmTrial(TrialRunner):
         metrics: dict[str, Any] = {}
         for name in ARM_STAGES[self.arm]:
             self.current = name
+            if name == "control" and self.spec["share_pretraining"]:  # shared by identity, not in the trial
+                metrics, _ = self.stage(name, lambda: self._shared_control(tracker, report))
+                continue
             fn = self._own(name)
             if chain.trains(name):
                 fn = self._watched(name, fn, tracker, report)
             metrics, _ = self.stage(name, fn, training=chain.trains(name))
+            if name == reuse.STAGE and self.spec["share_pretraining"]:  # for a grid at these values to find
+                reuse.register(self.spec, self.params, self.root, self.tid)
         history = read_json(self.root / chain.output(ARM_STAGES[self.arm][-1], "history.json"))
         rows = history if isinstance(history, list) else []
         last = rows[-1] if rows else {}
         done = {"tid": self.tid, "point": self.point, "arm": self.arm, "values": self.values,
                 "epoch": int(last.get("finetune_epoch", 0)), "val_acc": last.get("val_acc"),
                 "test_acc": metrics.get("test_acc"), "history": rows, "mlflow_run_id": tracker.run_id,
-                "node": node_name(), "finished": time.time()}  # fmt: skip
+                "node": node_name(), "finished": time.time(),
+                "control_key": (read_json(self.root / STATE) or {}).get("control_key")}  # fmt: skip
         tracker.log_metrics({"final_val_acc": float(done["val_acc"])} if done["val_acc"] is not None else {})
         atomic_write_json(self.root / DONE, done)
         return done
+
+    def _shared_control(self, tracker: Any, report: Reporter) -> dict[str, Any]:
+        """The control arm's fine-tuning in the shared ``<storage>/control/<key>`` of its identity
+        (:func:`control_key`), under that directory's lock (pipelines.sweep.shared.train_control), linked from
+        the trial's ``runs/control``. Its epochs are watched in the shared directory, whoever trains them: a
+        control finished before (another point, an earlier search or grid) reports its recorded epochs at once,
+        one trial waiting for another's training reports each epoch as it ends, and a holder stopped by the
+        scheduler leaves the stage's partial state, which the next trial that needs the control resumes
+        exactly (the rule: a shared control trains while any trial that needs it runs; a stop ends only the
+        stopped trial). trial.json keeps the key and the epochs the directory held at the trial's first start
+        (``control_epochs_before``: what the search's compute line does not count as trained by it)."""
+        key, identity = control_key(self.spec, self.params)
+        directory = Path(self.spec["storage"]) / "control" / key
+        state = read_json(self.root / STATE) or {}
+        if state.get("control_key") != key:
+            atomic_write_json(self.root / STATE, {**state, "control_key": key,
+                                                  "control_epochs_before": shared_epochs(directory)})  # fmt: skip
+        pretrain_key = self.spec["trials"][base_tid(self.spec)]["pretrain_key"]
+        emit = self.epoch_emitter("control", tracker, report)
+        watcher = EpochWatcher(directory / chain.partial_dir("control") / "resume.pt", emit)
+        watcher.start()
+        try:
+            directory, _, metrics = train_control(self.spec, key, self.params, pretrain_key, identity,
+                                                  trial=self.tid, users=f"search point {self.point}")  # fmt: skip
+        finally:
+            watcher.stop()
+        history = read_json(directory / chain.output("control", "history.json"))
+        watcher.rows(history if isinstance(history, list) else [])  # a finished control's, or the last ones
+        link_pretraining(self.root, directory, "control")
+        return metrics
 
 
 def _final(done: dict[str, Any]) -> dict[str, Any]:

@@ -307,10 +307,11 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,99}$")
 
 
 def shared_dirs() -> tuple[str, ...]:
-    """The directories of shared work under ``sweep.storage`` (a sweep's own directory is its name)."""
+    """The directories of shared work under ``sweep.storage`` (a sweep's own directory is its name); finetune:
+    the finished T-CNN fine-tunings' index (pipelines.sweep.reuse.INDEX)."""
     from stages.cnn_evaluation import DIR
 
-    return ("pretrain", "control", "corrupt", DIR)
+    return ("pretrain", "control", "corrupt", DIR, "finetune")
 
 
 def check_name(name: str) -> str:

@@ -71,7 +71,8 @@ def search_rows(spec: dict[str, Any], results: Any) -> list[dict[str, Any]]:
                      **point_values(config), "status": status, TIME_ATTR: epochs[-1] if epochs else 0,
                      METRIC: curve[-1] if curve else None, "test_acc": (done or {}).get("test_acc"),
                      "val_images": n_val, "mlflow_run_id": state.get("mlflow_run_id"), "epochs": epochs,
-                     "curve": curve})  # fmt: skip
+                     "curve": curve, "control_key": state.get("control_key"),
+                     "control_before": state.get("control_epochs_before")})  # fmt: skip
     return sorted(rows, key=lambda x: (x["point"], ARMS.index(x["arm"])))
 
 
@@ -99,8 +100,17 @@ def chosen(rows: list[dict[str, Any]], max_t: int) -> dict[str, dict[str, Any] |
 
 
 def epochs_trained(rows: list[dict[str, Any]]) -> int:
-    """The compute a search used: fine-tuning epochs trained, over all trials."""
-    return sum(int(r[TIME_ATTR]) for r in rows)
+    """The compute a search used: fine-tuning epochs trained, over all trials. The control arms that share one
+    matched control (``control_key``: points that differ only in ``reparam.*``) trained it once: its epochs
+    are the most any of them reported, less those the shared directory held before the first of them started
+    (``control_before``: trained by an earlier search or grid in the same storage)."""
+    own = sum(int(r[TIME_ATTR]) for r in rows if not r.get("control_key"))
+    shared: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("control_key"):
+            shared.setdefault(r["control_key"], []).append(r)
+    return own + sum(max(0, max(int(r[TIME_ATTR]) for r in rs) - min(int(r.get("control_before") or 0) for r in rs))
+                     for rs in shared.values())  # fmt: skip
 
 
 def close_stopped(spec: dict[str, Any], rows: list[dict[str, Any]]) -> None:
@@ -133,11 +143,13 @@ def head(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     search, sched, max_t = spec["search"], spec.get("scheduler"), max_epochs(spec)
     how = (f"ASHA within each arm (grace period {sched['grace_period']}, reduction factor "
            f"{_fmt(sched['reduction_factor'])})" if sched else "none: every trial trains every epoch")  # fmt: skip
+    trained, reported = epochs_trained(rows), sum(int(r[TIME_ATTR]) for r in rows)
+    reused = (f"; {reported - trained} more epochs reported came from shared matched controls, trained once for "
+              "the points with the same control identity or before this search" if reported > trained else "")  # fmt: skip
     return [
         f"Search {spec['name']}: {search['num_samples']} points x {len(ARMS)} arms ({search['algorithm']}, "
         f"seed {search['seed']}) over {_space_text(search)}; scheduler: {how}.",
-        f"Compute: {epochs_trained(rows)} fine-tuning epochs trained of {len(rows) * max_t} "
-        "(every trial to the end).",
+        f"Compute: {trained} fine-tuning epochs trained of {len(rows) * max_t} (every trial to the end){reused}.",
     ]
 
 

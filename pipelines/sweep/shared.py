@@ -1,11 +1,12 @@
 """Work that sweep trials share: one pretraining run per group, one matched control per (pretraining, t1,
-fine-tuning recipe), one corrupted test set per sweep input.
+fine-tuning recipe) for a grid's trials and a search's control arms alike, one corrupted test set per sweep
+input.
 
 Both live in content-addressed directories under ``sweep.storage`` (see pipelines/sweep/plan.py) and are
 built under an exclusive ``fcntl.flock`` on a lock file in that directory: the first trial (or driver) to
 get the lock does the work, the others block until it is done and then find it complete. The kernel drops
 the lock when its holder dies, so a killed trial never leaves it held; the next holder resumes the
-interrupted pretraining exactly (stages.pretrain keeps its partial state under the group directory).
+interrupted pretraining or control exactly (the stages keep their partial state under the shared directory).
 
 The pretrained CNN's evaluation is shared the same way, by the evaluate stage itself
 (stages.cnn_evaluation: ``<storage>/cnn_evaluation/<key>/``).
@@ -187,27 +188,48 @@ def link_pretraining(root: Path, group_dir: Path, stage: str = "pretrain") -> No
 def ensure_control(
     spec: dict[str, Any], key: str, *, trial: str, log: Any = None
 ) -> tuple[Path, bool, dict[str, Any]]:
-    """Make ``<storage>/control/<key>`` hold the finished matched control of its trials (run by the control
-    stage in that directory, on the shared pretraining, which must exist). Returns (directory, whether this
-    call trained it, the control stage's metrics)."""
+    """Make ``<storage>/control/<key>`` hold the finished matched control of a grid's trials (the plan's
+    ``controls`` entry: :func:`train_control`). Returns (directory, whether this call trained it, the control
+    stage's metrics)."""
+    entry = spec["controls"][key]
+    return train_control(spec, key, validate_params(entry["params"]), entry["pretrain_key"], entry["identity"],
+                         trial=trial, log=log, users=f"trials {entry['trials']}")  # fmt: skip
+
+
+def train_control(
+    spec: dict[str, Any],
+    key: str,
+    params: Params,
+    pretrain_key: str,
+    identity: dict[str, Any],
+    *,
+    trial: str,
+    log: Any = None,
+    users: str = "",
+) -> tuple[Path, bool, dict[str, Any]]:
+    """Make ``<storage>/control/<key>`` (``key``: that of the control stage's ``identity``) hold its finished
+    matched control, run by the control stage in that directory on the shared pretraining ``pretrain_key``
+    (which must exist), under the directory's lock: a grid's trials and a search's control arms with the same
+    identity find it there, trained once. A holder killed mid-training (a stopped search trial) leaves the
+    stage's partial state, which the next holder resumes exactly. Returns (directory, whether this call
+    trained it, the control stage's metrics)."""
     from stages import control
 
-    entry = spec["controls"][key]
     directory = Path(spec["storage"]) / "control" / key
     with locked(directory, f"control {key}", log):
         done = directory / COMPLETE
         if done.is_file() and control.checkpoint_path(directory).is_file():
             return directory, False, json.loads(done.read_text())["metrics"]
-        link_pretraining(directory, Path(spec["storage"]) / "pretrain" / entry["pretrain_key"])
+        link_pretraining(directory, Path(spec["storage"]) / "pretrain" / pretrain_key)
         t0 = time.time()
         metrics = published(directory, "control") if control.checkpoint_path(directory).is_file() else None
         recovered = metrics is not None
         if recovered:
             _say(log, f"control {key}: finished by a process killed before it recorded that; recorded now")
         else:
-            atomic_write_json(directory / "inputs.json", entry["identity"])
-            _say(log, f"control {key}: fine-tuning the CNN without attention for trials {entry['trials']}")
-            metrics = run_stage("control", validate_params(entry["params"]), directory, spec)
+            atomic_write_json(directory / "inputs.json", identity)
+            _say(log, f"control {key}: fine-tuning the CNN without attention for {users or trial}")
+            metrics = run_stage("control", params, directory, spec)
         atomic_write_json(done, {"finished": time.time(), "metrics": metrics})
         record = {"sweep": spec["name"], "trial": trial, "key": key, "host": socket.gethostname(),
                   "node": node_name(), "cpu": cpu_model(), "started": t0, "finished": time.time(),

@@ -46,6 +46,7 @@ from core.utils.atomic import atomic_write_json
 from core.utils.locks import locked
 from core.utils.machine import cpu_model
 from pipelines.ddp import node_name, run_stage, worker_nodes
+from pipelines.sweep import reuse
 from pipelines.sweep.plan import trial_label, trial_params
 from pipelines.sweep.shared import ENSURE, append_line, link_pretraining, published, runs_log
 from stages.harness import chain
@@ -273,12 +274,18 @@ class TrialRunner:
         self.current = "trial"  # the stage running now (named by a refusal)
 
     def stage(
-        self, name: str, fn: Callable[[], dict[str, Any]], *, training: bool = False
+        self,
+        name: str,
+        fn: Callable[[], dict[str, Any]],
+        *,
+        training: bool = False,
+        line: dict[str, Any] | None = None,
     ) -> tuple[dict[str, Any], bool]:
         """Run a stage unless its done-mark exists; returns (its metrics, whether it ran now).
 
         ``training``: a training stage whose published outputs count as done when a kill came between its
-        publication and the mark (pipelines.sweep.shared.published); its line says ``recovered``."""
+        publication and the mark (pipelines.sweep.shared.published); its line says ``recovered``. ``line``:
+        more fields for its stages.jsonl line (filled by ``fn``: ``reused``)."""
         mark = self.marks / f"{name}.json"
         saved = read_json(mark)
         if saved is not None:
@@ -298,6 +305,7 @@ class TrialRunner:
                 "cpu": cpu_model(),
                 "pid": os.getpid(),
                 **({"recovered": True} if done is not None else {}),
+                **(line or {}),
             },
         )
         return metrics, done is None
@@ -414,9 +422,27 @@ class TrialRunner:
         fn = self._own(name)
         if sweep_role(name) == "group":  # run in the trial (sharing off): counted as the sweep's execution
             return self.stage(name, self._counted(name, fn))
+        share = self.spec["share_pretraining"] and name == reuse.STAGE
+        source = reuse.finished(self.spec, self.params, self.root) if share else None
+        if source is not None:  # the same fine-tuning, finished by another trial in this storage
+            line: dict[str, Any] = {}
+            return self.stage(name, lambda: self._adopted(source, tracker, report, line), line=line)
         if trains(name):
             fn = self._watched(name, fn, tracker, report)
-        return self.stage(name, fn, training=trains(name))
+        out = self.stage(name, fn, training=trains(name))
+        if share:
+            reuse.register(self.spec, self.params, self.root, self.tid)
+        return out
+
+    def _adopted(self, source: Path, tracker: Any, report: Reporter, line: dict[str, Any]) -> dict[str, Any]:
+        """``source``'s finished fine-tuning as this trial's (pipelines.sweep.reuse): its outputs copied, its
+        epochs logged and reported as if trained here; its stages.jsonl line says ``reused``: ``source``."""
+        metrics, history = reuse.adopt(source, self.root)
+        emit = self.epoch_emitter(reuse.STAGE, tracker, report)
+        for row in history:
+            emit(row)
+        line["reused"] = str(source)
+        return metrics
 
     def _own(self, name: str) -> Callable[[], dict[str, Any]]:
         workers = None if trains(name) else 1  # only training stages run data parallel
@@ -438,12 +464,9 @@ class TrialRunner:
         """What a trial reports to Tune for one fine-tuning epoch (a grid trial: the epoch's row as it is)."""
         return result
 
-    def _watched(
-        self, name: str, fn: Callable[[], dict[str, Any]], tracker: Any, report: Reporter
-    ) -> Callable[[], dict[str, Any]]:
-        """A trial's own training stage, its epochs logged and reported as they finish (read from the resume
-        state the stage rewrites at every epoch end)."""
-
+    def epoch_emitter(self, name: str, tracker: Any, report: Reporter) -> Callable[[dict[str, Any]], None]:
+        """What a fine-tuning epoch's history row becomes: metrics on the trial's MLflow run (once per epoch,
+        over attempts) and a Tune report (:meth:`epoch_report`; again on a resume)."""
         logged = logged_epochs(tracker)  # by an earlier attempt: a resumed stage's history holds them again
 
         def emit(row: dict[str, Any]) -> None:
@@ -459,6 +482,15 @@ class TrialRunner:
             keys = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
             values = {k: m[f"epoch/{k}"] for k in keys if f"epoch/{k}" in m}
             report(self.epoch_report({"stage": name, "finetune_epoch": epoch, **values}))
+
+        return emit
+
+    def _watched(
+        self, name: str, fn: Callable[[], dict[str, Any]], tracker: Any, report: Reporter
+    ) -> Callable[[], dict[str, Any]]:
+        """A trial's own training stage, its epochs logged and reported as they finish (read from the resume
+        state the stage rewrites at every epoch end)."""
+        emit = self.epoch_emitter(name, tracker, report)
 
         def run() -> dict[str, Any]:
             watcher = EpochWatcher(self.root / chain.partial_dir(name) / "resume.pt", emit)
