@@ -64,8 +64,9 @@ def gpsa_form(tcnn: torch.nn.Module, fused: bool) -> torch.nn.Module:
     return out
 
 
-def flops_per_image(model: torch.nn.Module, batch: int = 8) -> float:
-    """GEMM/conv/bmm FLOPs of one forward+backward per image (torch.utils.flop_counter)."""
+def flops_per_image(model: torch.nn.Module, batch: int) -> float:
+    """GEMM/conv/bmm FLOPs of one forward+backward per image (torch.utils.flop_counter) at ``batch`` (the
+    T-CNN folds W_val into its output weight only from batch * pixels >= heads * D_out on: batch-dependent)."""
     m = copy.deepcopy(model).train()
     x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
     with FlopCounterMode(display=False) as fc:
@@ -123,8 +124,8 @@ def main() -> None:
     print(f"network: {note}")
     nets = {"CNN": cnn, "T-CNN reference": gpsa_form(tcnn, False), "T-CNN fused": gpsa_form(tcnn, True)}
 
-    fl = {"CNN": flops_per_image(cnn), "T-CNN": flops_per_image(tcnn)}
-    print(f"\nFLOPs per image, forward+backward (GEMM/conv/bmm): CNN {fl['CNN'] / 1e6:.0f} M, T-CNN "
+    fl = {"CNN": flops_per_image(cnn, args.batch), "T-CNN": flops_per_image(tcnn, args.batch)}
+    print(f"\nFLOPs per image, forward+backward at batch {args.batch} (GEMM/conv/bmm): CNN {fl['CNN'] / 1e6:.0f} M, T-CNN "
           f"{fl['T-CNN'] / 1e6:.0f} M: the ratio the arithmetic allows is {fl['CNN'] / fl['T-CNN']:.3f} "
           f"(85%: {0.85 * fl['CNN'] / fl['T-CNN']:.3f})", flush=True)  # fmt: skip
 

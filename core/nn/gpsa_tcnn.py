@@ -17,7 +17,10 @@ Paths (the shared machinery is in `core.nn.gpsa`): ``attn_impl="auto"`` takes th
 map size, because SDPA's fused kernel does not apply (it needs equal q/k/v head widths; T-CNN values are D_in
 wide per head) and its math fallback would materialise the attention anyway. The dense path
 (`TcnnGPSA._forward_dense`) reads the NCHW map in place, folds W_val into the output weight and ends in the
-conv's own im2col-shaped GEMM (heads * D_in -> D_out).
+conv's own im2col-shaped GEMM (heads * D_in -> D_out). Opt-in (``fused_attention``, ``conv_output``): the
+attention as one autograd node with a hand-written backward over chunks of images (`core.nn.gated_attention`)
+and the output GEMM as a 1x1 convolution; equal to the default path to float32 precision, faster with one
+thread, slower with two on a loaded 2-core EPYC (benchmarks/gpsa_resnet20.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations
