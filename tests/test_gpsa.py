@@ -591,3 +591,109 @@ def test_cuda_matches_cpu_and_autocast(mode: str) -> None:
     torch.testing.assert_close(yh.float().cpu(), ref, rtol=0.02, atol=0.02 * ref.abs().max().item())
     yh.float().sum().backward()
     assert gc.pos_alpha.grad is not None and torch.isfinite(gc.pos_alpha.grad).all()
+
+
+def _reference_copy(g: TcnnGPSA) -> TcnnGPSA:
+    """The same layer computing through the reference path: autograd's graph of the plain ops and F.linear."""
+    r = copy.deepcopy(g)
+    r.fused_attention, r.conv_output = False, False
+    return r
+
+
+def _fused(g: TcnnGPSA) -> TcnnGPSA:
+    """``g`` switched to the fused attention and the 1x1-conv output GEMM."""
+    g.fused_attention, g.conv_output = True, True
+    return g
+
+
+@pytest.mark.parametrize(
+    "cin,cout,k,stride,dilation,mode,hw,qkv_bias,layout",
+    [
+        (5, 7, 3, 1, 1, "exact", (5, 6), False, "nchw"),  # B * L >= heads * D_out: W_val folded
+        (5, 40, 3, 1, 1, "exact", (5, 6), True, "channels_last"),  # W_val projected, q/k/v biases
+        (5, 7, 3, 2, 1, "exact", (7, 5), False, "channels_last"),  # odd map, exact stride
+        (6, 6, 3, 3, 1, "exact", (10, 11), False, "nchw"),
+        (6, 6, 3, 2, 1, "s1", (7, 7), False, "nchw"),
+        (4, 3, 5, 1, 2, "exact", (9, 8), False, "channels_last"),  # 25 heads, dilation 2
+    ],
+)
+def test_fused_attention_equals_reference_path(
+    monkeypatch: pytest.MonkeyPatch,
+    cin: int,
+    cout: int,
+    k: int,
+    stride: int,
+    dilation: int,
+    mode: str,
+    hw: tuple,
+    qkv_bias: bool,
+    layout: str,
+) -> None:
+    """The fused attention (core.nn.gated_attention; one autograd node, chunked, maps recomputed in backward)
+    and the 1x1-conv output GEMM compute what the reference path computes: the output with autograd on and
+    off, the input's gradient and every parameter's, to float32 precision, with chunks that split the batch
+    unevenly (3 images, chunks of 2)."""
+    from core.nn import gated_attention
+
+    torch.manual_seed(31)
+    conv = nn.Conv2d(cin, cout, k, stride=stride, padding=dilation * (k - 1) // 2, dilation=dilation)
+    g = _fused(_randomize(TcnnGPSA.from_conv(conv, stride_mode=mode, qkv_bias=qkv_bias)))
+    ref = _reference_copy(g)
+    x = torch.randn(3, cin, *hw)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    hq, wq, _ = g._query_size(*hw)
+    monkeypatch.setattr(gated_attention, "CHUNK_ELEMENTS", 2 * g.num_heads * hq * wq * hw[0] * hw[1])
+    results = []
+    for m in (g, ref):
+        xg = x.clone().requires_grad_()
+        y = m(xg)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(2)))
+        with torch.no_grad():
+            y_eval = m(x)
+        results.append([y.detach(), y_eval, xg.grad, *(p.grad for p in m.parameters())])
+    assert all(t is not None for t in results[0] + results[1])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert results[0][3].abs().max() > 0  # (the qkv weight) every gradient is a real, non-zero one
+
+
+def test_fused_attention_gradcheck_and_autocast_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hand-written backward against finite differences in float64, through a chunk boundary; under autocast
+    the layer takes the reference path (its backward does not re-cast) and still matches it."""
+    from core.nn import gated_attention as ga
+    from core.nn.gated_attention import gated_attention
+
+    torch.manual_seed(32)
+    b, nh, d, lq, lk, c = 3, 4, 2, 6, 10, 3
+    monkeypatch.setattr(ga, "CHUNK_ELEMENTS", 2 * nh * lq * lk)  # chunks of 2 images, then 1
+    qt, kt = torch.randn(b * nh, d, lq, dtype=torch.float64), torch.randn(b * nh, d, lk, dtype=torch.float64)
+    vt = torch.randn(b, c, lk, dtype=torch.float64)
+    pos = 0.5 * torch.rand(nh, lq, lk, dtype=torch.float64).softmax(-1)
+    g_con = torch.rand(nh, dtype=torch.float64)
+    args = [t.requires_grad_() for t in (qt, kt, vt, pos, g_con)]
+    assert torch.autograd.gradcheck(
+        lambda *a: gated_attention(*a, 0.7), args, eps=1e-6, atol=1e-7, fast_mode=True
+    )
+    g = _fused(_randomize(TcnnGPSA(6, 5)))
+    x = torch.randn(2, 6, 5, 5)
+    assert g._fused_ok(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not g._fused_ok(x)
+        torch.testing.assert_close(g(x), _reference_copy(g)(x))
+
+
+def test_fused_attention_equals_conv_at_large_alpha_lambda() -> None:
+    """The fused path keeps [TCNN21]'s exactness: at alpha = lambda = 50 the GPSA computes the conv it was
+    built from (exact stride 2, odd map, channels-last), forward and input gradient."""
+    torch.manual_seed(33)
+    conv = nn.Conv2d(4, 6, 3, stride=2, padding=1)
+    g = _fused(TcnnGPSA.from_conv(conv, alpha_init=50.0, lambda_init=50.0))
+    x = torch.randn(2, 4, 7, 9).contiguous(memory_format=torch.channels_last)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ya, yb = g(xa), conv(xb)
+    torch.testing.assert_close(ya, yb, rtol=1e-5, atol=1e-5)
+    gy = torch.randn_like(yb)
+    ya.backward(gy)
+    yb.backward(gy)
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-5, atol=1e-5)

@@ -17,7 +17,10 @@ Paths (the shared machinery is in `core.nn.gpsa`): ``attn_impl="auto"`` takes th
 map size, because SDPA's fused kernel does not apply (it needs equal q/k/v head widths; T-CNN values are D_in
 wide per head) and its math fallback would materialise the attention anyway. The dense path
 (`TcnnGPSA._forward_dense`) reads the NCHW map in place, folds W_val into the output weight and ends in the
-conv's own im2col-shaped GEMM (heads * D_in -> D_out).
+conv's own im2col-shaped GEMM (heads * D_in -> D_out). Opt-in (``fused_attention``, ``conv_output``): the
+attention as one autograd node with a hand-written backward over chunks of images (`core.nn.gated_attention`)
+and the output GEMM as a 1x1 convolution; equal to the default path to float32 precision, faster with one
+thread, slower with two on a loaded 2-core EPYC (benchmarks/gpsa_resnet20.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from core.nn.gated_attention import gated_attention
 from core.nn.gpsa import GPSA, gated_mix
 from core.nn.positional import STRIDE_MODES
 
@@ -52,6 +56,12 @@ class TcnnGPSA(GPSA):
 
     mode: ClassVar[str] = "tcnn"
     auto_dense_max_tokens: ClassVar[float] = math.inf
+    #: The dense path's attention through `core.nn.gated_attention` (one autograd node, chunked, hand-written
+    #: backward); False (default): autograd's graph of the plain ops (`_attend_reference`), the reference.
+    #: Off by default: faster with 1 thread, slower with 2 on a loaded 2-core EPYC (benchmarks/gpsa_resnet20.py).
+    fused_attention: bool = False
+    #: The output GEMM as a 1x1 convolution (oneDNN's kernels); False (default): ``F.linear`` (the BLAS's).
+    conv_output: bool = False
 
     def __init__(
         self,
@@ -151,11 +161,16 @@ class TcnnGPSA(GPSA):
         1. q^T, k^T [B * heads, d, L] straight from the [B, C, L] view of x: a 1x1-conv-shaped GEMM per image
            (queries only at the output positions for an exact stride);
         2. A^h = (1 - sigma(lambda_h)) softmax(q k^T / sqrt(d)) + sigma(lambda_h) P^h, stored [B, Lq, heads, L]
-           (the batch-shared P^h comes from the cache; mix and flush in one pass, `_GatedMix`);
-        3. Y = A X: one batched matmul [B, Lq * heads, L] @ [B, L, C] reading x's NCHW view transposed;
+           (the batch-shared P^h comes from the cache);
+        3. Y = A X: batched matmuls [B, Lq * heads, L] @ [B, L, C] reading x's NCHW view transposed. Steps 2-3
+           are `_attend_reference` (autograd's graph of the plain ops; the default and the reference) or, with
+           ``fused_attention``, one autograd node, `core.nn.gated_attention.gated_attention` (a chunk of images
+           at a time, the maps recomputed in backward, a hand-written backward);
         4. out = Y W2^T + b with W2 = [W_out^h W_val]_h, [D_out, heads * D_in]: one GEMM with the conv's own
-           im2col shape (M = B * Lq, K = heads * D_in, N = D_out), the bias fused in; returned as an NCHW view
-           of the channels-last result (BatchNorm and the residual add take it as is).
+           im2col shape (M = B * Lq, K = heads * D_in, N = D_out), the bias fused in, run as a 1x1 convolution
+           (``conv_output``: as a 1x1 convolution of Y's channels-last view, oneDNN's kernels; the GEMM alone
+           2.6x faster than MKL's ``F.linear`` on an AMD EPYC with 1 thread); an NCHW view of a channels-last
+           result (BatchNorm and the residual add take it as is).
         W_val is folded into the output weight (V never materialised) whenever that is cheaper: always when the
         folded weight is reused (autograd off: cached until a parameter changes), otherwise when
         B * L >= heads * D_out (the fold costs heads * D_out * D_in^2 multiply-adds, the projection B * L * D_in^2).
@@ -183,8 +198,44 @@ class TcnnGPSA(GPSA):
             bq, bk = (None, None) if bqkv is None else (bqkv[:qk], bqkv[qk : 2 * qk])
             qt = self._project(x, wqkv[:qk], bq, s).reshape(b * nh, dq, lq)
             kt = self._project(x, wqkv[qk : 2 * qk], bk, 1).reshape(b * nh, dq, lk)
+        if fold:
+            vt = xs
+        else:
+            vt = self._project(x, wqkv[2 * qk :], None if bqkv is None else bqkv[2 * qk :], 1)
+        if self._fused_ok(qt, kt, vt):
+            act = qt.dtype
+            g_con = self._gates(act)[1]
+            pos = self._gated_positional(h, w, act)
+            y = gated_attention(qt, kt, vt, pos, g_con, dq**-0.5)  # [B, Lq * heads, C]
+        else:
+            y = self._attend_reference(qt, kt, vt, h, w)
+        w2 = self._cached(("w2", fold), lambda: self._out_weight(fold))
+        if self.conv_output:  # the same GEMM as a 1x1 convolution over the channels-last view of Y (oneDNN)
+            out = F.conv2d(y.view(b, hq, wq, nh * c).permute(0, 3, 1, 2), w2[:, :, None, None], self.bias)
+        else:
+            out = F.linear(y.view(b * lq, nh * c), w2, self.bias).view(b, hq, wq, cout).permute(0, 3, 1, 2)
+        return self._finish(out)
+
+    def _fused_ok(self, *ts: torch.Tensor) -> bool:
+        """Whether `core.nn.gated_attention` computes this call: ``fused_attention`` on, one dtype throughout
+        and no autocast (its hand-written backward does not re-cast); otherwise `_attend_reference`."""
+        dt = ts[0].dtype
+        return (
+            self.fused_attention
+            and all(t.dtype == dt for t in ts)
+            and not torch.is_autocast_enabled(ts[0].device.type)
+        )
+
+    def _attend_reference(
+        self, qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, h: int, w: int
+    ) -> torch.Tensor:
+        """Y = A X [B, Lq * heads, C] through autograd's graph of the plain ops (the reference the fused
+        `core.nn.gated_attention.gated_attention` is tested against; also its fallback under autocast)."""
+        bn, dq, lq = qt.shape
+        b, _, lk = vt.shape
+        nh = bn // b
         scores = torch.baddbmm(
-            qt.new_zeros(()).expand(b * nh, lq, lk), qt.transpose(1, 2), kt, beta=0.0, alpha=dq**-0.5
+            qt.new_zeros(()).expand(bn, lq, lk), qt.transpose(1, 2), kt, beta=0.0, alpha=dq**-0.5
         )
         attn = scores.view(b, nh, lq, lk).softmax(dim=-1)
         act = attn.dtype
@@ -192,14 +243,7 @@ class TcnnGPSA(GPSA):
         pos = self._gated_positional(h, w, act)
         # mixed attention, stored [B, Lq, heads, L] so that Y's rows come out in (query, head) order
         attn = gated_mix(attn, pos, g_con[:, None, None], (0, 2, 1, 3), probs=True)
-        if fold:
-            vt = xs
-        else:
-            vt = self._project(x, wqkv[2 * qk :], None if bqkv is None else bqkv[2 * qk :], 1)
-        y = torch.bmm(attn.transpose(1, 2).reshape(b, lq * nh, lk), vt.transpose(1, 2))  # [B, Lq * heads, C]
-        w2 = self._cached(("w2", fold), lambda: self._out_weight(fold))
-        out = F.linear(y.view(b * lq, nh * c), w2, self.bias).view(b, hq, wq, cout).permute(0, 3, 1, 2)
-        return self._finish(out)
+        return torch.bmm(attn.transpose(1, 2).reshape(b, lq * nh, lk), vt.transpose(1, 2))
 
     def _qk_rows(self) -> torch.Tensor:
         """W_q, W_k rows reordered to (head, q|k, d): one projection GEMM yields [B, heads, 2 d, L] blocks."""
