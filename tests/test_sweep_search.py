@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -198,6 +199,26 @@ def test_the_scheduler_goes_on_from_its_saved_rungs_after_a_restore(tmp_path: Pa
     fresh = ArmwiseScheduler(make)
     fresh.on_trial_add(None, b)
     assert fresh.on_trial_result(None, b, {TIME_ATTR: 1, METRIC: 0.1}) == "CONTINUE"
+
+
+def test_a_report_after_tune_ended_the_trial_raises_instead_of_passing_silently() -> None:
+    """Outside a Tune session (as in a trial's process once Ray stopped it and shut its session down) Ray's
+    report only warns and returns: an epoch trained after an ASHA stop was logged as if the trial went on (the
+    flaky search test of issue 56). The trial's Reporter raises SystemExit instead, from then on."""
+    from ray import tune
+
+    from pipelines.sweep.trial import Reporter
+
+    with warnings.catch_warnings():  # Ray warns once per process that it was called outside a session
+        warnings.simplefilter("ignore")
+        assert tune.report({"x": 1}) is None  # the cause: no error, no effect
+    report = Reporter("p000-tcnn", None)
+    with pytest.raises(SystemExit):
+        report({"stage": "finetune", "finetune_epoch": 3})
+    assert report.halted
+    with pytest.raises(SystemExit):
+        report({"stage": "done"})
+    Reporter("p000-tcnn", None, enabled=False)({"stage": "done"})  # reporting off (no Tune): nothing raised
 
 
 # ------------------------------------------------------------------------------------- end to end

@@ -469,6 +469,8 @@ class TrialRunner:
         logged = logged_epochs(tracker)  # by an earlier attempt: a resumed stage's history holds them again
 
         def emit(row: dict[str, Any]) -> None:
+            if report.halted:  # Tune stopped the trial: an epoch trained since is not the trial's (Reporter)
+                raise SystemExit(0)
             m = epoch_metrics(row)  # the DVC path's per-epoch names (stages.harness.catalogue)
             epoch = int(row.get("finetune_epoch", 0))
             if (
