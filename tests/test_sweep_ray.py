@@ -281,7 +281,7 @@ def test_a_stopped_driver_ends_its_trials_and_closes_its_runs(
         code = proc.wait(timeout=300)
     out = (tmp_path / "driver1.log").read_text()
     assert code == status, out[-3000:]
-    assert f"tcnn sweep: stopped by {signal.Signals(sig).name}; run it again with --auto-resume" in out
+    assert f"tcnn sweep: stopped by {signal.Signals(sig).name}; run it again with --resume to continue" in out
     assert "Traceback" not in out
     parent, children = sweep_runs(tmp_path, "s")
     assert parent.info.status == "KILLED"
@@ -294,7 +294,7 @@ def test_a_stopped_driver_ends_its_trials_and_closes_its_runs(
     if not resume:
         return
 
-    res = run_sweep(tmp_path, "--name", "s", "--auto-resume")
+    res = run_sweep(tmp_path, "--name", "s", "--resume")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     parent, again = sweep_runs(tmp_path, "s")
     assert parent.info.status == "FINISHED" and parent.data.metrics["trials"] == 2

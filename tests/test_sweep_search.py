@@ -10,19 +10,25 @@ no finished trial run again, one MLflow run per trial).
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import time
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
 from test_sweep import TCNN, make_project, sweep_env
 
 from core.config import ConfigError, load_params, validate_params
+from pipelines.sweep import from_search as fs
+from pipelines.sweep.plan import SweepError
+from pipelines.sweep.progress import SearchProgress
 from pipelines.sweep.scheduling import ARM_KEY, ARMS, METRIC, TIME_ATTR, ArmwiseScheduler, asha
 from pipelines.sweep.search import (
     POINT_KEY,
@@ -324,6 +330,26 @@ def test_the_trials_an_arm_lost_are_kept_across_a_restore(tmp_path: Path) -> Non
     assert restored.lost == {"tcnn": {"b"}, "control": set()} and restored.promoted["tcnn"] == {"c"}
 
 
+def test_a_report_after_tune_ended_the_trial_raises_instead_of_passing_silently() -> None:
+    """Outside a Tune session (as in a trial's process once Ray stopped it and shut its session down) Ray's
+    report only warns and returns: an epoch trained after an ASHA stop was logged as if the trial went on (the
+    flaky search test of issue 56). The trial's Reporter raises SystemExit instead, from then on."""
+    from ray import tune
+
+    from pipelines.sweep.trial import Reporter
+
+    with warnings.catch_warnings():  # Ray warns once per process that it was called outside a session
+        warnings.simplefilter("ignore")
+        assert tune.report({"x": 1}) is None  # the cause: no error, no effect
+    report = Reporter("p000-tcnn", None)
+    with pytest.raises(SystemExit):
+        report({"stage": "finetune", "finetune_epoch": 3})
+    assert report.halted
+    with pytest.raises(SystemExit):
+        report({"stage": "done"})
+    Reporter("p000-tcnn", None, enabled=False)({"stage": "done"})  # reporting off (no Tune): nothing raised
+
+
 # ------------------------------------------------------------------------------------- end to end
 
 
@@ -347,8 +373,11 @@ def _trial_runs(root: Path) -> list[Any]:
     return [r for r in client.search_runs([exp.experiment_id]) if r.data.tags.get("tcnn.kind") == "trial"]
 
 
-@pytest.mark.slow
-def test_a_search_stopped_by_sigterm_resumes_and_each_arm_chooses_its_own_best(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def stopped_search(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
+    """A search of 3 points with ASHA, stopped by SIGTERM once a trial finished, then resumed to its end (the
+    finished search the tests below read; one run for the module)."""
+    tmp_path = tmp_path_factory.mktemp("search")
     path = make_project(
         tmp_path, {}, finetune={"epochs": 3, "batch_size": 50, "lr": 0.004, "warmup_epochs": 0.5}
     )
@@ -359,15 +388,28 @@ def test_a_search_stopped_by_sigterm_resumes_and_each_arm_chooses_its_own_best(t
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     sweep_dir = tmp_path / "sweeps" / "s"
 
+    t0 = time.monotonic()
     proc = _start(tmp_path)
     _wait_for(sweep_dir, "trials/*/done.json", proc)
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=120)[0]
+    first_leg_s = time.monotonic() - t0
     assert proc.returncode == 75, out[-3000:]
     done_before = {p.parent.name: p.stat().st_mtime_ns for p in sweep_dir.glob("trials/*/done.json")}
     res = subprocess.run([TCNN, "sweep", "--params", "params.yaml", "--num-cpus", "2", "--name", "s", "--resume"],
                          cwd=tmp_path, env=sweep_env(), capture_output=True, text=True, timeout=900)  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return SimpleNamespace(root=tmp_path, sweep_dir=sweep_dir, search=search, stop_out=out, resumed=res,
+                           done_before=done_before, first_leg_s=first_leg_s)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_search_stopped_by_sigterm_resumes_and_each_arm_chooses_its_own_best(
+    stopped_search: SimpleNamespace,
+) -> None:
+    tmp_path, sweep_dir, search = stopped_search.root, stopped_search.sweep_dir, stopped_search.search
+    done_before = stopped_search.done_before
+    assert "tcnn sweep: stopped by SIGTERM; run it again with --resume to continue" in stopped_search.stop_out
 
     # The points: Optuna's seeded sampler's, each run by both arms, none twice; finished trials not run again.
     expected = [c["finetune.lr"] for c in _drive(make_searcher(search), 6, lambda c: 0.5)[::2]]
@@ -425,6 +467,17 @@ def test_a_search_stopped_by_sigterm_resumes_and_each_arm_chooses_its_own_best(t
         and metrics["chosen/control/val_acc"] == chosen["control"][METRIC]
     )
     assert (sweep_dir / "plots" / "search_curves.png").stat().st_size > 10_000
+
+    # Progress: a line per trial event, each trial's end as its row says; no warning about pending trials.
+    said = stopped_search.stop_out + stopped_search.resumed.stdout
+    for r in rows:
+        assert re.search(rf"^\[\d/6\] {r['trial']} .*: {'finetune' if r['arm'] == 'tcnn' else 'control'} "
+                         rf"epoch 1 val_acc 0\.\d{{4}}$", said, re.M), r["trial"]  # fmt: skip
+        end = (f"finished: 3 epochs, val_acc {r[METRIC]:.4f}" if r["status"] == "finished"
+               else f"stopped by the scheduler at epoch {r[TIME_ATTR]} (its rung)")  # fmt: skip
+        assert re.search(rf"^\[\d/6\] {r['trial']} .*: {re.escape(end)}$", said, re.M), (r["trial"], end)
+    resumed = stopped_search.resumed.stdout + stopped_search.resumed.stderr
+    assert "Failed to fetch metrics" not in resumed and "FileNotFoundError" not in resumed
 
 
 # ------------------------------------------------------------------------------- shared controls
@@ -661,3 +714,238 @@ def test_a_finished_fine_tuning_is_found_only_under_the_same_identity(tmp_path: 
     assert reuse.finished(spec, params, roots["a"]) is None  # itself
     with pytest.raises(SweepError):
         check_name(reuse.INDEX)
+
+
+@pytest.mark.slow
+def test_wall_s_counts_every_leg_of_the_driver(stopped_search: SimpleNamespace) -> None:
+    legs = [json.loads(x) for x in (stopped_search.sweep_dir / "legs.jsonl").read_text().splitlines()]
+    assert [x["ended"] for x in legs] == ["stopped", "finished"]
+    assert 0 < legs[0]["wall_s"] < stopped_search.first_leg_s  # the driver's time within its process's
+    metrics = json.loads((stopped_search.sweep_dir / "metrics.json").read_text())
+    assert metrics["legs"] == 2 and metrics["wall_s"] == pytest.approx(legs[0]["wall_s"] + legs[1]["wall_s"])
+
+
+def _doc_recipe() -> str:
+    """The ResultGrid recipe docs/sweeps.md shows (the python block after its marker)."""
+    text = (Path(__file__).parents[1] / "docs" / "sweeps.md").read_text()
+    after = text[text.index("<!-- resultgrid-recipe") :]
+    return after.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.slow
+def test_the_result_grid_recipe_in_the_docs_gives_each_arms_choice(stopped_search: SimpleNamespace) -> None:
+    """The recipe, run as docs/sweeps.md shows it on this search, returns chosen.json's trial for each arm (among
+    its ties), while Tune's get_best_config over the whole experiment ignores the arms."""
+    code = _doc_recipe().replace('"sweeps/lr-search/tune"', repr(str(stopped_search.sweep_dir / "tune")))
+    scope: dict[str, Any] = {}
+    exec(compile(code, "docs/sweeps.md", "exec"), scope)  # noqa: S102 - the documented recipe, run as shown
+    chosen = json.loads((stopped_search.sweep_dir / "chosen.json").read_text())
+    rows = pq.read_table(stopped_search.sweep_dir / "search.parquet").to_pylist()
+    for arm in ARMS:
+        got = [f"p{r.config[POINT_KEY]:03d}-{arm}" for r in scope["choices"][arm]]
+        assert chosen[arm]["trial"] in got
+        assert {r.metrics[METRIC] for r in scope["choices"][arm]} == {chosen[arm][METRIC]}
+        finished = [r for r in rows if r["arm"] == arm and r["status"] == "finished"]  # the truth: the rows
+        assert sorted(got) == sorted(r["trial"] for r in finished if r[METRIC] == chosen[arm][METRIC])
+
+
+# ------------------------------------------------------------------------------------- from a search
+
+
+def _a_search(storage: Path, *, candidates: int | None = 3, wd: tuple[float, float] | None = None) -> None:
+    """A finished search's files as the driver writes them, by hand: sweep.json (its space, base params),
+    chosen.json (each arm's trial, value and candidates), metrics.json and search.parquet."""
+    d = storage / "s"
+    d.mkdir(parents=True)
+    space: dict[str, Any] = {
+        "finetune.lr": {"loguniform": [1e-6, 0.1]},
+        "reparam.alpha_init": {"choice": [0.5, 2.0]},
+    }
+    picks = {"tcnn": {"trial": "p002-tcnn", "val_acc": 0.81, "finetune.lr": 1e-05, "reparam.alpha_init": 0.5},
+             "control": {"trial": "p000-control", "val_acc": 0.83, "finetune.lr": 0.02, "reparam.alpha_init": 2.0}}  # fmt: skip
+    if wd is not None:
+        space["finetune.weight_decay"] = {"uniform": [0.0, 0.1]}
+        picks["tcnn"]["finetune.weight_decay"], picks["control"]["finetune.weight_decay"] = wd
+    if candidates is not None:
+        for p in picks.values():
+            p["candidates"] = candidates
+    base = _raw()
+    (d / "sweep.json").write_text(
+        json.dumps({"name": "s", "search": {"space": space, "num_samples": 4}, "base": base})
+    )
+    (d / "chosen.json").write_text(json.dumps(picks))
+    (d / "metrics.json").write_text("{}")
+    rows = [{"arm": a, "status": st} for a, st in [("tcnn", "finished"), ("tcnn", "stopped"), ("tcnn", "finished"),
+                                                   ("control", "finished"), ("control", "stopped")]]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(rows), d / "search.parquet")
+
+
+def test_from_search_puts_each_arm_at_its_own_choice_and_keeps_the_seed_grid(tmp_path: Path) -> None:
+    _a_search(tmp_path)
+    user = ["sweep.grid.seed=[0, 1, 2]"]
+    sets, record, spec = fs.origin(tmp_path, "s", user, force=False)
+    params = load_params(Path(__file__).parents[1] / "params.yaml", [*sets, *user])
+    assert (
+        params.finetune.lr == 1e-05 and params.finetune.control_lr == 0.02
+    )  # 1e-05 survives YAML as a number
+    assert params.reparam.alpha_init == 0.5  # the T-CNN's: the control has no attention to initialise
+    assert (
+        params.sweep.search is None
+        and params.sweep.scheduler is None
+        and params.sweep.grid == {"seed": [0, 1, 2]}
+    )
+    assert record["trials"] == {"tcnn": "p002-tcnn", "control": "p000-control"} and not record["forced"]
+    assert record["candidates"] == {"tcnn": 3, "control": 3} and spec["name"] == "s"
+    assert "From search s" in fs.line(record) and "p002-tcnn among 3 candidates" in fs.line(record)
+
+
+def test_from_search_counts_candidates_in_search_parquet_and_refuses_too_few_unless_forced(
+    tmp_path: Path,
+) -> None:
+    _a_search(tmp_path, candidates=None)  # a search written before chosen.json said its candidates
+    with pytest.raises(
+        SweepError, match=r"fewer than 3 trials that trained every epoch \(tcnn 2, control 1\)"
+    ):
+        fs.origin(tmp_path, "s", [], force=False)
+    _, record, _ = fs.origin(tmp_path, "s", [], force=True)
+    assert record["forced"] and record["candidates"] == {"tcnn": 2, "control": 1}
+
+
+@pytest.mark.parametrize(
+    ("setup", "sets", "line"),
+    [
+        ("none", [], "--from-search s: no sweep 's' in"),
+        ("grid", [], "is a grid, not a search"),
+        (
+            "unfinished",
+            [],
+            "the search has not finished (no chosen.json): run `tcnn sweep --name s --resume`",
+        ),
+        ("no-choice", [], "the control arm chose nothing"),
+        ("ok", ["finetune.lr=0.1"], "-S finetune.lr: set by --from-search s"),
+        ("wd", [], "finetune.weight_decay: the arms chose 0.01 (tcnn) and 0.05 (control)"),
+    ],
+)
+def test_from_search_refuses_in_one_line(tmp_path: Path, setup: str, sets: list[str], line: str) -> None:
+    if setup != "none":
+        _a_search(tmp_path, wd=(0.01, 0.05) if setup == "wd" else None)
+    d = tmp_path / "s"
+    if setup == "grid":
+        (d / "sweep.json").write_text(json.dumps({"name": "s", "search": None}))
+    elif setup == "unfinished":
+        (d / "chosen.json").unlink()
+    elif setup == "no-choice":
+        (d / "chosen.json").write_text(
+            json.dumps({**json.loads((d / "chosen.json").read_text()), "control": None})
+        )
+    with pytest.raises(SweepError) as err:
+        fs.origin(tmp_path, "s", sets, force=False)
+    assert line in str(err.value) and "\n" not in str(err.value)
+
+
+def test_from_search_refuses_a_grid_of_another_problem() -> None:
+    space = {"finetune.lr": {"loguniform": [1e-4, 0.1]}}
+    search = {"name": "s", "search": {"space": space}, "base": _raw()}
+    same = _raw()
+    same["seed"], same["finetune"]["lr"], same["finetune"]["control_lr"] = (
+        3,
+        0.5,
+        0.2,
+    )  # free: seed, searched keys
+    same["sweep"]["grid"] = {"seed": [0, 1]}
+    fs.check_problem(search, {"base": same})
+    other = _raw()
+    other["finetune"]["epochs"] += 1
+    with pytest.raises(SweepError, match=r"finetune.epochs is \d+ here and was \d+ in the search"):
+        fs.check_problem(search, {"base": other})
+
+
+def test_tcnn_sweep_from_a_missing_search_is_one_line_exit_2_nothing_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pipelines.cli import build_parser, main
+
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(_raw()))
+    monkeypatch.chdir(tmp_path)
+    assert main(["sweep", "--from-search", "nope", "-S", "sweep.grid.seed=[0,1]"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("tcnn sweep: error: --from-search nope: no sweep 'nope' in") and err.count("\n") == 1
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["params.yaml"]
+    help_text = " ".join(build_parser().format_help().split())
+    assert "grid (sweep.grid) or search (sweep.search" in help_text
+
+
+def test_a_search_prints_a_line_per_trial_event(capsys: pytest.CaptureFixture[str]) -> None:
+    progress = SearchProgress(total=4)
+    a = SimpleNamespace(config={POINT_KEY: 1, ARM_KEY: "tcnn", "finetune.lr": 0.01}, status="RUNNING",
+                        last_result={}, path="/x")  # fmt: skip
+    b = SimpleNamespace(config={POINT_KEY: 1, ARM_KEY: "control", "finetune.lr": 0.01}, status="RUNNING",
+                        last_result={}, path="/y")  # fmt: skip
+    trials = [a, b]
+    progress.on_trial_result(0, trials, a, {"stage": "start", "attempt": 1})
+    for t in (a, b):  # the shared pretraining's epoch, reported by both trials: said once
+        progress.on_trial_result(
+            0, trials, t, {"stage": "pretrain", "pretrain_epoch": 1, "pretrain_val_acc": 0.5}
+        )
+    progress.on_trial_result(
+        0, trials, b, {"stage": "control", "finetune_epoch": 1, "val_acc": 0.61, TIME_ATTR: 1}
+    )
+    b.status, b.last_result = (
+        "TERMINATED",
+        {"stage": "control", "finetune_epoch": 1, TIME_ATTR: 1, METRIC: 0.61},
+    )
+    progress.on_trial_complete(0, trials, b)
+    a.status, a.last_result = "TERMINATED", {"stage": "done", TIME_ATTR: 3, METRIC: 0.825}
+    progress.on_trial_complete(0, trials, a)
+    assert capsys.readouterr().out.splitlines() == [
+        "[0/4] p001-tcnn finetune.lr=0.01: started (attempt 1)",
+        "[0/4] p001-tcnn finetune.lr=0.01: shared pretraining epoch 1 val_acc 0.5000",
+        "[0/4] p001-control finetune.lr=0.01: control epoch 1 val_acc 0.6100",
+        "[1/4] p001-control finetune.lr=0.01: stopped by the scheduler at epoch 1 (its rung)",
+        "[2/4] p001-tcnn finetune.lr=0.01: finished: 3 epochs, val_acc 0.8250",
+    ]
+
+
+@pytest.mark.slow
+def test_from_search_runs_a_grid_at_each_arms_choice_and_names_the_search(
+    stopped_search: SimpleNamespace,
+) -> None:
+    """``tcnn sweep --from-search s``: refused while an arm chose among too few trials (unless --force), then a
+    one-seed grid (the smallest: the search's own seed, its pretraining reused) at each arm's choice."""
+    root, chosen = stopped_search.root, json.loads((stopped_search.sweep_dir / "chosen.json").read_text())
+    rows = pq.read_table(stopped_search.sweep_dir / "search.parquet").to_pylist()
+    counts = {arm: sum(r["arm"] == arm and r["status"] == "finished" for r in rows) for arm in ARMS}
+    counts = {arm: chosen[arm].get("candidates", n) for arm, n in counts.items()}
+    cmd = [TCNN, "sweep", "--params", "params.yaml", "--num-cpus", "2", "--name", "g", "--from-search", "s",
+           "-S", "sweep.grid.seed=[0]"]  # fmt: skip
+    force = []
+    if min(counts.values()) < 3:
+        res = subprocess.run(cmd, cwd=root, env=sweep_env(), capture_output=True, text=True, timeout=300)
+        assert res.returncode == 2 and "fewer than 3 trials that trained every epoch" in res.stderr
+        assert res.stderr.count("\n") == 1 and not (root / "sweeps" / "g").exists()
+        force = ["--force"]
+    res = subprocess.run(
+        [*cmd, *force], cwd=root, env=sweep_env(), capture_output=True, text=True, timeout=900
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    spec = json.loads((root / "sweeps" / "g" / "sweep.json").read_text())
+    assert spec["from_search"]["name"] == "s" and spec["from_search"]["forced"] == bool(force)
+    assert spec["from_search"]["trials"] == {arm: chosen[arm]["trial"] for arm in ARMS}
+    (trial,) = spec["trials"].values()
+    ft = trial["params"]["finetune"]
+    assert ft["lr"] == chosen["tcnn"]["finetune.lr"] and ft["control_lr"] == chosen["control"]["finetune.lr"]
+    assert trial["params"]["sweep"]["search"] is None and trial["params"]["sweep"]["scheduler"] is None
+    assert (
+        "From search s (" in res.stdout
+        and "From search s (" in (root / "sweeps" / "g" / "report.html").read_text()
+    )
+    client = store_client(f"sqlite:///{root / 'mlruns.db'}")
+    exp = client.get_experiment_by_name("sweeps")
+    (parent,) = [r for r in client.search_runs([exp.experiment_id], "tags.`tcnn.sweep` = 'g'")
+                 if r.data.tags.get("tcnn.kind") == "parent"]  # fmt: skip
+    assert parent.data.tags["tcnn.from_search"] == "s"
+    assert (
+        json.loads((root / "sweeps" / "g" / "metrics.json").read_text())["pretrain_runs"] == 0
+    )  # the search's

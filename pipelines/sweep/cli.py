@@ -1,7 +1,7 @@
 """`tcnn sweep` (also ``python -m pipelines.sweep``): the command line, run here or submitted to SLURM.
 
     tcnn sweep --params params.yaml [-S key=value ...] [--address local|auto|HOST:PORT] [--name NAME]
-               [--resume | --auto-resume] [--num-cpus N]
+               [--resume | --auto-resume] [--num-cpus N] [--from-search SEARCH [--force]]
     tcnn sweep --params params.yaml --slurm [--nodes N] [--cpus-per-node C] [--gpus-per-node [TYPE:]G]
                [--partition P] [--sbatch KEY=VALUE ...] [--time MIN] [--detach]
                [--worker-placement pack|spread|...]
@@ -26,7 +26,7 @@ from core.config import ConfigError, load_params
 from pipelines.ddp import PLACEMENTS
 from pipelines.sweep.driver import run_sweep, say, slurm_driver
 from pipelines.sweep.plan import SweepError
-from pipelines.sweep.spec import build_spec, check_resources, reconcile
+from pipelines.sweep.spec import SWEEP_JSON, build_spec, check_resources, reconcile
 from pipelines.sweep.tuner import check_address, check_multinode_tracking
 from stages.harness.runner import EXIT_IOERR, Stopped, io_error_line, stop_on_signals
 
@@ -125,7 +125,11 @@ def follow(job: Any, spec: dict, poll_s: float = 5.0) -> int:
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser("sweep", help="run a Ray Tune grid over sweep.grid (locally, on Ray, or on SLURM)")
+    p = sub.add_parser(
+        "sweep",
+        help="run a Ray Tune grid (sweep.grid) or search (sweep.search, each arm choosing "
+        "its own values), locally, on Ray or on SLURM; --from-search: a grid at a search's choices",
+    )
     p.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     p.add_argument("-S", "--set", action="append", default=[], metavar="KEY=VALUE", help="override a param")
     p.add_argument(
@@ -143,6 +147,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     )
     group.add_argument("--auto-resume", dest="resume", action="store_const", const="auto",
                        help="resume when the sweep exists, start it otherwise")  # fmt: skip
+    p.add_argument("--from-search", default=None, metavar="NAME",
+                   help="a grid at the choices of the finished search NAME (<sweep.storage>/NAME/chosen.json): "
+                   "finetune.lr = the T-CNN's lr, finetune.control_lr = the control's, the T-CNN's reparam.* "
+                   "values; sweep.search/scheduler removed, -S kept (e.g. -S 'sweep.grid.seed=[0,1,2]')")  # fmt: skip
+    p.add_argument("--force", action="store_true",
+                   help="with --from-search: use a choice made among fewer than sweep.search.min_finished trials")  # fmt: skip
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray (default: all)")
     p.add_argument("--object-store-mb", type=int, default=None, help="Ray object store size per node")
     s = p.add_argument_group("SLURM")
@@ -186,7 +196,11 @@ def driving_sweeps() -> Iterator[None]:
 
 
 def command_status(
-    prog: str, body: Callable[[], int], *, again: str, errors: tuple[type[Exception], ...] = ()
+    prog: str,
+    body: Callable[[], int],
+    *,
+    again: str | Callable[[], str],
+    errors: tuple[type[Exception], ...] = (),
 ) -> int:
     """``body``'s exit status, or how it ended: stopped (75/130, with ``again``: how to continue), bad input
     (SweepError, ConfigError or ``errors``: one line, 2), a file or the tracking store that could not be read
@@ -194,7 +208,7 @@ def command_status(
     try:
         return body()
     except Stopped as stop:
-        print(f"{prog}: stopped by {stop}; {again}", file=sys.stderr)
+        print(f"{prog}: stopped by {stop}; {again if isinstance(again, str) else again()}", file=sys.stderr)
         return stop.exit_status
     except (SweepError, ConfigError, *errors) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
@@ -218,12 +232,32 @@ def _run_here(spec: dict, args: argparse.Namespace, address: str) -> dict:
         )
 
 
+def _from_search(args: argparse.Namespace) -> tuple[list[str], dict | None, dict | None]:
+    """The ``-S`` list the grid runs with: ``--from-search``'s chosen values (pipelines/sweep/from_search.py)
+    before the user's own; the record kept in sweep.json and the search's spec (None without the flag)."""
+    if not args.from_search:
+        return list(args.set), None, None
+    from pipelines.sweep.from_search import origin
+
+    storage_sets = [s for s in args.set if s.split("=", 1)[0].strip() == "sweep.storage"]
+    storage = (Path.cwd() / load_params(args.params, storage_sets).sweep.storage).resolve()
+    sets, record, search = origin(storage, args.from_search, args.set, args.force)
+    return [*sets, *args.set], record, search
+
+
 def _sweep(args: argparse.Namespace) -> int:
-    params = load_params(args.params, args.set)
+    sets, record, search = _from_search(args)
+    params = load_params(args.params, sets)
     if args.slurm and args.address != "local":
         raise SweepError("--address: not with --slurm (the job starts its own Ray cluster)")
     address = check_address(args.address)
     spec = build_spec(params, name=args.name, params_file=Path(args.params), placement=args.worker_placement)
+    args.sweep_json = Path(spec["sweep_dir"]) / SWEEP_JSON  # how a stop says to continue (_again)
+    if record is not None:
+        from pipelines.sweep.from_search import check_problem
+
+        check_problem(search, spec)
+        spec["from_search"] = record
     spec = reconcile(spec, args.resume)
     if args.slurm:
         return submit_slurm(spec, args)
@@ -232,5 +266,13 @@ def _sweep(args: argparse.Namespace) -> int:
 
 def main_sweep(args: argparse.Namespace) -> int:
     return command_status(
-        "tcnn sweep", lambda: _sweep(args), again="run it again with --auto-resume to continue"
+        "tcnn sweep", lambda: _sweep(args), again=lambda: _again(getattr(args, "sweep_json", None))
     )
+
+
+def _again(sweep_json: Path | None) -> str:
+    """How to continue a stopped sweep: ``--resume`` (the flag sweeps.md names) once its sweep.json is written;
+    before that there is nothing to resume and the same command starts it."""
+    if sweep_json is not None and sweep_json.is_file():
+        return "run it again with --resume to continue"
+    return "nothing was started: run it again to start it"

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from core.utils import mlflow_ui
-from core.utils.atomic import atomic_write_json
+from core.utils.atomic import append_json_line, atomic_write_json
 from pipelines.sweep.plan import SweepError
 from pipelines.sweep.spec import SWEEP_JSON, check_resources, reconcile
 from pipelines.sweep.tuner import can_restore, check_multinode_tracking, connect_ray, make_tuner, tune_dir
@@ -62,6 +62,37 @@ def _final_is_tcnn(kind: str | None) -> bool:
 
 def say(msg: str) -> None:
     print(f"sweep: {msg}", flush=True)
+
+
+FROM_SEARCH_TAG = "tcnn.from_search"  # the parent run of a grid made by --from-search: the search's name
+#: One line per leg of the driver that ended (stopped or finished): its seconds. ``wall_s`` sums them all.
+LEGS = "legs.jsonl"
+
+
+def earlier_legs_s(sweep_dir: Path) -> float:
+    """The wall time of the driver's earlier legs of this sweep (stopped, then resumed), from ``legs.jsonl``."""
+    try:
+        lines = (sweep_dir / LEGS).read_text().splitlines()
+    except FileNotFoundError:
+        return 0.0
+    return sum(float(json.loads(x)["wall_s"]) for x in lines if x.strip())
+
+
+def end_leg(sweep_dir: Path, t0: float | None, how: str) -> float:
+    """Record this leg (``how``: stopped, finished) in ``legs.jsonl``; returns its seconds."""
+    if t0 is None or not sweep_dir.is_dir():
+        return 0.0
+    wall = time.monotonic() - t0
+    append_json_line(sweep_dir / LEGS, {"ended": how, "wall_s": wall, "at": time.time()})
+    return wall
+
+
+def wall_metrics(sweep_dir: Path, t0: float) -> dict[str, float]:
+    """``wall_s``: every leg of the driver (the earlier ones from legs.jsonl, this one ended now as finished);
+    ``legs``: how many."""
+    earlier = earlier_legs_s(sweep_dir)
+    n = len((sweep_dir / LEGS).read_text().splitlines()) if (sweep_dir / LEGS).is_file() else 0
+    return {"wall_s": earlier + end_leg(sweep_dir, t0, "finished"), "legs": float(n + 1)}
 
 
 # --------------------------------------------------------------------------------------------- driver
@@ -102,6 +133,8 @@ def _open_parent(spec: dict) -> Any:
         return tracker
     tags = {"tcnn.kind": "parent", "tcnn.sweep": spec["name"], "tcnn.sweep_dir": spec["sweep_dir"],
             UV_LOCK_TAG: digest_if_present(UV_LOCK_FILE)}  # fmt: skip
+    if origin := spec.get("from_search"):  # a grid at a search's choices (tcnn sweep --from-search)
+        tags |= {FROM_SEARCH_TAG: origin["name"], f"{FROM_SEARCH_TAG}_dir": origin["sweep_dir"]}
     tracker.start_parent(f"sweep:{spec['name']}", tags, run_id=t.get("parent_run_id") or None)
     if tracker.parent_created:
         tracker.log_environment()
@@ -133,6 +166,7 @@ def run_sweep(
     held = (
         False  # this driver holds the sweep's lock (a refused second driver touches nothing of the first's)
     )
+    t0: float | None = None
     try:
         alive = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
         nodes = len(alive)
@@ -165,6 +199,7 @@ def run_sweep(
             ray.shutdown()
             owns = False
         _close_stopped(tracker)
+        end_leg(Path(spec["sweep_dir"]), t0, "stopped")  # wall_s at the end counts this leg too
         raise stop from None
     except Exception:
         # A refusal (one line, 2), a file or the store that failed (one line, 74) or a bug (its traceback): the
@@ -196,7 +231,7 @@ def _search(spec: dict, tracker: Any, sweep_dir: Path, t0: float) -> dict:
     picks = sr.chosen(rows, sr.max_epochs(spec))
     files = sr.write(spec, rows, picks)
     runs = shared.pretrain_runs(sweep_dir)
-    metrics = {**sr.parent_metrics(spec, rows, picks), "pretrain_runs": runs, "wall_s": time.monotonic() - t0}
+    metrics = {**sr.parent_metrics(spec, rows, picks), "pretrain_runs": runs, **wall_metrics(sweep_dir, t0)}
     failed = sum(r["status"] in ("error", "refused") for r in rows)  # a stopped trial did not fail
     tracker.log_metrics(metrics)
     if tracker.enabled:
@@ -264,7 +299,7 @@ def _finish(spec: dict, status: dict[str, str], tracker: Any, sweep_dir: Path, t
     metrics = _parent_metrics(spec, out, n, finished, runs)
     if out.bracketed:
         tracker.set_tags(bracket.tags(spec))
-    metrics["wall_s"] = time.monotonic() - t0
+    metrics |= wall_metrics(sweep_dir, t0)
     _log_parent(tracker, spec, out, metrics, "FINISHED" if finished == n else "FAILED")
     atomic_write_json(sweep_dir / "metrics.json", metrics)
     _print_outputs(spec, out)
@@ -386,9 +421,13 @@ def _log_parent(tracker: Any, spec: dict, out: _Outputs, metrics: dict[str, Any]
 
 
 def _print_outputs(spec: dict, out: _Outputs) -> None:
-    """The summary table, then the kind, seed and selection tables (or the bracketing notes) there are."""
+    """The search the grid came from (--from-search), the summary table, then the kind, seed and selection
+    tables (or the bracketing notes) there are."""
     from pipelines.sweep import selection, summary
+    from pipelines.sweep.from_search import line
 
+    if spec.get("from_search"):
+        print(line(spec["from_search"]), flush=True)
     print(summary.format_table(out.rows, list(spec["grid"])), flush=True)
     if out.krows:
         print(summary.kinds_markdown(out.krows), flush=True)

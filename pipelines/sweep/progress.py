@@ -1,4 +1,6 @@
-"""The sweep driver's progress lines: one concise line per trial event (Ray Tune's own table is off)."""
+"""The sweep driver's progress lines: one concise line per trial event, for a grid (:class:`SweepProgress`) and a
+search (:class:`SearchProgress`). Ray Tune's own table is off for a grid; a search shows it too when stdout is
+a terminal (pipelines/sweep/tuner.py)."""
 
 from __future__ import annotations
 
@@ -53,3 +55,58 @@ class SweepProgress(tune.Callback):
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         self._say(trials, trial.config.get("tid"), f"error (see {trial.path}/error.txt)")
+
+
+class SearchProgress(tune.Callback):
+    """A search's (``sweep.search``) line per trial event: ``[ended/total] p001-tcnn finetune.lr=0.0123: <event>`` for
+    started, each epoch of the shared pretraining (once, whichever trial reports it), each fine-tuning epoch
+    with its validation accuracy, stopped by the scheduler at its rung (the last epoch it reported), finished
+    (every epoch trained) and errors. Module-level so that Tune can pickle it with the experiment (restore)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = int(total)
+        self.pretrain_seen: set[int] = set()
+
+    def _say(self, trials: list, trial: Any, text: str) -> None:
+        from pipelines.sweep.arm_trial import arm_tid, point_values
+        from pipelines.sweep.plan import trial_label
+        from pipelines.sweep.scheduling import ARM_KEY
+        from pipelines.sweep.search import POINT_KEY
+
+        ended = sum(1 for t in trials if t.status in ("TERMINATED", "ERROR"))
+        config = trial.config or {}
+        tid = arm_tid(config[POINT_KEY], config[ARM_KEY]) if POINT_KEY in config else str(trial)
+        print(f"[{ended}/{self.total}] {tid} {trial_label(point_values(config))}: {text}", flush=True)
+
+    def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
+        stage = result.get("stage")
+        if stage == "start":
+            self._say(trials, trial, f"started (attempt {result.get('attempt')})")
+        elif "finetune_epoch" in result:
+            self._say(
+                trials, trial, f"{stage} epoch {result['finetune_epoch']} val_acc {_f(result, 'val_acc'):.4f}"
+            )
+        elif (
+            isinstance(result.get("pretrain_epoch"), int)
+            and result["pretrain_epoch"] not in self.pretrain_seen
+        ):
+            self.pretrain_seen.add(result["pretrain_epoch"])
+            self._say(trials, trial, f"shared pretraining epoch {result['pretrain_epoch']} "
+                                     f"val_acc {_f(result, 'pretrain_val_acc'):.4f}")  # fmt: skip
+        elif stage == "refused":
+            self._say(trials, trial, "refused (see its trial.log)")
+
+    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        from pipelines.sweep.scheduling import METRIC, TIME_ATTR
+
+        last = trial.last_result or {}
+        if last.get("stage") == "done":
+            text = f"finished: {last.get(TIME_ATTR)} epochs, val_acc {_f(last, METRIC):.4f}"
+        elif last.get("stage") == "refused":
+            return
+        else:
+            text = f"stopped by the scheduler at epoch {last.get(TIME_ATTR, last.get('finetune_epoch'))} (its rung)"
+        self._say(trials, trial, text)
+
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._say(trials, trial, f"error (see {trial.path}/error.txt)")

@@ -136,9 +136,12 @@ def render(
     selected: dict[str, Any] | None = None,
 ) -> str:
     """The HTML text of the report (``selected``: :func:`selected_table`)."""
+    from pipelines.sweep.from_search import line
+
     return render_page(
         "sweep_report.html",
         name=spec["name"],
+        origin=line(spec["from_search"]) if spec.get("from_search") else None,
         n_trials=len(rows),
         n_finished=sum(r["status"] == "finished" for r in rows),
         written=time.strftime("%Y-%m-%d %H:%M:%S %Z"),

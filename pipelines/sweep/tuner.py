@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +109,7 @@ def _trainable(fn: Any, spec: dict) -> Any:
     return tune.with_resources(tune.with_parameters(fn, spec=spec), spec["resources"])
 
 
-def _run_config(spec: dict, name: str, callbacks: list[Any] | None = None) -> Any:
+def _run_config(spec: dict, name: str, callbacks: list[Any] | None = None, verbose: int = 0) -> Any:
     from ray import tune
 
     return tune.RunConfig(
@@ -116,16 +117,37 @@ def _run_config(spec: dict, name: str, callbacks: list[Any] | None = None) -> An
         storage_path=spec["sweep_dir"],
         failure_config=tune.FailureConfig(max_failures=spec["max_failures"]),
         checkpoint_config=tune.CheckpointConfig(num_to_keep=None),  # tiny: {run id, stage}
-        verbose=0,
+        verbose=verbose,
         callbacks=callbacks,
     )
+
+
+class _NoResultsYet(logging.Filter):
+    """Drops Tune's "Failed to fetch metrics for N trial(s)" when every failure is a FileNotFoundError: at a
+    restore Tune reads the results of every trial of the saved experiment (ExperimentAnalysis in
+    ``Tuner.restore``, its ``last_result`` never None), and a trial that was pending or had not reported yet when
+    the driver stopped has no result file -- nothing is lost, the restored run starts it. Any other failure
+    still shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if not text.startswith("Failed to fetch metrics for"):
+            return True
+        failures = [x for x in text.splitlines()[1:] if x.strip()]
+        return not failures or not all("FileNotFoundError(" in x for x in failures)
 
 
 def _restored(spec: dict, name: str, trainable: Any) -> Any:
     from ray import tune
 
     path = Path(spec["sweep_dir"]) / name
-    return tune.Tuner.restore(str(path), trainable, resume_unfinished=True, resume_errored=True)
+    log = logging.getLogger("ray.tune.analysis.experiment_analysis")
+    quiet = _NoResultsYet()
+    log.addFilter(quiet)
+    try:
+        return tune.Tuner.restore(str(path), trainable, resume_unfinished=True, resume_errored=True)
+    finally:
+        log.removeFilter(quiet)
 
 
 def make_tuner(spec: dict, restore: bool, tids: list[str], name: str = TUNE_DIR) -> Any:
@@ -179,6 +201,7 @@ def make_search_tuner(spec: dict, restore: bool) -> Any:
     from ray import tune
 
     from pipelines.sweep.arm_trial import search_trainable
+    from pipelines.sweep.progress import SearchProgress
     from pipelines.sweep.search import make_searcher, num_trials
 
     # A trial's first reports (start, stages) carry no epoch yet: the scheduler and the searcher skip them.
@@ -195,7 +218,13 @@ def make_search_tuner(spec: dict, restore: bool) -> Any:
             trial_dirname_creator=_arm_dirname,
             reuse_actors=False,  # a stopped trial's process ends with it
         ),
-        run_config=_run_config(spec, TUNE_DIR),
+        # Our line per trial event always; Tune's own status table too on a terminal (not in a log file).
+        run_config=_run_config(
+            spec,
+            TUNE_DIR,
+            [SearchProgress(num_trials(spec["search"]))],
+            verbose=1 if sys.stdout.isatty() else 0,
+        ),  # fmt: skip
     )
 
 
