@@ -1056,8 +1056,8 @@ def check_workspace_paths(params: Params, workspace: Path | None = None) -> None
     """What the params name in the workspace and must find there before anything runs (docs/configuration.md):
     ``model.code``, a DVC dependency of the stages that build the network, is relative to the workspace and
     stays inside it (no absolute path, no ``..``: DVC would hash another file, and an absolute path changes
-    with the clone); in a DVC workspace (the working directory holding dvc.yaml, where `dvc repro` runs the
-    stages) it exists (DVC would fail at the first stage with its own error) and no symlink leads it outside.
+    with the clone); in a DVC workspace whose dvc.yaml depends on it (``${model.code}``, where `dvc repro`
+    runs the stages) it exists (DVC would fail at the first stage with its own error) and no symlink leads it outside.
     Outside a DVC workspace (a stage run alone from another folder) it is no dependency and is not looked for.
     Called by :func:`load_params`, not by the model: a sweep's trials get it absolute (pipelines/sweep/plan.py)."""
     rel = params.model.code
@@ -1065,7 +1065,10 @@ def check_workspace_paths(params: Params, workspace: Path | None = None) -> None
         raise ConfigError(f"model.code: {rel} is not inside the workspace: give the network's code as a path "
                           f"relative to it (a DVC dependency; e.g. {DEFAULT_CODE})")  # fmt: skip
     root = (workspace or Path.cwd()).resolve()
-    if not (root / "dvc.yaml").is_file():
+    try:  # a DVC workspace whose stages depend on it (dvc.yaml reads ``${model.code}``)
+        if "${model.code}" not in (root / "dvc.yaml").read_text():
+            return
+    except (OSError, UnicodeDecodeError):
         return
     code = root / rel
     if not code.exists():

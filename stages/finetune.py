@@ -74,9 +74,6 @@ def check(params: Params, root: Path = Path(".")) -> None:
     T.require_checkpoint(source_path(root), "reparameterized model written by the reparam stage")
     T.require_dataset(params, root)
     T.checkpoint_every_steps(params, NAME)
-    from stages.robustness_bench import check_public_before_training  # evaluate's reader, imported lazily
-
-    check_public_before_training(params, root)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -113,9 +113,6 @@ def check(params: Params, root: Path = Path(".")) -> None:
     config pretrains takes the data's images, or an import's weights file has the sha256 params give."""
     T.require_dataset(params, root)
     T.checkpoint_every_steps(params, NAME)
-    from stages.robustness_bench import check_public_before_training  # evaluate's reader, imported lazily
-
-    check_public_before_training(params, root)
     source = params.pretrain.source
     if source is None:
         check_network(params, root)

@@ -235,9 +235,9 @@ def check_public_sets(params: Params, root: Path = Path("."), *, prepared: bool 
 
 
 def check_public_before_training(params: Params, root: Path = Path(".")) -> None:
-    """`robustness.public`, when set, checked by each training stage before it trains (under `dvc repro` the
-    first stage after prepare), so a set evaluate would refuse is refused before hours of training. A check
-    only: the stages' outputs do not depend on it (nor, in dvc.yaml, on its code)."""
+    """`robustness.public`, when set, checked without the prepared data (the dataset's name gives the image
+    size and classes): what `tcnn validate` runs, so a set evaluate would refuse is refused before hours of
+    training."""
     if params.robustness.public is not None:
         check_public_sets(params, root, prepared=False)
 

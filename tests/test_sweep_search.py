@@ -920,10 +920,10 @@ def test_from_search_runs_a_grid_at_each_arms_choice_and_names_the_search(
     counts = {arm: chosen[arm].get("candidates", n) for arm, n in counts.items()}
     cmd = [TCNN, "sweep", "--params", "params.yaml", "--num-cpus", "2", "--name", "g", "--from-search", "s",
            "-S", "sweep.grid.seed=[0]"]  # fmt: skip
-    force = []
-    if min(counts.values()) < 3:
+    force, need = [], stopped_search.search["min_finished"]  # the search's own minimum, not the default 3
+    if min(counts.values()) < need:
         res = subprocess.run(cmd, cwd=root, env=sweep_env(), capture_output=True, text=True, timeout=300)
-        assert res.returncode == 2 and "fewer than 3 trials that trained every epoch" in res.stderr
+        assert res.returncode == 2 and f"fewer than {need} trials that trained every epoch" in res.stderr
         assert res.stderr.count("\n") == 1 and not (root / "sweeps" / "g").exists()
         force = ["--force"]
     res = subprocess.run(

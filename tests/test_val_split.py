@@ -188,13 +188,13 @@ def test_a_sweeps_margin_counts_the_validation_images_the_trial_recorded(tmp_pat
     trial's fine-tuning recorded (its data_roles: here the test split's half), not data.val_size (0 then)."""
     import json
 
-    from pipelines.sweep.selection import _val_size
+    from pipelines.sweep.selection import val_images
     from stages.harness import chain
 
     params = {"data": {"val_size": 0, "val_from": "test_half", "limit": None}}
-    assert _val_size(params, tmp_path) == 0  # nothing recorded: the params' carve-out
+    assert val_images(params, tmp_path) == 0  # nothing recorded: the params' carve-out
     path = tmp_path / chain.metrics_file("finetune")
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"data_roles": {"val": {"split": "test", "images": 5000, "per_class": 500}}}))
-    assert _val_size(params, tmp_path) == 5000
-    assert _val_size({"data": {"val_size": 5000, "limit": {"val": 300}}}, tmp_path / "none") == 300
+    assert val_images(params, tmp_path) == 5000
+    assert val_images({"data": {"val_size": 5000, "limit": {"val": 300}}}, tmp_path / "none") == 300

@@ -89,9 +89,10 @@ def column(kind: str, name: str) -> str:
 
 
 def shared_view(metrics: Sequence[str], params: Sequence[str] = ()) -> str:
-    """The value of the :data:`VIEW_KEY` tag: the runs table showing ``params`` then ``metrics``, in that order
-    (``columnOrder``), newest run first, parents with their stage runs folded."""
-    chosen = [*(column("params", p) for p in params), *(column("metrics", m) for m in metrics)]
+    """The value of the :data:`VIEW_KEY` tag: the runs table showing ``metrics`` then ``params``, in that order
+    (``columnOrder``: the headline's interval on screen first, the params an experiment changes beside it),
+    newest run first, parents with their stage runs folded."""
+    chosen = [*(column("metrics", m) for m in metrics), *(column("params", p) for p in params)]
     state: dict[str, Any] = {
         # the search facets (EXPERIMENT_PAGE_QUERY_PARAM_KEYS)
         "searchFilter": "",
