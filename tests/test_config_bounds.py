@@ -129,7 +129,8 @@ def _workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     ws = tmp_path / "ws"
     (ws / "nets").mkdir(parents=True)
     (ws / "nets" / "mine.py").write_text("")
-    (ws / "dvc.yaml").write_text("stages: {}\n")
+    # a DVC workspace whose stages depend on the network's code, as the project's dvc.yaml does
+    (ws / "dvc.yaml").write_text("stages:\n  build:\n    cmd: python -c pass\n    deps: [${model.code}]\n")
     (ws / "params.yaml").write_text((REPO / "params.yaml").read_text())
     (tmp_path / "outside").mkdir()
     (ws / "escape").symlink_to(tmp_path / "outside")
