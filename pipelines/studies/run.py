@@ -198,6 +198,9 @@ def run(params_file: Path, name: str, out: Path, *, overrides: list[str] | None 
     unit = "seeds of one CNN"
     per_seed: list[dict[str, Any]] = []
     attention: list[dict[str, Any]] = []
+    record["search"]["compute"] = compute(search_dir)
+    record["state"] = "running: the search finished, main seeds next"
+    write(out, record, search_rows(search_dir), per_seed, attention, readme)  # the search's rows, to commit
     seed = params.seed + 1
     while True:
         step = sequential.decide(
