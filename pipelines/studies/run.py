@@ -216,7 +216,6 @@ def run(params_file: Path, name: str, out: Path, *, overrides: list[str] | None 
         record["main"]["seeds"].append({"seed": seed, "sweep": str(main_dir), **compute(main_dir)})
         record["answer"] = answer(per_seed, unit) if len(per_seed) >= 2 else None
         record["answer_sets"] = corrupted_sets(main_dir)
-        record["search"]["compute"] = compute(search_dir)
         record["state"] = f"running: {len(per_seed)} main seed(s) finished"
         record["attention"] = heads(attention)
         write(out, record, search_rows(search_dir), per_seed, attention, readme)
