@@ -445,3 +445,25 @@ def test_export_records_the_trials_data_params_and_roles_and_refuses_trials_that
     (tmp_path / "trials" / "t1" / chain.metrics_file("finetune")).write_text(json.dumps({"data_roles": {}}))
     with pytest.raises(S.StudyError, match="differ in data_roles"):
         S.images(tmp_path, spec)
+
+
+def test_compute_hours_of_a_search_counts_its_arm_trials_and_a_shared_control_once(tmp_path: Path) -> None:
+    """A search's trials are its arm trials (trials/p<k>-<arm>), not the spec's base trial; a control shared by
+    two points is counted once, without the epochs it held before this search first used it."""
+    from pipelines.sweep.shared import link_pretraining
+    from stages.harness import chain
+
+    sweep, storage = tmp_path / "sweeps" / "s", tmp_path / "sweeps"
+    tcnn = sweep / "trials" / "p000-tcnn" / chain.output("finetune", "history.json")
+    tcnn.parent.mkdir(parents=True)
+    tcnn.write_text(
+        json.dumps([{"finetune_epoch": e, "train_time_s": t} for e, t in enumerate((1e3, 2e3, 3e3))])
+    )
+    shared = storage / "control" / "k1" / chain.output("control", "history.json")
+    shared.parent.mkdir(parents=True)
+    shared.write_text(json.dumps([{"finetune_epoch": e, "train_time_s": 100.0 * (e + 1)} for e in range(4)]))
+    for tid, before in (("p000-control", 1), ("p001-control", 3)):
+        link_pretraining(sweep / "trials" / tid, storage / "control" / "k1", "control")
+        (sweep / "trials" / tid / "trial.json").write_text(json.dumps({"control_epochs_before": before}))
+    spec = {"name": "s", "trials": {"t000-abc": {}}}
+    assert S.compute_hours(sweep, spec) == round((6000 + 200 + 300 + 400) / 3600, 2)

@@ -3,9 +3,11 @@
     tcnn study export SWEEP_DIR OUT_DIR      # results.csv, history.csv, attention.csv, cost.csv, meta.json
     tcnn study render OUT_DIR [--readme README.md] [--check]
     tcnn study run PARAMS --name NAME --out DIR [--readme README.md] [--max-seeds N] [--force] [--dry-run] [-S k=v]
+    tcnn study snapshot --sweeps SWEEPS_DIR --name NAME --out DIR   # a running study's rows so far
 
 Each verb is one function: :func:`pipelines.studies.results.export`, :func:`pipelines.studies.render.render`,
-:func:`pipelines.studies.run.run` (search, sequential main seeds, export; resumable).
+:func:`pipelines.studies.run.run` (search, sequential main seeds, export; resumable),
+:func:`pipelines.studies.snapshot.snapshot` (read-only, beside a running study).
 """
 
 from __future__ import annotations
@@ -49,6 +51,13 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--dry-run", action="store_true", help="the same steps at smoke size on the CPU")
     g.add_argument("-S", "--set", action="append", default=[], metavar="KEY=VALUE", help="override a param")
     g.set_defaults(func=_main_run)
+    s = verbs.add_parser("snapshot", help="a running study's trials so far (progress.csv, progress.json)")
+    s.add_argument("--sweeps", type=Path, required=True, help="the sweeps folder the study runs in")
+    s.add_argument(
+        "--name", required=True, help="the study's name (its sweeps are NAME-search, NAME-seed<k>)"
+    )
+    s.add_argument("--out", type=Path, required=True, help="where progress.csv and progress.json go")
+    s.set_defaults(func=_main_snapshot)
 
 
 def _main_export(args: argparse.Namespace) -> int:
@@ -58,6 +67,21 @@ def _main_export(args: argparse.Namespace) -> int:
     except (StudyError, OutputPathError, OSError) as err:
         print(f"tcnn study: error: {err}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _main_snapshot(args: argparse.Namespace) -> int:
+    from pipelines.studies.snapshot import snapshot
+
+    try:
+        summary = snapshot(args.sweeps, args.name, args.out)
+    except (StudyError, OSError, ValueError) as err:
+        print(f"tcnn study: error: {err}", file=sys.stderr)
+        return 2
+    for phase, p in summary["phases"].items():
+        print(f"study: {phase}: {p['trials_finished']} trial(s) finished of {p['trials_reported']} reported, "
+              f"{p['compute_h']:.2f} h recorded")  # fmt: skip
+    print(f"study: wrote {args.out / 'progress.csv'} and {args.out / 'progress.json'}")
     return 0
 
 

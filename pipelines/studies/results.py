@@ -393,31 +393,49 @@ def _cpus(sweep_dir: Path, name: str) -> list[str]:
 
 def compute_hours(sweep_dir: Path, spec: dict[str, Any]) -> float:
     """The study's compute: every training epoch it kept (``train_time_s`` of each history, which survives a
-    resume; a shared run, such as a seed's pretraining, counted once) plus the recorded time of its other own stages (reparam,
-    evaluate, the CNN evaluation that evaluate made) and of the driver's executions of this sweep (the corrupted
-    sets). Work lost to a kill is not in it; the gaps between sessions are not either."""
+    resume; a shared run, such as a seed's pretraining or a search's shared control, counted once) plus the
+    recorded time of its other own stages (reparam, evaluate, the CNN evaluation that evaluate made) and of the
+    driver's executions of this sweep (the corrupted sets). The trials are the grid's (``spec["trials"]``) and a
+    search's arm trials (``trials/p<k>-<arm>``); a shared control's epochs trained before this sweep first used
+    it (``control_epochs_before`` in trial.json) are another sweep's. Work lost to a kill is not in it; the gaps
+    between sessions are not either."""
     from pipelines.sweep.shared import read_lines, runs_log
 
     training = {s for s in chain.trial_stages() if chain.trains(s)}
     driver = [r for s in chain.stage_names() if chain.sweep_role(s) == "sweep"
               for r in read_lines(sweep_dir / runs_log(s)) if "started" in r]  # fmt: skip
-    seconds, seen = sum(float(r["finished"]) - float(r["started"]) for r in driver), set()
-    for tid in spec["trials"]:
-        root = sweep_dir / "trials" / tid
+    seconds = sum(float(r["finished"]) - float(r["started"]) for r in driver)
+    histories: dict[Any, tuple[str, int]] = {}  # one key per run: its history's text, the epochs not its own
+    for root in _trial_roots(sweep_dir, spec):
+        before = int((_read_state(root).get("control_epochs_before")) or 0)
         for stage in sorted(training):
             path = root / chain.output(stage, "history.json")
             if not path.is_file():
                 continue
             text = path.read_text()
-            if chain.sweep_role(stage) == "group":  # a shared run is the same history in each trial using it
-                if (stage, text) in seen:
-                    continue
-                seen.add((stage, text))
-            seconds += sum(float(h.get("train_time_s") or 0.0) for h in json.loads(text))
+            key = (stage, text) if chain.sweep_role(stage) == "group" else path.resolve()
+            skip = before if path.resolve() != path.absolute() else 0  # a linked (shared) control
+            histories[key] = (text, min(skip, histories.get(key, (text, skip))[1]))
         for r in _stage_log(root):
             if r.get("stage") not in training and "started" in r:
                 seconds += float(r["finished"]) - float(r["started"])
+    for text, skip in histories.values():
+        seconds += sum(float(h.get("train_time_s") or 0.0) for h in json.loads(text)[skip:])
     return round(seconds / 3600, 2)
+
+
+def _trial_roots(sweep_dir: Path, spec: dict[str, Any]) -> list[Path]:
+    """The trials' directories: the spec's and, for a search, every arm trial's."""
+    found = {sweep_dir / "trials" / tid for tid in spec["trials"]}
+    if (sweep_dir / "trials").is_dir():
+        found |= {p for p in (sweep_dir / "trials").iterdir() if p.is_dir()}
+    return sorted(found)
+
+
+def _read_state(root: Path) -> dict[str, Any]:
+    from pipelines.sweep.trial import STATE, read_json
+
+    return read_json(root / STATE) or {}
 
 
 def _stage_log(root: Path) -> list[dict[str, Any]]:

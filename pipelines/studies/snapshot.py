@@ -1,0 +1,91 @@
+"""`tcnn study snapshot`: how far a running `tcnn study run` is, as small rows to commit while it runs.
+
+    tcnn study snapshot --sweeps SWEEPS_DIR --name NAME --out DIR
+
+A study runs for many hours across sessions (issue 57); a lost machine must lose at most the trial in flight.
+This reads, without touching the run, what its sweeps (``NAME-search``, ``NAME-seed<k>``) have recorded so far
+and writes ``DIR/progress.csv``: one row per trial that has reported, with its phase, point, arm, lr, the epochs
+it reported, its last validation accuracy, and its state: ``finished`` (its last stage wrote ``done.json``),
+``refused``, or ``running or stopped`` (the search's scheduler decides at its end which of these it was; the
+search's own report, written when it finishes, says). ``DIR/progress.json`` adds the trials finished and the
+compute recorded so far per phase (:func:`pipelines.studies.results.compute_hours`: finished training stages and
+other stages' recorded times; an epoch in flight is not counted). Read from Tune's per-trial ``params.json`` and
+``result.json`` (one JSON line per report) and the trials' own files.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from core.utils.atomic import atomic_write_json
+from pipelines.studies.results import StudyError, write_csv
+
+COLUMNS = ["phase", "trial", "point", "arm", "finetune.lr", "epochs", "val_acc", "state", "test_acc"]
+
+
+def phases(sweeps: Path, name: str) -> list[tuple[str, Path]]:
+    """The study's sweeps that exist, search first then seeds in order: (phase, sweep directory)."""
+    found = [("search", sweeps / f"{name}-search")]
+    seeds = [(int(m.group(1)), p) for p in sweeps.glob(f"{name}-seed*")
+             if (m := re.fullmatch(rf"{re.escape(name)}-seed(\d+)", p.name))]  # fmt: skip
+    found += [(f"seed{k}", p) for k, p in sorted(seeds)]
+    return [(ph, p) for ph, p in found if (p / "sweep.json").is_file()]
+
+
+def _reports(trial: Path) -> list[dict[str, Any]]:
+    path = trial / "result.json"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # a line being written
+            continue
+    return rows
+
+
+def trial_rows(phase: str, sweep_dir: Path) -> list[dict[str, Any]]:
+    """One row per Tune trial of a sweep that has its params: the last report of each epoch counts."""
+    from pipelines.sweep.trial import DONE, REFUSED, read_json
+
+    rows = []
+    for t in sorted((sweep_dir / "tune").glob("*/params.json")):
+        config, reports = json.loads(t.read_text()), _reports(t.parent)
+        tid = t.parent.name
+        root = sweep_dir / "trials" / tid
+        done, refused = read_json(root / DONE), read_json(root / REFUSED)
+        by_epoch = {
+            int(r["epoch"]): r["val_acc"] for r in reports if r.get("epoch") is not None and "val_acc" in r
+        }
+        last = max(by_epoch) if by_epoch else None
+        state = "refused" if refused is not None else "finished" if done is not None else "running or stopped"
+        rows.append({"phase": phase, "trial": tid, "point": config.get("point"), "arm": config.get("arm"),
+                     "finetune.lr": config.get("finetune.lr"), "epochs": 0 if last is None else last + 1,
+                     "val_acc": None if last is None else by_epoch[last], "state": state,
+                     "test_acc": (done or {}).get("test_acc")})  # fmt: skip
+    return rows
+
+
+def snapshot(sweeps: Path, name: str, out: Path) -> dict[str, Any]:
+    """progress.csv and progress.json in ``out`` for the study ``name`` whose sweeps are under ``sweeps``."""
+    from pipelines.studies.run import compute
+
+    found = phases(sweeps, name)
+    if not found:
+        raise StudyError(f"no sweep {name}-search under {sweeps}: is the study's name right?")
+    rows = [r for phase, d in found for r in trial_rows(phase, d)]
+    summary = {"name": name, "phases": {}}
+    for phase, d in found:
+        mine = [r for r in rows if r["phase"] == phase]
+        summary["phases"][phase] = {"trials_reported": len(mine),
+                                    "trials_finished": sum(r["state"] == "finished" for r in mine),
+                                    **compute(d)}  # fmt: skip
+    summary["compute_h"] = round(sum(p["compute_h"] for p in summary["phases"].values()), 2)
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(out / "progress.csv", rows, COLUMNS)
+    atomic_write_json(out / "progress.json", summary)
+    return summary

@@ -1,0 +1,75 @@
+"""`tcnn study snapshot`: a running study's rows, read from its sweeps' Tune and trial files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from pipelines.studies.snapshot import COLUMNS, snapshot
+
+
+def _trial(sweep: Path, tid: str, config: dict, vals: list[float], *, done: dict | None = None) -> None:
+    tune = sweep / "tune" / tid
+    tune.mkdir(parents=True)
+    (tune / "params.json").write_text(json.dumps(config))
+    reports = [{"epoch": e, "val_acc": v} for e, v in enumerate(vals)] + [{"stage": "done"}]
+    (tune / "result.json").write_text("".join(json.dumps(r) + "\n" for r in reports) + '{"epoch": 9, "val')
+    (sweep / "trials" / tid).mkdir(parents=True)
+    if done is not None:
+        (sweep / "trials" / tid / "done.json").write_text(json.dumps(done))
+
+
+def _study(root: Path) -> Path:
+    search = root / "st-search"
+    search.mkdir(parents=True)
+    (search / "sweep.json").write_text(json.dumps({"name": "st-search", "trials": {}}))
+    _trial(search, "p000-tcnn", {"point": 0, "arm": "tcnn", "finetune.lr": 1e-3}, [0.5, 0.6], done={})
+    _trial(search, "p001-tcnn", {"point": 1, "arm": "tcnn", "finetune.lr": 1e-4}, [0.4])
+    seed = root / "st-seed2"
+    seed.mkdir()
+    (seed / "sweep.json").write_text(json.dumps({"name": "st-seed2", "trials": {}}))
+    _trial(
+        seed,
+        "p000-control",
+        {"point": 0, "arm": "control", "finetune.lr": 2e-3},
+        [0.7],
+        done={"test_acc": 0.71},
+    )
+    return root
+
+
+def test_snapshot_rows_say_each_trials_last_epoch_and_state(tmp_path: Path) -> None:
+    summary = snapshot(_study(tmp_path / "sweeps"), "st", tmp_path / "out")
+    lines = (tmp_path / "out" / "progress.csv").read_text().splitlines()
+    assert lines[0].split(",") == COLUMNS
+    assert lines[1:] == ["search,p000-tcnn,0,tcnn,0.001,2,0.6,finished,",
+                         "search,p001-tcnn,1,tcnn,0.0001,1,0.4,running or stopped,",
+                         "seed2,p000-control,0,control,0.002,1,0.7,finished,0.71"]  # fmt: skip
+    assert {k: (v["trials_reported"], v["trials_finished"]) for k, v in summary["phases"].items()} == {
+        "search": (2, 1),
+        "seed2": (1, 1),
+    }
+    assert json.loads((tmp_path / "out" / "progress.json").read_text()) == summary
+
+
+def test_a_wrong_name_is_one_line_exit_2_and_writes_nothing(tmp_path: Path) -> None:
+    sweeps = _study(tmp_path / "sweeps")
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipelines.cli",
+        "study",
+        "snapshot",
+        "--sweeps",
+        str(sweeps),
+        "--name",
+        "nope",
+    ]
+    r = subprocess.run([*cmd, "--out", str(out)], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [f"tcnn study: error: no sweep nope-search under {sweeps}: is the "
+                                             "study's name right?"]  # fmt: skip
+    assert not out.exists()
