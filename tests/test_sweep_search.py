@@ -935,6 +935,7 @@ def test_a_search_prints_a_line_per_trial_event(capsys: pytest.CaptureFixture[st
         {"stage": "control", "finetune_epoch": 1, TIME_ATTR: 1, METRIC: 0.61},
     )
     progress.on_trial_complete(0, trials, b)
+    progress.on_trial_result(0, trials, a, {"stage": "finetune", "finetune_epoch": 3})  # the last: no metric
     a.status, a.last_result = "TERMINATED", {"stage": "done", TIME_ATTR: 3, METRIC: 0.825}
     progress.on_trial_complete(0, trials, a)
     assert capsys.readouterr().out.splitlines() == [
@@ -942,6 +943,7 @@ def test_a_search_prints_a_line_per_trial_event(capsys: pytest.CaptureFixture[st
         "[0/4] p001-tcnn finetune.lr=0.01: shared pretraining epoch 1 val_acc 0.5000",
         "[0/4] p001-control finetune.lr=0.01: control epoch 1 val_acc 0.6100",
         "[1/4] p001-control finetune.lr=0.01: stopped by the scheduler at epoch 1 (its rung)",
+        "[1/4] p001-tcnn finetune.lr=0.01: finetune epoch 3 (the last: its val_acc on the finished line)",
         "[2/4] p001-tcnn finetune.lr=0.01: finished: 3 epochs, val_acc 0.8250",
     ]
 
