@@ -612,6 +612,18 @@ def test_points_that_differ_in_reparam_and_a_later_search_train_the_control_once
         before = sorted(r["control_before"] for r in rows if r["arm"] == "control")
         assert before[0] == 0 if name == "s1" else before == [history[-1]["finetune_epoch"]] * 2
         report = (sweep_dir / "search.md").read_text()
+        picks = json.loads((sweep_dir / "chosen.json").read_text())  # one control: one candidate, two trials
+        assert [picks["control"][k] for k in ("candidates", "finished_trials", "configs", "runner_up")] == [
+            1,
+            2,
+            1,
+            None,
+        ]
+        assert picks["tcnn"]["candidates"] == picks["tcnn"]["configs"] == 2
+        assert (
+            "among 1 candidate (2 finished trials: points that differ only in reparam.* share one control"
+            in report
+        )
         control_trained = 2 if name == "s1" else 0
         assert (f"Compute: {4 + control_trained} fine-tuning epochs trained of 8 (every trial to the end); "
                 f"{4 - control_trained} more epochs reported came from shared matched controls") in report  # fmt: skip
