@@ -54,7 +54,7 @@ SEARCH_RANGE = [1e-3, 1.0]  # half a decade wider than the asked grid on each si
 PROBLEM = {"n_train": 2000, "n_val": 500, "n_test": 500, "arch": "resnet10_cifar", "pretrain_epochs": 3,
            "finetune_epochs": 6, "batch": 64, "points": 8}  # fmt: skip
 QUICK = {"n_train": 300, "n_val": 100, "n_test": 100, "arch": "resnet10_cifar", "pretrain_epochs": 1,
-         "finetune_epochs": 3, "batch": 50, "points": 3}  # fmt: skip
+         "finetune_epochs": 3, "batch": 50, "points": 4}  # fmt: skip
 ROBUSTNESS = {
     "n_images": 100,
     "corruptions": ["gaussian_noise"],
@@ -169,7 +169,8 @@ def grid_result(sweep_dir: Path) -> dict[str, Any]:
     epochs = sum(int(t["finetune_epochs"]) for t in finished)
     bracket = json.loads((sweep_dir / "bracket.json").read_text())
     arms = {arm: {"lr": sel[f"{arm}_{KEY}"], "val_acc": sel[f"{arm}_val_accuracy"], "trials": len(finished),
-                  "epochs": epochs} for arm in ARMS}  # fmt: skip
+                  "epochs": epochs, "candidates": len(finished),
+                  "margin_images": sel.get(f"{arm}_margin_images")} for arm in ARMS}  # fmt: skip
     return {"arms": arms, "trials": len(trials), "lrs": sorted(t[KEY] for t in trials),
             "rounds": len(bracket["rounds"]), "stop": bracket.get("stop"),
             "budget": 2 * sum(int(t["finetune_epochs"]) for t in trials),
@@ -188,7 +189,9 @@ def search_result(sweep_dir: Path) -> dict[str, Any]:
         pick = chosen.get(arm) or {}
         arms[arm] = {"lr": pick.get(KEY), "val_acc": pick.get("val_acc"), "trials": len(mine),
                      "epochs": sum(int(r["epoch"]) for r in mine),
-                     "stopped": sum(r["status"] == "stopped" for r in mine)}  # fmt: skip
+                     "stopped": sum(r["status"] == "stopped" for r in mine),
+                     "candidates": pick.get("candidates", 0), "runner_up": pick.get("runner_up"),
+                     "margin_images": pick.get("margin_images"), "tie": pick.get("tie")}  # fmt: skip
     total = sum(a["epochs"] for a in arms.values())
     if total != int(metrics["search_epochs_trained"]):
         sys.exit(f"benchmark: search.parquet sums to {total} epochs, metrics.json says "
@@ -223,16 +226,26 @@ def _pct(v: Any) -> str:
     return "" if v is None else f"{100 * v:.2f}"
 
 
+def _load(v: tuple[float, ...]) -> str:
+    return ", ".join(f"{x:.2f}" for x in v)
+
+
 def table(grid: dict[str, Any], search: dict[str, Any], walls: dict[str, float], batch: int) -> list[str]:
     lines = [f"| method | arm | chosen finetune.lr (at batch 1024; x{batch}/1024 applied) | validation accuracy (%) "
-             "| trials | fine-tuning epochs trained |",
-             "|---|---|---:|---:|---:|---:|"]  # fmt: skip
+             "| trials | candidates (trained every epoch) | lead over the runner-up (validation images) "
+             "| fine-tuning epochs trained |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for method, res in (("grid + bracketing", grid), ("ASHA + random search", search)):
         for arm in ARMS:
             a = res["arms"][arm]
             stopped = f" ({a['stopped']} stopped by ASHA)" if "stopped" in a else ""
+            lead = (
+                ""
+                if a.get("margin_images") is None
+                else f"{a['margin_images']}" + (" (tie)" if a.get("tie") else "")
+            )
             lines.append(f"| {method} | {arm} | {_lr(a['lr'])} | {_pct(a['val_acc'])} | {a['trials']}{stopped} "
-                         f"| {a['epochs']} |")  # fmt: skip
+                         f"| {a['candidates']} | {lead} | {a['epochs']} |")  # fmt: skip
     lines += ["", "| method | fine-tuning epochs trained, both arms | of a budget without stopping | lrs tried "
               "| wall time (s) |", "|---|---:|---:|---|---:|"]  # fmt: skip
     for method, res, name in (
@@ -246,7 +259,7 @@ def table(grid: dict[str, Any], search: dict[str, Any], walls: dict[str, float],
 
 
 def report(p: dict[str, Any], grid: dict[str, Any], search: dict[str, Any], walls: dict[str, float],
-           pre: dict[str, Any], argv: list[str]) -> str:  # fmt: skip
+           pre: dict[str, Any], argv: list[str], load: dict[str, tuple[float, ...]]) -> str:  # fmt: skip
     from core.utils.machine import cpu_model
 
     pre_text = f"key {pre['key']}, run {pre['runs']} time(s), {pre['wall_s']:.0f} s"
@@ -266,7 +279,10 @@ def report(p: dict[str, Any], grid: dict[str, Any], search: dict[str, Any], wall
         f"Grid: finetune.lr {GRID_LRS}, chosen per arm on validation accuracy, bracketing up to {BRACKET_ROUNDS} "
         f"rounds ({grid['rounds']} ran; stop: {grid['stop']}). Search: random, {p['points']} points x 2 arms over "
         f"finetune.lr ~ loguniform{SEARCH_RANGE}, seed 0, ASHA within each arm (grace period 1, reduction "
-        "factor 2); each arm chooses among its trials that trained every epoch.",
+        "factor 2); each arm chooses among its trials that trained every epoch, at least "
+        "sweep.search.min_finished (default 3) of them kept able to (ASHA's stop refused for a trial whose arm "
+        "would keep fewer); the searcher values a point at the last epoch both its arms reached.",
+        f"Load average (1, 5, 15 min) at the start: {_load(load['start'])}; at the end: {_load(load['end'])}.",
         "",
         *table(grid, search, walls, p["batch"]),
         "",
@@ -299,10 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     try:
         files = make_project(root, p)
+        load = {"start": os.getloadavg()}
         walls = {name: run(root, files[name], name) for name in ("grid", "search")}
+        load["end"] = os.getloadavg()
         storage = root / "sweeps"
         grid, search = grid_result(storage / "grid"), search_result(storage / "search")
-        text = report(p, grid, search, walls, pretraining(storage, grid, search), argv)
+        text = report(p, grid, search, walls, pretraining(storage, grid, search), argv, load)
     finally:
         if args.workdir is None:
             shutil.rmtree(root, ignore_errors=True)

@@ -294,3 +294,27 @@ def test_the_search_vs_grid_table_in_the_sweeps_page_is_the_committed_one() -> N
         at = [page.index(r) if r in page else -1 for r in rows]
         assert -1 not in at, f"{rel}: table lines not on the page: {[r for r, i in zip(rows, at) if i < 0]}"
         assert at == sorted(at), f"{rel}: the page has its table lines in another order"
+
+
+def test_the_search_demo_excerpts_in_the_sweeps_page_are_lines_of_its_committed_log() -> None:
+    """docs/sweeps.md's smoke-size demo (a search, then --from-search) quotes its run's output: every line of its
+    text blocks (but the "..." cuts) is a line of the log it links (benchmarks/results/sweep_demo_smoke.log), in
+    the log's order, so the page shows what ran and a rerun that changes the output changes the page."""
+    text = (REPO / "docs" / "sweeps.md").read_text()
+    section = text.split("### A search, then its seeds", 1)[1].split("\n### ", 1)[0]
+    (rel,) = set(re.findall(r"\((\.\./benchmarks/results/sweep_demo_smoke\.log)\)", section))
+    log = (REPO / "docs" / rel).read_text().splitlines()
+    blocks = re.findall(r"```text\n(.*?)```", section, flags=re.S)
+    assert len(blocks) == 2, "the search's and the grid's output"
+    for block in blocks:
+        at = -1
+        for line in block.splitlines():
+            if line == "...":
+                continue
+            if line.endswith("; MLflow parent run ..."):  # the run's id and URL cut
+                line = line.removesuffix(" ...")
+                hits = [i for i, x in enumerate(log) if i > at and x.startswith(line)]
+            else:
+                hits = [i for i, x in enumerate(log) if i > at and x == line]
+            assert hits, f"{rel}: not a line of the log (after line {at}): {line!r}"
+            at = hits[0]

@@ -281,8 +281,12 @@ def test_compute_hours_and_cpus_come_from_the_trials_records(tmp_path: Path) -> 
 
 def _export(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, dict]:
     """``tcnn study export`` of the toy sweep (its per-image bootstrap left out: the trials have no tables)."""
+    import time
+
     import pyarrow as pa
     import pyarrow.parquet as pq
+
+    from pipelines.sweep.driver import end_leg, wall_metrics
 
     monkeypatch.setattr("pipelines.sweep.selection.pair_metrics", lambda *a, **k: {})
     sweep, spec = _sweep(tmp)
@@ -291,6 +295,9 @@ def _export(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, dic
               {"seed": 1, "tcnn_trial": "t002", "control_trial": "t002", "tcnn_finetune.gate_lr": 0.1,
                "control_finetune.gate_lr": 0.1}]  # fmt: skip
     pq.write_table(pa.Table.from_pylist(chosen), sweep / "selected.parquet")
+    # the driver's wall time: a leg stopped after 100 s, a resumed one finished after 50 s (legs.jsonl)
+    end_leg(sweep, time.monotonic() - 100.0, "stopped")
+    (sweep / "metrics.json").write_text(json.dumps(wall_metrics(sweep, time.monotonic() - 50.0)))
     out = tmp / "study"
     assert [p.name for p in S.export(sweep, out)] == list(S.FILES)
     return sweep, out, spec
@@ -371,7 +378,11 @@ def test_cost_csv_has_a_row_per_trial_and_stage_and_recomputes_compute_hours(
         assert (corrupt["wall_s"], corrupt["stage_wall_s"], corrupt["cpu"]) == (32.0, 30.5, "CPU D")
         assert corrupt["train_time_s"] is None
     assert S.cost_hours(rows) == S.compute_hours(sweep, spec) == _hand_hours()
-    assert json.loads((out / "meta.json").read_text())["compute_h"] == S.cost_hours(rows)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["compute_h"] == S.cost_hours(rows)
+    legs = [json.loads(line)["wall_s"] for line in (sweep / "legs.jsonl").read_text().splitlines()]
+    assert len(legs) == meta["legs"] == 2 and meta["wall_s_all_legs"] == pytest.approx(sum(legs))
+    assert meta["wall_s_all_legs"] == pytest.approx(150.0, abs=5.0)  # both legs, not the last one's 50 s
 
 
 def test_the_readme_block_says_which_images_play_which_role_as_the_study_configures_them() -> None:

@@ -161,6 +161,7 @@ def test_sweep_2x2_one_pretraining_mlflow_parent_children_and_reuse(tmp_path: Pa
     assert pretrain_epoch_lines(tmp_path / "sweeps" / "b") == 0
     assert len((group / "executions.jsonl").read_text().splitlines()) == 1
     assert "pretraining reused" in res2.stdout
+    assert res2.stdout.count("finetune reused (test acc") == 4 and "finetune trained" not in res2.stdout
     trials_b = sorted((tmp_path / "sweeps" / "b" / "trials").iterdir())
     notes = [json.loads((t / "results" / "metrics.json").read_text())["cnn_evaluation"] for t in trials_b]
     assert {(n["source"], n["key"]) for n in notes} == {("shared", evaluation.name)}  # the first sweep's

@@ -275,9 +275,10 @@ def test_each_arms_choice_says_its_candidates_runner_up_margin_and_tie() -> None
     picks = chosen(rows, 3)
     got = {arm: {k: picks[arm][k] for k in ("trial", *CHOICE_KEYS)} for arm in ARMS}
     assert got == {
-        "tcnn": {"trial": "p001-tcnn", "candidates": 3, "runner_up": {"trial": "p002-tcnn", METRIC: 0.81},
-                 "margin_images": 0, "tie": True},
-        "control": {"trial": "p002-control", "candidates": 3, "runner_up": {"trial": "p000-control", METRIC: 0.79},
+        "tcnn": {"trial": "p001-tcnn", "candidates": 3, "finished_trials": 3, "configs": 4,
+                 "runner_up": {"trial": "p002-tcnn", METRIC: 0.81}, "margin_images": 0, "tie": True},
+        "control": {"trial": "p002-control", "candidates": 3, "finished_trials": 3, "configs": 4,
+                    "runner_up": {"trial": "p000-control", METRIC: 0.79},
                     "margin_images": round((0.80 - 0.79) * 500), "tie": False},
     }  # fmt: skip
     assert got["control"]["margin_images"] == 5
@@ -285,8 +286,45 @@ def test_each_arms_choice_says_its_candidates_runner_up_margin_and_tie() -> None
     tcnn, control = choices(spec, picks)
     assert "among 3 candidates, tied with p002-tcnn (81.00%): the lower point index (sampled earlier)" in tcnn
     assert "ahead of the runner-up p000-control (79.00%) by 5 of 500 validation images" in control
-    assert chosen([row(0, "tcnn", 0.7)], 3) == {"tcnn": {**row(0, "tcnn", 0.7), "candidates": 1, "runner_up": None,
-                                                         "margin_images": None, "tie": False}, "control": None}  # fmt: skip
+    assert chosen([row(0, "tcnn", 0.7)], 3) == {"tcnn": {**row(0, "tcnn", 0.7), "candidates": 1, "finished_trials": 1,
+                                                         "configs": 1, "runner_up": None, "margin_images": None,
+                                                         "tie": False}, "control": None}  # fmt: skip
+
+
+def test_a_control_shared_by_points_that_differ_in_reparam_is_one_candidate(tmp_path: Path) -> None:
+    """Points 0-2 differ only in reparam.alpha_init, so their controls are one control (one ``config``: the
+    shared control's key), trained once, with one accuracy; point 3 has another control. The control arm chose
+    among 2 candidates, its runner-up the other control (not its own twin, tied), and says the 4 finished
+    trials behind them; --from-search asks a search whose every point shares one control for that one
+    candidate only, and still refuses an arm with fewer candidates than configurations and min_finished."""
+    from pipelines.sweep.search_report import CHOICE_KEYS, choices, chosen
+
+    def row(point: int, arm: str, acc: float, config: str) -> dict[str, Any]:
+        return {"trial": f"p{point:03d}-{arm}", "point": point, "arm": arm, "reparam.alpha_init": 0.5 + point,
+                "status": "finished", TIME_ATTR: 3, METRIC: acc, "val_images": 500, "config": config}  # fmt: skip
+
+    rows = [row(0, "tcnn", 0.81, "point 0"), row(0, "control", 0.80, "K1"), row(1, "tcnn", 0.83, "point 1"),
+            row(1, "control", 0.80, "K1"), row(2, "tcnn", 0.82, "point 2"), row(2, "control", 0.80, "K1"),
+            row(3, "tcnn", 0.70, "point 3"), row(3, "control", 0.78, "K2")]  # fmt: skip
+    picks = chosen(rows, 3)
+    got = {arm: {k: picks[arm][k] for k in ("trial", *CHOICE_KEYS)} for arm in ARMS}
+    assert got["control"] == {"trial": "p000-control", "candidates": 2, "finished_trials": 4, "configs": 2,
+                              "runner_up": {"trial": "p003-control", METRIC: 0.78}, "margin_images": 10,
+                              "tie": False}  # fmt: skip
+    assert (got["tcnn"]["candidates"], got["tcnn"]["runner_up"]["trial"]) == (4, "p002-tcnn")
+    spec = {"search": {"space": {"reparam.alpha_init": {"choice": [0.5, 1.5, 2.5, 3.5]}}}}
+    assert (
+        "among 2 candidates (4 finished trials: points that differ only in reparam.* share one control"
+        in (choices(spec, picks)[1])
+    )
+    one = chosen([r for r in rows if r["point"] < 3], 3)["control"]
+    assert (one["candidates"], one["finished_trials"], one["configs"], one["runner_up"]) == (1, 3, 1, None)
+    search = {"name": "s", "search": {"space": spec["search"]["space"], "min_finished": 3}}
+    assert fs.check_candidates(tmp_path, search, {"tcnn": picks["tcnn"], "control": one}, force=False) == {
+        "tcnn": 4, "control": 1}  # fmt: skip
+    with pytest.raises(SweepError, match=r"fewer than 3 trials that trained every epoch \(control 2\)"):
+        fs.check_candidates(tmp_path, search, {"tcnn": picks["tcnn"], "control": {**one, "candidates": 2,
+                                                                                  "configs": 4}}, force=False)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------- scheduler state
@@ -574,6 +612,18 @@ def test_points_that_differ_in_reparam_and_a_later_search_train_the_control_once
         before = sorted(r["control_before"] for r in rows if r["arm"] == "control")
         assert before[0] == 0 if name == "s1" else before == [history[-1]["finetune_epoch"]] * 2
         report = (sweep_dir / "search.md").read_text()
+        picks = json.loads((sweep_dir / "chosen.json").read_text())  # one control: one candidate, two trials
+        assert [picks["control"][k] for k in ("candidates", "finished_trials", "configs", "runner_up")] == [
+            1,
+            2,
+            1,
+            None,
+        ]
+        assert picks["tcnn"]["candidates"] == picks["tcnn"]["configs"] == 2
+        assert (
+            "among 1 candidate (2 finished trials: points that differ only in reparam.* share one control"
+            in report
+        )
         control_trained = 2 if name == "s1" else 0
         assert (f"Compute: {4 + control_trained} fine-tuning epochs trained of 8 (every trial to the end); "
                 f"{4 - control_trained} more epochs reported came from shared matched controls") in report  # fmt: skip
@@ -897,6 +947,7 @@ def test_a_search_prints_a_line_per_trial_event(capsys: pytest.CaptureFixture[st
         {"stage": "control", "finetune_epoch": 1, TIME_ATTR: 1, METRIC: 0.61},
     )
     progress.on_trial_complete(0, trials, b)
+    progress.on_trial_result(0, trials, a, {"stage": "finetune", "finetune_epoch": 3})  # the last: no metric
     a.status, a.last_result = "TERMINATED", {"stage": "done", TIME_ATTR: 3, METRIC: 0.825}
     progress.on_trial_complete(0, trials, a)
     assert capsys.readouterr().out.splitlines() == [
@@ -904,6 +955,7 @@ def test_a_search_prints_a_line_per_trial_event(capsys: pytest.CaptureFixture[st
         "[0/4] p001-tcnn finetune.lr=0.01: shared pretraining epoch 1 val_acc 0.5000",
         "[0/4] p001-control finetune.lr=0.01: control epoch 1 val_acc 0.6100",
         "[1/4] p001-control finetune.lr=0.01: stopped by the scheduler at epoch 1 (its rung)",
+        "[1/4] p001-tcnn finetune.lr=0.01: finetune epoch 3 (the last: its val_acc on the finished line)",
         "[2/4] p001-tcnn finetune.lr=0.01: finished: 3 epochs, val_acc 0.8250",
     ]
 

@@ -21,7 +21,9 @@ e.g. ``finetune.lr``) and writes kilobytes that hold everything its headline dep
   sets' rows carry the driver's executions; the pretrained CNN's evaluation, shared by the trials of one CNN
   (stages.cnn_evaluation), has a row of its own after evaluate's. :func:`cost_hours` recomputes meta.json's
   ``compute_h`` from it.
-- ``meta.json``: sweep name, commit, wall time, CPU; the trials' ``data`` and ``robustness`` params that choose
+- ``meta.json``: sweep name, commit, CPU, the driver's wall time ``wall_s_all_legs`` (the sweep's
+  ``metrics.json`` ``wall_s``: summed over every leg in its ``legs.jsonl``, a stopped run and its resumes) and
+  ``legs``; the trials' ``data`` and ``robustness`` params that choose
   the images and the ``data_roles`` their fine-tuning recorded (:func:`images`; the README block prints them).
 """
 
@@ -162,7 +164,7 @@ def _meta(sweep_dir: Path, spec: dict[str, Any], key: str, cpu: str | None) -> d
     return {"sweep": spec["name"], "selected_key": key, "commit": _commit(sweep_dir),
             "cpus": _cpus(sweep_dir, spec["name"]) or ([cpu] if cpu else []), "export_cpu": cpu_model(),
             "trials": len(spec["trials"]), "compute_h": compute_hours(sweep_dir, spec),
-            "wall_s_last_driver": metrics.get("wall_s"),
+            "wall_s_all_legs": metrics.get("wall_s"), "legs": metrics.get("legs"),
             "first_trial_start": _first_start(sweep_dir), "last_trial_end": _last_end(sweep_dir),
             **images(sweep_dir, spec)}  # fmt: skip
 

@@ -10,7 +10,8 @@ otherwise. ``sweep.search`` and ``sweep.scheduler`` are removed; the user's ``-S
 
 Refused (one line, exit 2, before anything is written): no such sweep, a grid and not a search, a search not
 finished (no chosen.json and metrics.json), an arm without a choice, an arm that chose among fewer than
-``sweep.search.min_finished`` (default 3) trials that trained every epoch unless ``force``, a ``-S`` that sets a
+``sweep.search.min_finished`` (default 3) distinct trials that trained every epoch (or than its distinct
+configurations, where fewer) unless ``force``, a ``-S`` that sets a
 key the search chose, a grid whose problem differs from the search's (any base param but the searched keys,
 ``sweep.*``, ``tracking.*`` and ``seed``).
 """
@@ -91,10 +92,12 @@ def chosen_values(spec: dict[str, Any], picks: dict[str, Any]) -> dict[str, Any]
 def check_candidates(
     storage: Path, spec: dict[str, Any], picks: dict[str, Any], force: bool
 ) -> dict[str, int]:
-    """Each arm's number of candidates; refused below ``sweep.search.min_finished`` unless ``force``."""
+    """Each arm's number of candidates; refused below ``sweep.search.min_finished`` unless ``force``, or below
+    the distinct configurations the arm had (chosen.json's ``configs``) where that is fewer: a search over
+    ``reparam.*`` keys alone gives its control arm one control to choose, whatever its number of points."""
     need = int(spec["search"].get("min_finished") or DEFAULT_MIN_FINISHED)
     counts = {arm: candidates(storage, spec["name"], picks, arm) for arm in ARMS}
-    few = [f"{arm} {n}" for arm, n in counts.items() if n < need]
+    few = [f"{arm} {n}" for arm, n in counts.items() if n < min(need, picks[arm].get("configs") or need)]
     if few and not force:
         raise SweepError(f"--from-search {spec['name']}: an arm chose among fewer than {need} trials that trained "
                          f"every epoch ({', '.join(few)}): --force to use its choice anyway")  # fmt: skip

@@ -82,6 +82,10 @@ class SearchProgress(tune.Callback):
         stage = result.get("stage")
         if stage == "start":
             self._say(trials, trial, f"started (attempt {result.get('attempt')})")
+        elif "finetune_epoch" in result and "val_acc" not in result:  # the last epoch, reported without
+            # the metric (ArmTrial.epoch_report: the scheduler must not end the trial before its done.json)
+            self._say(trials, trial, f"{stage} epoch {result['finetune_epoch']} (the last: its val_acc on the "
+                                     "finished line)")  # fmt: skip
         elif "finetune_epoch" in result:
             self._say(
                 trials, trial, f"{stage} epoch {result['finetune_epoch']} val_acc {_f(result, 'val_acc'):.4f}"

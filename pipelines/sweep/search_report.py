@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from core.utils.atomic import atomic_write_json, atomic_write_text
-from pipelines.sweep.arm_trial import ARM_STAGES, arm_tid, base_tid, point_values
+from pipelines.sweep.arm_trial import ARM_STAGES, arm_params, arm_tid, base_tid, control_key, point_values
 from pipelines.sweep.scheduling import ARM_KEY, ARMS, METRIC, TIME_ATTR, candidates
 from pipelines.sweep.search import POINT_KEY, max_epochs
 from pipelines.sweep.selection import val_images
@@ -29,8 +29,8 @@ from pipelines.sweep.trial import DONE, REFUSED, STATE, read_json, trial_dir
 
 STATUS_TAG, STOPPED_AT_TAG = "tcnn.status", "tcnn.stopped_at_epoch"
 #: What chosen.json says of each arm's choice beside its trial, values and val_acc (``tcnn sweep --from-search``
-#: reads ``candidates``).
-CHOICE_KEYS = ("candidates", "runner_up", "margin_images", "tie")
+#: reads ``candidates`` and ``configs``).
+CHOICE_KEYS = ("candidates", "finished_trials", "configs", "runner_up", "margin_images", "tie")
 
 
 def _curve(result: Any) -> tuple[list[int], list[float]]:
@@ -72,27 +72,55 @@ def search_rows(spec: dict[str, Any], results: Any) -> list[dict[str, Any]]:
                      METRIC: curve[-1] if curve else None, "test_acc": (done or {}).get("test_acc"),
                      "val_images": n_val, "mlflow_run_id": state.get("mlflow_run_id"), "epochs": epochs,
                      "curve": curve, "control_key": state.get("control_key"),
-                     "control_before": state.get("control_epochs_before")})  # fmt: skip
+                     "control_before": state.get("control_epochs_before"),
+                     "config": _config(spec, config)})  # fmt: skip
     return sorted(rows, key=lambda x: (x["point"], ARMS.index(x["arm"])))
+
+
+def _config(spec: dict[str, Any], config: dict[str, Any]) -> str:
+    """What an arm's trial trains, as a key: the T-CNN's point (its own reparam and fine-tuning), the control's
+    identity (pipelines.sweep.arm_trial.control_key: points that differ only in ``reparam.*`` have one)."""
+    if config[ARM_KEY] != "control":
+        return f"point {int(config[POINT_KEY])}"
+    return control_key(spec, arm_params(spec, point_values(config)))[0]
+
+
+def distinct(ranked: list[Any]) -> list[Any]:
+    """One candidate per distinct configuration (``config``; a row without it is its own), the best-ranked
+    (of equal ones, the lower point index): the control trials of points that differ only in the T-CNN's
+    ``reparam.*`` keys are one control fine-tuned once, one candidate, not several tied ones."""
+    seen: set[str] = set()
+    out = []
+    for r in ranked:
+        key = r.get("config") or r["trial"]
+        if key not in seen:
+            seen.add(key)
+            out.append(r)
+    return out
 
 
 def chosen(rows: list[dict[str, Any]], max_t: int) -> dict[str, dict[str, Any] | None]:
     """Each arm's choice: the first of its finished trials ranked by last validation accuracy
-    (scheduling.candidates: a tie to the lower point index), with ``candidates`` (how many it was chosen
-    among), ``runner_up`` ({trial, val_acc} of the second, or None), ``margin_images`` (the lead over the
-    runner-up in validation images: the accuracy difference times the images the chosen trial was validated
-    on, or None) and ``tie`` (the runner-up had the same accuracy). None for an arm with no finished trial."""
+    (scheduling.candidates: a tie to the lower point index), with ``candidates`` (how many distinct
+    configurations it was chosen among: :func:`distinct`), ``finished_trials`` (its trials that trained every
+    epoch: more than ``candidates`` where points share a control), ``configs`` (the distinct configurations
+    among all the arm's trials: the most candidates it could have), ``runner_up`` ({trial, val_acc} of the
+    second candidate, or None), ``margin_images`` (the lead over the runner-up in validation images: the
+    accuracy difference times the images the chosen trial was validated on, or None) and ``tie`` (the runner-up
+    had the same accuracy). None for an arm with no finished trial."""
     done = [r for r in rows if r["status"] == "finished"]
     out: dict[str, dict[str, Any] | None] = {}
     for arm in ARMS:
-        ranked = candidates(done, arm, max_t)
+        finished = candidates(done, arm, max_t)
+        ranked = distinct(finished)
         if not ranked:
             out[arm] = None
             continue
         best, second = ranked[0], (ranked[1] if len(ranked) > 1 else None)
         n_val = best.get("val_images")
         lead = None if second is None else float(best[METRIC]) - float(second[METRIC])
-        out[arm] = {**best, "candidates": len(ranked),
+        configs = len(distinct([r for r in rows if r["arm"] == arm]))
+        out[arm] = {**best, "candidates": len(ranked), "finished_trials": len(finished), "configs": configs,
                     "runner_up": None if second is None else {"trial": second["trial"], METRIC: second[METRIC]},
                     "margin_images": None if lead is None or not n_val else round(lead * int(n_val)),
                     "tie": lead == 0}  # fmt: skip
@@ -166,6 +194,10 @@ def _against(p: dict[str, Any]) -> str:
     """How a choice was made: among how many candidates, against which runner-up, by how many images."""
     n, second = p["candidates"], p["runner_up"]
     among = f"among {n} candidate{'s' if n != 1 else ''}"
+    shared = int(p.get("finished_trials") or n) - n
+    if shared > 0:
+        among += (f" ({p['finished_trials']} finished trials: points that differ only in reparam.* share one "
+                  "control, counted once)")  # fmt: skip
     if second is None:
         return f"{among}: no runner-up"
     other = f"{second['trial']} ({100 * second[METRIC]:.2f}%)"
@@ -227,6 +259,7 @@ def parent_metrics(
         out[f"search_{arm}_stopped"] = float(sum(r["arm"] == arm and r["status"] == "stopped" for r in rows))
         p = picks.get(arm)
         out[f"chosen/{arm}/candidates"] = float(p["candidates"] if p is not None else 0)
+        out[f"chosen/{arm}/finished_trials"] = float(p["finished_trials"] if p is not None else 0)
         if p is not None:
             out[f"chosen/{arm}/val_acc"] = float(p[METRIC])
             out[f"chosen/{arm}/tie"] = float(p["tie"])

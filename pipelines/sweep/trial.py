@@ -448,7 +448,8 @@ class TrialRunner:
         source = reuse.finished(self.spec, self.params, self.root) if share else None
         if source is not None:  # the same fine-tuning, finished by another trial in this storage
             line: dict[str, Any] = {}
-            return self.stage(name, lambda: self._adopted(source, tracker, report, line), line=line)
+            metrics, _ = self.stage(name, lambda: self._adopted(source, tracker, report, line), line=line)
+            return metrics, False  # adopted, not trained: the progress line says "finetune reused"
         if trains(name):
             fn = self._watched(name, fn, tracker, report)
         out = self.stage(name, fn, training=trains(name))
