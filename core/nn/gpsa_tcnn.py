@@ -33,6 +33,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from core.nn.gated_attention import gated_attention
+from core.nn.gated_attention_cpp import available as cpp_available
+from core.nn.gated_attention_cpp import gated_attention_cpp
 from core.nn.gpsa import GPSA, gated_mix
 from core.nn.positional import STRIDE_MODES
 
@@ -60,6 +62,10 @@ class TcnnGPSA(GPSA):
     #: backward); False (default): autograd's graph of the plain ops (`_attend_reference`), the reference.
     #: Off by default: faster with 1 thread, slower with 2 on a loaded 2-core EPYC (benchmarks/gpsa_resnet20.py).
     fused_attention: bool = False
+    #: The dense path's attention through the C++/OpenMP kernel (`core.nn.gated_attention_cpp`: one image per
+    #: thread, the maps recomputed in backward) where it applies (`_cpp_ok`): CPU, float32/64, no autocast, not
+    #: while tracing, the extension built; otherwise the paths below.
+    cpp_attention: bool = True
     #: The output GEMM as a 1x1 convolution (oneDNN's kernels); False (default): ``F.linear`` (the BLAS's).
     conv_output: bool = False
 
@@ -202,11 +208,12 @@ class TcnnGPSA(GPSA):
             vt = xs
         else:
             vt = self._project(x, wqkv[2 * qk :], None if bqkv is None else bqkv[2 * qk :], 1)
-        if self._fused_ok(qt, kt, vt):
+        if self._cpp_ok(qt, kt, vt) or self._fused_ok(qt, kt, vt):
             act = qt.dtype
             g_con = self._gates(act)[1]
             pos = self._gated_positional(h, w, act)
-            y = gated_attention(qt, kt, vt, pos, g_con, dq**-0.5)  # [B, Lq * heads, C]
+            attend = gated_attention_cpp if self._cpp_ok(qt, kt, vt) else gated_attention
+            y = attend(qt, kt, vt, pos, g_con, dq**-0.5)  # [B, Lq * heads, C]
         else:
             y = self._attend_reference(qt, kt, vt, h, w)
         w2 = self._cached(("w2", fold), lambda: self._out_weight(fold))
@@ -215,6 +222,21 @@ class TcnnGPSA(GPSA):
         else:
             out = F.linear(y.view(b * lq, nh * c), w2, self.bias).view(b, hq, wq, cout).permute(0, 3, 1, 2)
         return self._finish(out)
+
+    def _cpp_ok(self, *ts: torch.Tensor) -> bool:
+        """Whether the C++ kernel (`core.nn.gated_attention_cpp`) computes this call: ``cpp_attention`` on, CPU,
+        one float32/64 dtype, no autocast, not tracing (a traced graph holds only aten ops) and the extension
+        built (`cpp_available`; otherwise one log line and the Python paths)."""
+        dt = ts[0].dtype
+        return (
+            self.cpp_attention
+            and ts[0].device.type == "cpu"
+            and dt in (torch.float32, torch.float64)
+            and all(t.dtype == dt for t in ts)
+            and not torch.is_autocast_enabled("cpu")
+            and not torch.jit.is_tracing()
+            and cpp_available()
+        )
 
     def _fused_ok(self, *ts: torch.Tensor) -> bool:
         """Whether `core.nn.gated_attention` computes this call: ``fused_attention`` on, one dtype throughout
