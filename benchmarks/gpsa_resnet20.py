@@ -34,6 +34,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -90,7 +91,7 @@ def ratios(times: dict[str, list[float]], base: str = "CNN") -> dict[str, tuple[
     return out
 
 
-def interleave(calls: dict, rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def interleave(calls: dict, rounds: int) -> tuple[dict[Any, list[float]], dict[Any, list[float]]]:
     """Wall and process-CPU seconds of each call per round, interleaved (round 0 warms up)."""
     wall: dict[str, list[float]] = {k: [] for k in calls}
     cpu: dict[str, list[float]] = {k: [] for k in calls}
@@ -160,23 +161,22 @@ def main() -> None:
     step_s = statistics.median(wall["T-CNN C++"]) / args.steps
 
     xe = torch.randn(args.eval_batch, 3, 32, 32, generator=torch.Generator().manual_seed(1))
-    ev = {f"{k}, eager": _ChannelsLast(copy.deepcopy(m).eval().to(memory_format=torch.channels_last))
+    ev = {(k, "eager"): _ChannelsLast(copy.deepcopy(m).eval().to(memory_format=torch.channels_last))
           for k, m in nets.items()}  # fmt: skip
+    hows = {}
     for k, m in nets.items():
-        f, how = inference_model(copy.deepcopy(m).eval(), xe)
-        ev[f"{k}, evaluate stage ({how})"] = f
-    names = list(ev)
+        ev[(k, "evaluate stage")], hows[k] = inference_model(copy.deepcopy(m).eval(), xe)
 
-    def run(k: str) -> None:
+    def run(key: tuple[str, str]) -> None:
         with torch.no_grad():
-            ev[k](xe)
+            ev[key](xe)
 
-    wall, cpu = interleave({k: (lambda k=k: run(k)) for k in names}, args.rounds)
+    wall, cpu = interleave({key: (lambda key=key: run(key)) for key in ev}, args.rounds)
     for part in ("eager", "evaluate stage"):
-        keys = [k for k in names if part in k]
-        w = {k.split(",")[0]: wall[k] for k in keys}
-        c = {k.split(",")[0]: cpu[k] for k in keys}
-        show(f"evaluation, {part} (batch {args.eval_batch}): " + "; ".join(keys), w, c, args.eval_batch)
+        w = {k: wall[(k, part)] for k in nets}
+        c = {k: cpu[(k, part)] for k in nets}
+        forms = "" if part == "eager" else ": " + "; ".join(f"{k}: {how}" for k, how in hows.items())
+        show(f"evaluation, {part} (batch {args.eval_batch}){forms}", w, c, args.eval_batch)
 
     # AdamW alone on the T-CNN's parameters and gradients: for-loop (default on CPU), foreach, fused.
     m = train["T-CNN C++"]

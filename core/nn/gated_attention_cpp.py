@@ -48,7 +48,12 @@ def extension() -> ModuleType | None:
         log.info("GPSA C++ attention disabled (TCNN_NO_CPP_ATTENTION=1): the Python path is used")
     else:
         try:
-            from torch.utils import cpp_extension
+            quiet = logging.getLogger("torch.utils.cpp_extension")  # its CUDA_HOME warning: not our concern
+            level, quiet.level = quiet.level, logging.ERROR
+            try:
+                from torch.utils import cpp_extension
+            finally:
+                quiet.setLevel(level)
 
             cap = torch.backends.cpu.get_cpu_capability()
             build = BUILD_ROOT / f"gated_attention_{cap.lower()}"
