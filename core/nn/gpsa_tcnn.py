@@ -17,10 +17,12 @@ Paths (the shared machinery is in `core.nn.gpsa`): ``attn_impl="auto"`` takes th
 map size, because SDPA's fused kernel does not apply (it needs equal q/k/v head widths; T-CNN values are D_in
 wide per head) and its math fallback would materialise the attention anyway. The dense path
 (`TcnnGPSA._forward_dense`) reads the NCHW map in place, folds W_val into the output weight and ends in the
-conv's own im2col-shaped GEMM (heads * D_in -> D_out). Opt-in (``fused_attention``, ``conv_output``): the
-attention as one autograd node with a hand-written backward over chunks of images (`core.nn.gated_attention`)
-and the output GEMM as a 1x1 convolution; equal to the default path to float32 precision, faster with one
-thread, slower with two on a loaded 2-core EPYC (benchmarks/gpsa_resnet20.py, docs/benchmarks.md).
+conv's own im2col-shaped GEMM (heads * D_in -> D_out). Its attention core (softmax, gated mix, A.X) runs by
+default through the C++/OpenMP kernel (``cpp_attention``, `core.nn.gated_attention_cpp`: one image per thread,
+the maps recomputed in backward) where it applies, else through `_attend_reference` (autograd's graph of the
+plain ops, the reference the tests compare against). Opt-in (``fused_attention``, ``conv_output``): the
+attention as one Python autograd node over chunks of images (`core.nn.gated_attention`) and the output GEMM
+as a 1x1 convolution. All equal to the reference to float32 precision; speeds in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -169,9 +171,10 @@ class TcnnGPSA(GPSA):
         2. A^h = (1 - sigma(lambda_h)) softmax(q k^T / sqrt(d)) + sigma(lambda_h) P^h, stored [B, Lq, heads, L]
            (the batch-shared P^h comes from the cache);
         3. Y = A X: batched matmuls [B, Lq * heads, L] @ [B, L, C] reading x's NCHW view transposed. Steps 2-3
-           are `_attend_reference` (autograd's graph of the plain ops; the default and the reference) or, with
-           ``fused_attention``, one autograd node, `core.nn.gated_attention.gated_attention` (a chunk of images
-           at a time, the maps recomputed in backward, a hand-written backward);
+           are the C++ kernel (``cpp_attention``, `core.nn.gated_attention_cpp`; the default where it applies),
+           `_attend_reference` (autograd's graph of the plain ops; the reference) or, with ``fused_attention``,
+           one autograd node, `core.nn.gated_attention.gated_attention` (a chunk of images at a time, the maps
+           recomputed in backward, a hand-written backward);
         4. out = Y W2^T + b with W2 = [W_out^h W_val]_h, [D_out, heads * D_in]: one GEMM with the conv's own
            im2col shape (M = B * Lq, K = heads * D_in, N = D_out), the bias fused in, run as a 1x1 convolution
            (``conv_output``: as a 1x1 convolution of Y's channels-last view, oneDNN's kernels; the GEMM alone
