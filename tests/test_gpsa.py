@@ -760,14 +760,14 @@ def _cpp_call(*a: torch.Tensor) -> torch.Tensor:
     "arch,in_chans,hw",
     [
         ("resnet10_cifar", 1, (20, 18)),
-        ("resnet18", 3, (64, 48)),
         ("core.models.he_cifar:resnet20", 3, (16, 16)),
     ],
 )
 def test_cpp_attention_equals_reference_on_converted_families(arch: str, in_chans: int, hw: tuple) -> None:
-    """The T-CNN families the project converts (timm ResNets, the project's small nets, the released He et al.
-    CIFAR ResNet-20): the whole network through the C++ attention equals it through the reference path,
-    logits and every parameter's gradient, in training mode, at alpha = lambda = 1 with random gates."""
+    """The T-CNN families the project converts (timm's ResNet class, which the project's small nets and
+    resnet18/50 share, and the released He et al. CIFAR ResNet-20): the whole network through the C++
+    attention equals it through the reference path, logits and every parameter's gradient, in training mode,
+    at alpha = lambda = 1 with random gates."""
     from core.models import build
     from core.reparam import gpsa_modules, to_tcnn
 

@@ -8,14 +8,17 @@ order, so results do not depend on the thread count.
 
 The extension is compiled by ``torch.utils.cpp_extension.load`` (g++, ninja) into ``build/torch_extensions``
 under the checkout (git-ignored; ``scripts/setup.sh`` builds it), one build per CPU capability (AVX-512, AVX2 or
-baseline flags). When the build or the load fails, `extension` says so once in the log and returns None, and
+baseline flags), source and torch version; once built it is imported directly. When the build or the load fails, `extension` says so once in the log and returns None, and
 `core.nn.gpsa_tcnn.TcnnGPSA` takes its Python path.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
 import logging
 import os
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -35,6 +38,9 @@ ARCH_FLAGS: dict[str, list[str]] = {
     "AVX2": ["-mavx2", "-mfma"],
 }
 
+#: A build lock older than this was left by a killed build (a build takes about a minute of one core).
+STALE_LOCK_S = 1800.0
+
 _state: dict[str, Any] = {}
 
 
@@ -48,24 +54,7 @@ def extension() -> ModuleType | None:
         log.info("GPSA C++ attention disabled (TCNN_NO_CPP_ATTENTION=1): the Python path is used")
     else:
         try:
-            quiet = logging.getLogger("torch.utils.cpp_extension")  # its CUDA_HOME warning: not our concern
-            level, quiet.level = quiet.level, logging.ERROR
-            try:
-                from torch.utils import cpp_extension
-            finally:
-                quiet.setLevel(level)
-
-            cap = torch.backends.cpu.get_cpu_capability()
-            build = BUILD_ROOT / f"gated_attention_{cap.lower()}"
-            build.mkdir(parents=True, exist_ok=True)
-            ext = cpp_extension.load(
-                name=f"tcnn_gated_attention_{cap.lower()}",
-                sources=[str(SOURCE)],
-                build_directory=str(build),
-                extra_cflags=["-O3", "-fopenmp", *ARCH_FLAGS.get(cap, [])],
-                extra_ldflags=["-fopenmp"],
-                verbose=False,
-            )
+            ext = _load()
         except Exception as e:  # noqa: BLE001 - any build/load failure means: fall back, once, loudly
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
             log.warning(
@@ -75,6 +64,39 @@ def extension() -> ModuleType | None:
             ext = None
     _state["ext"] = ext
     return ext
+
+
+def _load() -> ModuleType:
+    """Import the built library when it exists (named by a hash of the source, the flags and torch's version:
+    no build lock taken, so a process killed at start-up leaves none behind), else build it
+    (``torch.utils.cpp_extension.load``, which serialises concurrent builds with a lock file)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    cflags = ["-O3", "-fopenmp", *ARCH_FLAGS.get(cap, [])]
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((cflags, torch.__version__)).encode()).hexdigest()[:12]
+    name = f"tcnn_gated_attention_{cap.lower()}_{key}"
+    build = BUILD_ROOT / name
+    lib = build / f"{name}.so"
+    if not lib.is_file():
+        quiet = logging.getLogger("torch.utils.cpp_extension")  # its CUDA_HOME warning: not our concern
+        level, quiet.level = quiet.level, logging.ERROR
+        try:
+            from torch.utils import cpp_extension
+        finally:
+            quiet.setLevel(level)
+        build.mkdir(parents=True, exist_ok=True)
+        lock = build / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink(missing_ok=True)  # left by a build that was killed
+        cpp_extension.load(
+            name=name, sources=[str(SOURCE)], build_directory=str(build), extra_cflags=cflags,
+            extra_ldflags=["-fopenmp"], verbose=False,
+        )  # fmt: skip
+    spec = importlib.util.spec_from_file_location(name, lib)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {lib}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def available() -> bool:
