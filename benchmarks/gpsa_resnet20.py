@@ -9,9 +9,12 @@ convs on 8x8 maps -> TcnnGPSA, exact stride, alpha = lambda = 1), in the fine-tu
 other processes hits all alike; each ratio is the median over rounds of the ratio within a round, with the
 range over rounds:
 - "CNN": the control arm;
-- "T-CNN reference": TcnnGPSA as it is by default (``fused_attention = conv_output = False``: autograd's graph
-  of the plain ops, ``F.linear`` for the output GEMM, the implementation before issue 58);
-- "T-CNN fused": ``fused_attention = conv_output = True`` (`core.nn.gated_attention`, the 1x1-conv GEMM).
+- "T-CNN reference": ``cpp_attention = fused_attention = conv_output = False``: autograd's graph of the plain
+  ops, ``F.linear`` for the output GEMM (the implementation before issue 58; the fallback);
+- "T-CNN fused": ``fused_attention = conv_output = True`` (`core.nn.gated_attention`, the 1x1-conv GEMM);
+- "T-CNN C++": ``cpp_attention`` (`core.nn.gated_attention_cpp`: one image per thread, the maps recomputed in
+  backward), ``F.linear`` for the output GEMM: TcnnGPSA's default;
+- "T-CNN C++, conv output": the C++ attention and the 1x1-conv output GEMM (``conv_output``).
 Training: full AdamW steps (the study's batch 128, 32 px, fp32), wall and process CPU time (the CPU-time
 ratio is the less load-sensitive one on a shared machine). Evaluation: eager channels-last forwards at
 ``--eval-batch`` and the evaluate stage's form (`core.training.inference.inference_model`).
@@ -31,17 +34,22 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 from trial_cost_resnet20 import WEIGHTS, networks
 
+from core.nn.gated_attention_cpp import available as cpp_available
 from core.training.inference import _ChannelsLast, inference_model
 from core.training.optim import build_adamw, param_groups
 from core.utils.machine import cpu_model
 
-FORMS = ("CNN", "T-CNN reference", "T-CNN fused")
+FORMS = ("CNN", "T-CNN reference", "T-CNN fused", "T-CNN C++", "T-CNN C++, conv output")
+#: Each T-CNN form's switches: (cpp_attention, fused_attention, conv_output).
+SWITCHES = {"T-CNN reference": (False, False, False), "T-CNN fused": (False, True, True),
+            "T-CNN C++": (True, False, False), "T-CNN C++, conv output": (True, False, True)}  # fmt: skip
 
 
 def cpu_line(threads: int) -> str:
@@ -55,12 +63,12 @@ def cpu_line(threads: int) -> str:
             f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), {threads} threads")  # fmt: skip
 
 
-def gpsa_form(tcnn: torch.nn.Module, fused: bool) -> torch.nn.Module:
-    """A copy of the T-CNN whose GPSA layers take the fused path (``fused``) or the reference path."""
+def gpsa_form(tcnn: torch.nn.Module, form: str) -> torch.nn.Module:
+    """A copy of the T-CNN whose GPSA layers take ``form``'s path (`SWITCHES`)."""
     out = copy.deepcopy(tcnn)
     for m in out.modules():
         if hasattr(m, "fused_attention"):
-            m.fused_attention, m.conv_output = fused, fused
+            m.cpp_attention, m.fused_attention, m.conv_output = SWITCHES[form]
     return out
 
 
@@ -83,7 +91,7 @@ def ratios(times: dict[str, list[float]], base: str = "CNN") -> dict[str, tuple[
     return out
 
 
-def interleave(calls: dict, rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def interleave(calls: dict, rounds: int) -> tuple[dict[Any, list[float]], dict[Any, list[float]]]:
     """Wall and process-CPU seconds of each call per round, interleaved (round 0 warms up)."""
     wall: dict[str, list[float]] = {k: [] for k in calls}
     cpu: dict[str, list[float]] = {k: [] for k in calls}
@@ -122,9 +130,15 @@ def main() -> None:
     print(f"load average before: {' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
     cnn, tcnn, note = networks(args.weights)
     print(f"network: {note}")
-    nets = {"CNN": cnn, "T-CNN reference": gpsa_form(tcnn, False), "T-CNN fused": gpsa_form(tcnn, True)}
+    if not cpp_available():
+        raise SystemExit("gpsa_resnet20: the C++ attention did not build (see the log line above)")
+    nets = {"CNN": cnn, **{k: gpsa_form(tcnn, k) for k in SWITCHES}}
 
-    fl = {"CNN": flops_per_image(cnn, args.batch), "T-CNN": flops_per_image(tcnn, args.batch)}
+    # counted on the reference path: the flop counter does not see inside the C++ kernel
+    fl = {
+        "CNN": flops_per_image(cnn, args.batch),
+        "T-CNN": flops_per_image(nets["T-CNN reference"], args.batch),
+    }
     print(f"\nFLOPs per image, forward+backward at batch {args.batch} (GEMM/conv/bmm): CNN {fl['CNN'] / 1e6:.0f} M, T-CNN "
           f"{fl['T-CNN'] / 1e6:.0f} M: the ratio the arithmetic allows is {fl['CNN'] / fl['T-CNN']:.3f} "
           f"(85%: {0.85 * fl['CNN'] / fl['T-CNN']:.3f})", flush=True)  # fmt: skip
@@ -144,29 +158,28 @@ def main() -> None:
 
     wall, cpu = interleave({k: (lambda k=k: step(k)) for k in train}, args.rounds)
     show(f"training (AdamW steps, batch {args.batch}, channels-last)", wall, cpu, args.steps * args.batch)
-    step_s = statistics.median(wall["T-CNN fused"]) / args.steps
+    step_s = statistics.median(wall["T-CNN C++"]) / args.steps
 
     xe = torch.randn(args.eval_batch, 3, 32, 32, generator=torch.Generator().manual_seed(1))
-    ev = {f"{k}, eager": _ChannelsLast(copy.deepcopy(m).eval().to(memory_format=torch.channels_last))
+    ev = {(k, "eager"): _ChannelsLast(copy.deepcopy(m).eval().to(memory_format=torch.channels_last))
           for k, m in nets.items()}  # fmt: skip
+    hows = {}
     for k, m in nets.items():
-        f, how = inference_model(copy.deepcopy(m).eval(), xe)
-        ev[f"{k}, evaluate stage ({how})"] = f
-    names = list(ev)
+        ev[(k, "evaluate stage")], hows[k] = inference_model(copy.deepcopy(m).eval(), xe)
 
-    def run(k: str) -> None:
+    def run(key: tuple[str, str]) -> None:
         with torch.no_grad():
-            ev[k](xe)
+            ev[key](xe)
 
-    wall, cpu = interleave({k: (lambda k=k: run(k)) for k in names}, args.rounds)
+    wall, cpu = interleave({key: (lambda key=key: run(key)) for key in ev}, args.rounds)
     for part in ("eager", "evaluate stage"):
-        keys = [k for k in names if part in k]
-        w = {k.split(",")[0]: wall[k] for k in keys}
-        c = {k.split(",")[0]: cpu[k] for k in keys}
-        show(f"evaluation, {part} (batch {args.eval_batch}): " + "; ".join(keys), w, c, args.eval_batch)
+        w = {k: wall[(k, part)] for k in nets}
+        c = {k: cpu[(k, part)] for k in nets}
+        forms = "" if part == "eager" else ": " + "; ".join(f"{k}: {how}" for k, how in hows.items())
+        show(f"evaluation, {part} (batch {args.eval_batch}){forms}", w, c, args.eval_batch)
 
     # AdamW alone on the T-CNN's parameters and gradients: for-loop (default on CPU), foreach, fused.
-    m = train["T-CNN fused"]
+    m = train["T-CNN C++"]
     kinds = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
     adam = {
         k: torch.optim.AdamW(param_groups(m, lr=1e-4, weight_decay=0.05, gate_lr=1e-2), lr=1e-4, **kw)
@@ -179,7 +192,7 @@ def main() -> None:
     )
     print("\nAdamW step alone on the T-CNN (ms, median of rounds of 20): "
           + ", ".join(f"{k} {1e3 * statistics.median(v) / 20:.2f}" for k, v in wall.items())
-          + f"; one training step of the fused T-CNN: {1e3 * step_s:.0f} ms")  # fmt: skip
+          + f"; one training step of the C++ T-CNN: {1e3 * step_s:.0f} ms")  # fmt: skip
     print(f"\nload average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
 
 

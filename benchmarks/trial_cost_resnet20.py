@@ -3,6 +3,10 @@ ResNet-20 instead of resnet12_cifar_os16 (issue 48, item 6): seconds per trial a
 rates measured side by side on this CPU.
 
     .venv/bin/python benchmarks/trial_cost_resnet20.py [--rounds 5] [--threads 2] [--weights PATH]
+        [--gpsa-path cpp|reference]
+
+``--gpsa-path``: the T-CNN's GPSA attention through the C++ kernel (`core.nn.gated_attention_cpp`, TcnnGPSA's
+default where it builds) or the reference path (autograd's graph of the plain ops, the price before issue 58).
 
 Measured in one run, forms interleaved round by round (median of rounds; round 0 warms up): fp32 fine-tuning
 steps (AdamW with the gate lr, batch 128, 32 px) of the released ResNet-20 (core.models.he_cifar:resnet20 with
@@ -39,6 +43,7 @@ from core.config import SourceConfig
 from core.models.factory import build, set_stochastic_depth
 from core.models.importing import import_cnn
 from core.models.reparam import to_tcnn
+from core.nn.gated_attention_cpp import available as cpp_available
 from core.training.inference import _ChannelsLast, inference_model
 from core.training.optim import build_adamw
 from core.utils.machine import cpu_model
@@ -147,6 +152,7 @@ def main() -> None:
         action="store_true",
         help="price issue 57's design at the AVX2 EPYC's rates only (no measurement)",
     )
+    ap.add_argument("--gpsa-path", choices=("cpp", "reference"), default="cpp")
     args = ap.parse_args()
     if args.design_only:
         print_design(AVX2_RATES["train"], AVX2_RATES["eval"], "at the idle AVX2 EPYC's rates (issue 57)")
@@ -157,7 +163,15 @@ def main() -> None:
           f"capability {torch.backends.cpu.get_cpu_capability()}; {ARCH}, fp32, batch {args.batch}, 32 px")  # fmt: skip
     cnn, tcnn, note = networks(args.weights)
     n_gpsa = sum(type(m).__name__.endswith("GPSA") for m in tcnn.modules())
-    print(f"network: {note}; T-CNN: {n_gpsa} GPSA layers (reparam.stages [-1], exact stride)")
+    if args.gpsa_path == "cpp" and not cpp_available():
+        raise SystemExit(
+            "trial_cost_resnet20: --gpsa-path cpp, but the C++ attention did not build (log above)"
+        )
+    for m in tcnn.modules():
+        if hasattr(m, "cpp_attention"):
+            m.cpp_attention = args.gpsa_path == "cpp"
+    print(f"network: {note}; T-CNN: {n_gpsa} GPSA layers (reparam.stages [-1], exact stride), "
+          f"GPSA attention path: {args.gpsa_path}")  # fmt: skip
     forms = {}
     for arm, net in (("control", cnn), ("T-CNN", tcnn)):
         for layout in ("channels-last", "NCHW"):

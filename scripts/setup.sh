@@ -13,6 +13,8 @@ if [ "$(id -u)" != 0 ]; then command -v sudo >/dev/null && SUDO="sudo -n" || SUD
 apt_missing=()
 need_pkg() { dpkg -s "$1" >/dev/null 2>&1 || apt_missing+=("$1"); }
 need_pkg dataset-fashion-mnist
+# g++, ninja, Python headers: the GPSA's C++ attention, built from source below (core/nn/gated_attention_cpp.py)
+need_pkg g++; need_pkg ninja-build; need_pkg python3-dev
 # iproute2: the network namespaces of the multi-node test cluster (infra/slurm/local_cluster.sh)
 if [ "$want_test" = 1 ]; then need_pkg slurm-wlm; need_pkg munge; need_pkg chromium; need_pkg iproute2; fi
 if [ "${#apt_missing[@]}" -gt 0 ]; then
@@ -44,3 +46,12 @@ echo "setup: .venv <- uv.lock (uv sync --locked)"
 UV_PYTHON_DOWNLOADS=never "$UV" sync --locked --extra dev --python "$PY" --quiet
 # `dvc plots show`'s page with the Vega libraries inlined (from the locked wheel): it draws offline.
 .venv/bin/python scripts/dvc_plots_page.py
+# The GPSA's C++ attention (core/nn/csrc), compiled once into build/ (git-ignored); on failure the layers use
+# the Python path and the log says so once. About a minute of one core.
+echo "setup: building the GPSA C++ attention into build/torch_extensions"
+t0=$(date +%s)
+if .venv/bin/python -c 'import sys; from core.nn.gated_attention_cpp import available; sys.exit(not available())'; then
+  echo "setup: GPSA C++ attention ready ($(( $(date +%s) - t0 )) s)"
+else
+  echo "setup: the GPSA C++ attention did not build; the Python path is used (core/nn/gated_attention_cpp.py)" >&2
+fi

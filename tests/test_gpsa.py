@@ -596,16 +596,29 @@ def test_cuda_matches_cpu_and_autocast(mode: str) -> None:
 def _reference_copy(g: TcnnGPSA) -> TcnnGPSA:
     """The same layer computing through the reference path: autograd's graph of the plain ops and F.linear."""
     r = copy.deepcopy(g)
-    r.fused_attention, r.conv_output = False, False
+    r.cpp_attention, r.fused_attention, r.conv_output = False, False, False
     return r
 
 
 def _fused(g: TcnnGPSA) -> TcnnGPSA:
-    """``g`` switched to the fused attention and the 1x1-conv output GEMM."""
-    g.fused_attention, g.conv_output = True, True
+    """``g`` switched to the Python fused attention and the 1x1-conv output GEMM."""
+    g.cpp_attention, g.fused_attention, g.conv_output = False, True, True
     return g
 
 
+def _cpp(g: TcnnGPSA) -> TcnnGPSA:
+    """``g`` on the C++ attention (core.nn.gated_attention_cpp), which must have built, and F.linear."""
+    from core.nn.gated_attention_cpp import available
+
+    assert available(), "the C++ attention did not build (core.nn.gated_attention_cpp's log line says why)"
+    g.cpp_attention, g.fused_attention, g.conv_output = True, False, False
+    return g
+
+
+PATHS = {"fused": _fused, "cpp": _cpp}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize(
     "cin,cout,k,stride,dilation,mode,hw,qkv_bias,layout",
     [
@@ -619,6 +632,7 @@ def _fused(g: TcnnGPSA) -> TcnnGPSA:
 )
 def test_fused_attention_equals_reference_path(
     monkeypatch: pytest.MonkeyPatch,
+    path: str,
     cin: int,
     cout: int,
     k: int,
@@ -630,14 +644,14 @@ def test_fused_attention_equals_reference_path(
     layout: str,
 ) -> None:
     """The fused attention (core.nn.gated_attention; one autograd node, chunked, maps recomputed in backward)
-    and the 1x1-conv output GEMM compute what the reference path computes: the output with autograd on and
-    off, the input's gradient and every parameter's, to float32 precision, with chunks that split the batch
-    unevenly (3 images, chunks of 2)."""
+    with the 1x1-conv output GEMM, and the C++ attention (core.nn.gated_attention_cpp), compute what the
+    reference path computes: the output with autograd on and off, the input's gradient and every parameter's,
+    to float32 precision, with chunks that split the batch unevenly (3 images, chunks of 2)."""
     from core.nn import gated_attention
 
     torch.manual_seed(31)
     conv = nn.Conv2d(cin, cout, k, stride=stride, padding=dilation * (k - 1) // 2, dilation=dilation)
-    g = _fused(_randomize(TcnnGPSA.from_conv(conv, stride_mode=mode, qkv_bias=qkv_bias)))
+    g = PATHS[path](_randomize(TcnnGPSA.from_conv(conv, stride_mode=mode, qkv_bias=qkv_bias)))
     ref = _reference_copy(g)
     x = torch.randn(3, cin, *hw)
     if layout == "channels_last":
@@ -683,12 +697,13 @@ def test_fused_attention_gradcheck_and_autocast_fallback(monkeypatch: pytest.Mon
         torch.testing.assert_close(g(x), _reference_copy(g)(x))
 
 
-def test_fused_attention_equals_conv_at_large_alpha_lambda() -> None:
-    """The fused path keeps [TCNN21]'s exactness: at alpha = lambda = 50 the GPSA computes the conv it was
-    built from (exact stride 2, odd map, channels-last), forward and input gradient."""
+@pytest.mark.parametrize("path", list(PATHS))
+def test_fused_attention_equals_conv_at_large_alpha_lambda(path: str) -> None:
+    """The fused and C++ paths keep [TCNN21]'s exactness: at alpha = lambda = 50 the GPSA computes the conv it
+    was built from (exact stride 2, odd map, channels-last), forward and input gradient."""
     torch.manual_seed(33)
     conv = nn.Conv2d(4, 6, 3, stride=2, padding=1)
-    g = _fused(TcnnGPSA.from_conv(conv, alpha_init=50.0, lambda_init=50.0))
+    g = PATHS[path](TcnnGPSA.from_conv(conv, alpha_init=50.0, lambda_init=50.0))
     x = torch.randn(2, 4, 7, 9).contiguous(memory_format=torch.channels_last)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     ya, yb = g(xa), conv(xb)
@@ -697,3 +712,80 @@ def test_fused_attention_equals_conv_at_large_alpha_lambda() -> None:
     ya.backward(gy)
     yb.backward(gy)
     torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_cpp_attention_gradcheck_thread_independent_and_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C++ kernel's backward against finite differences (float64); its float32 gradients bit-identical with
+    1 and 2 threads over 20 images (blocks of 1 and 2 images, the batch sums reduced in a fixed order, not in
+    the threads' order); without the extension the layer takes the reference path (and equals it)."""
+    from core.nn import gated_attention_cpp as gac
+
+    torch.manual_seed(34)
+    b, nh, d, lq, lk, c = 3, 4, 2, 6, 10, 3
+    qt = torch.randn(b * nh, 2 * d, lq, dtype=torch.float64)[:, :d]  # a strided view, as the layer passes
+    kt = torch.randn(b * nh, d, lk, dtype=torch.float64)
+    vt = torch.randn(b, lk, c, dtype=torch.float64).transpose(1, 2)  # a channels-last map's [B, C, L] view
+    pos = 0.5 * torch.rand(nh, lq, lk, dtype=torch.float64).softmax(-1)
+    g_con = torch.rand(nh, dtype=torch.float64)
+    args = [t.detach().requires_grad_() for t in (qt, kt, vt, pos, g_con)]
+    assert torch.autograd.gradcheck(lambda *a: _cpp_call(*a), args, eps=1e-6, atol=1e-7, fast_mode=True)
+
+    b = 20  # blocks of 1 and 2 images
+    q32, k32 = torch.randn(b * nh, d, lq), torch.randn(b * nh, d, lk)
+    v32, dy = torch.randn(b, c, lk), torch.randn(b, lq * nh, c)
+    p32, g32 = pos.float(), g_con.float()
+    grads = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            grads.append(gac.extension().backward(dy, q32, k32, v32, p32, g32, 0.7))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(u, v) for u, v in zip(*grads))
+    layer = _cpp(_randomize(TcnnGPSA(5, 4)))
+    x = torch.randn(2, 5, 6, 6)
+    monkeypatch.setitem(gac._state, "ext", None)
+    assert not layer._cpp_ok(x)
+    torch.testing.assert_close(layer(x), _reference_copy(layer)(x), rtol=0, atol=0)
+
+
+def _cpp_call(*a: torch.Tensor) -> torch.Tensor:
+    from core.nn.gated_attention_cpp import gated_attention_cpp
+
+    return gated_attention_cpp(*a, 0.7)
+
+
+@pytest.mark.parametrize(
+    "arch,in_chans,hw",
+    [
+        ("resnet10_cifar", 1, (20, 18)),
+        ("core.models.he_cifar:resnet20", 3, (16, 16)),
+    ],
+)
+def test_cpp_attention_equals_reference_on_converted_families(arch: str, in_chans: int, hw: tuple) -> None:
+    """The T-CNN families the project converts (timm's ResNet class, which the project's small nets and
+    resnet18/50 share, and the released He et al. CIFAR ResNet-20): the whole network through the C++
+    attention equals it through the reference path, logits and every parameter's gradient, in training mode,
+    at alpha = lambda = 1 with random gates."""
+    from core.models import build
+    from core.reparam import gpsa_modules, to_tcnn
+
+    torch.manual_seed(35)
+    tcnn = to_tcnn(build("cnn", arch, 10, in_chans=in_chans), alpha_init=1.0, lambda_init=1.0).train()
+    layers = [m for _, m in gpsa_modules(tcnn)]
+    assert layers and all(isinstance(m, TcnnGPSA) for m in layers)
+    for m in layers:
+        _cpp(_randomize(m, qk_std=0.2))
+    ref = copy.deepcopy(tcnn)
+    for m in ref.modules():
+        if isinstance(m, TcnnGPSA):
+            m.cpp_attention = False
+    x = torch.randn(4, in_chans, *hw)
+    out = []
+    for net in (tcnn, ref):
+        y = net(x)
+        y.square().mean().backward()
+        out.append([y.detach(), *(p.grad for p in net.parameters())])
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * max(1.0, b.abs().max().item()))

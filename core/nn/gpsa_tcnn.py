@@ -17,10 +17,12 @@ Paths (the shared machinery is in `core.nn.gpsa`): ``attn_impl="auto"`` takes th
 map size, because SDPA's fused kernel does not apply (it needs equal q/k/v head widths; T-CNN values are D_in
 wide per head) and its math fallback would materialise the attention anyway. The dense path
 (`TcnnGPSA._forward_dense`) reads the NCHW map in place, folds W_val into the output weight and ends in the
-conv's own im2col-shaped GEMM (heads * D_in -> D_out). Opt-in (``fused_attention``, ``conv_output``): the
-attention as one autograd node with a hand-written backward over chunks of images (`core.nn.gated_attention`)
-and the output GEMM as a 1x1 convolution; equal to the default path to float32 precision, faster with one
-thread, slower with two on a loaded 2-core EPYC (benchmarks/gpsa_resnet20.py, docs/benchmarks.md).
+conv's own im2col-shaped GEMM (heads * D_in -> D_out). Its attention core (softmax, gated mix, A.X) runs by
+default through the C++/OpenMP kernel (``cpp_attention``, `core.nn.gated_attention_cpp`: one image per thread,
+the maps recomputed in backward) where it applies, else through `_attend_reference` (autograd's graph of the
+plain ops, the reference the tests compare against). Opt-in (``fused_attention``, ``conv_output``): the
+attention as one Python autograd node over chunks of images (`core.nn.gated_attention`) and the output GEMM
+as a 1x1 convolution. All equal to the reference to float32 precision; speeds in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from core.nn.gated_attention import gated_attention
+from core.nn.gated_attention_cpp import available as cpp_available
+from core.nn.gated_attention_cpp import gated_attention_cpp
 from core.nn.gpsa import GPSA, gated_mix
 from core.nn.positional import STRIDE_MODES
 
@@ -60,6 +64,10 @@ class TcnnGPSA(GPSA):
     #: backward); False (default): autograd's graph of the plain ops (`_attend_reference`), the reference.
     #: Off by default: faster with 1 thread, slower with 2 on a loaded 2-core EPYC (benchmarks/gpsa_resnet20.py).
     fused_attention: bool = False
+    #: The dense path's attention through the C++/OpenMP kernel (`core.nn.gated_attention_cpp`: one image per
+    #: thread, the maps recomputed in backward) where it applies (`_cpp_ok`): CPU, float32/64, no autocast, not
+    #: while tracing, the extension built; otherwise the paths below.
+    cpp_attention: bool = True
     #: The output GEMM as a 1x1 convolution (oneDNN's kernels); False (default): ``F.linear`` (the BLAS's).
     conv_output: bool = False
 
@@ -163,9 +171,10 @@ class TcnnGPSA(GPSA):
         2. A^h = (1 - sigma(lambda_h)) softmax(q k^T / sqrt(d)) + sigma(lambda_h) P^h, stored [B, Lq, heads, L]
            (the batch-shared P^h comes from the cache);
         3. Y = A X: batched matmuls [B, Lq * heads, L] @ [B, L, C] reading x's NCHW view transposed. Steps 2-3
-           are `_attend_reference` (autograd's graph of the plain ops; the default and the reference) or, with
-           ``fused_attention``, one autograd node, `core.nn.gated_attention.gated_attention` (a chunk of images
-           at a time, the maps recomputed in backward, a hand-written backward);
+           are the C++ kernel (``cpp_attention``, `core.nn.gated_attention_cpp`; the default where it applies),
+           `_attend_reference` (autograd's graph of the plain ops; the reference) or, with ``fused_attention``,
+           one autograd node, `core.nn.gated_attention.gated_attention` (a chunk of images at a time, the maps
+           recomputed in backward, a hand-written backward);
         4. out = Y W2^T + b with W2 = [W_out^h W_val]_h, [D_out, heads * D_in]: one GEMM with the conv's own
            im2col shape (M = B * Lq, K = heads * D_in, N = D_out), the bias fused in, run as a 1x1 convolution
            (``conv_output``: as a 1x1 convolution of Y's channels-last view, oneDNN's kernels; the GEMM alone
@@ -202,11 +211,12 @@ class TcnnGPSA(GPSA):
             vt = xs
         else:
             vt = self._project(x, wqkv[2 * qk :], None if bqkv is None else bqkv[2 * qk :], 1)
-        if self._fused_ok(qt, kt, vt):
+        if self._cpp_ok(qt, kt, vt) or self._fused_ok(qt, kt, vt):
             act = qt.dtype
             g_con = self._gates(act)[1]
             pos = self._gated_positional(h, w, act)
-            y = gated_attention(qt, kt, vt, pos, g_con, dq**-0.5)  # [B, Lq * heads, C]
+            attend = gated_attention_cpp if self._cpp_ok(qt, kt, vt) else gated_attention
+            y = attend(qt, kt, vt, pos, g_con, dq**-0.5)  # [B, Lq * heads, C]
         else:
             y = self._attend_reference(qt, kt, vt, h, w)
         w2 = self._cached(("w2", fold), lambda: self._out_weight(fold))
@@ -215,6 +225,21 @@ class TcnnGPSA(GPSA):
         else:
             out = F.linear(y.view(b * lq, nh * c), w2, self.bias).view(b, hq, wq, cout).permute(0, 3, 1, 2)
         return self._finish(out)
+
+    def _cpp_ok(self, *ts: torch.Tensor) -> bool:
+        """Whether the C++ kernel (`core.nn.gated_attention_cpp`) computes this call: ``cpp_attention`` on, CPU,
+        one float32/64 dtype, no autocast, not tracing (a traced graph holds only aten ops) and the extension
+        built (`cpp_available`; otherwise one log line and the Python paths)."""
+        dt = ts[0].dtype
+        return (
+            self.cpp_attention
+            and ts[0].device.type == "cpu"
+            and dt in (torch.float32, torch.float64)
+            and all(t.dtype == dt for t in ts)
+            and not torch.is_autocast_enabled("cpu")
+            and not torch.jit.is_tracing()
+            and cpp_available()
+        )
 
     def _fused_ok(self, *ts: torch.Tensor) -> bool:
         """Whether `core.nn.gated_attention` computes this call: ``fused_attention`` on, one dtype throughout

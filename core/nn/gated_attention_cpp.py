@@ -1,0 +1,139 @@
+"""The GPSA attention core as a C++/OpenMP kernel (core/nn/csrc/gated_attention.cpp), built from source once.
+
+The same function as `core.nn.gated_attention.gated_attention` ([TCNN21] Eq. 7, the gated content/positional mix
+of [ConViT21] Eq. 6, then A.X), computed one image at a time per thread (``at::parallel_for``): the image's
+scores, softmax, gated mix and flush, A.X and, in backward, the maps recomputed and the gradients, all in cache.
+The batch sums of the backward (positional attention, gate) are reduced per fixed block of images in a fixed
+order, so results do not depend on the thread count.
+
+The extension is compiled by ``torch.utils.cpp_extension.load`` (g++, ninja) into ``build/torch_extensions``
+under the checkout (git-ignored; ``scripts/setup.sh`` builds it), one build per CPU capability (AVX-512, AVX2 or
+baseline flags), source and torch version; once built it is imported directly. When the build or the load fails, `extension` says so once in the log and returns None, and
+`core.nn.gpsa_tcnn.TcnnGPSA` takes its Python path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+__all__ = ["available", "extension", "gated_attention_cpp"]
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "gated_attention.cpp"
+BUILD_ROOT = Path(__file__).resolve().parents[2] / "build" / "torch_extensions"
+#: Compiler flags per torch CPU capability: the vector width of the hand-written loops (the GEMMs and the
+#: softmax are ATen's own, dispatched at run time).
+ARCH_FLAGS: dict[str, list[str]] = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma"],
+}
+
+#: A build lock older than this was left by a killed build (a build takes about a minute of one core).
+STALE_LOCK_S = 1800.0
+
+_state: dict[str, Any] = {}
+
+
+def extension() -> ModuleType | None:
+    """The compiled kernel (built on first use, then loaded from ``build/``), or None after one log line when it
+    cannot be built or loaded (``TCNN_NO_CPP_ATTENTION=1`` also disables it)."""
+    if "ext" in _state:
+        return _state["ext"]
+    ext = None
+    if os.environ.get("TCNN_NO_CPP_ATTENTION") == "1":
+        log.info("GPSA C++ attention disabled (TCNN_NO_CPP_ATTENTION=1): the Python path is used")
+    else:
+        try:
+            ext = _load()
+        except Exception as e:  # noqa: BLE001 - any build/load failure means: fall back, once, loudly
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            log.warning(
+                "GPSA C++ attention unavailable (%s: %s); the Python path is used", type(e).__name__, first
+            )
+            log.debug("GPSA C++ attention build/load failure in full: %s", e)
+            ext = None
+    _state["ext"] = ext
+    return ext
+
+
+def _load() -> ModuleType:
+    """Import the built library when it exists (named by a hash of the source, the flags and torch's version:
+    no build lock taken, so a process killed at start-up leaves none behind), else build it
+    (``torch.utils.cpp_extension.load``, which serialises concurrent builds with a lock file)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    cflags = ["-O3", "-fopenmp", *ARCH_FLAGS.get(cap, [])]
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((cflags, torch.__version__)).encode()).hexdigest()[:12]
+    name = f"tcnn_gated_attention_{cap.lower()}_{key}"
+    build = BUILD_ROOT / name
+    lib = build / f"{name}.so"
+    if not lib.is_file():
+        quiet = logging.getLogger("torch.utils.cpp_extension")  # its CUDA_HOME warning: not our concern
+        level, quiet.level = quiet.level, logging.ERROR
+        try:
+            from torch.utils import cpp_extension
+        finally:
+            quiet.setLevel(level)
+        build.mkdir(parents=True, exist_ok=True)
+        lock = build / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink(missing_ok=True)  # left by a build that was killed
+        cpp_extension.load(
+            name=name, sources=[str(SOURCE)], build_directory=str(build), extra_cflags=cflags,
+            extra_ldflags=["-fopenmp"], verbose=False,
+        )  # fmt: skip
+    spec = importlib.util.spec_from_file_location(name, lib)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {lib}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def available() -> bool:
+    """Whether the compiled kernel is loaded (building it if needed)."""
+    return extension() is not None
+
+
+class _CppGatedAttention(torch.autograd.Function):
+    """Y = (g softmax(scale Q^T K) + Pos) X through the C++ kernel; backward recomputes the maps per image."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        qt: torch.Tensor,
+        kt: torch.Tensor,
+        vt: torch.Tensor,
+        pos: torch.Tensor,
+        g_con: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(qt, kt, vt, pos, g_con)
+        ctx.scale = scale
+        return extension().forward(qt, kt, vt, pos, g_con, scale)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        qt, kt, vt, pos, g = ctx.saved_tensors
+        dq, dk, dv, dpos, dg = extension().backward(dy.contiguous(), qt, kt, vt, pos, g, ctx.scale)
+        return dq, dk, dv, dpos, dg, None
+
+
+def gated_attention_cpp(
+    qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, pos: torch.Tensor, g_con: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`core.nn.gated_attention.gated_attention` (same arguments and result) through the C++ kernel; CPU, float32
+    or float64, and `available()` must hold."""
+    pos, g_con = pos.contiguous(), g_con.contiguous()
+    if not torch.is_grad_enabled():
+        return extension().forward(qt, kt, vt, pos, g_con, scale)
+    return _CppGatedAttention.apply(qt, kt, vt, pos, g_con, scale)
