@@ -25,6 +25,7 @@ from stages.harness.catalogue import (
     STAGE_MODELS,
     epoch_metrics,
     final_model,
+    headline_summary,
     parent_description,
     read_json,
     stage_artifacts,
@@ -292,7 +293,7 @@ def _log_outputs(tracker: Any, params: Params, name: str, metrics: Any, root: Pa
         tracker.log_checkpoint_model(ckpt, STAGE_MODELS[name])
     if name == chain.last_stage():
         parent = tracker.parent_run_id
-        tracker.log_metrics(summary_metrics(root), run_id=parent)
+        tracker.log_metrics(summary_metrics(root) | headline_summary(root), run_id=parent)
         label = os.environ.get("DVC_EXP_NAME") or run_label(params)
         tracker.set_tags({NOTE_TAG: parent_description(label, root)}, run_id=parent)
         for stage, file_name in PARENT_ARTIFACTS:
