@@ -744,6 +744,9 @@ def issue59_cases(add: Callable[[Case], None]) -> None:
     add(Case("published sets of 32 px on the prepared 28 px: the check stage refuses before pretrain",
              stage("check", "-S", public, "-S", "data.name=cifar10"), 2, cifar_c_of((300, 32, 32, 3)),
              expect="the clean test images are uint8 [N, 28, 28, 1]"))  # fmt: skip
+    add(Case("published sets with float labels: a sweep refuses before Ray",
+             tcnn("sweep", "-S", public, "-S", "data.name=cifar10"), 2, cifar_c_of((300, 28, 28, 1), "float64"),
+             expect="tcnn sweep: error: robustness.public: pub/labels.npy: labels must be integers"))  # fmt: skip
     add(Case("validate: a CIFAR-10-C copy of 28 px before prepare",
              tcnn("validate", "-S", public, "-S", "data.name=cifar10", "-S", "data.dir=data/none"), 2,
              cifar_c_of((300, 28, 28, 3)), expect="the clean test images are uint8 [N, 32, 32, 3]"))  # fmt: skip

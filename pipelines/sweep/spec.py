@@ -40,7 +40,7 @@ def _check_published_sets(params: Params, cwd: Path) -> None:
     from stages.published_check import check_public_before_training
 
     try:
-        check_public_before_training(params, cwd)
+        check_public_before_training(params, Path(os.path.relpath(cwd)))  # the files named as the user does
     except StageError as err:
         raise SweepError(str(err)) from None
 
