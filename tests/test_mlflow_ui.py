@@ -97,9 +97,11 @@ def test_compare_page_shows_runs_params_metrics(
         metrics_part = text.split("Metrics", 2)[-1].split("Artifacts", 1)[0]
         # the page renders the first rows of its (virtualised) metrics table, in name order: those rows are the
         # parent's metrics, sorted, and the headline ones are among them
-        names = sorted(parent.data.metrics)
+        # (the headline's own names hold spaces, "cnn clean pct": they sort first and are matched whole)
+        names = sorted(m for m in parent.data.metrics if " " not in m)
         shown = [w for w in metrics_part.split() if w in parent.data.metrics]
-        assert len(shown) >= 12 and shown == names[: len(shown)], (shown, names)
+        assert len(shown) >= 10 and shown == names[: len(shown)], (shown, names)
+        assert " cnn clean pct " in metrics_part and " cnn mCA pct " in metrics_part, metrics_part[:2000]
         for name in (
             "cnn_clean_accuracy",
             "control_clean_accuracy",
