@@ -11,11 +11,12 @@ from core.config import ConfigError, load_params
 def _validate(args: argparse.Namespace) -> int:
     """The params, and what they name that can be checked without compute: a published benchmark's array
     headers and labels against the prepared data, or before prepare against what the dataset's name says
-    (the training stages and evaluate check it again before they train or load a model)."""
+    (under `dvc repro` the check stage runs the same check before any training, and evaluate again before any
+    model loads)."""
     params = load_params(args.file, args.set)
     if params.robustness.public is not None:
         from stages.harness.runner import StageError
-        from stages.robustness_bench import check_public_sets
+        from stages.published_check import check_public_sets
 
         try:
             check_public_sets(params, prepared=False)

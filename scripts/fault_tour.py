@@ -39,7 +39,7 @@ finetune: {{epochs: 1, batch_size: 60, warmup_epochs: 0.2}}
 robustness: {{dir: data/c, n_images: 60, corruptions: [gaussian_noise, contrast, frost], severities: [1, 3], bootstrap: 50, workers: 2}}
 tracking: {{uri: sqlite:///mlruns.db, experiment: tour}}
 {extra}"""
-CHAIN = ("prepare", "pretrain", "reparam", "finetune", "control", "corrupt", "evaluate", "report")
+CHAIN = ("prepare", "check", "pretrain", "reparam", "finetune", "control", "corrupt", "evaluate", "report")
 
 
 @dataclass
@@ -738,9 +738,15 @@ def issue59_cases(add: Callable[[Case], None]) -> None:
              expect="sweep.storage /proc/nope: cannot create files in /proc"))  # fmt: skip
     # a published set checked from its .npy headers and labels before any training, and before prepare
     public = "robustness.public={kind: cifar10_c, dir: pub, use: add}"
-    add(Case("published sets with float labels: pretrain refuses before training",
-             stage("pretrain", "-S", public, "-S", "data.name=cifar10"), 2, cifar_c_of((300, 28, 28, 1), "float64"),
-             expect="pub/labels.npy: labels must be integers"))  # fmt: skip
+    add(Case("published sets with float labels: the check stage refuses before pretrain",
+             stage("check", "-S", public, "-S", "data.name=cifar10"), 2, cifar_c_of((300, 28, 28, 1), "float64"),
+             expect="check: error: robustness.public: pub/labels.npy: labels must be integers"))  # fmt: skip
+    add(Case("published sets of 32 px on the prepared 28 px: the check stage refuses before pretrain",
+             stage("check", "-S", public, "-S", "data.name=cifar10"), 2, cifar_c_of((300, 32, 32, 3)),
+             expect="the clean test images are uint8 [N, 28, 28, 1]"))  # fmt: skip
+    add(Case("published sets with float labels: a sweep refuses before Ray",
+             tcnn("sweep", "-S", public, "-S", "data.name=cifar10"), 2, cifar_c_of((300, 28, 28, 1), "float64"),
+             expect="tcnn sweep: error: robustness.public: pub/labels.npy: labels must be integers"))  # fmt: skip
     add(Case("validate: a CIFAR-10-C copy of 28 px before prepare",
              tcnn("validate", "-S", public, "-S", "data.name=cifar10", "-S", "data.dir=data/none"), 2,
              cifar_c_of((300, 28, 28, 3)), expect="the clean test images are uint8 [N, 32, 32, 3]"))  # fmt: skip

@@ -57,10 +57,10 @@ from core.utils.atomic import atomic_write_json
 from stages.harness import chain
 from stages.harness import training as T
 from stages.harness.runner import StageError, stage_main
+from stages.published_check import check_public_sets
 from stages.robustness_bench import (
     LABELS,
     check_generated_sets,
-    check_public_sets,
     evaluate_models,
     model_paths,
 )

@@ -57,7 +57,7 @@ def test_the_stage_refuses_before_any_run_opens(tmp_path: Path, data: Path) -> N
 
 #: The tiny test split is Fashion-MNIST's 28 px grayscale; the layout tests call it cifar10 so that a CIFAR-10-C
 #: layout fits it by name (config), and check the arrays against its real images
-#: (stages.robustness_bench.check_public_sets).
+#: (stages.published_check.check_public_sets).
 FITS_BY_NAME = "cifar10"
 
 
@@ -115,7 +115,7 @@ def test_published_sets_that_do_not_fit_the_dataset_are_refused_before_evaluatio
     in torch after the first model's clean pass; each is now one line naming the file, before any model."""
     import numpy as np
 
-    from stages.robustness_bench import check_public_sets
+    from stages.published_check import check_public_sets
 
     pub = tmp_path / "pub"
     pub.mkdir()
@@ -141,7 +141,7 @@ def test_published_sets_that_do_not_fit_the_dataset_are_refused_before_evaluatio
 def test_a_published_set_that_fits_passes(tmp_path: Path, data: Path) -> None:
     import numpy as np
 
-    from stages.robustness_bench import check_public_sets
+    from stages.published_check import check_public_sets
 
     pub = tmp_path / "pub"
     pub.mkdir()

@@ -94,9 +94,9 @@ def test_stage_deps_cover_every_imported_file(stage: str) -> None:
 
 
 ATTENTION_CODE = ("core/nn/gpsa.py", "core/nn/gpsa_tcnn.py", "core/nn/psa.py", "core/models/reparam.py")
-#: The stages that train or evaluate the plain CNN, and the data's: they never load attention code, so an edit
-#: of GPSA costs no pretraining (hours of a real study); the others build the T-CNN.
-CNN_ONLY = {"prepare", "pretrain", "control", "corrupt"}
+#: The stages that train or evaluate the plain CNN, and the data's (and its check): they never load attention
+#: code, so an edit of GPSA costs no pretraining (hours of a real study); the others build the T-CNN.
+CNN_ONLY = {"prepare", "check", "pretrain", "control", "corrupt"}
 
 
 def test_attention_code_is_an_input_only_of_the_stages_that_build_the_tcnn() -> None:

@@ -161,11 +161,19 @@ def test_the_parent_description_and_the_saved_view_show_the_headline(tmp_path: P
     exp = tracker.client.get_experiment(run.info.experiment_id)
     view = json.loads(exp.tags["mlflow.sharedViewState.tcnn-headline"])
     cols = [c for c in view["selectedColumns"] if c.startswith("metrics.")]
-    assert cols == [f"metrics.`{m}`" for m in VIEW_METRICS] and set(VIEW_METRICS) <= set(SUMMARY_METRICS)
-    assert cols[:3] == [
-        f"metrics.`tcnn_minus_control_clean_accuracy{e}`" for e in ("", "_ci_low", "_ci_high")
-    ]
-    assert {f"tcnn_minus_control_mca{e}" for e in ("", "_ci_low", "_ci_high")} <= set(run.data.metrics)
+    assert cols == [f"metrics.`{m}`" for m in VIEW_METRICS]
+    assert cols[:3] == [f"metrics.`tcnn-control clean {e}`" for e in ("pp", "pp low", "pp high")]
+    # issue 59 (12): the view's columns are the headline's numbers in its units (pp here, as `dvc metrics show`
+    # prints them: 100 x the fractions above), next to the fractions of SUMMARY_METRICS
+    logged = run.data.metrics
+    assert {k: logged[k] for k in logged if k.startswith("tcnn-control")} == pytest.approx({
+        "tcnn-control clean pp": -0.40, "tcnn-control clean pp low": -1.10, "tcnn-control clean pp high": 0.20,
+        "tcnn-control mCA pp": 2.00, "tcnn-control mCA pp low": 0.50, "tcnn-control mCA pp high": 3.10,
+    })  # fmt: skip
+    assert (
+        logged["tcnn_minus_control_mca"] == pytest.approx(0.02)
+        and set(SUMMARY_METRICS) & set(VIEW_METRICS) == set()
+    )
     # issue 59 (15): param columns after the headline's (which stay on screen), each a name the tracking logs
     from stages.harness.catalogue import VIEW_PARAMS
     from stages.harness.tracking_names import flatten_params
@@ -202,6 +210,13 @@ def test_the_dvc_headline_rows_are_the_scored_numbers() -> None:
     without = {k: v for k, v in metrics.items() if k != "control"}
     without["comparisons"] = {k: v for k, v in metrics["comparisons"].items() if "control" not in k}
     assert list(headline_rows(without)) == ["cnn", "tcnn", "tcnn-cnn"]
+    # issue 59 (12): MLflow gets the same numbers, named as the DVC columns with the unit last
+    from core.robustness.headline import headline_metrics
+
+    logged = headline_metrics(metrics)
+    assert len(logged) == 3 * 2 + 3 * 3 and logged["tcnn clean pct"] == rows["tcnn"]["clean"]
+    assert logged["control mCA pct"] == rows["control"]["mCA"]
+    assert all(logged[k] == rows["tcnn-control"][k] for k in logged if k.startswith("tcnn-control"))
 
 
 def test_interval_ends_reach_the_sweep_summary_as_low_and_high(tmp_path: Path) -> None:

@@ -41,6 +41,26 @@ def test_check_resources_refuses_what_no_node_holds(tmp_path: Path) -> None:
         check_resources(two, [NODE], "here")
 
 
+def test_a_published_set_that_does_not_fit_is_refused_before_ray_starts(tmp_path: Path) -> None:
+    """Issue 59 (9): the sweep runs dvc.yaml's check stage's check (stages.published_check) while it plans,
+    before Ray: a CIFAR-10-C copy with float labels never reaches a trial's evaluate."""
+    import numpy as np
+
+    make_project(tmp_path, {"seed": [0, 1]})
+    (tmp_path / "pub").mkdir()
+    for c in ("gaussian_noise", "contrast"):
+        np.save(tmp_path / "pub" / f"{c}.npy", np.zeros((20, 28, 28, 1), np.uint8))
+    np.save(tmp_path / "pub" / "labels.npy", np.arange(20) % 10 + 0.5)
+    sets = ("data.name=cifar10", f"robustness.public={{kind: cifar10_c, dir: {tmp_path / 'pub'}, use: add}}")
+    with pytest.raises(
+        SweepError, match=r"^robustness\.public: .*pub/labels\.npy: labels must be integers, got float64$"
+    ):
+        _spec(tmp_path, *sets)
+    np.save(tmp_path / "pub" / "labels.npy", np.arange(20) % 10)
+    assert _spec(tmp_path, *sets)["trials"]  # fits: planned
+    assert not (tmp_path / "sweeps").exists()
+
+
 def test_a_slurm_request_without_the_gpus_a_trial_needs_is_refused_before_submitting(tmp_path: Path) -> None:
     make_project(tmp_path, {"seed": [0, 1]})
     p = subprocess.run(

@@ -90,6 +90,25 @@ def diff_column(comparison: str, col: str) -> str:
     return f"{comparison} {col}"
 
 
+#: The unit each headline number's MLflow name ends with (core.robustness.headline.headline_metrics): a model's
+#: accuracy in %, a difference in pp (MLflow names may not hold "%").
+MLFLOW_PERCENT = "pct"
+
+
+def headline_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The headline's numbers as MLflow metrics, in the units `dvc metrics show` prints them and named as its
+    columns, the unit last: ``{"tcnn clean pct": 87.31, "tcnn-control clean pp": -0.46, "tcnn-control clean pp
+    low": -0.74, ...}`` (models in %, the main difference and its 95% interval's ends in pp, rounded as shown;
+    the interval strings and ``"n/a"`` left out), so that the MLflow runs table and DVC show one number the
+    same way."""
+    out: dict[str, float] = {}
+    for row, cols in headline_rows(metrics).items():
+        for col, value in cols.items():
+            if isinstance(value, float):
+                out[col if row in MAIN_COMPARISONS else f"{row} {col} {MLFLOW_PERCENT}"] = value
+    return out
+
+
 def headline_markdown(metrics: Mapping[str, Any]) -> str:
     """The headline as a Markdown table (MLflow renders a run's description, ``mlflow.note.content``, as
     Markdown): models as rows, the main difference with its 95% interval as the last row."""

@@ -30,6 +30,21 @@ def tracking_enabled(params: Params) -> bool:
     return params.tracking.enabled and os.environ.get("TCNN_TRACKING") != "0"
 
 
+def _check_published_sets(params: Params, cwd: Path) -> None:
+    """A published benchmark (``robustness.public``) checked from its files before Ray starts, as dvc.yaml's
+    check stage does before pretraining (stages.published_check): a sweep never reaches evaluate to find it
+    unreadable."""
+    if params.robustness.public is None:
+        return
+    from stages.harness.runner import StageError
+    from stages.published_check import check_public_before_training
+
+    try:
+        check_public_before_training(params, Path(os.path.relpath(cwd)))  # the files named as the user does
+    except StageError as err:
+        raise SweepError(str(err)) from None
+
+
 def build_spec(
     params: Params,
     *,
@@ -48,6 +63,7 @@ def build_spec(
         check_output_dir(cwd / sw.storage, "sweep.storage")
     except OutputPathError as err:
         raise SweepError(str(err)) from None
+    _check_published_sets(params, cwd)
     uri = resolve_uri(params.tracking.uri, cwd)
     plan = make_plan(params, cwd=cwd, device=plan_device(params), tracking_uri=uri)
     name = check_name(name or default_name(params_file, params))

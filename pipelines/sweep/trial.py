@@ -53,6 +53,7 @@ from stages.harness import chain
 from stages.harness.catalogue import (
     SUMMARY_METRICS,
     epoch_metrics,
+    headline_summary,
     numeric_metrics,
     parent_description,
     stage_artifacts,
@@ -394,7 +395,9 @@ class TrialRunner:
             report({"stage": name, "executed": executed, **progress(name, metrics)})
         for name, metrics in results.items():
             tracker.log_metrics(numeric(metrics, "" if name == last_trial_stage() else f"{name}_"))
-        tracker.log_metrics(headline(self.root))  # the names the DVC path logs on its parent run
+        tracker.log_metrics(
+            headline(self.root) | headline_summary(self.root)
+        )  # what the DVC path logs on its parent
         t = self.spec["trials"][self.tid]
         note = parent_description(trial_description(self.tid, self.params, t["overrides"]), self.root)
         tracker.set_tags({NOTE_TAG: note})

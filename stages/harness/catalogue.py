@@ -102,15 +102,12 @@ SUMMARY_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     },
 }
 
-#: The runs table's saved view (core.utils.mlflow_ui.shared_view): the headline first -- T-CNN - control with
-#: its 95% interval ends, then each model's clean accuracy and mCA -- all among :data:`SUMMARY_METRICS`.
+#: The runs table's saved view (core.utils.mlflow_ui.shared_view): the headline first, in the units and under
+#: the names `dvc metrics show` prints it (:func:`headline_summary`) -- T-CNN - control in pp with its 95%
+#: interval ends, then each model's clean accuracy and mCA in % -- so that both views show one number alike.
 VIEW_METRICS: tuple[str, ...] = (
-    *(
-        f"tcnn_minus_control_{n}{end}"
-        for n in ("clean_accuracy", "mca", "mce")
-        for end in ("", "_ci_low", "_ci_high")
-    ),
-    *(f"{m}_{n}" for n in ("clean_accuracy", "mca") for m in ("tcnn", "control", "cnn")),
+    *(f"tcnn-control {c} {end}" for c in ("clean", "mCA", "mCE") for end in ("pp", "pp low", "pp high")),
+    *(f"{m} {c} pct" for c in ("clean", "mCA") for m in ("tcnn", "control", "cnn")),
 )
 #: The params the view shows first (MLflow's flattened names, stages.harness.tracking_names.flatten_params): what
 #: an experiment most often changes (the README's gate init, the fine-tuning lr, the epoch of the switch, the
@@ -189,6 +186,16 @@ def summary_metrics(root: Path) -> dict[str, float]:
         if isinstance(node, (int, float)) and not isinstance(node, bool) and math.isfinite(node):
             out[name] = float(node)
     return out
+
+
+def headline_summary(root: Path) -> dict[str, float]:
+    """The headline's numbers (core.robustness.headline.headline_metrics: models in %, the main difference in
+    pp, named as `dvc metrics show` heads them, the unit last), read from the evaluate stage's metrics; logged
+    on the parent next to :data:`SUMMARY_METRICS`' fractions. Empty before evaluate has run."""
+    from core.robustness.headline import headline_metrics
+
+    metrics = read_json(root / chain.metrics_file("evaluate"))
+    return headline_metrics(metrics) if isinstance(metrics, dict) else {}
 
 
 def epoch_metrics(row: dict[str, Any]) -> dict[str, float]:

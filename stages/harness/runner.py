@@ -25,6 +25,7 @@ from stages.harness.catalogue import (
     STAGE_MODELS,
     epoch_metrics,
     final_model,
+    headline_summary,
     parent_description,
     read_json,
     stage_artifacts,
@@ -292,7 +293,7 @@ def _log_outputs(tracker: Any, params: Params, name: str, metrics: Any, root: Pa
         tracker.log_checkpoint_model(ckpt, STAGE_MODELS[name])
     if name == chain.last_stage():
         parent = tracker.parent_run_id
-        tracker.log_metrics(summary_metrics(root), run_id=parent)
+        tracker.log_metrics(summary_metrics(root) | headline_summary(root), run_id=parent)
         label = os.environ.get("DVC_EXP_NAME") or run_label(params)
         tracker.set_tags({NOTE_TAG: parent_description(label, root)}, run_id=parent)
         for stage, file_name in PARENT_ARTIFACTS:
@@ -307,18 +308,20 @@ def stage_main(
     *,
     data_parallel: Callable[[Params, str, list[str]], contextlib.AbstractContextManager] | None = None,
     check: Callable[[Params], None] | None = None,
+    tracked: bool = True,
 ) -> int:
     """Parse, validate, run and track a stage. `check` (raising StageError) runs before anything is opened or
     written: what can be known to fail from the params and the inputs on disk fails there, not after the
     MLflow runs were opened. `data_parallel` (the training stages pass stages.harness.training.data_parallel) wraps
-    the run: it may relaunch the stage as several DDP processes."""
+    the run: it may relaunch the stage as several DDP processes. `tracked` false: no MLflow run (a check that
+    computes nothing, stages/check.py)."""
     parser = argparse.ArgumentParser(prog=f"python -m stages.{name}")
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     parser.add_argument(
         "-S", "--set", action="append", default=[], metavar="KEY=VALUE", help="override a param"
     )
     args = parser.parse_args(argv)
-    code = _stage(name, run, args, argv, data_parallel, check)
+    code = _stage(name, run, args, argv, data_parallel, check, tracked)
     where = os.environ.get(RANK_STATUS_ENV)
     if where:  # a torchrun rank: the launching process exits with the ranks' common status
         with contextlib.suppress(OSError):
@@ -333,6 +336,7 @@ def _stage(
     argv: list[str] | None,
     data_parallel: Callable[[Params, str, list[str]], contextlib.AbstractContextManager] | None,
     check: Callable[[Params], None] | None,
+    tracked: bool = True,
 ) -> int:
     with stop_on_signals(), end_with_dvc():
         try:
@@ -341,7 +345,8 @@ def _stage(
                 check(params)
             args_list = sys.argv[1:] if argv is None else list(argv)
             launch = data_parallel(params, name, args_list) if data_parallel else contextlib.nullcontext()
-            with _one_writer(name), launch, _kept(name, params), _tracked(params, name) as tracker:
+            track = _tracked(params, name) if tracked else contextlib.nullcontext()
+            with _one_writer(name), launch, _kept(name, params), track as tracker:
                 metrics = run(params)
                 _log_outputs(tracker, params, name, metrics)
         except Stopped as stop:
