@@ -149,6 +149,8 @@ def test_editing_a_workspace_builder_makes_dvc_rerun_the_stages_that_build_the_n
     write_package(repo)
     (repo / "data/fashion_mnist").mkdir(parents=True)  # prepare's output, a dep of pretrain
     (repo / "data/fashion_mnist/manifest.json").write_text("{}")
+    (repo / "runs/check").mkdir(parents=True)  # the check stage's output, a dep of pretrain
+    (repo / "runs/check/passed.json").write_text("{}")
     for out in ("ckpt/ckpt-epoch-001.pt", "cnn-final.pt", "history.json", "history.csv", "metrics.json"):
         (repo / "runs/pretrain" / out).parent.mkdir(parents=True, exist_ok=True)
         (repo / "runs/pretrain" / out).write_text(out)
