@@ -42,26 +42,17 @@ def repo_root() -> Path:
 _HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
-#: The handlers pytest's process had before any test ran.
-_BASELINE = {s: signal.getsignal(s) for s in _HANDLED}
-
-
-def _restore_baseline() -> None:
-    for s, handler in _BASELINE.items():
-        if signal.getsignal(s) is not handler:
-            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
-
-
 @pytest.fixture(autouse=True)
 def _signal_handlers_restored():
-    """Each test starts and ends with the signal handlers pytest's process had before any test. ray.init
-    installs Ray's SIGTERM handler (sys.exit) in the calling process and ray.shutdown leaves it; a module-scoped
-    fixture that starts Ray is set up before this per-test fixture, so restoring only what a test found kept
-    Ray's handler for every later test of the same xdist worker, whose training loop chains to the handler
-    before its own (core.training.loop.StopSignals.chain) and ended in SystemExit(15) instead of Preempted."""
-    _restore_baseline()
+    """Each test leaves pytest's process with the signal handlers it found. ray.init installs Ray's SIGTERM
+    handler (sys.exit) in the calling process and ray.shutdown leaves it; a later test of the same xdist worker
+    whose training loop chains to the handler before its own (core.training.loop.StopSignals.chain) then ended
+    in SystemExit(15) instead of Preempted."""
+    before = {s: signal.getsignal(s) for s in _HANDLED}
     yield
-    _restore_baseline()
+    for s, handler in before.items():
+        if signal.getsignal(s) is not handler:
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -78,9 +78,16 @@ def test_a_slurm_request_without_the_gpus_a_trial_needs_is_refused_before_submit
 
 @pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
+    import signal
+
     import ray
 
+    # ray.init installs Ray's SIGTERM handler (sys.exit) in pytest's process and shutdown leaves it: put back
+    # what was there at once, or a later test of this worker chaining to it (test_train_fit) exits instead
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     ray.init(num_cpus=1, num_gpus=0, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
+    for s, handler in handlers.items():
+        signal.signal(s, handler)
     yield
     ray.shutdown()
 

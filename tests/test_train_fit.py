@@ -20,6 +20,20 @@ from core.training.optim import WarmupCosine, build_sgd
 EPOCHS = 3
 
 
+@pytest.fixture(autouse=True)
+def _default_stop_handlers():
+    """These tests chain to the handler found before the loop's own (StopSignals.chain): each starts with the
+    defaults, whatever an earlier test of the same xdist worker left (ray.init's SIGTERM handler exits)."""
+    from core.training.loop import STOP_SIGNALS
+
+    before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_DFL)
+    yield
+    for s, handler in before.items():
+        signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+
 class Tiny(nn.Module):
     """Conv + BN + dropout (uses the torch RNG, so a resume must restore it)."""
 
