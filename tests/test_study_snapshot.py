@@ -44,9 +44,9 @@ def test_snapshot_rows_say_each_trials_last_epoch_and_state(tmp_path: Path) -> N
     summary = snapshot(_study(tmp_path / "sweeps"), "st", tmp_path / "out")
     lines = (tmp_path / "out" / "progress.csv").read_text().splitlines()
     assert lines[0].split(",") == COLUMNS
-    assert lines[1:] == ["search,p000-tcnn,0,tcnn,0.001,2,0.6,finished,",
-                         "search,p001-tcnn,1,tcnn,0.0001,1,0.4,running or stopped,",
-                         "seed2,p000-control,0,control,0.002,1,0.7,finished,0.71"]  # fmt: skip
+    assert lines[1:] == ["search,p000-tcnn,0,tcnn,0.001,1,0.6,finished,",
+                         "search,p001-tcnn,1,tcnn,0.0001,0,0.4,running or stopped,",
+                         "seed2,p000-control,0,control,0.002,0,0.7,finished,0.71"]  # fmt: skip
     assert {k: (v["trials_reported"], v["trials_finished"]) for k, v in summary["phases"].items()} == {
         "search": (2, 1),
         "seed2": (1, 1),

@@ -4,8 +4,8 @@
 
 A study runs for many hours across sessions (issue 57); a lost machine must lose at most the trial in flight.
 This reads, without touching the run, what its sweeps (``NAME-search``, ``NAME-seed<k>``) have recorded so far
-and writes ``DIR/progress.csv``: one row per trial that has reported, with its phase, point, arm, lr, the epochs
-it reported, its last validation accuracy, and its state: ``finished`` (its last stage wrote ``done.json``),
+and writes ``DIR/progress.csv``: one row per trial that has reported, with its phase, point, arm, lr, the last
+``epoch`` it reported (Tune's counter, as the search's own search.csv has it), its last validation accuracy, and its state: ``finished`` (its last stage wrote ``done.json``),
 ``refused``, or ``running or stopped`` (the search's scheduler decides at its end which of these it was; the
 search's own report, written when it finishes, says). ``DIR/progress.json`` adds the trials finished and the
 compute recorded so far per phase (:func:`pipelines.studies.results.compute_hours`: finished training stages and
@@ -23,7 +23,7 @@ from typing import Any
 from core.utils.atomic import atomic_write_json
 from pipelines.studies.results import StudyError, write_csv
 
-COLUMNS = ["phase", "trial", "point", "arm", "finetune.lr", "epochs", "val_acc", "state", "test_acc"]
+COLUMNS = ["phase", "trial", "point", "arm", "finetune.lr", "epoch", "val_acc", "state", "test_acc"]
 
 
 def phases(sweeps: Path, name: str) -> list[tuple[str, Path]]:
@@ -64,7 +64,7 @@ def trial_rows(phase: str, sweep_dir: Path) -> list[dict[str, Any]]:
         last = max(by_epoch) if by_epoch else None
         state = "refused" if refused is not None else "finished" if done is not None else "running or stopped"
         rows.append({"phase": phase, "trial": tid, "point": config.get("point"), "arm": config.get("arm"),
-                     "finetune.lr": config.get("finetune.lr"), "epochs": 0 if last is None else last + 1,
+                     "finetune.lr": config.get("finetune.lr"), "epoch": last,
                      "val_acc": None if last is None else by_epoch[last], "state": state,
                      "test_acc": (done or {}).get("test_acc")})  # fmt: skip
     return rows
