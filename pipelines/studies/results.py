@@ -414,10 +414,12 @@ def compute_hours(sweep_dir: Path, spec: dict[str, Any]) -> float:
             path = root / chain.output(stage, "history.json")
             if not path.is_file():
                 continue
-            text = path.read_text()
-            key = (stage, text) if chain.sweep_role(stage) == "group" else path.resolve()
-            skip = before if path.resolve() != path.absolute() else 0  # a linked (shared) control
-            histories[key] = (text, min(skip, histories.get(key, (text, skip))[1]))
+            text, real = path.read_text(), path.resolve()
+            key = (stage, text) if chain.sweep_role(stage) == "group" else real
+            skip = before if real != path.absolute() else 0  # a linked (shared) control
+            if key in histories:
+                skip = min(skip, histories[key][1])
+            histories[key] = (text, skip)
         for r in _stage_log(root):
             if r.get("stage") not in training and "started" in r:
                 seconds += float(r["finished"]) - float(r["started"])
