@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from core.config import ConfigError, load_params
+from core.config import ConfigError
+from pipelines.sweep.sweep_params import load_sweep_params
 
 
 def _validate(args: argparse.Namespace) -> int:
@@ -13,7 +14,7 @@ def _validate(args: argparse.Namespace) -> int:
     headers and labels against the prepared data, or before prepare against what the dataset's name says
     (under `dvc repro` the check stage runs the same check before any training, and evaluate again before any
     model loads)."""
-    params = load_params(args.file, args.set)
+    params = load_sweep_params(args.file, args.set)  # the sweep section too
     if params.robustness.public is not None:
         from stages.harness.runner import StageError
         from stages.published_check import check_public_sets

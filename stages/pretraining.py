@@ -37,8 +37,16 @@ def checkpoint_epochs(params: Params) -> list[int]:
     if params.imports_cnn:
         return [params.t1()]
     wanted = {params.reparam.epoch, params.pretrain.epochs, *params.pretrain.checkpoint_epochs}
-    wanted.update(int(v) for v in params.sweep.grid.get("reparam.epoch", []))
+    wanted.update(int(v) for v in sweep_t1s(params))
     return sorted(e for e in wanted if 0 <= e <= params.pretrain.epochs)
+
+
+def sweep_t1s(params: Params) -> list[Any]:
+    """The values of ``sweep.grid["reparam.epoch"]`` in the params file (its sweep section is carried as
+    written and typed only by the sweep, pipelines/sweep/settings.py; a sweep's trials get an empty grid)."""
+    grid = params.model_dump(include={"sweep"}).get("sweep", {}).get("grid") or {}
+    values = grid.get("reparam.epoch", []) if isinstance(grid, dict) else []
+    return values if isinstance(values, list) else []
 
 
 def model_spec(params: Params, num_classes: int, in_chans: int) -> dict[str, Any]:

@@ -306,13 +306,14 @@ def test_the_sentence_next_to_an_interval(mean, low, high, lower, says) -> None:
 
 
 def test_select_over_must_be_a_grid_key() -> None:
-    from core.config import ConfigError, validate_params
+    from core.config import ConfigError
+    from pipelines.sweep.sweep_params import validate_sweep_params
 
     with pytest.raises(ConfigError, match=r"sweep.select.over: 'finetune.lr' is not a grid key"):
-        validate_params({"sweep": {"grid": {"seed": [0, 1]}, "select": {"over": ["finetune.lr"]}}})
+        validate_sweep_params({"sweep": {"grid": {"seed": [0, 1]}, "select": {"over": ["finetune.lr"]}}})
     with pytest.raises(ConfigError, match="sweep.select.over: 'seed'"):
-        validate_params({"sweep": {"grid": {"seed": [0, 1]}, "select": {"over": ["seed"]}}})
-    p = validate_params(
+        validate_sweep_params({"sweep": {"grid": {"seed": [0, 1]}, "select": {"over": ["seed"]}}})
+    p = validate_sweep_params(
         {"sweep": {"grid": {"finetune.lr": [1e-4, 1e-3]}, "select": {"over": ["finetune.lr"]}}}
     )
     assert p.sweep.select.over == ["finetune.lr"]
@@ -324,10 +325,10 @@ def test_select_over_must_be_a_grid_key() -> None:
 def _study_params(tmp_path: Path):
     """The shipped preset, its data.source pointed at a file of the test's own (the preset names the copy in
     ../shared/datasets, which the tests never need)."""
-    from core.config import load_params
+    from pipelines.sweep.sweep_params import load_sweep_params
 
     (tmp_path / "cifar10.tar.gz").write_bytes(b"")
-    return load_params(STUDY, [f"data.source={tmp_path / 'cifar10.tar.gz'}"])
+    return load_sweep_params(STUDY, [f"data.source={tmp_path / 'cifar10.tar.gz'}"])
 
 
 def test_study_network_gives_every_gpsa_layer_an_8x8_map_at_32px(tmp_path: Path) -> None:

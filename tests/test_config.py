@@ -14,8 +14,9 @@ import pytest
 import yaml
 from _train_helpers import repo_pythonpath
 
-from core.config import ConfigError, Params, load_params
+from core.config import ConfigError, Params
 from pipelines.cli import main as tcnn_main
+from pipelines.sweep.sweep_params import SweepParams, load_sweep_params
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT = yaml.safe_load((REPO / "params.yaml").read_text())
@@ -43,7 +44,7 @@ def write(tmp_path: Path, raw: Any, name: str = "bad.yaml") -> Path:
 
 
 def test_default_params_validate() -> None:
-    params = load_params(REPO / "params.yaml")
+    params = load_sweep_params(REPO / "params.yaml")
     assert isinstance(params, Params)
     assert params.data.name == "fashion_mnist" and 0 < params.data.sample_fraction <= 1
     assert params.reparam.epoch <= params.pretrain.epochs
@@ -119,7 +120,7 @@ def test_there_are_at_least_20_bad_configurations() -> None:
 def test_bad_configuration(tmp_path: Path, change: dict[str, Any], fragment: str) -> None:
     path = write(tmp_path, merged(change))
     with pytest.raises(ConfigError) as info:
-        load_params(path)
+        load_sweep_params(path)
     msg = str(info.value)
     assert fragment in msg
     assert msg.startswith(f"{path}: ") and "\n" not in msg
@@ -149,21 +150,23 @@ def test_bad_bracket(tmp_path: Path, bracket: Any, grid: list | None, fragment: 
         sweep["grid"]["finetune.lr"] = grid
     path = write(tmp_path, merged({"sweep": sweep}))
     with pytest.raises(ConfigError) as info:
-        load_params(path)
+        load_sweep_params(path)
     assert fragment in str(info.value) and "\n" not in str(info.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]
 
 
 def test_bracket_settings() -> None:
     """``bracket: true`` takes the defaults and the one key of over; no bracket on an empty over is refused."""
-    from core.config import bracket_key, log_step
+    from pipelines.sweep.settings import bracket_key, log_step
 
-    p = load_params(REPO / "params.yaml", [f"sweep.grid.finetune.lr={LR_GRID['grid']['finetune.lr']}",
+    p = load_sweep_params(REPO / "params.yaml", [f"sweep.grid.finetune.lr={LR_GRID['grid']['finetune.lr']}",
                                            "sweep.select.over=[finetune.lr]", "sweep.select.bracket=true"])  # fmt: skip
     assert p.sweep.select.bracket.max_rounds == 3 and bracket_key(p.sweep.select) == "finetune.lr"
-    assert load_params(REPO / "params.yaml", ["sweep.select.bracket=false"]).sweep.select.bracket is None
+    assert (
+        load_sweep_params(REPO / "params.yaml", ["sweep.select.bracket=false"]).sweep.select.bracket is None
+    )
     with pytest.raises(ConfigError, match="sweep.select.bracket.key: name the key to extend"):
-        load_params(REPO / "params.yaml", ["sweep.select.bracket=true"])
+        load_sweep_params(REPO / "params.yaml", ["sweep.select.bracket=true"])
     assert log_step([0.01, 0.0001, 0.001]) == 10.0 and log_step([1, 2, 4]) == 2.0
     assert log_step([1, 2, 3]) is None and log_step([0.0, 1.0]) is None and log_step([True, 2]) is None
 
@@ -178,12 +181,12 @@ def test_bracket_settings() -> None:
 )
 def test_malformed_files(tmp_path: Path, text: str, fragment: str) -> None:
     with pytest.raises(ConfigError, match=rf".*{fragment.replace('(', '[(]')}"):
-        load_params(write(tmp_path, text))
+        load_sweep_params(write(tmp_path, text))
 
 
 def test_missing_params_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="nope.yaml: no such params file"):
-        load_params(tmp_path / "nope.yaml")
+        load_sweep_params(tmp_path / "nope.yaml")
 
 
 @pytest.mark.parametrize(
@@ -198,11 +201,13 @@ def test_missing_params_file(tmp_path: Path) -> None:
 )
 def test_bad_overrides(override: str, fragment: str) -> None:
     with pytest.raises(ConfigError, match=".*" + fragment.replace("(", "[(]")):
-        load_params(REPO / "params.yaml", [override])
+        load_sweep_params(REPO / "params.yaml", [override])
 
 
 def test_good_overrides_are_typed() -> None:
-    p = load_params(REPO / "params.yaml", ["data.sample_fraction=0.1", "reparam.alpha_init=2", "seed=3"])
+    p = load_sweep_params(
+        REPO / "params.yaml", ["data.sample_fraction=0.1", "reparam.alpha_init=2", "seed=3"]
+    )
     assert p.data.sample_fraction == 0.1 and p.reparam.alpha_init == 2.0 and p.seed == 3
     assert p.with_overrides({"reparam.lambda_init": 5}).reparam.lambda_init == 5.0
     with pytest.raises(ConfigError, match="reparam.alpha_init: Input should be greater than 0"):
@@ -266,7 +271,7 @@ def test_real_processes_exit_2_and_write_nothing(tmp_path: Path) -> None:
 )
 def test_rejected_edge_cases(tmp_path: Path, change: dict[str, Any], fragment: str) -> None:
     try:
-        load_params(write(tmp_path, merged(change)))
+        load_sweep_params(write(tmp_path, merged(change)))
     except ConfigError as err:
         assert fragment in str(err)
         return
@@ -276,7 +281,7 @@ def test_rejected_edge_cases(tmp_path: Path, change: dict[str, Any], fragment: s
 def test_sweep_grid_override_with_dotted_key() -> None:
     """DESIGN section 4: `sweep.grid.<dotted param>`; `-S` must reach any param, grid entries included."""
     try:
-        p = load_params(REPO / "params.yaml", ["sweep.grid.data.sample_fraction=[0.1, 0.5]"])
+        p = load_sweep_params(REPO / "params.yaml", ["sweep.grid.data.sample_fraction=[0.1, 0.5]"])
     except ConfigError as err:
         raise AssertionError(str(err)) from None
     assert p.sweep.grid == {"data.sample_fraction": [0.1, 0.5]}
@@ -284,11 +289,13 @@ def test_sweep_grid_override_with_dotted_key() -> None:
 
 def test_config_defaults_equal_params_yaml() -> None:
     """One default per key: the pydantic model's defaults are the default experiment of params.yaml."""
-    assert Params().model_dump(mode="json") == load_params(REPO / "params.yaml").model_dump(mode="json")
+    assert SweepParams().model_dump(mode="json") == load_sweep_params(REPO / "params.yaml").model_dump(
+        mode="json"
+    )
 
 
 def test_one_augmentation_policy_unless_a_phase_sets_its_own() -> None:
-    p = load_params(REPO / "params.yaml")
+    p = load_sweep_params(REPO / "params.yaml")
     assert p.augment_for("pretrain") == p.augment_for("finetune") == p.augment
     own = p.with_overrides({"finetune.augment.crop_padding": 0})
     assert own.augment_for("finetune").crop_padding == 0 and own.augment_for("pretrain") == p.augment
@@ -296,7 +303,7 @@ def test_one_augmentation_policy_unless_a_phase_sets_its_own() -> None:
 
 def test_learning_rates_scale_with_the_batch() -> None:
     """[TCNN21] Sec. 3 gives lr 1e-4 and the gates' 0.1 at batch 1024: both scale linearly, keeping their ratio."""
-    p = load_params(REPO / "params.yaml").with_overrides({"finetune.batch_size": 256})
+    p = load_sweep_params(REPO / "params.yaml").with_overrides({"finetune.batch_size": 256})
     lr, gate = p.finetune.scaled_lrs()
     assert lr == pytest.approx(p.finetune.lr / 4) and gate == pytest.approx(p.finetune.gate_lr / 4)
 
@@ -321,7 +328,7 @@ def test_study_design_keys_are_checked(tmp_path: Path, extra: dict, fragment: st
         raw.setdefault(section, {}).update(values)
     path = write(tmp_path, raw)
     with pytest.raises(ConfigError) as info:
-        load_params(path)
+        load_sweep_params(path)
     assert fragment in str(info.value) and "\n" not in str(info.value)
 
 
@@ -352,7 +359,7 @@ def test_values_validation_let_through_are_one_line(
     unclosed `{` in -S was a yaml traceback; alexnet normalised a 28 px run by ImageNet-C's errors; corrupted
     sets inside data.dir changed prepare's DVC output. Each is now one line, exit 2, nothing written."""
     with pytest.raises(ConfigError) as info:
-        load_params(REPO / "params.yaml", [override])
+        load_sweep_params(REPO / "params.yaml", [override])
     assert fragment in str(info.value) and "\n" not in str(info.value)
     path = write(tmp_path, merged({}), "params.yaml")
     assert tcnn_main(["validate", str(path), "-S", override]) == 2
@@ -389,8 +396,9 @@ def test_the_name_registries_load_no_science() -> None:
     published benchmarks, precisions) from modules that load neither torch, numpy, PIL nor timm, in a fresh
     interpreter; and the names are the ones the science modules use."""
     probe = (
-        "import sys; from core.config import REGISTRIES, allowed\n"
-        "names = {r: allowed(r) for r in REGISTRIES}\n"
+        "import sys; from core.config import allowed, rules\n"
+        "names = {r: allowed(r) for r in rules.name_questions()}\n"
+        "assert len(names) == 6, names\n"
         "print(sorted(m for m in ('torch', 'numpy', 'PIL', 'timm', 'scipy', 'pyarrow') if m in sys.modules))"
     )
     env = {**os.environ, "PYTHONPATH": repo_pythonpath()}

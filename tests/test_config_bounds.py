@@ -19,7 +19,8 @@ from _train_helpers import stage_env
 from pydantic import BaseModel
 from ruamel.yaml import YAML
 
-from core.config import ConfigError, Params, load_params, parse_override, read_yaml
+from core.config import ConfigError, parse_override, read_yaml
+from pipelines.sweep.sweep_params import SweepParams, load_sweep_params
 
 REPO = Path(__file__).resolve().parents[1]
 SEARCH = "sweep.search={space: {finetune.lr: {loguniform: [0.0001, 0.01]}}, seed: %d}"
@@ -31,11 +32,11 @@ def test_the_search_seed_is_bounded_where_numpy_bounds_it() -> None:
     np.random.RandomState(top)  # the library's own bound, the independent truth
     with pytest.raises(ValueError):
         np.random.RandomState(top + 1)
-    assert load_params(REPO / "params.yaml", [SEARCH % top]).sweep.search.seed == top
+    assert load_sweep_params(REPO / "params.yaml", [SEARCH % top]).sweep.search.seed == top
     with pytest.raises(
         ConfigError, match=r"sweep\.search\.seed: Input should be less than or equal to 4294967295"
     ):
-        load_params(REPO / "params.yaml", [SEARCH % (top + 1)])
+        load_sweep_params(REPO / "params.yaml", [SEARCH % (top + 1)])
 
 
 def _int_fields(model: type[BaseModel], prefix: str = "") -> typing.Iterator[tuple[str, object]]:
@@ -53,7 +54,7 @@ def _int_fields(model: type[BaseModel], prefix: str = "") -> typing.Iterator[tup
 
 def test_every_count_has_an_upper_bound() -> None:
     """Each int of the params (epochs, batch sizes, images, steps, trials, workers, seeds) has a maximum."""
-    fields = dict(_int_fields(Params))
+    fields = dict(_int_fields(SweepParams))  # the science's sections and the sweep's
     assert {"pretrain.epochs", "sweep.search.num_samples", "robustness.n_images", "seed"} <= set(fields)
     unbounded = [k for k, info in fields.items()
                  if not any(isinstance(m, annotated_types.Le | annotated_types.Lt) for m in info.metadata)]  # fmt: skip
@@ -72,7 +73,7 @@ def test_every_count_has_an_upper_bound() -> None:
 )  # fmt: skip
 def test_a_count_beyond_its_bound_is_one_line(override: str, fragment: str) -> None:
     with pytest.raises(ConfigError, match=re.escape(fragment)):
-        load_params(REPO / "params.yaml", [override])
+        load_sweep_params(REPO / "params.yaml", [override])
 
 
 def test_a_grid_of_too_many_trials_is_refused() -> None:
@@ -81,7 +82,7 @@ def test_a_grid_of_too_many_trials_is_refused() -> None:
         "sweep.grid.finetune.lr=" + str([1e-4] * 100),
     ]
     with pytest.raises(ConfigError, match=r"sweep\.grid: 10100 trials \(the product"):
-        load_params(REPO / "params.yaml", grid)
+        load_sweep_params(REPO / "params.yaml", grid)
 
 
 NUMBERS = [
@@ -117,12 +118,12 @@ def test_numbers_read_as_yaml_1_2_and_dvc_read_them() -> None:
 
 def test_a_search_in_flow_style_with_exponents_is_accepted(tmp_path: Path) -> None:
     override = "sweep.search={space: {finetune.lr: {loguniform: [1e-4, 1e-2]}}}"
-    params = load_params(REPO / "params.yaml", [override])
+    params = load_sweep_params(REPO / "params.yaml", [override])
     assert params.sweep.search.space == {"finetune.lr": {"loguniform": [1e-4, 1e-2]}}
     text = (REPO / "params.yaml").read_text().replace("  lr: 0.0001", "  lr: 1e-4")
     assert "lr: 1e-4" in text
     (tmp_path / "p.yaml").write_text(text)
-    assert load_params(tmp_path / "p.yaml").finetune.lr == 1e-4
+    assert load_sweep_params(tmp_path / "p.yaml").finetune.lr == 1e-4
 
 
 def _workspace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -152,10 +153,10 @@ def test_model_code_is_a_workspace_path_that_exists(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: str, fragment: str
 ) -> None:
     _workspace(tmp_path, monkeypatch)
-    assert load_params("params.yaml", ["model.code=nets/mine.py"]).model.code == Path("nets/mine.py")
-    assert load_params("params.yaml", ["model.code=nets"]).model.code == Path("nets")
+    assert load_sweep_params("params.yaml", ["model.code=nets/mine.py"]).model.code == Path("nets/mine.py")
+    assert load_sweep_params("params.yaml", ["model.code=nets"]).model.code == Path("nets")
     with pytest.raises(ConfigError, match=re.escape(fragment)):
-        load_params("params.yaml", [f"model.code={code}"])
+        load_sweep_params("params.yaml", [f"model.code={code}"])
 
 
 def test_tcnn_validate_refuses_model_code_in_one_line(
@@ -215,4 +216,4 @@ def test_a_shipped_params_file_validates_and_has_every_param_dvc_reads(path: Pat
         stand_in = tmp_path / "w.th"  # the weights are the user's download: only their readability is checked
         stand_in.write_bytes(b"stand-in")
         sets.append(f"pretrain.source.weights={stand_in}")
-    load_params(path, sets)
+    load_sweep_params(path, sets)

@@ -28,6 +28,7 @@ from core.models.cnn_layout import conversion_targets
 from core.models.importing import IMAGENET_MEAN, ImportError_, import_cnn, normalization
 from core.models.reparam import to_tcnn
 from core.models.spec import build_from_spec, make_model_spec
+from pipelines.sweep.sweep_params import validate_sweep_params
 
 LARGE = {"alpha_init": 50.0, "lambda_init": 50.0}
 
@@ -300,7 +301,7 @@ def test_params_refuse_what_an_import_rules_out(tmp_path: Path) -> None:
         for k, v in extra.items():
             raw.setdefault(k, {}).update(v)
         with pytest.raises(ConfigError, match=message):
-            validate_params(raw)
+            validate_sweep_params(raw)  # the whole file, its sweep section too
     with pytest.raises(ConfigError, match="sha256: required for a weights file"):
         validate_params({"pretrain": {"source": {"weights": str(path)}}})
     with pytest.raises(ConfigError, match="pretrain.source.mean: 'torch.nn:Conv2d' is a user's builder"):
@@ -473,7 +474,7 @@ def test_a_sweep_shares_one_import_across_inits_and_seeds(tmp_path: Path, monkey
     weights, sha = save_user_checkpoint(tmp_path)
     monkeypatch.chdir(tmp_path)
     source = {"weights": str(weights.relative_to(tmp_path)), "sha256": sha, "mean": [0.3], "std": [0.35]}
-    base = validate_params(
+    base = validate_sweep_params(
         {
             **yaml.safe_load(path.read_text()),
             "model": {"kind": "tcnn", "arch": "mynets:small", "code": "mynets.py"},

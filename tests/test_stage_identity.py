@@ -10,10 +10,10 @@ from pathlib import Path
 import yaml
 from test_sweep import make_project
 
-from core.config import load_params
 from core.data import read_manifest
 from core.robustness import corruptions as C
 from pipelines.sweep.plan import make_plan
+from pipelines.sweep.sweep_params import load_sweep_params
 from stages import control, corrupt, finetune, pretrain, pretraining
 from stages.harness import training as T
 from stages.harness.identity import code_digest, key
@@ -23,7 +23,7 @@ def test_the_sweep_names_shared_work_by_the_stages_own_identities(tmp_path: Path
     """The shared pretraining, control and corrupted-set keys of a planned sweep are the keys of the identities
     the stages compute from the prepared data as the DVC path loads it (not a second description)."""
     path = make_project(tmp_path, {"reparam.alpha_init": [0.5, 2.0], "finetune.lr": [0.004, 0.01]})
-    plan = make_plan(load_params(path), cwd=tmp_path)
+    plan = make_plan(load_sweep_params(path), cwd=tmp_path)
     for t in plan.trials:
         p = t.params
         ds = T.datasets(p)
@@ -41,7 +41,7 @@ def test_the_sweep_names_shared_work_by_the_stages_own_identities(tmp_path: Path
 
 def test_corrupted_sets_carry_the_stage_identity_and_ignore_the_requested_list(tmp_path: Path) -> None:
     path = make_project(tmp_path, {})
-    params = load_params(path)
+    params = load_sweep_params(path)
     manifest = read_manifest(tmp_path / "data")
     ident = key(corrupt.identity(params, manifest))
     fewer = params.with_overrides({"robustness.corruptions": ["contrast"]})
@@ -77,7 +77,7 @@ def test_the_code_part_is_the_stage_deps_dvc_yaml_lists(tmp_path: Path) -> None:
 
 
 def test_the_resume_hash_adds_the_kept_epochs_to_the_identity(tmp_path: Path) -> None:
-    params = load_params(make_project(tmp_path, {}))
+    params = load_sweep_params(make_project(tmp_path, {}))
     spec = {"arch": "toy"}
     more = params.with_overrides({"pretrain.checkpoint_epochs": [0]})
     assert pretrain.identity(params, spec, "f", "cpu") == pretrain.identity(more, spec, "f", "cpu")
@@ -91,7 +91,7 @@ def test_the_smoke_size_is_part_of_every_identity_that_reads_a_capped_split(tmp_
     existed keep their names); a test cap at or above robustness.n_images leaves the corrupted sets as they are
     (the capped split's first images are the whole split's)."""
     path = make_project(tmp_path, {})
-    params = load_params(path)
+    params = load_sweep_params(path)
     manifest = read_manifest(tmp_path / "data")
     ds = T.datasets(params, tmp_path)
     spec = pretraining.model_spec(params, ds.num_classes, ds.in_chans)

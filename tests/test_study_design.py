@@ -16,9 +16,10 @@ from _train_helpers import tiny_params, write_dataset
 from scipy import stats
 from test_sweep import make_project
 
-from core.config import Params, load_params
+from core.config import Params
 from pipelines.sweep.plan import make_plan
 from pipelines.sweep.selection import choose, markdown, over_seeds, pooled
+from pipelines.sweep.sweep_params import load_sweep_params
 from stages import finetune, pretrain
 from stages.harness import training as T
 
@@ -77,11 +78,11 @@ def test_choose_treats_the_cnn_seed_as_a_replicate_not_a_configuration() -> None
 def test_a_sweep_over_seeds_on_one_cnn_pretrains_and_corrupts_once(tmp_path: Path) -> None:
     """pretrain.seed fixed, seed gridded: one pretraining group and one corrupted-set directory for all seeds,
     one control per seed; without pretrain.seed every seed has its own CNN and sets."""
-    shared = make_plan(load_params(make_project(tmp_path / "a", {"seed": [0, 1, 2]}, pretrain={"seed": 5})),
+    shared = make_plan(load_sweep_params(make_project(tmp_path / "a", {"seed": [0, 1, 2]}, pretrain={"seed": 5})),
                        cwd=tmp_path / "a")  # fmt: skip
     assert len(shared.groups) == 1 and len({t.corrupt_key for t in shared.trials}) == 1
     assert len({t.control_key for t in shared.trials}) == 3
-    own = make_plan(load_params(make_project(tmp_path / "b", {"seed": [0, 1, 2]})), cwd=tmp_path / "b")
+    own = make_plan(load_sweep_params(make_project(tmp_path / "b", {"seed": [0, 1, 2]})), cwd=tmp_path / "b")
     assert len(own.groups) == 3 and len({t.corrupt_key for t in own.trials}) == 3
 
 
@@ -150,7 +151,7 @@ def test_the_power_study_preset_is_the_stated_design(tmp_path: Path) -> None:
     """pipelines/studies/cifar10_power.yaml: one CNN for every seed, 10,000 validation images, corrupted sets at
     CIFAR-10-C's size, early stopping for both arms, the lr bracketed; its phase-2 overrides (docs/studies.md)
     validate, give the control its own lr and select nothing."""
-    p = load_params(POWER)
+    p = load_sweep_params(POWER)
     assert p.pretrain.seed == 0 and p.sweep.grid["seed"] == [0, 1, 2] and "pretrain.seed" not in p.sweep.grid
     assert (p.data.val_size, p.robustness.n_images, p.precision) == (10_000, 10_000, "fp32")
     assert p.finetune.stop is not None and p.sweep.select.bracket is not None
@@ -162,7 +163,7 @@ def test_the_power_study_preset_is_the_stated_design(tmp_path: Path) -> None:
     args = [
         a.replace("<T-CNN's pooled lr>", "0.01").replace("<control's pooled lr>", "0.001") for a in phase2
     ]
-    main = load_params(POWER, overrides=args)
+    main = load_sweep_params(POWER, overrides=args)
     assert main.sweep.grid == {"seed": [3, 4, 5, 6, 7, 8, 9, 10]} and main.sweep.select.over == []
     assert (main.finetune.lr, main.for_control().finetune.lr) == (0.01, 0.001)
 

@@ -132,9 +132,9 @@ REFUSED = [
 
 @pytest.mark.parametrize(("sweep", "words"), REFUSED)
 def test_a_design_it_cannot_run_is_refused(tmp_path: Path, sweep, words) -> None:
-    from core.config import load_params
+    from pipelines.sweep.sweep_params import load_sweep_params
 
-    params = load_params(
+    params = load_sweep_params(
         make_project(tmp_path, {}, sweep=sweep)
     )  # a grid beside a search: core.config refuses
     with pytest.raises(study.StudyRunError, match=re.escape(words)):
@@ -248,18 +248,18 @@ def test_the_resnet20_study_is_a_search_the_command_runs_and_its_dry_run_is_smok
     """pipelines/studies/cifar10_resnet20.yaml (issue 57): the release imported, validation from the test half,
     each arm's lr searched on a range holding the paper's 1e-4 with >= 3 candidates; --dry-run keeps the design
     and caps the size."""
-    from core.config import load_params
+    from pipelines.sweep.sweep_params import load_sweep_params
 
     weights = tmp_path / "w.th"
     weights.write_bytes(b"stand-in: only its readability is checked here")
     path, at = Path("pipelines/studies/cifar10_resnet20.yaml"), [f"pretrain.source.weights={weights}"]
-    params = load_params(path, at)
+    params = load_sweep_params(path, at)
     study.check_search(params)
     assert params.data.val_from == "test_half" and params.data.val_size == 0
     (kind, (lo, hi)), = params.sweep.search.space["finetune.lr"].items()  # fmt: skip
     assert kind == "loguniform" and lo < 1e-4 < hi and params.sweep.search.min_finished >= 3
     assert params.sweep.scheduler is not None and params.finetune.stop is None
-    dry = load_params(path, [*study.DRY_RUN, *at])
+    dry = load_sweep_params(path, [*study.DRY_RUN, *at])
     study.check_search(dry)
     assert (
         dry.finetune.epochs == 1

@@ -19,9 +19,10 @@ import pytest
 import yaml
 from _train_helpers import tiny_params, write_dataset
 
-from core.config import load_params, plan_epochs
+from core.config import plan_epochs
 from pipelines.cli import main as tcnn_main
 from pipelines.sweep.plan import SweepError, expand_grid, make_plan
+from pipelines.sweep.sweep_params import SweepParams, load_sweep_params
 
 REPO = Path(__file__).resolve().parents[1]
 TCNN = str(Path(sys.executable).with_name("tcnn"))
@@ -90,7 +91,7 @@ def test_expand_grid_is_the_cartesian_product_first_key_slowest() -> None:
 
 def test_plan_groups_trials_by_pretraining_inputs(tmp_path: Path) -> None:
     path = make_project(tmp_path, {"reparam.epoch": [1, 2], "reparam.alpha_init": [0.5, 2.0]})
-    plan = make_plan(load_params(path), cwd=tmp_path)
+    plan = make_plan(load_sweep_params(path), cwd=tmp_path)
     assert len(plan.trials) == 4
     assert [(t.params.reparam.epoch, t.params.reparam.alpha_init) for t in plan.trials] == [
         (1, 0.5), (1, 2.0), (2, 0.5), (2, 2.0)
@@ -112,7 +113,7 @@ def test_plan_makes_a_relative_data_source_absolute(tmp_path: Path, monkeypatch)
     path = make_project(tmp_path, {"seed": [0, 1]})
     (tmp_path / "raw").mkdir()
     monkeypatch.chdir(tmp_path)
-    base = load_params(path).with_overrides({"data.source": "raw"})
+    base = load_sweep_params(path).with_overrides({"data.source": "raw"})
     monkeypatch.chdir("/")
     plan = make_plan(base, cwd=tmp_path)
     assert {t.params.data.source for t in plan.trials} == {(tmp_path / "raw").resolve()}
@@ -120,14 +121,14 @@ def test_plan_makes_a_relative_data_source_absolute(tmp_path: Path, monkeypatch)
 
 def test_plan_separates_what_changes_pretraining(tmp_path: Path) -> None:
     path = make_project(tmp_path, {"seed": [0, 1], "model.kind": ["cnn", "tcnn"]})
-    plan = make_plan(load_params(path), cwd=tmp_path)
+    plan = make_plan(load_sweep_params(path), cwd=tmp_path)
     # Two seeds -> two pretraining runs; kinds cnn and tcnn pretrain the same CNN.
     assert len(plan.groups) == 2
     for g in plan.groups.values():
         assert {plan.trial(tid).params.seed for tid in g.trials} == {g.params.seed}
         assert {plan.trial(tid).params.model.kind for tid in g.trials} == {"cnn", "tcnn"}
     assert len({t.corrupt_key for t in plan.trials}) == 2  # corrupted sets are seeded
-    base = load_params(path)
+    base = load_sweep_params(path)
     lr = make_plan(base.with_overrides({"pretrain.lr": 0.01}), cwd=tmp_path)
     ft = make_plan(base.with_overrides({"finetune.lr": 0.01}), cwd=tmp_path)
     assert set(lr.groups).isdisjoint(plan.groups)
@@ -140,7 +141,7 @@ def test_fraction_scaling_keeps_images_seen_and_t1_in_place(tmp_path: Path) -> N
         {"data.sample_fraction": [0.25, 1.0], "reparam.epoch": [1, 2]},
         pretrain={"warmup_epochs": 0.5},
     )
-    plan = make_plan(load_params(path), cwd=tmp_path)
+    plan = make_plan(load_sweep_params(path), cwd=tmp_path)
     by = {(t.overrides["data.sample_fraction"], t.overrides["reparam.epoch"]): t.params for t in plan.trials}
     # f = 0.25: E = 2 -> 8 epochs, t1 1 -> 4 and 2 -> 8, warmup 0.5 -> 2 epochs, fine-tuning 1 -> 4 epochs.
     assert by[(0.25, 1)].pretrain.epochs == 8 and by[(0.25, 1)].reparam.epoch == 4
@@ -150,12 +151,12 @@ def test_fraction_scaling_keeps_images_seen_and_t1_in_place(tmp_path: Path) -> N
     assert by[(1.0, 1)].pretrain.epochs == 2 and by[(1.0, 2)].reparam.epoch == 2
     assert len(plan.groups) == 2
     assert sorted(g.epochs for g in plan.groups.values()) == [[1, 2], [4, 8]]
-    off = load_params(path).with_overrides(
+    off = load_sweep_params(path).with_overrides(
         {"data.fraction_scales_epochs": False, "data.sample_fraction": 0.25}
     )
     assert plan_epochs(off) == off
     # The DVC path plans with the same function: a trial's params are the stage's planned params.
-    on = load_params(path).with_overrides({"data.sample_fraction": 0.25, "reparam.epoch": 1})
+    on = load_sweep_params(path).with_overrides({"data.sample_fraction": 0.25, "reparam.epoch": 1})
     planned = plan_epochs(on)
     assert by[(0.25, 1)].pretrain == planned.pretrain and by[(0.25, 1)].finetune == planned.finetune
 
@@ -200,7 +201,7 @@ def test_existing_sweep_needs_resume_and_same_params(
     (tmp_path / "sweeps" / "s").mkdir(parents=True)
     from pipelines.sweep.spec import build_spec
 
-    spec = build_spec(load_params(path), name="s", params_file=path)
+    spec = build_spec(load_sweep_params(path), name="s", params_file=path)
     (tmp_path / "sweeps" / "s" / "sweep.json").write_text(json.dumps(spec))
     before = listing(tmp_path)
     assert tcnn_main(["sweep", "--params", str(path), "--name", "s"]) == 2
@@ -248,7 +249,7 @@ def test_simultaneous_trials_pretrain_once(tmp_path: Path) -> None:
     from pipelines.sweep.spec import build_spec
 
     path = make_project(tmp_path, {"reparam.alpha_init": [0.5, 2.0]}, n_train=600)
-    spec = build_spec(load_params(path), name="s", params_file=path, cwd=tmp_path)
+    spec = build_spec(load_sweep_params(path), name="s", params_file=path, cwd=tmp_path)
     (key,) = spec["groups"]
     Path(spec["sweep_dir"]).mkdir(parents=True)
     ctx = mp.get_context("spawn")
@@ -330,13 +331,13 @@ def test_plots_only_for_what_the_grid_varies(tmp_path: Path) -> None:
 
 
 def test_sweep_share_pretraining_key(tmp_path: Path) -> None:
-    from core.config import ConfigError, Params
+    from core.config import ConfigError
 
-    assert Params().sweep.share_pretraining is True
+    assert SweepParams().sweep.share_pretraining is True
     path = make_project(tmp_path, {"seed": [0]})
-    assert load_params(path, ["sweep.share_pretraining=false"]).sweep.share_pretraining is False
+    assert load_sweep_params(path, ["sweep.share_pretraining=false"]).sweep.share_pretraining is False
     with pytest.raises(ConfigError, match="sweep.share_pretraining"):
-        load_params(path, ["sweep.share_pretraining=[1]"])
+        load_sweep_params(path, ["sweep.share_pretraining=[1]"])
 
 
 def test_t1_plot_with_equal_values_per_point(tmp_path: Path) -> None:
@@ -414,7 +415,7 @@ def test_a_stage_published_before_a_kill_is_not_trained_again(tmp_path: Path) ->
     from pipelines.sweep.trial import STAGE_LOG, TrialRunner
 
     path = make_project(tmp_path, {"reparam.alpha_init": [0.5]})
-    spec = build_spec(load_params(path), name="s", params_file=path, cwd=tmp_path)
+    spec = build_spec(load_sweep_params(path), name="s", params_file=path, cwd=tmp_path)
     (tid,) = spec["trials"]
     runner = TrialRunner(spec, tid, report=False)
     runner.marks.mkdir(parents=True)

@@ -101,11 +101,11 @@ def test_unfinished_trials_do_not_choose_and_an_integer_grid_stays_integer() -> 
 
 
 def _spec(tmp_path: Path, grid: dict, select: dict) -> dict:
-    from core.config import load_params
     from pipelines.sweep.spec import build_spec
+    from pipelines.sweep.sweep_params import load_sweep_params
 
     path = make_project(tmp_path, grid, sweep={"select": select})
-    return build_spec(load_params(path), name="b", params_file=path, cwd=tmp_path)
+    return build_spec(load_sweep_params(path), name="b", params_file=path, cwd=tmp_path)
 
 
 def test_extend_plans_only_the_new_values_and_keeps_every_trial(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from test_sweep import TCNN, make_project, sweep_env
 
-from core.config import load_params
+from pipelines.sweep.sweep_params import load_sweep_params
 from stages.harness.tracking import store_client
 from stages.harness.tracking_names import flatten_params
 
@@ -131,7 +131,7 @@ def test_sweep_2x2_one_pretraining_mlflow_parent_children_and_reuse(tmp_path: Pa
     combos = {(int(c.data.params["reparam_epoch"]), float(c.data.params["alpha_init"])) for c in children}
     assert combos == set(itertools.product(GRID["reparam.epoch"], GRID["reparam.alpha_init"]))
     dvc_names = set(
-        flatten_params(load_params(path).with_overrides({"sweep.grid": {}}))
+        flatten_params(load_sweep_params(path).with_overrides({"sweep.grid": {}}))
     )  # as `dvc repro` logs
     for c in children:
         assert set(c.data.params) == dvc_names

@@ -12,17 +12,17 @@ from pathlib import Path
 import pytest
 from test_sweep import make_project
 
-from core.config import load_params
 from pipelines.sweep import driver
 from pipelines.sweep.plan import SweepError
 from pipelines.sweep.spec import build_spec, check_resources
+from pipelines.sweep.sweep_params import load_sweep_params
 from stages.harness.tracking import store_client
 
 NODE = {"CPU": 4.0, "GPU": 1.0}
 
 
 def _spec(root: Path, *sets: str, name: str = "s") -> dict:
-    params = load_params(root / "params.yaml", list(sets))
+    params = load_sweep_params(root / "params.yaml", list(sets))
     return build_spec(params, name=name, params_file=root / "params.yaml", cwd=root)
 
 

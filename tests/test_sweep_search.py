@@ -25,7 +25,7 @@ import pytest
 import yaml
 from test_sweep import TCNN, make_project, sweep_env
 
-from core.config import ConfigError, load_params, validate_params
+from core.config import ConfigError
 from pipelines.sweep import from_search as fs
 from pipelines.sweep.plan import SweepError
 from pipelines.sweep.progress import SearchProgress
@@ -38,13 +38,14 @@ from pipelines.sweep.search import (
     make_searcher,
     warnings_for,
 )
+from pipelines.sweep.sweep_params import load_sweep_params, validate_sweep_params
 from stages.harness.tracking import store_client
 
 SPACE = {"finetune.lr": {"loguniform": [1e-4, 1e-1]}, "reparam.alpha_init": {"choice": [0.5, 1.0, 2.0]}}
 
 
 def _raw(**sweep: Any) -> dict[str, Any]:
-    raw = load_params(Path(__file__).parents[1] / "params.yaml").model_dump(mode="json")
+    raw = load_sweep_params(Path(__file__).parents[1] / "params.yaml").model_dump(mode="json")
     raw["sweep"].update(sweep)
     return raw
 
@@ -85,7 +86,7 @@ def test_a_bad_search_is_one_line_naming_the_key(sweep: dict[str, Any], line: st
     raw = _raw(**sweep)
     raw["finetune"]["epochs"] = 4  # room for a rung before the last epoch
     with pytest.raises(ConfigError) as err:
-        validate_params(raw)
+        validate_sweep_params(raw)
     assert line in str(err.value) and "\n" not in str(err.value)
 
 
@@ -93,17 +94,17 @@ def test_search_refuses_a_fixed_control_lr_and_no_validation() -> None:
     raw = _raw(search={"space": SPACE})
     raw["finetune"]["control_lr"] = 0.01
     with pytest.raises(ConfigError, match="finetune.control_lr fixes its lr apart"):
-        validate_params(raw)
+        validate_sweep_params(raw)
     raw = _raw(search={"space": SPACE})
     raw["finetune"]["stop"] = {"patience": 2}
     with pytest.raises(ConfigError, match="a search stops its trials itself"):
-        validate_params(raw)
+        validate_sweep_params(raw)
     raw = _raw(search={"space": SPACE})
     raw["data"]["val_size"] = 0
     with pytest.raises(ConfigError, match="data.val_size is 0"):
-        validate_params(raw)
+        validate_sweep_params(raw)
     raw["data"]["val_from"] = "test_half"
-    assert validate_params(raw).sweep.search is not None  # validation from the test split's other half
+    assert validate_sweep_params(raw).sweep.search is not None  # validation from the test split's other half
 
 
 # ------------------------------------------------------------------------------------ same points
@@ -541,12 +542,12 @@ def test_a_search_points_control_is_the_grids_at_the_same_values(tmp_path: Path)
 
     path = _search_project(tmp_path, {"finetune.lr": {"choice": [0.004, 0.01]},
                                       "reparam.alpha_init": {"choice": [0.5, 2.0]}})  # fmt: skip
-    search = build_spec(load_params(path), name="s", params_file=path, cwd=tmp_path)
+    search = build_spec(load_sweep_params(path), name="s", params_file=path, cwd=tmp_path)
     raw = yaml.safe_load(path.read_text())
     del raw["sweep"]["search"]
     raw["sweep"]["grid"] = {"finetune.lr": [0.01], "reparam.alpha_init": [0.5, 2.0]}
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    grid = build_spec(load_params(path), name="g", params_file=path, cwd=tmp_path)
+    grid = build_spec(load_sweep_params(path), name="g", params_file=path, cwd=tmp_path)
     grid_keys = {t["overrides"]["reparam.alpha_init"]: t["control_key"] for t in grid["trials"].values()}
     assert len(set(grid_keys.values())) == 1  # the grid shares one control between its two alphas
     for alpha, want in grid_keys.items():
@@ -684,7 +685,7 @@ def test_a_stopped_holder_of_a_shared_control_leaves_it_to_the_trial_waiting_for
     from pipelines.sweep.trial import DONE
 
     path = _search_project(tmp_path, {"reparam.alpha_init": {"choice": [0.5, 2.0]}}, epochs=4)
-    spec = build_spec(load_params(path), name="s", params_file=path, cwd=tmp_path)
+    spec = build_spec(load_sweep_params(path), name="s", params_file=path, cwd=tmp_path)
     spec["tracking"]["enabled"] = False
     Path(spec["sweep_dir"]).mkdir(parents=True)
     ENSURE["pretrain"](spec, spec["trials"][base_tid(spec)]["pretrain_key"], trial="test")
@@ -747,7 +748,7 @@ def test_a_finished_fine_tuning_is_found_only_under_the_same_identity(tmp_path: 
     from pipelines.sweep import reuse
     from pipelines.sweep.plan import SweepError, check_name
 
-    params = validate_params(_raw())
+    params = validate_sweep_params(_raw())
     spec = {"storage": str(tmp_path / "sweeps"), "name": "s"}
     roots = {}
     for name, content in (("a", b"one"), ("b", b"two"), ("c", b"one")):
@@ -834,7 +835,7 @@ def test_from_search_puts_each_arm_at_its_own_choice_and_keeps_the_seed_grid(tmp
     _a_search(tmp_path)
     user = ["sweep.grid.seed=[0, 1, 2]"]
     sets, record, spec = fs.origin(tmp_path, "s", user, force=False)
-    params = load_params(Path(__file__).parents[1] / "params.yaml", [*sets, *user])
+    params = load_sweep_params(Path(__file__).parents[1] / "params.yaml", [*sets, *user])
     assert (
         params.finetune.lr == 1e-05 and params.finetune.control_lr == 0.02
     )  # 1e-05 survives YAML as a number

@@ -76,7 +76,7 @@ def test_flatten_params_stable_names() -> None:
     assert flat["augment.hflip"] == "True" and flat["pretrain.augment"] == "None"  # the shared policy
     assert flat["finetune.lr"] == str(params.finetune.lr)
     assert json.loads(flat["robustness.severities"]) == params.robustness.severities
-    assert flat["sweep.grid"] == "{}"  # empty mappings keep their name so every run has the same keys
+    assert flat["model.options"] == "{}"  # empty mappings keep their name so every run has the same keys
     # Every leaf of the config appears exactly once, so runs with other values have the same names.
     leaves = _count_leaves(params.model_dump(mode="json"))
     assert len(flat) == leaves

@@ -172,15 +172,15 @@ def run(params_file: Path, name: str, out: Path, *, overrides: list[str] | None 
         force: bool = False) -> dict[str, Any]:  # fmt: skip
     """Run (or continue) the study; returns the record written to ``out/study.json``. Where it writes
     (``out``, ``readme``) is checked first, before the search (core.utils.output_paths)."""
-    from core.config import load_params
     from core.utils.output_paths import check_output_dir, check_output_file
+    from pipelines.sweep.sweep_params import load_sweep_params
 
     check_output_dir(out, "--out")
     if readme is not None:
         check_output_file(readme, "--readme")
 
     sets = [*(DRY_RUN if dry_run else []), *list(overrides or [])]  # the user's may resize a dry run
-    params = load_params(params_file, sets)
+    params = load_sweep_params(params_file, sets)
     check_search(params)
     first, cap = (
         (DRY_RUN_SEEDS, DRY_RUN_SEEDS) if dry_run else (sequential.FIRST, max_seeds or sequential.CAP)
@@ -209,7 +209,7 @@ def run(params_file: Path, name: str, out: Path, *, overrides: list[str] | None 
         record["rule"]["last"] = step
         if step["run"] == 0:
             break
-        main_dir = _sweep(load_params(params_file, [*sets, *main_overrides(seed, lrs)]), f"{name}-seed{seed}",
+        main_dir = _sweep(load_sweep_params(params_file, [*sets, *main_overrides(seed, lrs)]), f"{name}-seed{seed}",
                           params_file)  # fmt: skip
         per_seed.append(seed_row(main_dir))
         attention += attention_rows(main_dir)

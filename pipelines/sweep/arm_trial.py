@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from core.config import Params, validate_params
 from core.utils.atomic import atomic_write_json
 from pipelines.ddp import node_name
 from pipelines.sweep import reuse
@@ -28,6 +27,7 @@ from pipelines.sweep.plan import control_identity, plan_device, trial_label
 from pipelines.sweep.scheduling import ARM_KEY, METRIC, TIME_ATTR
 from pipelines.sweep.search import POINT_KEY
 from pipelines.sweep.shared import COMPLETE, ENSURE, link_pretraining, train_control
+from pipelines.sweep.sweep_params import SweepParams, validate_sweep_params
 from pipelines.sweep.trial import (
     DONE,
     NOTE_TAG,
@@ -67,11 +67,11 @@ def base_tid(spec: dict[str, Any]) -> str:
     return tid
 
 
-def arm_params(spec: dict[str, Any], values: dict[str, Any]) -> Params:
-    return validate_params(spec["trials"][base_tid(spec)]["params"]).with_overrides(values)
+def arm_params(spec: dict[str, Any], values: dict[str, Any]) -> SweepParams:
+    return validate_sweep_params(spec["trials"][base_tid(spec)]["params"]).with_overrides(values)
 
 
-def control_key(spec: dict[str, Any], params: Params) -> tuple[str, dict[str, Any]]:
+def control_key(spec: dict[str, Any], params: SweepParams) -> tuple[str, dict[str, Any]]:
     """A search point's matched control: the key and identity a grid's trial with these params would share
     (pipelines.sweep.plan.control_identity, on the search's pretraining): points that differ only in
     ``reparam.*`` keys, later searches and grids in the same storage find it in ``<storage>/control/<key>``."""

@@ -7,7 +7,7 @@ itself (:func:`pipelines.sweep.selection.choose`: per configuration of the other
 the validation argmax; the test split is never read) and looks at every choice:
 
 - a choice at the largest value of the key's grid adds ``largest * ratio``; a choice at the smallest adds
-  ``smallest / ratio`` (``ratio``: the grid's constant ratio, :func:`core.config.log_step`); both can be
+  ``smallest / ratio`` (``ratio``: the grid's constant ratio, :func:`pipelines.sweep.settings.log_step`); both can be
   added in one round. Any arm (T-CNN or control), any seed, any configuration counts: every choice the
   selection reports ends up interior, or the report says which is not;
 - the new values' trials (every combination of the other grid keys) run, existing trials are reused as they
@@ -160,13 +160,13 @@ def extend(spec: dict[str, Any], step: Step) -> tuple[dict[str, Any], list[str]]
     exist keep their ids and entries, new ones are numbered after the last trial, and the shared pretraining
     groups, matched controls and corrupted sets gain the new trials (or are new). Raises SweepError when
     an added value is not a valid setting."""
-    from core.config import validate_params
     from core.utils.hashing import stable_hash
     from pipelines.sweep.plan import SweepError, make_plan, plan_device, plan_spec, trial_id
+    from pipelines.sweep.sweep_params import validate_sweep_params
 
     key = spec["bracket"]["key"]
     values = sorted({t["overrides"][key] for t in spec["trials"].values()} | set(step.add))
-    base = validate_params(spec["base"])
+    base = validate_sweep_params(spec["base"])
     try:
         base = base.with_overrides({"sweep.grid": {**spec["grid"], key: values}})
     except ValueError as err:  # ConfigError

@@ -22,11 +22,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from core.config import ConfigError, load_params
+from core.config import ConfigError
 from pipelines.ddp import PLACEMENTS
 from pipelines.sweep.driver import run_sweep, say, slurm_driver
 from pipelines.sweep.plan import SweepError
 from pipelines.sweep.spec import SWEEP_JSON, build_spec, check_resources, reconcile
+from pipelines.sweep.sweep_params import load_sweep_params
 from pipelines.sweep.tuner import check_address, check_multinode_tracking
 from stages.harness.runner import EXIT_IOERR, Stopped, io_error_line, stop_on_signals
 
@@ -240,14 +241,14 @@ def _from_search(args: argparse.Namespace) -> tuple[list[str], dict | None, dict
     from pipelines.sweep.from_search import origin
 
     storage_sets = [s for s in args.set if s.split("=", 1)[0].strip() == "sweep.storage"]
-    storage = (Path.cwd() / load_params(args.params, storage_sets).sweep.storage).resolve()
+    storage = (Path.cwd() / load_sweep_params(args.params, storage_sets).sweep.storage).resolve()
     sets, record, search = origin(storage, args.from_search, args.set, args.force)
     return [*sets, *args.set], record, search
 
 
 def _sweep(args: argparse.Namespace) -> int:
     sets, record, search = _from_search(args)
-    params = load_params(args.params, sets)
+    params = load_sweep_params(args.params, sets)
     if args.slurm and args.address != "local":
         raise SweepError("--address: not with --slurm (the job starts its own Ray cluster)")
     address = check_address(args.address)

@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.config import ConfigError, Params, plan_epochs, validate_params
+from core.config import ConfigError, plan_epochs
 from core.data import manifest_fingerprint
 from core.models.builders import is_builder
 from core.utils.hashing import stable_hash
+from pipelines.sweep.sweep_params import SweepParams, validate_sweep_params
 from stages.harness.identity import key as identity_key
 
 PLAN_VERSION = 1
@@ -54,7 +55,7 @@ class TrialPlan:
     index: int
     tid: str  # "t003-1a2b3c4d": index in the grid + hash of its values (a stable directory name)
     overrides: dict[str, Any]  # the grid values of this trial (dotted keys)
-    params: Params  # validated: overrides, fraction scaling, absolute paths, empty grid
+    params: SweepParams  # validated: overrides, fraction scaling, absolute paths, empty grid
     pretrain_key: str
     corrupt_key: str
     control_key: str | None = None  # the shared matched control (None: this trial has no control)
@@ -63,7 +64,7 @@ class TrialPlan:
 @dataclass(frozen=True)
 class PretrainGroup:
     key: str
-    params: Params  # what stages.pretrain.run gets (root = the group's directory)
+    params: SweepParams  # what stages.pretrain.run gets (root = the group's directory)
     epochs: list[int]  # every t1 the group's trials need
     trials: list[str]
     identity: dict[str, Any]
@@ -71,12 +72,12 @@ class PretrainGroup:
 
 @dataclass
 class SweepPlan:
-    base: Params
+    base: SweepParams
     grid: dict[str, list[Any]]
     storage: Path
     trials: list[TrialPlan]
     groups: dict[str, PretrainGroup]
-    corrupt: dict[str, Params] = field(default_factory=dict)
+    corrupt: dict[str, SweepParams] = field(default_factory=dict)
     controls: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> params, pretrain key, identity
 
     def trial(self, tid: str) -> TrialPlan:
@@ -113,7 +114,7 @@ def read_manifest(data_dir: Path) -> dict[str, Any]:
         raise SweepError(f"data.dir: {err}") from None
 
 
-def planned(params: Params, what: str) -> Params:
+def planned(params: SweepParams, what: str) -> SweepParams:
     """`core.config.plan_epochs` (the one epoch plan of the DVC path and the sweeps), errors as SweepError."""
     try:
         return plan_epochs(params)
@@ -121,7 +122,7 @@ def planned(params: Params, what: str) -> Params:
         raise SweepError(f"{what}: {err}") from None
 
 
-def pretrain_identity(params: Params, manifest: dict[str, Any], device: str) -> dict[str, Any]:
+def pretrain_identity(params: SweepParams, manifest: dict[str, Any], device: str) -> dict[str, Any]:
     """The shared pretraining's identity: the pretrain stage's own (`stages.pretrain.identity`), for the
     network the stage builds from this config and the data ``manifest`` names."""
     from stages import pretrain, pretraining
@@ -132,7 +133,7 @@ def pretrain_identity(params: Params, manifest: dict[str, Any], device: str) -> 
     return pretrain.identity(params, spec, fingerprint, device, workers=params.workers_per_trial)
 
 
-def control_identity(params: Params, pretrain_key: str, device: str) -> dict[str, Any]:
+def control_identity(params: SweepParams, pretrain_key: str, device: str) -> dict[str, Any]:
     """The shared matched control's identity: the control stage's own (`stages.finetune.identity`, variant
     control), starting from its pretraining (by key) at t1. Trials that differ only in the
     reparameterization (alpha/lambda init, stride mode, tcnn vs psa on the same CNN) share one control."""
@@ -143,27 +144,27 @@ def control_identity(params: Params, pretrain_key: str, device: str) -> dict[str
                              variant=control.VARIANT.name, workers=params.workers_per_trial)  # fmt: skip
 
 
-def corrupt_identity(params: Params, manifest: dict[str, Any]) -> dict[str, Any]:
+def corrupt_identity(params: SweepParams, manifest: dict[str, Any]) -> dict[str, Any]:
     """The shared corrupted sets' identity: the corrupt stage's own (`stages.corrupt.identity`)."""
     from stages import corrupt
 
     return corrupt.identity(params, manifest)
 
 
-def _override(params: Params, overrides: dict[str, Any], what: str) -> Params:
+def _override(params: SweepParams, overrides: dict[str, Any], what: str) -> SweepParams:
     try:
         return params.with_overrides(overrides)
     except ConfigError as err:
         raise SweepError(f"{what}: {err}") from None
 
 
-def plan_device(params: Params) -> str:
+def plan_device(params: SweepParams) -> str:
     """The device the trials' identities name: cuda when the sweep gives trials GPUs."""
     return "cuda" if params.sweep.gpus_per_trial > 0 else "cpu"
 
 
 def make_plan(
-    base: Params,
+    base: SweepParams,
     *,
     cwd: Path | None = None,
     device: str = "cpu",
@@ -189,7 +190,7 @@ def make_plan(
     manifests: dict[Path, dict[str, Any]] = {}
     trials: list[TrialPlan] = []
     identities: dict[str, dict[str, Any]] = {}
-    corrupt: dict[str, Params] = {}
+    corrupt: dict[str, SweepParams] = {}
     controls: dict[str, dict[str, Any]] = {}
     for i, combo in enumerate(expand_grid(grid) if grid else [{}]):
         p, ident, pkey, ckey = _trial_params(
@@ -202,7 +203,7 @@ def make_plan(
     return SweepPlan(base, grid, storage, trials, _groups(trials, identities), corrupt, controls)
 
 
-def _absolute_inputs(base: Params, cwd: Path) -> Params:
+def _absolute_inputs(base: SweepParams, cwd: Path) -> SweepParams:
     """``base`` with its input paths (model.code too, which holds a workspace builder) absolute against
     ``cwd``, and ``cwd`` on PYTHONPATH for a user's model builder: trials run in Ray workers whose working
     directory is not ours."""
@@ -224,7 +225,7 @@ def _absolute_inputs(base: Params, cwd: Path) -> Params:
 
 
 def _trial_params(
-    base: Params,
+    base: SweepParams,
     combo: dict[str, Any],
     *,
     cwd: Path,
@@ -232,7 +233,7 @@ def _trial_params(
     fixed: dict[str, Any],
     manifests: dict[Path, dict[str, Any]],
     device: str,
-) -> tuple[Params, dict[str, Any], str, str]:
+) -> tuple[SweepParams, dict[str, Any], str, str]:
     """One grid point's validated params (``fixed`` settings, absolute data.dir, planned epochs, its shared
     corrupted-set directory), its pretraining identity and key, and its corrupt key. ``manifests`` caches
     the data manifests read so far, by data directory."""
@@ -251,7 +252,9 @@ def _trial_params(
     return p, ident, pkey, ckey
 
 
-def _add_control(controls: dict[str, dict[str, Any]], p: Params, pkey: str, tid: str, device: str) -> str:
+def _add_control(
+    controls: dict[str, dict[str, Any]], p: SweepParams, pkey: str, tid: str, device: str
+) -> str:
     """Add trial ``tid`` (params ``p``, pretraining ``pkey``) to its shared matched control in ``controls``
     (created by its first trial); returns the control's key."""
     xident = control_identity(p, pkey, device)
@@ -277,7 +280,7 @@ def _groups(trials: list[TrialPlan], identities: dict[str, dict[str, Any]]) -> d
     return groups
 
 
-def _all_sets(have: Params | None, params: Params) -> Params:
+def _all_sets(have: SweepParams | None, params: SweepParams) -> SweepParams:
     """The corrupt params of a shared directory: the first trial's, asking for every corruption and severity
     any of its trials evaluates (the sets do not depend on the list: `stages.corrupt.identity`)."""
     if have is None:
@@ -288,13 +291,13 @@ def _all_sets(have: Params | None, params: Params) -> Params:
     return _override(have, union, "robustness (shared corrupted sets)")
 
 
-def has_control(params: Params) -> bool:
+def has_control(params: SweepParams) -> bool:
     from stages.control import disabled_reason
 
     return disabled_reason(params) is None
 
 
-def default_name(params_file: Path, base: Params) -> str:
+def default_name(params_file: Path, base: SweepParams) -> str:
     """``<params stem>-<hash of the config>``: the same command names the same sweep (so --resume finds it)."""
     stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(params_file).stem) or "sweep"
     dump = base.model_dump(mode="json")
@@ -367,8 +370,8 @@ def plan_spec(plan: SweepPlan, *, name: str, share_pretraining: bool) -> dict[st
     }
 
 
-def trial_params(spec: dict[str, Any], tid: str) -> Params:
-    return validate_params(spec["trials"][tid]["params"])
+def trial_params(spec: dict[str, Any], tid: str) -> SweepParams:
+    return validate_sweep_params(spec["trials"][tid]["params"])
 
 
 def spec_difference(old: dict[str, Any], new: dict[str, Any]) -> str | None:

@@ -23,15 +23,15 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from core.config import Params
 from core.utils.atomic import atomic_write_json
+from pipelines.sweep.sweep_params import SweepParams
 from stages.harness import chain
 
 STAGE = "finetune"
 INDEX = "finetune"  # <storage>/finetune/<key>.json
 
 
-def finetune_key(params: Params, root: Path) -> str:
+def finetune_key(params: SweepParams, root: Path) -> str:
     """The key of the T-CNN fine-tuning ``params`` would train in ``root`` (from its reparam stage's output):
     the stable hash of the identity the stage's training loop resumes under (`stages.fine_tuning.train`)."""
     from core.utils.hashing import file_digest, stable_hash
@@ -49,7 +49,7 @@ def _entry(spec: dict[str, Any], key: str) -> Path:
     return Path(spec["storage"]) / INDEX / f"{key}.json"
 
 
-def register(spec: dict[str, Any], params: Params, root: Path, trial: str) -> None:
+def register(spec: dict[str, Any], params: SweepParams, root: Path, trial: str) -> None:
     """Record the finished fine-tuning in ``root`` under its key (kept when one is registered already)."""
     entry = _entry(spec, finetune_key(params, root))
     if entry.is_file():
@@ -58,7 +58,7 @@ def register(spec: dict[str, Any], params: Params, root: Path, trial: str) -> No
     atomic_write_json(entry, {"trial_dir": str(root), "sweep": spec["name"], "trial": trial})
 
 
-def finished(spec: dict[str, Any], params: Params, root: Path) -> Path | None:
+def finished(spec: dict[str, Any], params: SweepParams, root: Path) -> Path | None:
     """The trial directory holding the finished fine-tuning ``params`` would train in ``root``, else None."""
     from core.utils.hashing import file_digest
     from stages import finetune

@@ -27,13 +27,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from core.config import Params, validate_params
 from core.utils.atomic import append_json_line as append_line
 from core.utils.atomic import atomic_write_json
 from core.utils.locks import locked
 from core.utils.locks import say as _say
 from core.utils.machine import cpu_model
 from pipelines.ddp import node_name, run_stage
+from pipelines.sweep.sweep_params import SweepParams, validate_sweep_params
 from stages.harness import chain
 
 COMPLETE = "complete.json"
@@ -109,7 +109,7 @@ def ensure_pretraining(
         if need <= have:
             metrics = json.loads((directory / chain.metrics_file("pretrain")).read_text())
             return directory, False, metrics
-        params: Params = validate_params(group["params"])
+        params: SweepParams = validate_sweep_params(group["params"])
         if have:  # an earlier sweep's run lacks some t1: rerun (deterministic) keeping old and new epochs
             params = params.with_overrides({"pretrain.checkpoint_epochs": sorted(need | have)})
         metrics = published(directory, "pretrain")
@@ -192,14 +192,14 @@ def ensure_control(
     ``controls`` entry: :func:`train_control`). Returns (directory, whether this call trained it, the control
     stage's metrics)."""
     entry = spec["controls"][key]
-    return train_control(spec, key, validate_params(entry["params"]), entry["pretrain_key"], entry["identity"],
+    return train_control(spec, key, validate_sweep_params(entry["params"]), entry["pretrain_key"], entry["identity"],
                          trial=trial, log=log, users=f"trials {entry['trials']}")  # fmt: skip
 
 
 def train_control(
     spec: dict[str, Any],
     key: str,
-    params: Params,
+    params: SweepParams,
     pretrain_key: str,
     identity: dict[str, Any],
     *,
@@ -253,7 +253,7 @@ def ensure_corrupted(spec: dict[str, Any], key: str, log: Any = None) -> dict[st
     directory = storage / "corrupt" / key
     with locked(directory, f"corrupt {key}", log):
         t0 = time.time()
-        metrics = corrupt.run(validate_params(spec["corrupt"][key]), root=storage)
+        metrics = corrupt.run(validate_sweep_params(spec["corrupt"][key]), root=storage)
         record = {"sweep": spec["name"], "sweep_uid": spec.get("uid"), "key": key, "host": socket.gethostname(),
                   "node": node_name(), "cpu": cpu_model(), "started": t0, "finished": time.time(),
                   "stage_wall_s": metrics.get("wall_s"), "generated": metrics.get("generated")}  # fmt: skip

@@ -9,7 +9,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from core.config import Params
 from core.utils.output_paths import OutputPathError, check_output_dir
 from pipelines.sweep.plan import (
     SweepError,
@@ -21,16 +20,17 @@ from pipelines.sweep.plan import (
     plan_spec,
     spec_difference,
 )
+from pipelines.sweep.sweep_params import SweepParams
 
 SWEEP_JSON = "sweep.json"
 
 
-def tracking_enabled(params: Params) -> bool:
+def tracking_enabled(params: SweepParams) -> bool:
     """``tracking.enabled``, unless ``TCNN_TRACKING=0`` switches it off (as for the stages)."""
     return params.tracking.enabled and os.environ.get("TCNN_TRACKING") != "0"
 
 
-def _check_published_sets(params: Params, cwd: Path) -> None:
+def _check_published_sets(params: SweepParams, cwd: Path) -> None:
     """A published benchmark (``robustness.public``) checked from its files before Ray starts, as dvc.yaml's
     check stage does before pretraining (stages.published_check): a sweep never reaches evaluate to find it
     unreadable."""
@@ -46,7 +46,7 @@ def _check_published_sets(params: Params, cwd: Path) -> None:
 
 
 def build_spec(
-    params: Params,
+    params: SweepParams,
     *,
     name: str | None,
     params_file: Path,
@@ -94,9 +94,9 @@ def build_spec(
     return spec
 
 
-def _bracket_settings(params: Params) -> dict[str, Any] | None:
+def _bracket_settings(params: SweepParams) -> dict[str, Any] | None:
     """``sweep.select.bracket`` as the driver uses it (pipelines/sweep/bracket.py): key, ratio, bound."""
-    from core.config import bracket_key, log_step
+    from pipelines.sweep.settings import bracket_key, log_step
 
     sel = params.sweep.select
     key = bracket_key(sel)
@@ -105,7 +105,7 @@ def _bracket_settings(params: Params) -> dict[str, Any] | None:
     return {"key": key, "ratio": log_step(params.sweep.grid[key]), "max_rounds": sel.bracket.max_rounds}
 
 
-def trial_resources(params: Params) -> dict[str, Any]:
+def trial_resources(params: SweepParams) -> dict[str, Any]:
     """Ray resources of a trial. With ``workers_per_trial`` W > 1 its stages run as Ray Train workers (W for
     training, one for reparam and evaluate: pipelines/ddp.py), each holding 1/W of ``sweep.cpus_per_trial`` /
     ``gpus_per_trial``; the trial process (the TorchTrainer driver, the corrupted sets) holds one more CPU

@@ -41,7 +41,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from core.config import Params
 from core.utils.atomic import atomic_write_json
 from core.utils.locks import locked
 from core.utils.machine import cpu_model
@@ -49,6 +48,7 @@ from pipelines.ddp import node_name, run_stage, worker_nodes
 from pipelines.sweep import reuse
 from pipelines.sweep.plan import trial_label, trial_params
 from pipelines.sweep.shared import ENSURE, append_line, link_pretraining, published, runs_log
+from pipelines.sweep.sweep_params import SweepParams
 from stages.harness import chain
 from stages.harness.catalogue import (
     SUMMARY_METRICS,
@@ -103,7 +103,7 @@ def headline(root: Path) -> dict[str, float]:
 # ------------------------------------------------------------------------------------------- tracking
 
 
-def trial_description(tid: str, params: Params, overrides: dict[str, Any]) -> str:
+def trial_description(tid: str, params: SweepParams, overrides: dict[str, Any]) -> str:
     """A trial run's description head (Markdown): the trial, dataset, model kind and arch, seed, its grid point;
     both arms (the T-CNN and its matched control) run in it."""
     point = trial_label(overrides) or "the base params"
@@ -114,7 +114,7 @@ def trial_description(tid: str, params: Params, overrides: dict[str, Any]) -> st
 def open_run(
     spec: dict[str, Any],
     tid: str,
-    params: Params,
+    params: SweepParams,
     root: Path,
     known_id: str | None,
     nodes: list[str] | None = None,
@@ -585,7 +585,7 @@ def last_trial_stage() -> str:
     return trial_stages()[-1]
 
 
-def trial_artifacts(stages: tuple[str, ...], params: Params, root: Path) -> list[tuple[Path, str]]:
+def trial_artifacts(stages: tuple[str, ...], params: SweepParams, root: Path) -> list[tuple[Path, str]]:
     """The files a trial logs on its run: what its stages log on the DVC path
     (`stages.harness.catalogue.stage_artifacts`) but checkpoints, which stay in the trial's directory, each under its
     folder relative to ``root`` (runs/finetune/metrics.json -> runs/finetune)."""
