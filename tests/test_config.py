@@ -414,3 +414,17 @@ def test_the_name_registries_load_no_science() -> None:
     assert allowed("datasets") == tuple(DATASETS) and allowed("public_sets") == tuple(PUBLIC_KINDS)
     with autocast(torch.device("cpu"), "bf16"):  # torch, loaded where a context is made, still autocasts
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+
+
+def test_every_question_of_the_config_is_answered_by_the_science_once_core_is_imported() -> None:
+    """core.config.rules: each question the config asks (a module-level name of rules.py) is answered by one
+    science module's ``config_rules``; an unanswered one is a clear LookupError, not a silent pass."""
+    from core.config import rules
+
+    questions = {v for k, v in vars(rules).items() if k.isupper() and isinstance(v, str)}
+    assert len(questions) == 15
+    answered = set(rules.name_questions()) | set(rules._RULES)
+    assert answered == questions
+    assert rules.rule(rules.MODEL_KIND)("tcnn").name == "tcnn"
+    with pytest.raises(LookupError, match="no science module answered 'nope'"):
+        rules.names("nope")

@@ -125,9 +125,9 @@ def _open_mapping(annotation: typing.Any) -> bool:
 
 
 def _in_schema(parts: list[str]) -> bool:
-    from core.config import Params
+    from pipelines.sweep.sweep_params import SweepParams  # the science's sections and the sweep's, typed
 
-    model: type[BaseModel] = Params
+    model: type[BaseModel] = SweepParams
     for i, part in enumerate(parts):
         field = model.model_fields.get(part)
         if field is None:
@@ -149,8 +149,8 @@ def _in_yaml(raw: typing.Any, parts: list[str]) -> bool:
 
 def test_every_params_key_docs_configuration_names_exists() -> None:
     """A backticked dotted path whose first part is a top-level params key (`finetune.lr`,
-    `pretrain.source.mean/std`, `sweep.select: {...}`) is a key of params.yaml or of core/config.py's
-    schema."""
+    `pretrain.source.mean/std`, `sweep.select: {...}`) is a key of params.yaml or of the params' schema
+    (core/config/ and, for ``sweep``, pipelines/sweep/settings.py)."""
     from core.config import Params
 
     raw = yaml.safe_load((REPO / "params.yaml").read_text())

@@ -10,14 +10,15 @@ import pytest
 from test_sweep import make_project
 
 from pipelines.sweep.bracket import Step, asked, decide, extend, round_of, round_trials
+from pipelines.sweep.settings import BracketPlan, SelectConfig
 
 KEY = "finetune.lr"
 GRID_KEYS = ["seed", KEY]
-SELECT = {"over": [KEY], "by": "val_accuracy"}
+SELECT = SelectConfig(over=[KEY], by="val_accuracy")
 
 
-def settings(max_rounds: int = 3, ratio: float = 10.0) -> dict:
-    return {"key": KEY, "ratio": ratio, "max_rounds": max_rounds}
+def settings(max_rounds: int = 3, ratio: float = 10.0) -> BracketPlan:
+    return BracketPlan(key=KEY, ratio=ratio, max_rounds=max_rounds)
 
 
 def row(

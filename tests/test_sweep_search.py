@@ -38,6 +38,7 @@ from pipelines.sweep.search import (
     make_searcher,
     warnings_for,
 )
+from pipelines.sweep.settings import SearchConfig
 from pipelines.sweep.sweep_params import load_sweep_params, validate_sweep_params
 from stages.harness.tracking import store_client
 
@@ -110,8 +111,13 @@ def test_search_refuses_a_fixed_control_lr_and_no_validation() -> None:
 # ------------------------------------------------------------------------------------ same points
 
 
-def _search(seed: int = 3, algorithm: str = "tpe") -> dict[str, Any]:
-    return {"space": SPACE, "algorithm": algorithm, "num_samples": 6, "seed": seed}
+def _search(seed: int = 3, algorithm: str = "tpe") -> SearchConfig:
+    return SearchConfig(space=SPACE, algorithm=algorithm, num_samples=6, seed=seed)
+
+
+def _with(search: SearchConfig, **changes: Any) -> SearchConfig:
+    """``search`` with ``changes``, validated as params.yaml's sweep.search is."""
+    return SearchConfig.model_validate({**search.model_dump(), **changes})
 
 
 def _drive(searcher: Any, n: int, score: Any, start: int = 0) -> list[dict[str, Any]]:
@@ -234,30 +240,28 @@ def test_the_sampler_learns_both_arms_at_the_epoch_both_reached(cls: type, tmp_p
 def test_a_choice_of_four_values_in_four_points_tries_each_once(algorithm: str) -> None:
     """Asked for all four points before any result (as Tune asks with trials running side by side)."""
     values = [0.25, 0.5, 1.0, 2.0]
-    search = {
-        **_search(algorithm=algorithm),
-        "space": {"reparam.alpha_init": {"choice": values}},
-        "num_samples": 4,
-    }
+    search = _with(
+        _search(algorithm=algorithm), space={"reparam.alpha_init": {"choice": values}}, num_samples=4
+    )
     for seed in (0, 1):
-        searcher = make_searcher({**search, "seed": seed})
+        searcher = make_searcher(_with(search, seed=seed))
         got = [searcher.suggest(f"t{i}")["reparam.alpha_init"] for i in range(8)][::2]
         assert sorted(got) == values, (seed, got)
     # the draw is the seed's: another seed, another order (fixed here, so the check can fail)
     orders = {
-        tuple(c["reparam.alpha_init"] for c in first_points({**search, "seed": seed})) for seed in range(4)
+        tuple(c["reparam.alpha_init"] for c in first_points(_with(search, seed=seed))) for seed in range(4)
     }
     assert len(orders) > 1
 
 
 def test_tpe_gets_its_start_up_from_params_and_says_when_that_is_every_point(capsys: Any) -> None:
-    searcher = make_searcher({**_search(), "num_samples": 6, "n_startup_trials": 4})
+    searcher = make_searcher(_with(_search(), num_samples=6, n_startup_trials=4))
     assert searcher.inner._ot_study.sampler._n_startup_trials == 4
     assert capsys.readouterr().out == ""
-    make_searcher({**_search(), "num_samples": 4, "n_startup_trials": 4})
+    make_searcher(_with(_search(), num_samples=4, n_startup_trials=4))
     (line,) = capsys.readouterr().out.splitlines()
     assert line.startswith("sweep: warning: sweep.search: tpe with num_samples=4 <= n_startup_trials=4")
-    assert warnings_for({**_search(algorithm="random"), "num_samples": 4}) == []
+    assert warnings_for(_with(_search(algorithm="random"), num_samples=4)) == []
 
 
 def test_each_arms_choice_says_its_candidates_runner_up_margin_and_tie() -> None:
@@ -451,7 +455,10 @@ def test_a_search_stopped_by_sigterm_resumes_and_each_arm_chooses_its_own_best(
     assert "tcnn sweep: stopped by SIGTERM; run it again with --resume to continue" in stopped_search.stop_out
 
     # The points: Optuna's seeded sampler's, each run by both arms, none twice; finished trials not run again.
-    expected = [c["finetune.lr"] for c in _drive(make_searcher(search), 6, lambda c: 0.5)[::2]]
+    expected = [
+        c["finetune.lr"]
+        for c in _drive(make_searcher(SearchConfig.model_validate(search)), 6, lambda c: 0.5)[::2]
+    ]
     rows = pq.read_table(sweep_dir / "search.parquet").to_pylist()
     assert [(r["point"], r["arm"]) for r in rows] == [(p, a) for p in range(3) for a in ARMS]
     assert [r["finetune.lr"] for r in rows] == pytest.approx([lr for lr in expected for _ in ARMS])
@@ -1002,3 +1009,25 @@ def test_from_search_runs_a_grid_at_each_arms_choice_and_names_the_search(
     assert (
         json.loads((root / "sweeps" / "g" / "metrics.json").read_text())["pretrain_runs"] == 0
     )  # the search's
+
+
+def test_the_search_and_scheduler_reach_tune_as_the_typed_settings_they_were_validated_as(
+    tmp_path: Path,
+) -> None:
+    """sweep.json stores the settings as JSON; read back (pipelines.sweep.settings.search_of / scheduler_of)
+    they are the params' own typed objects, and Tune's ASHA gets the scheduler's grace period and factor."""
+    from pipelines.sweep.settings import scheduler_of, search_of, select_of
+    from pipelines.sweep.spec import build_spec
+    from pipelines.sweep.tuner import scheduler
+
+    path = _search_project(tmp_path, {"finetune.lr": {"loguniform": [1e-4, 1e-2]}}, epochs=3)
+    params = load_sweep_params(path, ["sweep.search.num_samples=4", "sweep.scheduler={grace_period: 2}"])
+    spec = json.loads(json.dumps(build_spec(params, name="s", params_file=path, cwd=tmp_path)))
+    assert search_of(spec) == params.sweep.search and scheduler_of(spec) == params.sweep.scheduler
+    assert select_of(spec) == params.sweep.select
+    made = scheduler(spec)
+    assert isinstance(made, ArmwiseScheduler) and set(made.by_arm) == set(ARMS)
+    for asha_of_one_arm in made.by_arm.values():  # Ray's ASHAScheduler, as built from the typed setting
+        assert asha_of_one_arm._reduction_factor == 2.0 and asha_of_one_arm._max_t == 3
+        # ASHA's rungs sit at grace_period * factor**k short of max_t (Li et al. 2020): 2 only; grace 1: 2 and 1
+        assert [rung for rung, _ in asha_of_one_arm._brackets[0]._rungs] == [2]

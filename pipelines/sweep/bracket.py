@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.sweep.selection import ARMS, SEED, choose
+from pipelines.sweep.settings import BracketPlan, SelectConfig, bracket_of
 
 SIDES = ("bottom", "top")  # the order of the added values and their reasons
 
@@ -46,9 +47,9 @@ class Step:
     stop: str | None = None  # None: values were added
 
 
-def settings(spec: dict[str, Any]) -> dict[str, Any] | None:
-    """The bracketing settings the driver stores in the spec ({"key", "ratio", "max_rounds"}), or None."""
-    return spec.get("bracket")
+def settings(spec: dict[str, Any]) -> BracketPlan | None:
+    """The bracketing plan the driver stores in the spec (key, ratio, max_rounds), or None."""
+    return bracket_of(spec)
 
 
 def _fmt(v: Any) -> str:
@@ -93,17 +94,17 @@ def beyond(value: float | int, ratio: float, up: bool, integer: bool) -> float |
 def decide(
     rows: list[dict[str, Any]],
     grid_keys: list[str],
-    select: dict[str, Any],
-    bracket: dict[str, Any],
+    select: SelectConfig,
+    bracket: BracketPlan,
     rounds_done: int,
 ) -> Step:
     """The rule on the summary ``rows`` of every trial so far (``<arm>_<by>`` scores, ``status``, grid values):
-    values of ``bracket["key"]`` to add, with reasons, or why bracketing stops. Only validation scores are
+    values of ``bracket.key`` to add, with reasons, or why bracketing stops. Only validation scores are
     read (:func:`pipelines.sweep.selection.choose`, the selection's own rule)."""
-    key, ratio, bound = bracket["key"], float(bracket["ratio"]), int(bracket["max_rounds"])
+    key, ratio, bound = bracket.key, bracket.ratio, bracket.max_rounds
     values = sorted({r[key] for r in rows if r.get(key) is not None})
     done = [r for r in rows if r.get("status") == "finished"]
-    picks = choose(done, grid_keys, list(select["over"]), select.get("by", "val_accuracy"))
+    picks = choose(done, grid_keys, list(select.over), select.by)
     if not picks:
         return Step(stop=f"{key}: no finished trial to choose from; nothing added")
     at = edges(picks, key, values)
@@ -164,7 +165,10 @@ def extend(spec: dict[str, Any], step: Step) -> tuple[dict[str, Any], list[str]]
     from pipelines.sweep.plan import SweepError, make_plan, plan_device, plan_spec, trial_id
     from pipelines.sweep.sweep_params import validate_sweep_params
 
-    key = spec["bracket"]["key"]
+    plan = bracket_of(spec)
+    if plan is None:
+        raise SweepError("bracketing: the spec holds no sweep.select.bracket")
+    key = plan.key
     values = sorted({t["overrides"][key] for t in spec["trials"].values()} | set(step.add))
     base = validate_sweep_params(spec["base"])
     try:
@@ -210,7 +214,9 @@ def notes(spec: dict[str, Any]) -> list[str]:
 
 def record(spec: dict[str, Any]) -> dict[str, Any]:
     """bracket.json: the settings, the rounds (values added, why, their trials) and why it stopped."""
-    return {"settings": settings(spec), "rounds": rounds(spec), "stop": spec.get("bracket_stop")}
+    plan = settings(spec)
+    return {"settings": None if plan is None else plan.model_dump(mode="json"), "rounds": rounds(spec),
+            "stop": spec.get("bracket_stop")}  # fmt: skip
 
 
 #: MLflow tag values are capped (8,000 characters in MLflow 3); bracket.json holds the whole text.

@@ -48,6 +48,7 @@ from typing import Any
 from core.utils import mlflow_ui
 from core.utils.atomic import append_json_line, atomic_write_json
 from pipelines.sweep.plan import SweepError
+from pipelines.sweep.settings import search_of, select_of
 from pipelines.sweep.spec import SWEEP_JSON, check_resources, reconcile
 from pipelines.sweep.tuner import can_restore, check_multinode_tracking, connect_ray, make_tuner, tune_dir
 from stages.harness.runner import Stopped
@@ -256,9 +257,8 @@ def _search(spec: dict, tracker: Any, sweep_dir: Path, t0: float) -> dict:
 
 def _announce(spec: dict, nodes: int, sweep_dir: Path) -> None:
     """The driver's first line: how many trials and pretraining groups, on how many nodes, with what."""
-    if spec.get("search") is not None:
-        s = spec["search"]
-        say(f"{spec['name']}: search of {s['num_samples']} points x 2 arms ({s['algorithm']}), "
+    if (s := search_of(spec)) is not None:
+        say(f"{spec['name']}: search of {s.num_samples} points x 2 arms ({s.algorithm}), "
             f"{nodes} Ray node(s), {spec['resources']['cpu']} CPU / {spec['resources']['gpu']} GPU per trial "
             f"-> {sweep_dir}")  # fmt: skip
         return
@@ -357,7 +357,7 @@ def _write_outputs(spec: dict, status: dict[str, str], sweep_dir: Path) -> _Outp
     chosen_seeds = selection.over_seeds(chosen)
     if chosen:
         files += _write_selection(spec, rows, chosen, chosen_seeds, sweep_dir, notes)
-    picked = report.selected_table(chosen, chosen_seeds, spec["select"]["over"], notes) if chosen else None
+    picked = report.selected_table(chosen, chosen_seeds, select_of(spec).over, notes) if chosen else None
     files.append(report.write_report(spec, rows, krows, plots, sweep_dir, srows, picked))
     return _Outputs(rows, srows, krows, table, plots, files, bracketed, notes, chosen, chosen_seeds)
 
@@ -374,10 +374,10 @@ def _write_selection(
     (pipelines/sweep/selection.py); returns the files written."""
     from pipelines.sweep import selection
 
-    over = spec["select"]["over"]
-    sel = spec["select"]
+    sel = select_of(spec)
+    over = sel.over
     done = [r for r in rows if r["status"] == "finished"]
-    pool = selection.pooled(done, list(spec["grid"]), over, sel.get("by", "val_accuracy"))
+    pool = selection.pooled(done, list(spec["grid"]), over, sel.by)
     return selection.write(chosen, chosen_seeds, over, sweep_dir, notes, pool)
 
 
@@ -434,7 +434,7 @@ def _print_outputs(spec: dict, out: _Outputs) -> None:
     if out.srows:
         print(summary.seeds_markdown(out.srows), flush=True)
     if out.chosen:
-        over = spec["select"]["over"]
+        over = select_of(spec).over
         print(selection.markdown(out.chosen, out.chosen_seeds, over, out.notes), flush=True)
     elif out.notes:
         print("\n".join(["Bracketing:", *out.notes]), flush=True)
@@ -483,16 +483,16 @@ def _run_rounds(spec: dict) -> tuple[dict, dict[str, str]]:
         settings = bracket.settings(spec)
         if settings is None:
             return spec, status
-        done = sum(r["key"] == settings["key"] for r in bracket.rounds(spec))
+        done = sum(r["key"] == settings.key for r in bracket.rounds(spec))
         rows = summary.summary_rows(spec, status)
-        step = bracket.decide(rows, list(spec["grid"]), spec["select"], settings, done)
+        step = bracket.decide(rows, list(spec["grid"]), select_of(spec), settings, done)
         before = set(spec["corrupt"])
         if step.stop is None:
             try:
                 spec, added = bracket.extend(spec, step)
             except SweepError as err:
                 values = ", ".join(str(v) for v in step.add)
-                step = bracket.Step(stop=f"{settings['key']}={values} not added: {err}")
+                step = bracket.Step(stop=f"{settings.key}={values} not added: {err}")
         if step.stop is not None:
             spec["bracket_stop"] = step.stop
             say(f"bracketing: {step.stop}")

@@ -34,6 +34,7 @@ from typing import Any
 from ray.tune.search import Searcher
 
 from pipelines.sweep.scheduling import ARM_KEY, ARMS, METRIC, POINT_KEY, TIME_ATTR  # POINT_KEY: also here
+from pipelines.sweep.settings import SearchConfig
 
 
 def tune_space(space: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -60,48 +61,48 @@ def combinations(space: dict[str, dict[str, Any]]) -> list[dict[str, Any]] | Non
     ]
 
 
-def first_points(search: dict[str, Any]) -> list[dict[str, Any]]:
+def first_points(search: SearchConfig) -> list[dict[str, Any]]:
     """The points proposed before the sampler's own: with every key a ``choice``, a shuffle of the combinations
     seeded by ``seed`` (sampling without replacement), as many as the sampler would draw at random: all
     ``num_samples`` for ``random``, the ``n_startup_trials`` first for ``tpe`` (capped at the combinations).
     Empty when a key is a range (a repeat there has probability 0)."""
-    combos = combinations(search["space"])
+    combos = combinations(search.space)
     if combos is None:
         return []
-    n = int(search["num_samples"])
-    if search["algorithm"] == "tpe":
-        n = min(n, int(search.get("n_startup_trials", 10)))
-    order = random.Random(int(search["seed"])).sample(range(len(combos)), len(combos))
+    n = search.num_samples
+    if search.algorithm == "tpe":
+        n = min(n, search.n_startup_trials)
+    order = random.Random(search.seed).sample(range(len(combos)), len(combos))
     return [combos[i] for i in order[: min(n, len(combos))]]
 
 
-def inner_searcher(search: dict[str, Any]) -> Searcher:
+def inner_searcher(search: SearchConfig) -> Searcher:
     """Ray's OptunaSearch over the space, maximising :data:`METRIC`, with the seeded sampler of ``algorithm``
     (TPE with ``n_startup_trials`` random points first), after :func:`first_points`."""
     import optuna
     from ray.tune.search.optuna import OptunaSearch
 
-    seed = int(search["seed"])
-    sampler = (optuna.samplers.TPESampler(seed=seed, n_startup_trials=int(search.get("n_startup_trials", 10)))
-               if search["algorithm"] == "tpe" else optuna.samplers.RandomSampler(seed=seed))  # fmt: skip
+    seed = search.seed
+    sampler = (optuna.samplers.TPESampler(seed=seed, n_startup_trials=search.n_startup_trials)
+               if search.algorithm == "tpe" else optuna.samplers.RandomSampler(seed=seed))  # fmt: skip
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    space = OptunaSearch.convert_search_space(tune_space(search["space"]))
+    space = OptunaSearch.convert_search_space(tune_space(search.space))
     return OptunaSearch(space=space, metric=METRIC, mode="max", sampler=sampler,
                         points_to_evaluate=first_points(search) or None)  # fmt: skip
 
 
-def warnings_for(search: dict[str, Any]) -> list[str]:
+def warnings_for(search: SearchConfig) -> list[str]:
     """One line per way the search is not what its algorithm promises (printed when a search starts)."""
     out = []
-    n, startup = int(search["num_samples"]), int(search.get("n_startup_trials", 10))
-    if search["algorithm"] == "tpe" and n <= startup:
+    n, startup = search.num_samples, search.n_startup_trials
+    if search.algorithm == "tpe" and n <= startup:
         out.append(f"sweep.search: tpe with num_samples={n} <= n_startup_trials={startup} samples every point at "
                    "random (TPE models only the points after its start-up)")  # fmt: skip
-    combos = combinations(search["space"])
+    combos = combinations(search.space)
     if combos is not None and n > len(combos):
         out.append(f"sweep.search: {n} points over the {len(combos)} combinations of the choices: each is "
                    "tried once, then repeated")  # fmt: skip
-    elif combos is not None and search["algorithm"] == "tpe" and n > startup:
+    elif combos is not None and search.algorithm == "tpe" and n > startup:
         out.append(f"sweep.search: tpe's points after its {startup} start-up points may repeat a combination "
                    "of the choices (each repeat is trained again)")  # fmt: skip
     return out
@@ -189,7 +190,7 @@ class PairedSearcher(Searcher):
             self.__dict__.update(pickle.load(fh))
 
 
-def make_searcher(search: dict[str, Any]) -> PairedSearcher:
+def make_searcher(search: SearchConfig) -> PairedSearcher:
     """The search's searcher, for a fresh start (a restore brings back the saved one); prints
     :func:`warnings_for`."""
     for line in warnings_for(search):
@@ -197,9 +198,9 @@ def make_searcher(search: dict[str, Any]) -> PairedSearcher:
     return PairedSearcher(inner_searcher(search))
 
 
-def num_trials(search: dict[str, Any]) -> int:
+def num_trials(search: SearchConfig) -> int:
     """Tune's ``num_samples``: one trial per point and arm."""
-    return int(search["num_samples"]) * len(ARMS)
+    return search.num_samples * len(ARMS)
 
 
 def state_file(spec: dict[str, Any]) -> Path:

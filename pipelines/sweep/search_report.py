@@ -24,6 +24,7 @@ from pipelines.sweep.arm_trial import ARM_STAGES, arm_params, arm_tid, base_tid,
 from pipelines.sweep.scheduling import ARM_KEY, ARMS, METRIC, TIME_ATTR, candidates
 from pipelines.sweep.search import POINT_KEY, max_epochs
 from pipelines.sweep.selection import val_images
+from pipelines.sweep.settings import SearchConfig, scheduler_of, search_of
 from pipelines.sweep.tables import write_table
 from pipelines.sweep.trial import DONE, REFUSED, STATE, read_json, trial_dir
 
@@ -161,22 +162,24 @@ def _fmt(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-def _space_text(search: dict[str, Any]) -> str:
+def _space_text(search: SearchConfig) -> str:
     return ", ".join(f"{k} ~ {kind}{_fmt(vals) if kind == 'choice' else '[' + ', '.join(_fmt(v) for v in vals) + ']'}"
-                     for k, spec in search["space"].items() for kind, vals in spec.items())  # fmt: skip
+                     for k, spec in search.space.items() for kind, vals in spec.items())  # fmt: skip
 
 
 def head(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     """What was searched, how, and the compute it used (two sentences)."""
-    search, sched, max_t = spec["search"], spec.get("scheduler"), max_epochs(spec)
-    how = (f"ASHA within each arm (grace period {sched['grace_period']}, reduction factor "
-           f"{_fmt(sched['reduction_factor'])})" if sched else "none: every trial trains every epoch")  # fmt: skip
+    search, sched, max_t = search_of(spec), scheduler_of(spec), max_epochs(spec)
+    if search is None:
+        raise ValueError("search_report: the spec holds no sweep.search")
+    how = (f"ASHA within each arm (grace period {sched.grace_period}, reduction factor "
+           f"{_fmt(sched.reduction_factor)})" if sched else "none: every trial trains every epoch")  # fmt: skip
     trained, reported = epochs_trained(rows), sum(int(r[TIME_ATTR]) for r in rows)
     reused = (f"; {reported - trained} more epochs reported came from shared matched controls, trained once for "
               "the points with the same control identity or before this search" if reported > trained else "")  # fmt: skip
     return [
-        f"Search {spec['name']}: {search['num_samples']} points x {len(ARMS)} arms ({search['algorithm']}, "
-        f"seed {search['seed']}) over {_space_text(search)}; scheduler: {how}.",
+        f"Search {spec['name']}: {search.num_samples} points x {len(ARMS)} arms ({search.algorithm}, "
+        f"seed {search.seed}) over {_space_text(search)}; scheduler: {how}.",
         f"Compute: {trained} fine-tuning epochs trained of {len(rows) * max_t} (every trial to the end){reused}.",
     ]
 

@@ -5,6 +5,7 @@ pipelines/sweep/sweep_params.py. Core knows none of these: it carries the sectio
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -151,3 +152,39 @@ class SweepConfig(Strict):
     share_pretraining: bool = True
     search: SearchConfig | None = None  # points from ranges, both arms alike (instead of the grid)
     scheduler: SchedulerConfig | None = None  # early stopping (with search only)
+
+
+class BracketPlan(Strict):
+    """``sweep.select.bracket`` as the driver runs it (pipelines/sweep/bracket.py): the grid key it extends, the
+    grid's constant ratio (:func:`log_step`) and the most rounds."""
+
+    key: str
+    ratio: float = Field(gt=0.0)
+    max_rounds: int = Field(ge=1, le=10)
+
+
+# The sweep's spec (``sweep.json``, pipelines/sweep/spec.py) stores each setting as JSON, so a saved sweep resumes
+# from its file; every reader takes it back as the typed setting through these.
+
+
+def search_of(spec: Mapping[str, Any]) -> SearchConfig | None:
+    """The spec's ``sweep.search`` (None: a grid)."""
+    raw = spec.get("search")
+    return None if raw is None else SearchConfig.model_validate(raw)
+
+
+def scheduler_of(spec: Mapping[str, Any]) -> SchedulerConfig | None:
+    """The spec's ``sweep.scheduler`` (None: every trial trains every epoch)."""
+    raw = spec.get("scheduler")
+    return None if raw is None else SchedulerConfig.model_validate(raw)
+
+
+def select_of(spec: Mapping[str, Any]) -> SelectConfig:
+    """The spec's ``sweep.select``."""
+    return SelectConfig.model_validate(spec["select"])
+
+
+def bracket_of(spec: Mapping[str, Any]) -> BracketPlan | None:
+    """The spec's bracketing plan (None: no bracketing)."""
+    raw = spec.get("bracket")
+    return None if raw is None else BracketPlan.model_validate(raw)

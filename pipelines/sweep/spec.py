@@ -96,13 +96,14 @@ def build_spec(
 
 def _bracket_settings(params: SweepParams) -> dict[str, Any] | None:
     """``sweep.select.bracket`` as the driver uses it (pipelines/sweep/bracket.py): key, ratio, bound."""
-    from pipelines.sweep.settings import bracket_key, log_step
+    from pipelines.sweep.settings import BracketPlan, bracket_key, log_step
 
     sel = params.sweep.select
     key = bracket_key(sel)
-    if key is None or sel.bracket is None:
+    ratio = None if key is None else log_step(params.sweep.grid[key])
+    if key is None or sel.bracket is None or ratio is None:  # validation refused these already
         return None
-    return {"key": key, "ratio": log_step(params.sweep.grid[key]), "max_rounds": sel.bracket.max_rounds}
+    return BracketPlan(key=key, ratio=ratio, max_rounds=sel.bracket.max_rounds).model_dump(mode="json")
 
 
 def trial_resources(params: SweepParams) -> dict[str, Any]:

@@ -184,14 +184,14 @@ def scheduler(spec: dict) -> Any:
 
     from pipelines.sweep.scheduling import ArmwiseScheduler, asha
     from pipelines.sweep.search import max_epochs, state_file
+    from pipelines.sweep.settings import scheduler_of, search_of
 
-    s = spec.get("scheduler")
-    if s is None:
+    sched, search = scheduler_of(spec), search_of(spec)
+    if sched is None or search is None:
         return FIFOScheduler()
-    make = asha(max_epochs(spec), int(s["grace_period"]), float(s["reduction_factor"]))
-    search = spec["search"]
-    return ArmwiseScheduler(make, state=str(state_file(spec)), points=int(search["num_samples"]),
-                            min_finished=int(search["min_finished"]), max_t=max_epochs(spec))  # fmt: skip
+    make = asha(max_epochs(spec), sched.grace_period, sched.reduction_factor)
+    return ArmwiseScheduler(make, state=str(state_file(spec)), points=search.num_samples,
+                            min_finished=search.min_finished, max_t=max_epochs(spec))  # fmt: skip
 
 
 def make_search_tuner(spec: dict, restore: bool) -> Any:
@@ -203,18 +203,22 @@ def make_search_tuner(spec: dict, restore: bool) -> Any:
     from pipelines.sweep.arm_trial import search_trainable
     from pipelines.sweep.progress import SearchProgress
     from pipelines.sweep.search import make_searcher, num_trials
+    from pipelines.sweep.settings import search_of
 
     # A trial's first reports (start, stages) carry no epoch yet: the scheduler and the searcher skip them.
     os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
     trainable = _trainable(search_trainable, spec)
     if restore:
         return _restored(spec, TUNE_DIR, trainable)
+    search = search_of(spec)
+    if search is None:
+        raise ValueError("make_search_tuner: the spec holds no sweep.search")
     return tune.Tuner(
         trainable,
         tune_config=tune.TuneConfig(
-            search_alg=make_searcher(spec["search"]),
+            search_alg=make_searcher(search),
             scheduler=scheduler(spec),
-            num_samples=num_trials(spec["search"]),
+            num_samples=num_trials(search),
             trial_dirname_creator=_arm_dirname,
             reuse_actors=False,  # a stopped trial's process ends with it
         ),
@@ -222,7 +226,7 @@ def make_search_tuner(spec: dict, restore: bool) -> Any:
         run_config=_run_config(
             spec,
             TUNE_DIR,
-            [SearchProgress(num_trials(spec["search"]))],
+            [SearchProgress(num_trials(search))],
             verbose=1 if sys.stdout.isatty() else 0,
         ),  # fmt: skip
     )
