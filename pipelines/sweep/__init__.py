@@ -17,6 +17,10 @@ modules listed below it (.importlinter, contract ``sweep-layers``):
 - ``tables``: the Parquet writer every table above uses.
 - ``scheduling``: early stopping fair to both arms (one ASHA per arm, each on its own validation accuracy)
   and each arm's choice among the trials that ran to the end.
+- ``sweep_params``: the params with their ``sweep`` section typed (``SweepParams``) and the sweep's settings
+  checked against the science's params; what the sweep's commands load.
+- ``settings``: the sweep's settings (grid, select and bracket, search, scheduler, resources), and the typed
+  reading of them back from a spec (``sweep.json``). Core knows none of these.
 
 The studies that run on the sweep (designs and their committed results) are pipelines/studies/.
 """
