@@ -16,7 +16,7 @@ from core.config import load_params
 from pipelines.sweep import driver
 from pipelines.sweep.plan import SweepError
 from pipelines.sweep.spec import build_spec, check_resources
-from stages.harness.tracking import store_client
+from stages.tracking.store import store_client
 
 NODE = {"CPU": 4.0, "GPU": 1.0}
 
