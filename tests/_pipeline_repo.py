@@ -20,7 +20,7 @@ import pytest
 import yaml
 from filelock import FileLock
 
-from stages.harness.tracking import store_client
+from stages.tracking.store import store_client
 
 REPO = Path(__file__).resolve().parents[1]
 STAGES = ("prepare", "pretrain", "reparam", "finetune", "control", "corrupt", "evaluate", "report")

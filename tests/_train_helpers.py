@@ -16,7 +16,7 @@ import yaml
 
 from core.training.checkpoint import load
 from core.training.loop import TIMING_KEYS
-from stages.harness.tracking import store_client
+from stages.tracking.store import store_client
 
 REPO = Path(__file__).resolve().parents[1]
 FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")

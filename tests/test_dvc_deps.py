@@ -21,8 +21,8 @@ PACKAGES = ("core", "stages")  # science and stage code; pipelines/ (sweeps, SLU
 #: tracking adapter must not invalidate every cached stage), and neither is what only it imports (loading a
 #: checkpoint's model to log it to MLflow).
 REPORTING_ONLY = {
-    "stages/harness/tracking.py",
-    "stages/harness/tracking_names.py",
+    "stages/tracking/tracker.py",
+    "stages/tracking/names.py",
     "stages/harness/stage_run.py",
     "stages/harness/catalogue.py",
 }

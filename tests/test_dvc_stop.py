@@ -19,7 +19,7 @@ import yaml
 from _train_helpers import repo_pythonpath, stage_env, tiny_params, write_params
 
 from stages.harness.parent_watch import dvc_ancestor
-from stages.harness.tracking import store_client
+from stages.tracking.store import store_client
 
 STAGE = textwrap.dedent(
     """

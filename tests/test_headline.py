@@ -116,7 +116,7 @@ def _results(root: Path) -> dict:
 
 def test_interval_ends_reach_the_mlflow_parent_as_low_and_high(tmp_path: Path) -> None:
     from stages.harness.runner import _log_outputs
-    from stages.harness.tracking import Tracker
+    from stages.tracking.tracker import Tracker
 
     comps = _results(tmp_path)
     tracker = Tracker(uri=f"sqlite:///{tmp_path / 'm.db'}", experiment="t")
@@ -135,9 +135,10 @@ def test_interval_ends_reach_the_mlflow_parent_as_low_and_high(tmp_path: Path) -
 def test_the_parent_description_and_the_saved_view_show_the_headline(tmp_path: Path) -> None:
     """The parent's description (MLflow's ``mlflow.note.content``, Markdown) carries T-CNN - control with its
     interval and the report's sentence; the experiment's saved view ticks the parent's interval-end columns."""
-    from stages.harness.catalogue import SUMMARY_METRICS, VIEW_METRICS
+    from stages.harness.catalogue import SUMMARY_METRICS
     from stages.harness.runner import _log_outputs
-    from stages.harness.tracking import Tracker
+    from stages.tracking.tracker import Tracker
+    from stages.tracking.view import VIEW_METRICS
 
     _results(tmp_path)
     tracker = Tracker(uri=f"sqlite:///{tmp_path / 'm.db'}", experiment="t")
@@ -175,8 +176,8 @@ def test_the_parent_description_and_the_saved_view_show_the_headline(tmp_path: P
         and set(SUMMARY_METRICS) & set(VIEW_METRICS) == set()
     )
     # issue 59 (15): param columns after the headline's (which stay on screen), each a name the tracking logs
-    from stages.harness.catalogue import VIEW_PARAMS
-    from stages.harness.tracking_names import flatten_params
+    from stages.tracking.names import flatten_params
+    from stages.tracking.view import VIEW_PARAMS
 
     params = [c for c in view["selectedColumns"] if c.startswith("params.")]
     assert params == [f"params.`{p}`" for p in VIEW_PARAMS] == view["selectedColumns"][-len(VIEW_PARAMS) :]

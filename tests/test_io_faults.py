@@ -20,7 +20,7 @@ import pytest
 from _train_helpers import repo_pythonpath, stage_env, tiny_params, write_params
 
 from core.utils.workspace import LOCK_FILE
-from stages.harness.tracking import store_client
+from stages.tracking.store import store_client
 
 STAGE = textwrap.dedent(
     """
@@ -192,7 +192,7 @@ def _digest(path: Path) -> str:
 def test_a_copied_store_past_the_file_size_limit_is_refused_before_its_rewrite(
     finished: Path, tmp_path: Path
 ) -> None:
-    """Issue 47: the rewrite of a copied workspace's store (stages.harness.store_location) under a file-size
+    """Issue 47: the rewrite of a copied workspace's store (stages.tracking.store_location) under a file-size
     limit below the store's size was a raw sqlite3.OperationalError, exit 1 and a hot mlruns.db-journal: sqlite
     can neither write the store's pages past the limit nor roll them back. It is refused before any write."""
     ws = tmp_path / "copy"

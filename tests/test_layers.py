@@ -1,6 +1,7 @@
 """The house rules, as checks: import-linter's contracts (.importlinter: core/ in layers, core/ knows no
-orchestration, stages/ know no cluster, pipelines/sweep/ and pipelines/studies/ in layers) and no import cycle
-among core's modules."""
+orchestration, stages/ know no cluster, the tracking adapter stages/tracking/ imports no stage, harness or
+pipeline and is layered, pipelines/sweep/ and pipelines/studies/ in layers) and no import cycle among core's
+modules."""
 
 from __future__ import annotations
 

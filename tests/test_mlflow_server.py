@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from stages.harness.tracking import Tracker
-from stages.harness.tracking_names import PARENT_TAG
+from stages.tracking.names import PARENT_TAG
+from stages.tracking.tracker import Tracker
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "infra" / "mlflow" / "server.sh"

@@ -82,7 +82,7 @@ def test_compare_page_shows_runs_params_metrics(
         for run in [parent, *kids]:
             assert run.info.run_id in text
         names = text.split("Run Name:", 1)[1].split("Start Time:", 1)[0].split()
-        # the parent's name has spaces (stages.harness.tracking_names.run_label): compare word by word
+        # the parent's name has spaces (stages.tracking.names.run_label): compare word by word
         assert names == " ".join([parent.info.run_name, *(r.info.run_name for r in kids)]).split()
         assert parent.info.run_name.startswith("tcnn ") and "seed=" in parent.info.run_name
         assert sorted(r.info.run_name for r in kids) == sorted(STAGES)

@@ -36,7 +36,7 @@ from test_sweep import TCNN, make_project, sweep_env
 from test_sweep_ray import GRID, pretrain_epoch_lines, stage_counts
 
 from pipelines.slurm import RayClusterConfig, RayPorts, launch_ray_cluster, make_executor, wait_result
-from stages.harness.tracking import store_client
+from stages.tracking.store import store_client
 
 
 def _say(line: str) -> None:

@@ -64,7 +64,7 @@ def test_a_stop_signal_outside_the_training_loop_ends_everything(
 
 
 def test_a_superseded_parent_closes_its_children(tmp_path: Path) -> None:
-    from stages.harness.tracking import Tracker
+    from stages.tracking.tracker import Tracker
 
     uri = f"sqlite:///{tmp_path / 'm.db'}"
     old = Tracker(uri=uri, experiment="t")

@@ -17,8 +17,8 @@ import pytest
 from test_sweep import TCNN, make_project, sweep_env
 
 from pipelines.sweep.sweep_params import load_sweep_params
-from stages.harness.tracking import store_client
-from stages.harness.tracking_names import flatten_params
+from stages.tracking.names import flatten_params
+from stages.tracking.store import store_client
 
 pytestmark = pytest.mark.slow
 

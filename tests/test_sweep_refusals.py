@@ -16,7 +16,7 @@ from pipelines.sweep import driver
 from pipelines.sweep.plan import SweepError
 from pipelines.sweep.spec import build_spec, check_resources
 from pipelines.sweep.sweep_params import load_sweep_params
-from stages.harness.tracking import store_client
+from stages.tracking.store import store_client
 
 NODE = {"CPU": 4.0, "GPU": 1.0}
 

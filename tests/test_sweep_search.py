@@ -40,7 +40,7 @@ from pipelines.sweep.search import (
 )
 from pipelines.sweep.settings import SearchConfig
 from pipelines.sweep.sweep_params import load_sweep_params, validate_sweep_params
-from stages.harness.tracking import store_client
+from stages.tracking.store import store_client
 
 SPACE = {"finetune.lr": {"loguniform": [1e-4, 1e-1]}, "reparam.alpha_init": {"choice": [0.5, 1.0, 2.0]}}
 

@@ -16,8 +16,7 @@ import pytest
 
 from core.config import Params
 from stages.harness.stage_run import stage_run
-from stages.harness.tracking import Tracker, TrackingError
-from stages.harness.tracking_names import (
+from stages.tracking.names import (
     ATTEMPT_TAG,
     CHAIN_TAG,
     EXPERIMENT_KIND,
@@ -31,6 +30,7 @@ from stages.harness.tracking_names import (
     resolve_uri,
     run_label,
 )
+from stages.tracking.tracker import Tracker, TrackingError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -276,7 +276,7 @@ def test_activate_for_fluent_calls_keeps_run_open(store: str) -> None:
 _STAGE_SCRIPT = textwrap.dedent(
     """
     import sys, time
-    from stages.harness.tracking import Tracker
+    from stages.tracking.tracker import Tracker
     uri, mode, on_stale = sys.argv[1], sys.argv[2], sys.argv[3]
     t = Tracker(uri=uri, experiment="killed")
     parent = t.start_parent("pipeline", key="workspace")
@@ -568,7 +568,7 @@ _READER_SCRIPT = textwrap.dedent(
     """
     import sys
     import mlflow  # imported before READY: what follows READY is only the store's creation
-    from stages.harness.tracking import store_client
+    from stages.tracking.store import store_client
     print("READY", flush=True)
     client = store_client(sys.argv[1])
     print("EXPERIMENTS", len(client.search_experiments()), flush=True)

@@ -46,7 +46,7 @@ def test_a_new_mlflow_store_survives_four_processes_at_once(tmp_path: Path) -> N
     code = (
         "import os, sys, time\n"
         "while not os.path.exists(sys.argv[2]): time.sleep(0.01)\n"
-        "from stages.harness.tracking import Tracker\n"
+        "from stages.tracking.tracker import Tracker\n"
         "t = Tracker(uri='sqlite:///' + sys.argv[1], experiment='e')\n"
         "t.start_parent('p'); t.end_parent()\n"
     )

@@ -1,5 +1,5 @@
 """Addresses in the MLflow UI (MLflow 3.17) and the saved view of the runs table that tcnn links to. Plain
-strings: no MLflow import (the report renders them; stages/harness/tracking.py stores the view).
+strings: no MLflow import (the report renders them; stages/tracking/view.py stores the view).
 
 What the UI does, read from its source (mlflow/server/js): a browser with no saved choice opens in the
 "GenAI" workflow, where an experiment opens on its trace overview; the URL parameter

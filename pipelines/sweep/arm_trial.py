@@ -152,7 +152,7 @@ class ArmTrial(TrialRunner):
         return done
 
     def _open(self, known: str | None) -> Any:
-        from stages.harness.tracking import Tracker, TrackingError
+        from stages.tracking.tracker import Tracker, TrackingError
 
         cfg = self.spec["tracking"]
         tracker = Tracker(enabled=cfg["enabled"], uri=cfg["uri"], experiment=cfg["experiment"])

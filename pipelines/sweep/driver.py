@@ -125,8 +125,8 @@ def driver_lock(sweep_dir: Path) -> Any:
 
 
 def _open_parent(spec: dict) -> Any:
-    from stages.harness.tracking import Tracker
-    from stages.harness.tracking_names import UV_LOCK_FILE, UV_LOCK_TAG, digest_if_present
+    from stages.tracking.names import UV_LOCK_FILE, UV_LOCK_TAG, digest_if_present
+    from stages.tracking.tracker import Tracker
 
     t = spec["tracking"]
     tracker = Tracker(enabled=t["enabled"], uri=t["uri"], experiment=t["experiment"])

@@ -149,7 +149,7 @@ def close_stopped(spec: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     stopped = [r for r in rows if r["status"] == "stopped" and r.get("mlflow_run_id")]
     if not cfg["enabled"] or not stopped:
         return
-    from stages.harness.tracking import Tracker
+    from stages.tracking.tracker import Tracker
 
     client = Tracker(enabled=True, uri=cfg["uri"], experiment=cfg["experiment"]).client
     for r in stopped:

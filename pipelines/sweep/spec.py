@@ -55,7 +55,7 @@ def build_spec(
 ) -> dict:
     """Validate and plan the sweep; the returned spec is all a driver and its trials need (JSON-able).
     ``placement``: how Ray places a trial's data-parallel workers (pipelines.ddp.PLACEMENTS)."""
-    from stages.harness.tracking_names import resolve_uri
+    from stages.tracking.names import resolve_uri
 
     cwd = Path(cwd or Path.cwd()).resolve()
     sw = params.sweep

@@ -61,7 +61,7 @@ from stages.harness.catalogue import (
 )
 from stages.harness.chain import sweep_role, trains, trial_stages
 from stages.harness.runner import REFUSALS, Stopped
-from stages.harness.tracking_names import NOTE_TAG
+from stages.tracking.names import NOTE_TAG
 
 STATE = "trial.json"
 #: Written when a stage refused the trial's inputs (stages.harness.runner.REFUSALS): {"tid", "refused": "<stage>:
@@ -121,7 +121,7 @@ def open_run(
 ) -> Any:
     """The trial's MLflow child run under the sweep's parent: reopened when the trial ran before.
     ``nodes``: the node of every attempt so far, this one last (tags ``tcnn.node``, ``tcnn.attempt_nodes``)."""
-    from stages.harness.tracking import Tracker, TrackingError
+    from stages.tracking.tracker import Tracker, TrackingError
 
     cfg = spec["tracking"]
     tracker = Tracker(enabled=cfg["enabled"], uri=cfg["uri"], experiment=cfg["experiment"])
@@ -163,7 +163,7 @@ def close_run(spec: dict[str, Any], run_id: str | None) -> None:
     cfg = spec["tracking"]
     if not cfg["enabled"] or not run_id:
         return
-    from stages.harness.tracking import Tracker
+    from stages.tracking.tracker import Tracker
 
     tracker = Tracker(enabled=True, uri=cfg["uri"], experiment=cfg["experiment"])
     if tracker.client.get_run(run_id).info.status != "FINISHED":

@@ -102,18 +102,6 @@ SUMMARY_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     },
 }
 
-#: The runs table's saved view (core.utils.mlflow_ui.shared_view): the headline first, in the units and under
-#: the names `dvc metrics show` prints it (:func:`headline_summary`) -- T-CNN - control in pp with its 95%
-#: interval ends, then each model's clean accuracy and mCA in % -- so that both views show one number alike.
-VIEW_METRICS: tuple[str, ...] = (
-    *(f"tcnn-control {c} {end}" for c in ("clean", "mCA", "mCE") for end in ("pp", "pp low", "pp high")),
-    *(f"{m} {c} pct" for c in ("clean", "mCA") for m in ("tcnn", "control", "cnn")),
-)
-#: The params the view shows first (MLflow's flattened names, stages.harness.tracking_names.flatten_params): what
-#: an experiment most often changes (the README's gate init, the fine-tuning lr, the epoch of the switch, the
-#: seed), so that a change is visible in a column, not only in the run's name.
-VIEW_PARAMS: tuple[str, ...] = ("lambda_init", "finetune.lr", "reparam_epoch", "seed")
-
 #: Training histories each stage logs as per-epoch metrics (its ``history.json`` output): stage -> the rows'
 #: step key.
 STAGE_HISTORIES: dict[str, str] = {

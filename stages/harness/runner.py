@@ -34,8 +34,8 @@ from stages.harness.catalogue import (
 )
 from stages.harness.parent_watch import DVC_STAGE_ENV, end_with_dvc
 from stages.harness.previous import kept_until_done
-from stages.harness.store_faults import StoreFault
-from stages.harness.tracking_names import NOTE_TAG, run_label
+from stages.tracking.names import NOTE_TAG, run_label
+from stages.tracking.store_faults import StoreFault
 
 
 class StageError(RuntimeError):
@@ -362,9 +362,7 @@ def _stage(
             print(f"{name}: error: {err}{_under_dvc_hint(name, args.params)}", file=sys.stderr)
             return 2
         except Exception as err:
-            if (
-                type(err).__name__ == "TrackingError"
-            ):  # stages.harness.tracking's; MLflow is not imported here
+            if type(err).__name__ == "TrackingError":  # stages.tracking.store's; MLflow is not imported here
                 print(f"{name}: error: {err}", file=sys.stderr)
                 return 2
             if type(err).__name__ == "Preempted":  # core.training.loop.Preempted: checkpointed, resumable

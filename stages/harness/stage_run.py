@@ -12,14 +12,12 @@ from typing import Any
 
 from stages.harness import chain
 from stages.harness.catalogue import stage_description
-from stages.harness.tracking import Tracker
-from stages.harness.tracking_names import (
+from stages.tracking.names import (
     CHAIN_TAG,
     DVC_EXP_TAG,
     DVC_LOCK_TAG,
     NOTE_TAG,
     PARAMS_HASH_TAG,
-    RUN_IDS_FILE,
     RUN_NAME_TAG,
     SOURCE_NAME_TAG,
     UV_LOCK_FILE,
@@ -30,6 +28,9 @@ from stages.harness.tracking_names import (
     run_label,
     workspace_key,
 )
+from stages.tracking.tracker import Tracker
+
+RUN_IDS_FILE = Path(chain.RUN_IDS_FILE)  # the run ids of the current execution, for the report
 
 
 def git_dirty(root: str | os.PathLike = ".") -> bool | None:

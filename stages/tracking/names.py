@@ -1,7 +1,7 @@
 """What tracked runs are called and keyed by, the same on the DVC path and in sweeps: MLflow tag names,
 params flattened to stable names (:func:`flatten_params`), a parent run's label, and the keys that find a
-workspace's open parent. No MLflow here (stages/harness/tracking.py is the adapter, stages/harness/stage_run.py the DVC
-path's run protocol)."""
+workspace's open parent. No MLflow here (stages/tracking/tracker.py is the adapter, stages/harness/stage_run.py
+the DVC path's run protocol)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from core.utils.hashing import file_digest, stable_hash
-from stages.harness import chain
 
 PARENT_TAG = "mlflow.parentRunId"
 RUN_NAME_TAG = "mlflow.runName"
@@ -35,7 +34,6 @@ PARAMS_HASH_TAG = "tcnn.params_hash"  # parent: sha256 of its params (tracking s
 CHAIN_TAG = "tcnn.chain"
 # MLflow 3's UI opens an experiment of this kind on its training runs (not on the GenAI traces overview).
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
-RUN_IDS_FILE = Path(chain.RUN_IDS_FILE)  # the run ids of the current execution, for the report
 
 #: Dotted params keys that get a short, stable MLflow name (identical in every run: DVC stages and sweep trials).
 PARAM_ALIASES: dict[str, str] = {

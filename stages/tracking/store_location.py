@@ -1,7 +1,7 @@
 """A workspace's sqlite tracking store keeps its artifacts inside the workspace, also after it was copied.
 
 MLflow stores absolute artifact locations: the experiment's (``file://<workspace>/mlartifacts``, set by
-stages.harness.tracking where the store is created) and every run's and logged model's below it. A copy of a workspace
+stages.tracking.store where the store is created) and every run's and logged model's below it. A copy of a workspace
 (``cp -a``, as people copy them) would log its new runs' artifacts into the original's folder. MLflow has no
 API to move an experiment's artifact location, so when a store finds itself in another folder than the one
 its locations name, the locations are rewritten to this folder in one sqlite transaction (the copy holds the
@@ -15,7 +15,7 @@ import sqlite3
 from pathlib import Path
 from urllib.parse import unquote
 
-ARTIFACTS_DIR = "mlartifacts"  # next to the store: stages.harness.tracking creates experiments there
+ARTIFACTS_DIR = "mlartifacts"  # next to the store: stages.tracking.store creates experiments there
 #: MLflow's columns that hold artifact locations (schema of MLflow 3: runs, experiments, logged models)
 LOCATION_COLUMNS = (
     ("experiments", "artifact_location"),
