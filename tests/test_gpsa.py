@@ -750,6 +750,30 @@ def test_cpp_attention_gradcheck_thread_independent_and_fallback(monkeypatch: py
     torch.testing.assert_close(layer(x), _reference_copy(layer)(x), rtol=0, atol=0)
 
 
+def test_cpp_float32_products_equal_float64_at_every_tile_shape() -> None:
+    """The C++ kernel's float32 products (its register-blocked GEMM: 64-column blocks, 16-column blocks, scalar
+    tails, 6-row tiles and leftover rows) against the same kernel in float64 (ATen's mm/baddbmm/softmax):
+    channels 83 = 64 + 16 + 3 and a 7 x 7 map (L = 49 = 3 x 16 + 1), forward and every gradient."""
+    from core.nn.gated_attention_cpp import extension
+
+    torch.manual_seed(36)
+    b, nh, d, lq, lk, c = 3, 9, 7, 49, 49, 83
+    qt = torch.randn(b * nh, 2 * d, lq, dtype=torch.float64)[:, :d]
+    kt = torch.randn(b * nh, d, lk, dtype=torch.float64)
+    vt = torch.randn(b, lk, c, dtype=torch.float64).transpose(1, 2)
+    pos = 0.5 * torch.rand(nh, lq, lk, dtype=torch.float64).softmax(-1)
+    g_con = torch.rand(nh, dtype=torch.float64)
+    dy = torch.randn(b, lq * nh, c, dtype=torch.float64)
+    args = (qt, kt, vt, pos, g_con)
+    ext = extension()
+    y64, y32 = ext.forward(*args, 0.4), ext.forward(*(t.float() for t in args), 0.4)
+    torch.testing.assert_close(y32.double(), y64, rtol=1e-5, atol=1e-5 * y64.abs().max().item())
+    g64 = ext.backward(dy, *args, 0.4)
+    g32 = ext.backward(dy.float(), *(t.float() for t in args), 0.4)
+    for u, v in zip(g32, g64):
+        torch.testing.assert_close(u.double(), v, rtol=1e-4, atol=1e-5 * v.abs().max().item())
+
+
 def _cpp_call(*a: torch.Tensor) -> torch.Tensor:
     from core.nn.gated_attention_cpp import gated_attention_cpp
 

@@ -34,8 +34,17 @@ BUILD_ROOT = Path(__file__).resolve().parents[2] / "build" / "torch_extensions"
 #: Compiler flags per torch CPU capability: the vector width of the hand-written loops (the GEMMs and the
 #: softmax are ATen's own, dispatched at run time).
 ARCH_FLAGS: dict[str, list[str]] = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
-    "AVX2": ["-mavx2", "-mfma"],
+    "AVX512": [
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mavx2",
+        "-mfma",
+        "-DCPU_CAPABILITY_AVX512",
+        "-DCPU_CAPABILITY=AVX512",
+    ],
+    "AVX2": ["-mavx2", "-mfma", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
 }
 
 #: A build lock older than this was left by a killed build (a build takes about a minute of one core).

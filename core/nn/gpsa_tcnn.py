@@ -20,9 +20,9 @@ wide per head) and its math fallback would materialise the attention anyway. The
 conv's own im2col-shaped GEMM (heads * D_in -> D_out). Its attention core (softmax, gated mix, A.X) runs by
 default through the C++/OpenMP kernel (``cpp_attention``, `core.nn.gated_attention_cpp`: one image per thread,
 the maps recomputed in backward) where it applies, else through `_attend_reference` (autograd's graph of the
-plain ops, the reference the tests compare against). Opt-in (``fused_attention``, ``conv_output``): the
-attention as one Python autograd node over chunks of images (`core.nn.gated_attention`) and the output GEMM
-as a 1x1 convolution. All equal to the reference to float32 precision; speeds in docs/benchmarks.md.
+plain ops, the reference the tests compare against); its output GEMM as a 1x1 convolution (``conv_output``,
+default on). Opt-in (``fused_attention``): the attention as one Python autograd node over chunks of images
+(`core.nn.gated_attention`). All equal to the reference to float32 precision; speeds in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -68,8 +68,9 @@ class TcnnGPSA(GPSA):
     #: thread, the maps recomputed in backward) where it applies (`_cpp_ok`): CPU, float32/64, no autocast, not
     #: while tracing, the extension built; otherwise the paths below.
     cpp_attention: bool = True
-    #: The output GEMM as a 1x1 convolution (oneDNN's kernels); False (default): ``F.linear`` (the BLAS's).
-    conv_output: bool = False
+    #: The output GEMM as a 1x1 convolution (oneDNN's kernels; the default: MKL's ``F.linear`` runs at about a third
+    #: of oneDNN's FLOP rate on AMD CPUs); False: ``F.linear`` (the BLAS's).
+    conv_output: bool = True
 
     def __init__(
         self,
@@ -185,7 +186,7 @@ class TcnnGPSA(GPSA):
         B * L >= heads * D_out (the fold costs heads * D_out * D_in^2 multiply-adds, the projection B * L * D_in^2).
         Same function up to float rounding (at the init W_val = I and the fold is exact).
 
-        Projections run as 1x1 convolutions (`_project`), the output GEMM as one ``F.linear``.
+        Projections run as 1x1 convolutions (`_project`), the output GEMM as one 1x1 convolution (or ``F.linear``).
         """
         if x.ndim != 4:
             raise ValueError(f"TcnnGPSA expects [B, C, H, W], got shape {tuple(x.shape)}")
