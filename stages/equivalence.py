@@ -24,15 +24,11 @@ from core.models.reparam import attention_modules, gpsa_modules, to_attention
 from core.models.reparameterize import Reparameterized
 from core.training.loop import evaluate, predict
 from stages.harness import training as T
+from stages.pretrained import Pretrained
 
-__all__ = ["PROBE", "Comparison", "conversion", "measure"]
+__all__ = ["PROBE", "Comparison", "measure"]
 
 PROBE = 256  # images in the equivalence batch
-
-
-def conversion(params: Params) -> Conversion:
-    """The conversion params ask for (model.kind's record, the reparam section, model.options)."""
-    return params.model.record.conversion_of(params.reparam, params.model.options)
 
 
 class Comparison:
@@ -51,22 +47,22 @@ class Comparison:
 
 
 def measure(
-    params: Params, ckpt: dict[str, Any], cnn: torch.nn.Module, made: Reparameterized, loaders: T.Loaders,
-    device: torch.device, moved: dict[str, str],
+    params: Params, source: Pretrained, made: Reparameterized, loaders: T.Loaders, device: torch.device,
+    moved: dict[str, str],
 ) -> dict[str, Any]:  # fmt: skip
-    """The equivalence report of ``made`` (the network converted from ``cnn``, the t1 checkpoint ``ckpt``) in
+    """The equivalence report of ``made`` (the network converted from the t1 checkpoint's CNN, ``source``) in
     eval mode, where BN uses running statistics, so both networks compute deterministic functions: how close
     it is on the probe batch, the optimizer state ``moved`` onto new names, the other stride mode and inits
     (a network converted to attention only) and the accuracies."""
     probe = first_batch(loaders.val if loaders.val is not None else loaders.test, PROBE)
-    cnn.to(device)
+    cnn = source.model.to(device)
     made.model.to(device)
-    compare = Comparison(ckpt.get("source"))
+    compare = Comparison(source.ckpt.get("source"))
     logits_cnn = compare(cnn, probe)
-    report = _equivalence(params, ckpt, cnn, made, probe, logits_cnn, compare)
+    report = _equivalence(params, source.ckpt, cnn, made, probe, logits_cnn, compare)
     report["optimizer_state_renamed"] = {k: v for k, v in moved.items() if k != v}
-    if made.converted and params.model.record.attention is not None:
-        report.update(_other_modes(params, cnn, probe, logits_cnn, loaders, device, compare))
+    if made.conversion is not None:
+        report.update(_other_modes(params, cnn, made.conversion, probe, logits_cnn, loaders, device, compare))
     report.update(_accuracies(cnn, made.model, loaders, device))
     return report
 
@@ -99,25 +95,25 @@ def _equivalence(
 
 
 def _other_modes(
-    params: Params, cnn: torch.nn.Module, probe: torch.Tensor, logits_cnn: torch.Tensor, loaders: T.Loaders,
-    device: torch.device, compare: Comparison,
+    params: Params, cnn: torch.nn.Module, conversion: Conversion, probe: torch.Tensor, logits_cnn: torch.Tensor,
+    loaders: T.Loaders, device: torch.device, compare: Comparison,
 ) -> dict[str, Any]:  # fmt: skip
     """The same distance with the other stride mode and at the paper's and a large init (`_other_inits`)."""
     other = "s1" if params.reparam.stride_mode == "exact" else "exact"
     out: dict[str, Any] = {}
     try:
-        alt = to_attention(cnn, conversion(params).replace(stride_mode=other)).to(device)
+        alt = to_attention(cnn, conversion.replace(stride_mode=other)).to(device)
         out[f"max_abs_logit_diff_{other}"] = agreement(logits_cnn, compare(alt, probe))["max_abs_logit_diff"]
     except (ValueError, NotImplementedError) as err:
         out[f"max_abs_logit_diff_{other}"] = None
         out[f"{other}_error"] = str(err)
-    out["inits"] = _other_inits(cnn, params, probe, logits_cnn, loaders.test, device, compare)
+    out["inits"] = _other_inits(cnn, params, conversion, probe, logits_cnn, loaders.test, device, compare)
     return out
 
 
 def _other_inits(
-    cnn: torch.nn.Module, params: Params, probe: torch.Tensor, logits_cnn: torch.Tensor, test: Any,
-    device: torch.device, compare: Comparison,
+    cnn: torch.nn.Module, params: Params, conversion: Conversion, probe: torch.Tensor, logits_cnn: torch.Tensor,
+    test: Any, device: torch.device, compare: Comparison,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """How far the converted network is from the CNN at the paper's init and at a large init, next to the
     configured one: max |logit diff| and prediction agreement on the probe batch, and at the paper's init the
@@ -127,7 +123,7 @@ def _other_inits(
     for label, (a, lam) in (("paper", PAPER_INIT), ("large", LARGE_INIT)):
         if (a, lam) == configured:
             continue
-        other = to_attention(cnn, conversion(params).replace(alpha_init=a, lambda_init=lam))
+        other = to_attention(cnn, conversion.replace(alpha_init=a, lambda_init=lam))
         other = other.to(device).eval()
         near = agreement(logits_cnn, compare(other, probe))
         row = {"init": label, "alpha_init": a, "lambda_init": lam}

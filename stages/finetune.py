@@ -46,7 +46,7 @@ from typing import Any
 
 from core.analysis.dissect import layer_stats, long_rows
 from core.config import Params
-from stages.fine_tuning import NAME, Variant, identity, train
+from stages.fine_tuning import NAME, Variant, identity, preflight, train
 from stages.harness import chain
 from stages.harness import training as T
 from stages.harness.runner import stage_main
@@ -71,9 +71,7 @@ def run(params: Params, *, root: Path = Path("."), freeze: Sequence[str] = ()) -
 
 def check(params: Params, root: Path = Path(".")) -> None:
     """Before any run opens: the reparameterized model exists, the data too, the checkpoint cadence is readable."""
-    T.require_checkpoint(source_path(root), "reparameterized model written by the reparam stage")
-    T.require_dataset(params, root)
-    T.checkpoint_every_steps(params, NAME)
+    preflight(params, root, source_path(root), "reparameterized model written by the reparam stage")
 
 
 def main(argv: list[str] | None = None) -> int:

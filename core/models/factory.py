@@ -37,9 +37,9 @@ from core.nn.attention_layers import gpsa_modules
 
 __all__ = [
     "apply_ablations",
-    "backbone_options",
     "build",
     "check_arch",
+    "construct",
     "check_options",
     "is_known_arch",
     "set_drop_path",
@@ -121,12 +121,6 @@ def _conversion_keys() -> set[str]:
     return {key for k in kinds.all_kinds() for key in k.conversion}
 
 
-def backbone_options(kind: ModelKind, options: dict[str, Any]) -> dict[str, Any]:
-    """The options of ``kind`` that the underlying CNN takes (ablation and conversion keys removed)."""
-    drop = set(ABLATION_SWITCHES) | set(kind.conversion)
-    return {k: v for k, v in options.items() if k not in drop}
-
-
 def apply_ablations(model: nn.Module, *, gating: str = "train", freeze_gpsa: bool = False) -> nn.Module:
     """[ConViT21] Table 3 switches on the GPSA / PSA layers of ``model`` (in place; see the module docstring)."""
     if gating not in GATING_MODES:
@@ -184,10 +178,16 @@ def build(kind: str | ModelKind, arch: str, num_classes: int, **options: Any) ->
     a converting kind's conversion keys and switches (its `core.models.kinds.Conversion`, to
     `core.models.reparam.to_attention`) and the ablation switches.
     """
-    options = dict(options)
     record = kinds.record(kind)
     check_options(record, options)
     check_arch(record, arch)
+    return construct(record, arch, num_classes, options)
+
+
+def construct(record: ModelKind, arch: str, num_classes: int, options: dict[str, Any]) -> nn.Module:
+    """`build` without its checks: the network of a kind, arch and options that are known good (checked by
+    `build`, by the config, or equal to a spec made from checked params: `core.models.spec.network`)."""
+    options = dict(options)
     if "drop_path" in options:  # params.yaml's model.drop_path is timm's drop_path_rate
         options["drop_path_rate"] = options.pop("drop_path")
     if record.attention is not None:  # a CNN converted: its conversion keys and switches make the Conversion

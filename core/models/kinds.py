@@ -213,6 +213,12 @@ class ModelKind:
         """The fine-tuned network is a T-CNN (GPSA converted from a CNN, after or before pretraining)."""
         return self.attention == "gpsa"
 
+    def backbone_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """The options of this kind that the underlying CNN takes (ablation switches and conversion keys
+        removed)."""
+        drop = set(ABLATION_SWITCHES) | set(self.conversion)
+        return {k: v for k, v in options.items() if k not in drop}
+
     def conversion_of(self, reparam: Any, options: Mapping[str, Any]) -> Conversion:
         """This kind's `Conversion`: the reparam keys from the ``reparam`` section (``conversion_in="reparam"``;
         None: from ``options`` too), every other conversion key (psa's ``qk_init``) and the switches from the

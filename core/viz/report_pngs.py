@@ -18,6 +18,7 @@ from typing import Any
 
 from core.config import Params
 from core.robustness.headline import MODEL_LABELS
+from core.utils.errors import first_line
 from core.viz.report_html import Inputs
 
 
@@ -69,7 +70,7 @@ def figure5(
     try:
         image, label, source, manifest = first_test_image(paths, inputs.rel)
     except (DataError, FileNotFoundError, ValueError, OSError) as err:
-        inputs.note("fig5", f"No clean test image available ({inputs.strip_root(str(err).splitlines()[0])}).")
+        inputs.note("fig5", f"No clean test image available ({inputs.strip_root(first_line(err))}).")
         return None
     norm = meta.get("normalization") or (manifest and {"mean": manifest["mean"], "std": manifest["std"]})
     if not norm:
