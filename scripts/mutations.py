@@ -59,7 +59,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              "metrics = train(params.with_overrides({'finetune.lr': 2 * params.finetune.lr}), root,",
              ("tests/test_control.py",)),
     Mutation("M05", "control", "the control draws its data order and noise from its own seed stream",
-             "stages/fine_tuning.py", "seed = derive_seed(params.seed, NAME)",
+             "stages/harness/fine_tuning.py", "seed = derive_seed(params.seed, NAME)",
              "seed = derive_seed(params.seed, variant.name)", ("tests/test_control.py",)),
     # ---- interval ends: what is computed, logged and said
     Mutation("M06", "intervals", "the bootstrap interval takes the 1.25 / 98.75 percentiles",

@@ -5,7 +5,7 @@
 What attention buys is the T-CNN minus this model ([TCNN21] Table 1 reports the CNN fine-tuned "without SA" next to
 each T-CNN). It starts from the pretraining checkpoint the reparam stage converts
 (``runs/pretrain/ckpt/ckpt-epoch-{t1:03d}.pt``) and runs the finetune stage's own training function
-(`stages.fine_tuning.train`) with the same params: optimizer, lr schedule, epochs, resolution, augmentation,
+(`stages.harness.fine_tuning.train`) with the same params: optimizer, lr schedule, epochs, resolution, augmentation,
 stochastic depth, data order and seeds; only the reparameterization is missing. In "continue" mode it is the
 CNN run continued for the same t2 epochs ([TCNN21] Table 3's CNN row). Names in ``finetune.freeze`` that the CNN
 does not have (the GPSA's attention-only parameters) are skipped.
@@ -27,10 +27,10 @@ from typing import Any
 
 from core.config import Params
 from core.utils.atomic import atomic_write_json, atomic_write_text
-from stages.fine_tuning import CONTROL, control_checkpoint, control_disabled_reason, preflight, train
 from stages.harness import training as T
+from stages.harness.fine_tuning import CONTROL, control_checkpoint, control_disabled_reason, preflight, train
 from stages.harness.runner import stage_main
-from stages.pretrained import load_source, source_label, source_path
+from stages.harness.t1_checkpoint import load_source, source_label, source_path
 
 VARIANT = CONTROL
 NAME = CONTROL.name

@@ -18,8 +18,8 @@ from core.training.loop import deterministic
 from stages.harness import chain
 from stages.harness import training as T
 from stages.harness.identity import stage_identity
+from stages.harness.pretraining import NAME, checkpoint_epochs, model_spec, network_code
 from stages.harness.runner import StageError
-from stages.pretraining import NAME, checkpoint_epochs, model_spec, network_code
 
 
 def import_identity(

@@ -48,7 +48,7 @@ from core.utils.hashing import derive_seed, file_digest
 from stages.harness import chain
 from stages.harness import training as T
 from stages.harness.runner import StageError, stage_main
-from stages.pretrained import Pretrained, load_source, source_label, source_path
+from stages.harness.t1_checkpoint import Pretrained, load_source, source_label, source_path
 
 NAME = "reparam"
 PROBE = 256  # images in the equivalence batch
