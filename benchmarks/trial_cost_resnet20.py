@@ -40,9 +40,9 @@ from tcnn_eval import interleaved
 from trial_cost import STUDIES, corrupted_sets, step_rates
 
 from core.config import SourceConfig
+from core.models.conversion import to_tcnn
 from core.models.factory import build, set_stochastic_depth
 from core.models.importing import import_cnn
-from core.models.reparam import to_tcnn
 from core.nn.gated_attention_cpp import available as cpp_available
 from core.training.inference import _ChannelsLast, inference_model
 from core.training.optim import build_adamw

@@ -50,7 +50,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              ("tests/test_reparam.py",
               "tests/test_stages_train.py::test_chain_writes_its_outputs_and_reparam_preserves_the_function")),
     Mutation("M03", "conversion", "the conversion uses a tenth of the alpha asked for (large init no longer exact)",
-             "core/models/reparam.py", "conv, alpha_init=alpha_init, stride_mode=stride_mode",
+             "core/models/conversion.py", "conv, alpha_init=alpha_init, stride_mode=stride_mode",
              "conv, alpha_init=alpha_init / 10, stride_mode=stride_mode",
              ("tests/test_reparam.py", "tests/test_import_chain.py")),
     # ---- the matched control: the same checkpoint, the same recipe, the same seed stream

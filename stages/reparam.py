@@ -37,8 +37,8 @@ import torch
 from core.analysis.equivalence import LARGE_INIT, PAPER_INIT, agreement, features_before
 from core.config import Params
 from core.data import first_batch
+from core.models.conversion import attention_modules, gpsa_modules, to_attention
 from core.models.kinds import Conversion
-from core.models.reparam import attention_modules, gpsa_modules, to_attention
 from core.models.reparameterize import Reparameterized, reparameterize, state_kept_by_name
 from core.training.checkpoint import atomic_save
 from core.training.loop import evaluate, predict, seed_everything, select_device

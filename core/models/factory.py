@@ -2,7 +2,7 @@
 (`core.models.kinds`, where the project's kinds are listed with what each means).
 
 Converting kinds (a record with ``attention``: "tcnn", "psa", "hybrid_scratch") build the CNN with timm and
-convert it with `core.models.reparam.to_tcnn` ([TCNN21] Sec. 2; loaded only for them); their conversion options go to `to_tcnn`, the rest
+convert it with `core.models.conversion.to_tcnn` ([TCNN21] Sec. 2; loaded only for them); their conversion options go to `to_tcnn`, the rest
 to the CNN. Every other kind's record builds its network directly.
 
 Ablation switches ([ConViT21] Table 3; `core.models.kinds.ABLATION_SWITCHES`), options of the kinds whose
@@ -176,7 +176,7 @@ def build(kind: str | ModelKind, arch: str, num_classes: int, **options: Any) ->
     ``options`` go to the kind's builder (timm kwargs such as ``in_chans``, ``drop_path_rate`` (alias
     ``drop_path``), ``img_size``; convit's ``positional``, ``attn_impl``; aa_resnet's and cmhsa's own), except
     a converting kind's conversion keys and switches (its `core.models.kinds.Conversion`, to
-    `core.models.reparam.to_attention`) and the ablation switches.
+    `core.models.conversion.to_attention`) and the ablation switches.
     """
     record = kinds.record(kind)
     check_options(record, options)

@@ -1,6 +1,6 @@
 """The reparameterization step of every model kind, as its registry record says (`core.models.kinds`).
 
-- a kind that converts its pretrained CNN (``pretrains_cnn`` and ``attention``): `core.models.reparam.to_attention`
+- a kind that converts its pretrained CNN (``pretrains_cnn`` and ``attention``): `core.models.conversion.to_attention`
   with its `Conversion` ([TCNN21] Sec. 2: GPSA; [Cordonnier20]: PSA), then the ablation switches;
 - a two-phase kind (``reparameterize``): its own map, e.g. [Li21] Theorem 1's convolution -> self-attention;
 - every other kind: the pretrained network passes through unchanged.

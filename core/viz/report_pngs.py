@@ -61,7 +61,7 @@ def figure5(
     """[TCNN21] Fig. 5 for the first clean test image (`core.viz.report_figures.attention_figure`; its
     attention data kept in ``inputs.attention_stats``)."""
     from core.data import DataError
-    from core.models.reparam import attention_modules
+    from core.models.conversion import attention_modules
     from core.viz.report_figures import attention_figure
 
     if not attention_modules(tcnn):
