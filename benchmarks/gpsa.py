@@ -49,8 +49,8 @@ import torch.nn as nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from core.models.conversion import to_tcnn  # noqa: E402
 from core.models.factory import build  # noqa: E402
-from core.models.reparam import to_tcnn  # noqa: E402
 from core.nn.gpsa_convit import ConvitGPSA  # noqa: E402
 from core.nn.gpsa_tcnn import TcnnGPSA  # noqa: E402
 

@@ -32,8 +32,8 @@ from xml.etree import ElementTree
 import torch
 import torch.nn.functional as F
 
+from core.models.conversion import to_tcnn
 from core.models.factory import build
-from core.models.reparam import to_tcnn
 from core.training.optim import build_adamw
 from core.training.precision import autocast
 

@@ -27,8 +27,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from core.models.conversion import gpsa_modules, to_tcnn
 from core.models.factory import build
-from core.models.reparam import gpsa_modules, to_tcnn
 from core.training.optim import build_adamw
 
 

@@ -54,8 +54,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from core.models.conversion import to_tcnn
 from core.models.factory import build
-from core.models.reparam import to_tcnn
 from core.training.inference import _ChannelsLast, inference_model
 from core.utils.machine import cpu_model
 

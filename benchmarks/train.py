@@ -17,8 +17,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from core.models.conversion import to_tcnn
 from core.models.factory import build
-from core.models.reparam import to_tcnn
 from core.training.loop import select_device
 from core.training.optim import build_sgd
 from core.training.precision import autocast

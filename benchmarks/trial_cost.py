@@ -37,8 +37,8 @@ import yaml
 from tcnn_eval import interleaved
 
 from core.config import RobustnessConfig
+from core.models.conversion import to_tcnn
 from core.models.factory import build, set_drop_path
-from core.models.reparam import to_tcnn
 from core.training.inference import _ChannelsLast, inference_model
 from core.training.optim import build_adamw
 from core.utils.machine import cpu_model

@@ -13,7 +13,7 @@ steps (AdamW with the gate lr, batch 128, 32 px) of the released ResNet-20 (core
 ../shared/pretrained/resnet20-12fca82f.th, sha256-checked and loaded strictly the way pretrain.source imports
 it) as the control arm, and of its T-CNN converted as the preset converts it (pipelines/presets/
 resnet20_cifar10.yaml, reparam: stages [-1], stride_mode exact, alpha = lambda = 1: layer3's six 3x3 convs on
-8x8 maps -> GPSA), in the fine-tuning stage's layout (channels-last on CPU, stages/fine_tuning.py) and, for
+8x8 maps -> GPSA), in the fine-tuning stage's layout (channels-last on CPU, stages/harness/fine_tuning.py) and, for
 reference, NCHW. Stochastic depth (drop_path 0.1) is a no-op here: he_cifar's blocks have no drop_path.
 Evaluation img/s at batch 500 of each form a trial runs: the training loop's per-epoch validation and final
 test (eager, channels-last) and the evaluate stage's (core.training.inference.inference_model). Random
@@ -40,9 +40,9 @@ from tcnn_eval import interleaved
 from trial_cost import STUDIES, corrupted_sets, step_rates
 
 from core.config import SourceConfig
+from core.models.conversion import to_tcnn
 from core.models.factory import build, set_stochastic_depth
 from core.models.importing import import_cnn
-from core.models.reparam import to_tcnn
 from core.nn.gated_attention_cpp import available as cpp_available
 from core.training.inference import _ChannelsLast, inference_model
 from core.training.optim import build_adamw

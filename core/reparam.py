@@ -1,6 +1,6 @@
 """Public import path of the conv -> attention conversion (DESIGN section 4: ``core.reparam.to_tcnn``); the
-code lives in `core.models.reparam`."""
+code lives in `core.models.conversion`."""
 
-from core.models.reparam import attention_modules, gpsa_modules, model_stages, to_attention, to_tcnn
+from core.models.conversion import attention_modules, gpsa_modules, model_stages, to_attention, to_tcnn
 
 __all__ = ["attention_modules", "gpsa_modules", "model_stages", "to_attention", "to_tcnn"]

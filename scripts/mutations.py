@@ -50,7 +50,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              ("tests/test_reparam.py",
               "tests/test_stages_train.py::test_chain_writes_its_outputs_and_reparam_preserves_the_function")),
     Mutation("M03", "conversion", "the conversion uses a tenth of the alpha asked for (large init no longer exact)",
-             "core/models/reparam.py", "conv, alpha_init=alpha_init, stride_mode=stride_mode",
+             "core/models/conversion.py", "conv, alpha_init=alpha_init, stride_mode=stride_mode",
              "conv, alpha_init=alpha_init / 10, stride_mode=stride_mode",
              ("tests/test_reparam.py", "tests/test_import_chain.py")),
     # ---- the matched control: the same checkpoint, the same recipe, the same seed stream
@@ -59,7 +59,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              "metrics = train(params.with_overrides({'finetune.lr': 2 * params.finetune.lr}), root,",
              ("tests/test_control.py",)),
     Mutation("M05", "control", "the control draws its data order and noise from its own seed stream",
-             "stages/fine_tuning.py", "seed = derive_seed(params.seed, NAME)",
+             "stages/harness/fine_tuning.py", "seed = derive_seed(params.seed, NAME)",
              "seed = derive_seed(params.seed, variant.name)", ("tests/test_control.py",)),
     # ---- interval ends: what is computed, logged and said
     Mutation("M06", "intervals", "the bootstrap interval takes the 1.25 / 98.75 percentiles",

@@ -5,7 +5,7 @@
 What attention buys is the T-CNN minus this model ([TCNN21] Table 1 reports the CNN fine-tuned "without SA" next to
 each T-CNN). It starts from the pretraining checkpoint the reparam stage converts
 (``runs/pretrain/ckpt/ckpt-epoch-{t1:03d}.pt``) and runs the finetune stage's own training function
-(`stages.fine_tuning.train`) with the same params: optimizer, lr schedule, epochs, resolution, augmentation,
+(`stages.harness.fine_tuning.train`) with the same params: optimizer, lr schedule, epochs, resolution, augmentation,
 stochastic depth, data order and seeds; only the reparameterization is missing. In "continue" mode it is the
 CNN run continued for the same t2 epochs ([TCNN21] Table 3's CNN row). Names in ``finetune.freeze`` that the CNN
 does not have (the GPSA's attention-only parameters) are skipped.
@@ -26,12 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from core.config import Params
-from core.training.optim import named_state
 from core.utils.atomic import atomic_write_json, atomic_write_text
-from stages.fine_tuning import CONTROL, control_checkpoint, control_disabled_reason, train
 from stages.harness import training as T
+from stages.harness.fine_tuning import CONTROL, control_checkpoint, control_disabled_reason, preflight, train
 from stages.harness.runner import stage_main
-from stages.pretrained import load_source, source_label, source_path
+from stages.harness.t1_checkpoint import load_source, source_label, source_path
 
 VARIANT = CONTROL
 NAME = CONTROL.name
@@ -44,13 +43,13 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     reason = disabled_reason(params)
     if reason is not None:
         return _disabled(root, reason)
-    src = source_path(params, root)
-    ckpt = load_source(params, root)
+    source = load_source(params, root)
+    ckpt = source.ckpt
     start = {"model": ckpt["model"], "model_spec": ckpt["model_spec"], "image_size": ckpt.get("image_size")}
-    if "optimizer" in ckpt:  # a training checkpoint: what "continue" fine-tuning resumes from
-        state = named_state(ckpt["optimizer"], ckpt["param_names"])
-        start["carry"] = T.carry(ckpt, state, {k: k for k in state})
-    metrics = train(params.for_control(), root, start, src, VARIANT, strict_freeze=False)
+    if source.trained:  # a training checkpoint: what "continue" fine-tuning resumes from
+        state = source.optimizer_state()
+        start["carry"] = source.carry(state, {k: k for k in state})
+    metrics = train(params.for_control(), root, start, source.path, VARIANT, strict_freeze=False)
     return {"enabled": True, **metrics}
 
 
@@ -71,9 +70,7 @@ def _disabled(root: Path, reason: str) -> dict[str, Any]:
 def check(params: Params, root: Path = Path(".")) -> None:
     """Before any run opens (when there is a control): the pretraining checkpoint at t1 and the data exist."""
     if disabled_reason(params) is None:
-        T.require_checkpoint(source_path(params, root), source_label(params))
-        T.require_dataset(params, root)
-        T.checkpoint_every_steps(params, NAME)
+        preflight(params, root, source_path(params, root), source_label(params))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@
   the same BatchLoader seed), batch size, augmentation, resolution and `model.drop_path`. Gates get the
   same lr as every other parameter: one optimizer, one schedule.
 
-The matched control (stages/control.py) runs the same function (`stages.fine_tuning.train`) on the CNN checkpoint at t1 (no
+The matched control (stages/control.py) runs the same function (`stages.harness.fine_tuning.train`) on the CNN checkpoint at t1 (no
 reparameterization): the same optimizer, lr schedule, epochs, resolution, augmentation, stochastic depth, data
 order and seeds -- only the network differs ([TCNN21] Table 1, "without SA"). To keep the random streams equal, the
 global RNG is re-seeded after the model is built (building a T-CNN draws its new W_qry/W_key), so stochastic
@@ -46,9 +46,9 @@ from typing import Any
 
 from core.analysis.dissect import layer_stats, long_rows
 from core.config import Params
-from stages.fine_tuning import NAME, Variant, identity, train
 from stages.harness import chain
 from stages.harness import training as T
+from stages.harness.fine_tuning import NAME, Variant, identity, preflight, train
 from stages.harness.runner import stage_main
 
 __all__ = ["NAME", "TCNN", "check", "identity", "main", "run", "source_path"]
@@ -71,9 +71,7 @@ def run(params: Params, *, root: Path = Path("."), freeze: Sequence[str] = ()) -
 
 def check(params: Params, root: Path = Path(".")) -> None:
     """Before any run opens: the reparameterized model exists, the data too, the checkpoint cadence is readable."""
-    T.require_checkpoint(source_path(root), "reparameterized model written by the reparam stage")
-    T.require_dataset(params, root)
-    T.checkpoint_every_steps(params, NAME)
+    preflight(params, root, source_path(root), "reparameterized model written by the reparam stage")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,13 +14,12 @@ from typing import Any
 
 from core.config import Params, SourceConfig
 from core.models import importing
-from core.models.factory import backbone_options
 from core.training.loop import deterministic
 from stages.harness import chain
 from stages.harness import training as T
 from stages.harness.identity import stage_identity
+from stages.harness.pretraining import NAME, checkpoint_epochs, model_spec, network_code
 from stages.harness.runner import StageError
-from stages.pretraining import NAME, checkpoint_epochs, model_spec, network_code
 
 
 def import_identity(
@@ -64,7 +63,7 @@ def import_cnn(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     spec = model_spec(params, ds.num_classes, ds.in_chans)
     try:
         imported = importing.import_cnn(params.model.arch, source, ds.num_classes, ds.in_chans,
-                                        backbone_options(params.model.record, params.model.options))  # fmt: skip
+                                        params.model.record.backbone_options(params.model.options))  # fmt: skip
     except ValueError as err:
         raise StageError(str(err)) from None
     t_import = time.perf_counter() - t_wall

@@ -13,7 +13,7 @@ the normalization every stage then feeds it with.
 
 While running, state lives in `root/runs/.partial/pretrain/` (outside DVC's outs, which DVC deletes before a
 stage runs); a rerun with the same params and data resumes from it exactly (see core.training.loop.fit). The
-run's pieces (the epochs it keeps, network, identity, optimizer, metrics): `stages.pretraining`.
+run's pieces (the epochs it keeps, network, identity, optimizer, metrics): `stages.harness.pretraining`.
 """
 
 from __future__ import annotations
@@ -26,12 +26,11 @@ from typing import Any
 from core.config import Params
 from core.training.loop import TrainLoss, deterministic, fit, seed_everything
 from core.utils.hashing import stable_hash
-from stages import pretraining
-from stages.harness import chain
+from stages.harness import chain, pretraining
 from stages.harness import training as T
+from stages.harness.pretraining import NAME, check_network, checkpoint_epochs, model_spec, network_code
 from stages.harness.runner import stage_main
 from stages.imported_cnn import check_source, import_cnn, import_identity
-from stages.pretraining import NAME, check_network, checkpoint_epochs, model_spec, network_code
 
 __all__ = ["NAME", "check", "identity", "main", "run", "run_hash"]
 
@@ -40,9 +39,9 @@ def identity(
     params: Params, spec: dict[str, Any], data_fingerprint: str, device: str, workers: int | None = None
 ) -> dict[str, Any]:
     """What pretraining's result depends on (`stages.harness.identity`; the sweep names shared pretraining runs
-    by it): a training run's (`stages.pretraining.training_identity`) or an import's
+    by it): a training run's (`stages.harness.pretraining.training_identity`) or an import's
     (`stages.imported_cnn.import_identity`), and the network code dvc.yaml does not list
-    (`stages.pretraining.network_code`: another kind's, a user's builder), so that an edit of it is another
+    (`stages.harness.pretraining.network_code`: another kind's, a user's builder), so that an edit of it is another
     pretraining."""
     if params.imports_cnn:
         found = import_identity(params, spec, data_fingerprint, device)

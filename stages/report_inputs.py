@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import Params
+from core.utils.errors import first_line
 from core.viz.report_html import Inputs, model_names
 from stages.harness import chain
 from stages.harness.runner import StageError
@@ -119,7 +120,7 @@ def read_json(path: Path, *, required: bool, inputs: Inputs | None = None, secti
         if inputs is not None:
             inputs.note(section, f"{inputs.rel(path)} is missing.")
     except (OSError, ValueError) as err:  # present but damaged: never read as missing (nor as good)
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        reason = first_line(err)
         raise StageError(f"{path}: not valid JSON ({reason}); rerun the stage that writes it") from None
     return None
 

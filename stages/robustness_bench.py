@@ -29,9 +29,9 @@ from core.training.checkpoint import CheckpointError, load_model
 from core.training.inference import inference_model
 from core.training.loop import select_device
 from stages import cnn_evaluation
-from stages.fine_tuning import control_checkpoint, control_disabled_reason
 from stages.harness import chain
 from stages.harness import training as T
+from stages.harness.fine_tuning import control_checkpoint, control_disabled_reason
 from stages.harness.runner import StageError
 
 #: The models' names in logs and plots.

@@ -11,8 +11,8 @@ import pytest
 from _train_helpers import stage_env, tiny_params, write_dataset, write_params
 
 from core.config import Params
+from stages.harness.pretraining import check_network
 from stages.harness.runner import StageError
-from stages.pretraining import check_network
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +185,8 @@ def test_a_foreign_pretrained_cnn_is_refused_where_it_is_read(tmp_path: Path, da
     """A cnn-final.pt of another arch in this run's place is not scored as its CNN (evaluate, before any run
     opens), nor converted (reparam's t1 checkpoint goes through the same check); this run's own passes."""
     from core.training.checkpoint import atomic_save
-    from stages import evaluate, pretraining, robustness_bench
+    from stages import evaluate, robustness_bench
+    from stages.harness import pretraining
     from stages.harness import training as T
 
     params = Params.model_validate(tiny_params(data, robustness={"baseline": "cnn"}))

@@ -21,7 +21,8 @@ import pytest
 import yaml
 
 from core.config import ConfigError, validate_params
-from stages import pretrain, pretraining
+from stages import pretrain
+from stages.harness import pretraining
 from stages.harness.identity import stale_network_code
 
 REPO = Path(__file__).resolve().parents[1]

@@ -93,7 +93,7 @@ def test_stage_deps_cover_every_imported_file(stage: str) -> None:
     assert not missing, f"dvc.yaml stage {stage!r} lacks deps for {missing}"
 
 
-ATTENTION_CODE = ("core/nn/gpsa.py", "core/nn/gpsa_tcnn.py", "core/nn/psa.py", "core/models/reparam.py")
+ATTENTION_CODE = ("core/nn/gpsa.py", "core/nn/gpsa_tcnn.py", "core/nn/psa.py", "core/models/conversion.py")
 #: The stages that train or evaluate the plain CNN, and the data's (and its check): they never load attention
 #: code, so an edit of GPSA costs no pretraining (hours of a real study); the others build the T-CNN.
 CNN_ONLY = {"prepare", "check", "pretrain", "control", "corrupt"}

@@ -252,7 +252,8 @@ def test_the_control_trains_with_the_tcnn_lr_schedule_and_data_order(tmp_path: P
     and the same batches (the first three compared image for image); only the network differs."""
     from _train_helpers import tiny_params, write_dataset
 
-    from stages import control, fine_tuning, finetune, pretrain, reparam
+    from stages import control, finetune, pretrain, reparam
+    from stages.harness import fine_tuning
 
     data = write_dataset(tmp_path / "data", n_train=300, n_test=50)
     params = validate_params(tiny_params(data, pretrain={"epochs": 1}, reparam={"epoch": 1},

@@ -25,8 +25,8 @@ from core.analysis.equivalence import features_before
 from core.config import ConfigError, SourceConfig, validate_params
 from core.models.builders import classifier
 from core.models.cnn_layout import conversion_targets
+from core.models.conversion import to_tcnn
 from core.models.importing import IMAGENET_MEAN, ImportError_, import_cnn, normalization
-from core.models.reparam import to_tcnn
 from core.models.spec import build_from_spec, make_model_spec
 from pipelines.sweep.sweep_params import validate_sweep_params
 

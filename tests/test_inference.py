@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn as nn
 
+from core.models.conversion import to_tcnn
 from core.models.factory import build
 from core.models.he_cifar import resnet20
-from core.models.reparam import to_tcnn
 from core.nn.gpsa import gated_mix
 from core.nn.gpsa_tcnn import TcnnGPSA
 from core.training import inference as inf

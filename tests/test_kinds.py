@@ -24,8 +24,9 @@ from core.models.kinds import ModelKind
 from core.reparam import gpsa_modules
 from core.training.checkpoint import load, load_model
 from core.training.loop import evaluate
-from stages import control, corrupt, finetune, pretrain, pretraining, reparam
+from stages import control, corrupt, finetune, pretrain, reparam
 from stages import evaluate as evaluate_stage
+from stages.harness import pretraining
 
 ARCH = {"convit": "convit_fmnist", "cmhsa": "cmhsa_fmnist"}
 

@@ -14,7 +14,8 @@ from core.data import read_manifest
 from core.robustness import corruptions as C
 from pipelines.sweep.plan import make_plan
 from pipelines.sweep.sweep_params import load_sweep_params
-from stages import control, corrupt, finetune, pretrain, pretraining
+from stages import control, corrupt, finetune, pretrain
+from stages.harness import pretraining
 from stages.harness import training as T
 from stages.harness.identity import code_digest, key
 

@@ -14,7 +14,8 @@ from _train_helpers import TEST_DEVICE, tiny_params, write_dataset, write_params
 from core.config import validate_params
 from core.data import first_batch, load_datasets, make_loader
 from core.training.checkpoint import atomic_save, load, load_model
-from stages import finetune, pretrain, pretraining, reparam
+from stages import finetune, pretrain, reparam
+from stages.harness import pretraining
 
 # GPSA parameters a CNN does not have (W_qry, W_key, W_val live in qkv_weight).
 ATTENTION_ONLY = ("qkv_weight", "gating_param", "pos_alpha", "pos_center")

@@ -33,7 +33,7 @@ import pyarrow as pa
 import torch
 import torch.nn as nn
 
-from core.models.reparam import attention_modules
+from core.models.conversion import attention_modules
 from core.nn.attention_layers import is_positional
 from core.nn.locality import grid_distances, nonlocality
 

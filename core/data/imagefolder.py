@@ -21,6 +21,8 @@ anything is written (the output is assembled in a temp dir and renamed into plac
 
 from __future__ import annotations
 
+from core.utils.errors import first_line
+
 import hashlib
 import io
 import os
@@ -128,7 +130,7 @@ class _ArchiveTree(_Tree):
                         files[name] = fh.read()
         except (tarfile.TarError, EOFError, zlib.error, OSError) as err:
             raise DataError(
-                f"data.source: {path} is not a readable tar archive ({_first_line(err)})"
+                f"data.source: {path} is not a readable tar archive ({first_line(err)})"
             ) from None
         prefix = _archive_root(files)
         self._files = {k[len(prefix) :]: v for k, v in files.items() if k.startswith(prefix)}
@@ -141,11 +143,6 @@ class _ArchiveTree(_Tree):
 
     def identity(self, items: dict[str, list[tuple[str, int]]]) -> dict[str, Any]:
         return {"archive_sha256": self.sha256}
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _archive_root(files: dict[str, bytes]) -> str:
@@ -164,7 +161,7 @@ def _archive_digest(path: Path) -> str:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)
     except OSError as err:
-        raise DataError(f"data.source: cannot read {path} ({_first_line(err)})") from None
+        raise DataError(f"data.source: cannot read {path} ({first_line(err)})") from None
     return h.hexdigest()
 
 
@@ -180,7 +177,7 @@ def check_archive(source: Path) -> None:
                     while fh.read(1 << 20):
                         pass
     except (tarfile.TarError, EOFError, zlib.error, OSError) as err:
-        raise DataError(f"data.source: {source} is not a readable tar archive ({_first_line(err)})") from None
+        raise DataError(f"data.source: {source} is not a readable tar archive ({first_line(err)})") from None
 
 
 def _open_tree(source: Path) -> _Tree:

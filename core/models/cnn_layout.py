@@ -1,6 +1,6 @@
 """Where a CNN's convolutions are: the ResNet stages ``layer1`` ... ``layerN`` and the k x k convolutions the
 T-CNN conversion replaces ([TCNN21] Sec. 2 converts every 3x3 conv of the last stage). Plain CNN code, no
-attention: the Attention Augmented ResNet ([Bello19]) and the conversion (`core.models.reparam`) both use it.
+attention: the Attention Augmented ResNet ([Bello19]) and the conversion (`core.models.conversion`) both use it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (`core.models.kinds`, where the project's kinds are listed with what each means).
 
 Converting kinds (a record with ``attention``: "tcnn", "psa", "hybrid_scratch") build the CNN with timm and
-convert it with `core.models.reparam.to_tcnn` ([TCNN21] Sec. 2; loaded only for them); their conversion options go to `to_tcnn`, the rest
+convert it with `core.models.conversion.to_tcnn` ([TCNN21] Sec. 2; loaded only for them); their conversion options go to `to_tcnn`, the rest
 to the CNN. Every other kind's record builds its network directly.
 
 Ablation switches ([ConViT21] Table 3; `core.models.kinds.ABLATION_SWITCHES`), options of the kinds whose
@@ -37,9 +37,9 @@ from core.nn.attention_layers import gpsa_modules
 
 __all__ = [
     "apply_ablations",
-    "backbone_options",
     "build",
     "check_arch",
+    "construct",
     "check_options",
     "is_known_arch",
     "set_drop_path",
@@ -121,12 +121,6 @@ def _conversion_keys() -> set[str]:
     return {key for k in kinds.all_kinds() for key in k.conversion}
 
 
-def backbone_options(kind: ModelKind, options: dict[str, Any]) -> dict[str, Any]:
-    """The options of ``kind`` that the underlying CNN takes (ablation and conversion keys removed)."""
-    drop = set(ABLATION_SWITCHES) | set(kind.conversion)
-    return {k: v for k, v in options.items() if k not in drop}
-
-
 def apply_ablations(model: nn.Module, *, gating: str = "train", freeze_gpsa: bool = False) -> nn.Module:
     """[ConViT21] Table 3 switches on the GPSA / PSA layers of ``model`` (in place; see the module docstring)."""
     if gating not in GATING_MODES:
@@ -182,12 +176,18 @@ def build(kind: str | ModelKind, arch: str, num_classes: int, **options: Any) ->
     ``options`` go to the kind's builder (timm kwargs such as ``in_chans``, ``drop_path_rate`` (alias
     ``drop_path``), ``img_size``; convit's ``positional``, ``attn_impl``; aa_resnet's and cmhsa's own), except
     a converting kind's conversion keys and switches (its `core.models.kinds.Conversion`, to
-    `core.models.reparam.to_attention`) and the ablation switches.
+    `core.models.conversion.to_attention`) and the ablation switches.
     """
-    options = dict(options)
     record = kinds.record(kind)
     check_options(record, options)
     check_arch(record, arch)
+    return construct(record, arch, num_classes, options)
+
+
+def construct(record: ModelKind, arch: str, num_classes: int, options: dict[str, Any]) -> nn.Module:
+    """`build` without its checks: the network of a kind, arch and options that are known good (checked by
+    `build`, by the config, or equal to a spec made from checked params: `core.models.spec.network`)."""
+    options = dict(options)
     if "drop_path" in options:  # params.yaml's model.drop_path is timm's drop_path_rate
         options["drop_path_rate"] = options.pop("drop_path")
     if record.attention is not None:  # a CNN converted: its conversion keys and switches make the Conversion

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from core.models.builders import TORCHVISION_PREFIX, classifier, is_builder, set_num_classes
+from core.utils.errors import first_line
 from core.utils.hashing import derive_seed, file_digest
 
 __all__ = [
@@ -112,11 +113,6 @@ def check_source(arch: str, source: Any) -> None:
         )
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
 def read_weights(path: str | Path, sha256: str) -> dict[str, torch.Tensor]:
     """The state dict of the checkpoint file at ``path``, after its sha256 is checked (timm's loader: state
     dict or safetensors, ``state_dict`` / ``model`` wrappers, ``module.`` prefixes removed)."""
@@ -131,7 +127,7 @@ def read_weights(path: str | Path, sha256: str) -> dict[str, torch.Tensor]:
         state = timm.models.load_state_dict(str(path), use_ema=True, weights_only=True)
     except Exception as err:  # truncated zip, not a pickle, unsafe globals, bad safetensors header
         raise ImportError_(
-            f"pretrain.source.weights: {path}: not a readable checkpoint ({_first_line(err)})"
+            f"pretrain.source.weights: {path}: not a readable checkpoint ({first_line(err)})"
         ) from None
     if (
         not isinstance(state, dict)
@@ -200,14 +196,14 @@ def import_cnn(
         try:
             model = build("cnn", arch, num_classes, in_chans=in_chans, **options)
         except (ValueError, TypeError, RuntimeError) as err:
-            raise ImportError_(f"model.arch: cannot build {arch!r} ({_first_line(err)})") from None
+            raise ImportError_(f"model.arch: cannot build {arch!r} ({first_line(err)})") from None
     else:  # timm's own weights: timm.create_model(pretrained=True) downloads and loads them (strictly)
         sha = None
         try:
             model = timm.create_model(arch, pretrained=True, in_chans=in_chans, **options)
         except Exception as err:
             raise ImportError_(f"pretrain.source.weights: timm cannot load its weights for {arch!r} "
-                               f"({_first_line(err)})") from None  # fmt: skip
+                               f"({first_line(err)})") from None  # fmt: skip
         state = model.state_dict()
     try:
         head_name, head = classifier(model)

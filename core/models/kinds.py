@@ -12,7 +12,7 @@ when they change: `ModelKind.code`).
 
 What a record says:
 - ``build``: the reference of ``build(arch, num_classes, **options)``, the kind's network, untrained (converting
-  kinds: the CNN is built by timm and converted with `core.models.reparam.to_tcnn`; see ``attention``).
+  kinds: the CNN is built by timm and converted with `core.models.conversion.to_tcnn`; see ``attention``).
 - ``archs``: the reference of the closed set of arch names, or None for timm's registry (which holds the
   project's small nets).
 - what pretraining trains: the plain CNN (``pretrains_cnn``; the reparam stage converts it afterwards) or the
@@ -64,7 +64,7 @@ GATING_MODES = ("train", "freeze0")
 #: The conversion settings of the ``reparam`` section ([TCNN21] Sec. 2), in `to_tcnn`'s names.
 REPARAM_KEYS = ("alpha_init", "lambda_init", "stages", "stride_mode")
 #: The module that converts a CNN's convs to GPSA / PSA (`to_tcnn`), loaded by the converting kinds only.
-CONVERSION = "core.models.reparam"
+CONVERSION = "core.models.conversion"
 
 
 def resolve(ref: str) -> Any:
@@ -79,7 +79,7 @@ class Conversion:
     Sec. 2: locality strength alpha, gate lambda, Eq. 7) or ungated PSA ([Cordonnier20]; ``qk_init``), which
     stages (indices or module-name patterns), how strides are kept, and [ConViT21] Table 3's ``gating`` /
     ``freeze_gpsa``. Built once from params or options (`ModelKind.conversion_of`), whose checks validated
-    every value, and handed whole to `core.models.reparam.to_attention`."""
+    every value, and handed whole to `core.models.conversion.to_attention`."""
 
     attention: Literal["gpsa", "psa"] = "gpsa"
     alpha_init: float = 1.0
@@ -91,7 +91,7 @@ class Conversion:
     freeze_gpsa: bool = False
 
     def apply(self, cnn: Any) -> Any:
-        """``cnn`` with its convs converted and the switches set (`core.models.reparam.to_attention`; the
+        """``cnn`` with its convs converted and the switches set (`core.models.conversion.to_attention`; the
         conversion module is loaded here, on first use, so only the converting kinds load it)."""
         return resolve(f"{CONVERSION}:to_attention")(cnn, self)
 
@@ -100,7 +100,7 @@ class Conversion:
         return dataclasses.replace(self, **changes)
 
     def layers(self) -> dict[str, Any]:
-        """The layer settings of `core.models.reparam.to_tcnn`."""
+        """The layer settings of `core.models.conversion.to_tcnn`."""
         out = {"attention": self.attention, "alpha_init": self.alpha_init, "lambda_init": self.lambda_init,
                "stages": self.stages, "stride_mode": self.stride_mode}  # fmt: skip
         return out if self.qk_init is None else {**out, "qk_init": self.qk_init}
@@ -213,6 +213,12 @@ class ModelKind:
         """The fine-tuned network is a T-CNN (GPSA converted from a CNN, after or before pretraining)."""
         return self.attention == "gpsa"
 
+    def backbone_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
+        """The options of this kind that the underlying CNN takes (ablation switches and conversion keys
+        removed)."""
+        drop = set(ABLATION_SWITCHES) | set(self.conversion)
+        return {k: v for k, v in options.items() if k not in drop}
+
     def conversion_of(self, reparam: Any, options: Mapping[str, Any]) -> Conversion:
         """This kind's `Conversion`: the reparam keys from the ``reparam`` section (``conversion_in="reparam"``;
         None: from ``options`` too), every other conversion key (psa's ``qk_init``) and the switches from the
@@ -231,7 +237,7 @@ class ModelKind:
 
 _CNN = "core.models.cnn:build_cnn"
 #: The project's kinds ([TCNN21] Sec. 2 and Table 3, [Cordonnier20], [ConViT21], [Bello19], [Li21]); what each is
-#: and does: its ``summary`` and `core.models.cnn` (the CNN), `core.models.reparam` (the conversion).
+#: and does: its ``summary`` and `core.models.cnn` (the CNN), `core.models.conversion` (the conversion).
 BUILTIN_KINDS: tuple[ModelKind, ...] = (
     ModelKind("cnn", _CNN, "a timm CNN (or a project small net)", pretrains_cnn=True, builders=True),
     ModelKind(

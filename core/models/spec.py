@@ -17,7 +17,7 @@ from typing import Any
 import torch.nn as nn
 
 from core.models import kinds
-from core.models.factory import backbone_options, build
+from core.models.factory import build, construct
 from core.models.kinds import REPARAM_KEYS, ModelKind
 
 MODEL_SPEC_KEYS = ("kind", "arch", "num_classes", "in_chans", "options", "tcnn")
@@ -66,13 +66,27 @@ def make_model_spec(
 
 
 def build_from_spec(spec: dict[str, Any]) -> nn.Module:
-    """Build the (untrained) module a `model_spec` describes, of any kind (`core.models.build`).
+    """Build the (untrained) module a `model_spec` describes, of any kind (`core.models.build`: its arch and
+    options checked).
 
     A spec with a ``tcnn`` section builds the CNN of its options and converts it (``to_tcnn`` with the
     section's settings, GPSA or PSA); an old spec of a non-converting kind with a section reads as the kind that
     converts a pretrained CNN with its attention ("tcnn" or "psa"); a two-phase spec builds its ``phase``.
     """
+    record, options = _kind_and_options(spec)
+    return build(record, spec["arch"], spec["num_classes"], **options)
 
+
+def network(spec: dict[str, Any]) -> nn.Module:
+    """The (untrained) module of a spec known to be good, unchecked (`core.models.factory.construct`): one that
+    equals the spec of params the config checked (`pretraining_spec`), as the pretrained CNN a stage reads
+    does once it is compared with it; a spec from anywhere else goes through `build_from_spec`."""
+    record, options = _kind_and_options(spec)
+    return construct(record, spec["arch"], spec["num_classes"], options)
+
+
+def _kind_and_options(spec: dict[str, Any]) -> tuple[ModelKind, dict[str, Any]]:
+    """The kind a spec builds and the options its builder takes (module docstring; `build_from_spec`)."""
     missing = [k for k in MODEL_SPEC_KEYS if k not in spec]
     if missing:
         raise ValueError(f"model_spec lacks {missing}")
@@ -89,7 +103,7 @@ def build_from_spec(spec: dict[str, Any]) -> nn.Module:
         options.update(section)  # the section wins over option copies of the same keys
     if record.phases is not None:
         options["phase"] = spec.get("phase") or options.get("phase", record.phases[0])
-    return build(record, spec["arch"], spec["num_classes"], **options)
+    return record, options
 
 
 def pretraining_spec(
@@ -109,7 +123,7 @@ def pretraining_spec(
     options = dict(options)
     if kind.pretrains_cnn:
         return make_model_spec(
-            kind.pretraining_record(), arch, num_classes, in_chans, backbone_options(kind, options)
+            kind.pretraining_record(), arch, num_classes, in_chans, kind.backbone_options(options)
         )
     if kind.attention is not None:
         conv = {

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from core.utils.errors import first_line
+
 __all__ = ["available", "extension", "gated_attention_cpp"]
 
 log = logging.getLogger(__name__)
@@ -65,7 +67,7 @@ def extension() -> ModuleType | None:
         try:
             ext = _load()
         except Exception as e:  # noqa: BLE001 - any build/load failure means: fall back, once, loudly
-            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            first = first_line(e, 200)
             log.warning(
                 "GPSA C++ attention unavailable (%s: %s); the Python path is used", type(e).__name__, first
             )

@@ -32,6 +32,7 @@ from PIL import Image
 
 from core.robustness.corruptions import CATEGORIES, CATEGORY_OF, CORRUPTIONS, SEVERITIES, StoredSet
 from core.robustness.public_kinds import PUBLIC_KINDS
+from core.utils.errors import first_line
 
 IMAGE_EXTENSIONS = (".jpeg", ".jpg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 _WNID = re.compile(r"^n\d{8}$")
@@ -322,9 +323,7 @@ class PublicSets:
             try:
                 size = len(np.load(first, mmap_mode="r")) // 5
             except (ValueError, OSError) as err:
-                raise ValueError(
-                    f"{first}: not a valid .npy file ({str(err).splitlines()[0][:120]})"
-                ) from None
+                raise ValueError(f"{first}: not a valid .npy file ({first_line(err, 120)})") from None
         else:
             self.sets = imagenet_c_sets(self.root)
             self.available = sorted(self.sets, key=lambda cs: (CORRUPTIONS.index(cs[0]), cs[1]))
@@ -358,9 +357,7 @@ class PublicSets:
             try:
                 images = np.load(path, mmap_mode="r")
             except (ValueError, OSError) as err:
-                raise ValueError(
-                    f"{path}: not a valid .npy file ({str(err).splitlines()[0][:120]})"
-                ) from None
+                raise ValueError(f"{path}: not a valid .npy file ({first_line(err, 120)})") from None
             shape = list(images.shape) + ([1] if images.ndim == 3 else [])
             if images.dtype != np.uint8 or len(shape) != 4 or shape[1:] != [h, w, c]:
                 raise ValueError(f"{path}: {images.dtype} {list(images.shape)}; the clean test images are uint8 "

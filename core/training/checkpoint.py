@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from core.models.spec import build_from_spec
 from core.utils.atomic import atomic_write
+from core.utils.errors import first_line
 
 
 class CheckpointError(ValueError):
@@ -107,7 +108,7 @@ def load(
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as err:  # zip errors, EOF, unpickling errors: all mean the same thing to the user
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        reason = first_line(err)
         raise CheckpointError(
             f"{path}: corrupt or truncated checkpoint ({type(err).__name__}: {reason})"
         ) from None
@@ -122,21 +123,35 @@ def load(
     return obj
 
 
-def load_model(path: str | os.PathLike, *, map_location: str | torch.device = "cpu") -> nn.Module:
-    """Rebuild the model stored in any project checkpoint (every kind), weights loaded, in eval mode."""
-    ckpt = load(path, map_location=map_location, require=("model", "model_spec"))
+def model_from(ckpt: dict[str, Any], path: str | os.PathLike) -> nn.Module:
+    """The model a loaded checkpoint dict (``{"model", "model_spec", ...}``, read from ``path``) holds, rebuilt
+    from its spec (`core.models.spec.build_from_spec`, every kind) with its weights loaded, in train mode;
+    CheckpointError (one line naming ``path``) when the spec builds nothing or the weights do not fit it."""
     try:
         model = build_from_spec(ckpt["model_spec"])
     except (ValueError, TypeError, KeyError) as err:
-        raise CheckpointError(f"{path}: cannot rebuild its model from model_spec ({err})") from None
+        raise CheckpointError(
+            f"{path}: cannot rebuild its model from model_spec ({first_line(err)})"
+        ) from None
+    return with_weights(model, ckpt, path)
+
+
+def with_weights(model: nn.Module, ckpt: dict[str, Any], path: str | os.PathLike) -> nn.Module:
+    """``model`` with the weights of the checkpoint dict ``ckpt`` (read from ``path``) loaded; CheckpointError
+    (one line naming ``path``) when they do not fit it."""
     try:
         model.load_state_dict(ckpt["model"])
-    except RuntimeError as err:
-        first = str(err).strip().splitlines()
+    except (RuntimeError, KeyError) as err:
         raise CheckpointError(
-            f"{path}: weights do not fit the model its model_spec describes ({first[0] if first else err})"
+            f"{path}: weights do not fit the model its model_spec describes ({first_line(err)})"
         ) from None
-    return model.to(map_location).eval()
+    return model
+
+
+def load_model(path: str | os.PathLike, *, map_location: str | torch.device = "cpu") -> nn.Module:
+    """Rebuild the model stored in any project checkpoint (every kind), weights loaded, in eval mode."""
+    ckpt = load(path, map_location=map_location, require=("model", "model_spec"))
+    return model_from(ckpt, path).to(map_location).eval()
 
 
 # ---------------------------------------------------------------------------------------------------------

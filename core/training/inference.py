@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from core.utils.errors import first_line
+
 #: Sub-batch sizes tried for the fastest form (the best of them is picked by timing, `inference_model`).
 SUB_BATCHES = (64, 128)
 
@@ -74,7 +76,7 @@ def _candidates(model: torch.nn.Module, example: torch.Tensor) -> list[tuple[str
         fast, name = _trace(cl, example), "TorchScript (traced, frozen), channels-last"
         out.append((name, _Guarded(fast, cl, shape)))
     except Exception as err:  # tracing is an optimisation only
-        print(f"evaluate: TorchScript not used ({type(err).__name__}: {str(err).splitlines()[0][:120]})")
+        print(f"evaluate: TorchScript not used ({type(err).__name__}: {first_line(err, 120)})")
     out += [
         (f"{name}, in batches of {s}", _Guarded(fast, cl, shape, s)) for s in SUB_BATCHES if s < len(example)
     ]

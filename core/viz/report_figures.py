@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from core.analysis.dissect import centre_query_maps
+from core.utils.errors import first_line
 from core.viz.report_plots import plot_attention_maps, preprocess_image
 
 
@@ -50,7 +51,7 @@ def attention_figure(
     try:
         layers, logits = centre_query_maps(tcnn, x)
     except ValueError as err:  # e.g. the ConViT GPSA (token inputs): no conv-grid maps to draw
-        return AttentionFigure(None, note=f"No attention maps: {str(err).splitlines()[0]}.")
+        return AttentionFigure(None, note=f"No attention maps: {first_line(err)}.")
     with torch.no_grad():
         cnn_pred = int(
             cnn(preprocess_image(image, cnn_norm["mean"], cnn_norm["std"], cnn_image_size)).argmax()

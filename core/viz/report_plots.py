@@ -18,7 +18,7 @@ from __future__ import annotations
 import io
 import math
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -212,6 +212,32 @@ def gpsa_dynamics(rows: Iterable[Mapping[str, Any]]) -> Dynamics:
     return Dynamics(np.asarray(epochs) - epochs[0], values)
 
 
+def layer_panels(
+    axes: Any,
+    layers: Sequence[str],
+    quantities: Sequence[tuple[str, str]],
+    draw: Callable[[Any, str, str], None],
+) -> None:
+    """[TCNN21] Fig. 4B-C's grid of GPSA panels: one column per layer, one row per (quantity, label); ``draw(ax,
+    layer, quantity)`` plots a panel's lines, and every panel gets the same look (the gate axis [0, 1], a grid,
+    the layer over the top row, the quantity left of the first column, integer fine-tuning epochs below)."""
+    for j, layer in enumerate(layers):
+        for i, (q, label) in enumerate(quantities):
+            ax = axes[i][j]
+            draw(ax, layer, q)
+            if q == "gate":
+                ax.set_ylim(-0.03, 1.03)
+            ax.grid(alpha=0.3)
+            ax.tick_params(labelsize=8)
+            if i == 0:
+                ax.set_title(layer, fontsize=9)
+            if j == 0:
+                ax.set_ylabel(label, fontsize=9)
+            if i == len(quantities) - 1:
+                ax.set_xlabel("fine-tuning epoch", fontsize=9)
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def plot_gpsa_dynamics(
     dyn: Dynamics, path: str | os.PathLike | None = None, *, title: str | None = None
 ) -> bytes:
@@ -236,31 +262,20 @@ def plot_gpsa_dynamics(
         sharex=True,
     )
     cmap = plt.get_cmap("tab10")
-    max_heads = 0
-    for j, layer in enumerate(layers):
-        for i, q in enumerate(quantities):
-            ax = axes[i, j]
-            v = dyn.values[layer][q]
-            max_heads = max(max_heads, v.shape[1])
-            for h in range(v.shape[1]):
-                ax.plot(dyn.epochs, v[:, h], color=cmap(h % 10), lw=0.9, alpha=0.75, marker=".", ms=3)
-            with np.errstate(all="ignore"):
-                mean = np.nanmean(v, axis=1) if v.size else v
-            ax.plot(dyn.epochs, mean, color="black", lw=2.6, label="mean over heads")
-            finite = v[np.isfinite(v)]
-            if q == "inv_alpha" and finite.size and finite.min() > 0 and finite.max() / finite.min() > 20:
-                ax.set_yscale("log")
-            if q == "gate":
-                ax.set_ylim(-0.03, 1.03)
-            ax.grid(alpha=0.3)
-            ax.tick_params(labelsize=8)
-            if i == 0:
-                ax.set_title(layer, fontsize=9)
-            if j == 0:
-                ax.set_ylabel(DYNAMICS_QUANTITIES[q], fontsize=9)
-            if i == nrow - 1:
-                ax.set_xlabel("fine-tuning epoch", fontsize=9)
-                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    max_heads = max(v.shape[1] for per_layer in dyn.values.values() for v in per_layer.values())
+
+    def draw(ax: Any, layer: str, q: str) -> None:
+        v = dyn.values[layer][q]
+        for h in range(v.shape[1]):
+            ax.plot(dyn.epochs, v[:, h], color=cmap(h % 10), lw=0.9, alpha=0.75, marker=".", ms=3)
+        with np.errstate(all="ignore"):
+            mean = np.nanmean(v, axis=1) if v.size else v
+        ax.plot(dyn.epochs, mean, color="black", lw=2.6, label="mean over heads")
+        finite = v[np.isfinite(v)]
+        if q == "inv_alpha" and finite.size and finite.min() > 0 and finite.max() / finite.min() > 20:
+            ax.set_yscale("log")
+
+    layer_panels(axes, layers, [(q, DYNAMICS_QUANTITIES[q]) for q in quantities], draw)
     handles = [plt.Line2D([], [], color=cmap(h % 10), lw=1.2, label=f"head {h}") for h in range(max_heads)]
     handles.append(plt.Line2D([], [], color="black", lw=2.6, label="mean"))
     per_row = len(handles) if len(handles) <= 4 * ncol else math.ceil(len(handles) / 2)

@@ -18,6 +18,7 @@ from typing import Any
 
 from core.config import Params
 from core.robustness.headline import MODEL_LABELS
+from core.utils.errors import first_line
 from core.viz.report_html import Inputs
 
 
@@ -60,7 +61,7 @@ def figure5(
     """[TCNN21] Fig. 5 for the first clean test image (`core.viz.report_figures.attention_figure`; its
     attention data kept in ``inputs.attention_stats``)."""
     from core.data import DataError
-    from core.models.reparam import attention_modules
+    from core.models.conversion import attention_modules
     from core.viz.report_figures import attention_figure
 
     if not attention_modules(tcnn):
@@ -69,7 +70,7 @@ def figure5(
     try:
         image, label, source, manifest = first_test_image(paths, inputs.rel)
     except (DataError, FileNotFoundError, ValueError, OSError) as err:
-        inputs.note("fig5", f"No clean test image available ({inputs.strip_root(str(err).splitlines()[0])}).")
+        inputs.note("fig5", f"No clean test image available ({inputs.strip_root(first_line(err))}).")
         return None
     norm = meta.get("normalization") or (manifest and {"mean": manifest["mean"], "std": manifest["std"]})
     if not norm:

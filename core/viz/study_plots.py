@@ -26,7 +26,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from core.viz.report_plots import finish_figure  # noqa: E402
+from core.viz.report_plots import finish_figure, layer_panels  # noqa: E402
 
 ARM_STYLE = {"tcnn": ("T-CNN", "tab:red", "o"), "control": ("control (no attention)", "tab:blue", "s")}
 CONTENT_GATE = 0.1  # a head with sigma(lambda) below this attends mostly by content ([TCNN21] Fig. 5)
@@ -142,32 +142,24 @@ def plot_head_gates(
         len(QUANTITIES), len(layers), figsize=(3.1 * len(layers), 7.2), sharex=True, squeeze=False
     )
     cmap = plt.get_cmap("tab10")
-    for j, layer in enumerate(layers):
-        for i, (q, label) in enumerate(QUANTITIES):
-            ax = axes[i][j]
-            for s_i, seed in enumerate(seeds):
-                mine = [r for r in rows if str(r["layer"]) == layer and int(r["seed"]) == seed]
-                for head in sorted({int(r["head"]) for r in mine}):
-                    pts = sorted(
-                        (int(r["epoch"]), float(r[q]))
-                        for r in mine
-                        if int(r["head"]) == head and r.get(q) is not None
+
+    def draw(ax: Any, layer: str, q: str) -> None:
+        for s_i, seed in enumerate(seeds):
+            mine = [r for r in rows if str(r["layer"]) == layer and int(r["seed"]) == seed]
+            for head in sorted({int(r["head"]) for r in mine}):
+                pts = sorted(
+                    (int(r["epoch"]), float(r[q]))
+                    for r in mine
+                    if int(r["head"]) == head and r.get(q) is not None
+                )
+                if pts:
+                    ax.plot(
+                        *zip(*pts), color=cmap(head % 10), ls=styles[s_i % len(styles)], lw=0.9, alpha=0.8
                     )
-                    if pts:
-                        ax.plot(
-                            *zip(*pts), color=cmap(head % 10), ls=styles[s_i % len(styles)], lw=0.9, alpha=0.8
-                        )
-            if q == "gate":
-                ax.axhline(CONTENT_GATE, color="black", lw=0.8, ls=":")
-                ax.set_ylim(-0.03, 1.03)
-            ax.grid(alpha=0.3)
-            ax.tick_params(labelsize=8)
-            if i == 0:
-                ax.set_title(layer, fontsize=9)
-            if j == 0:
-                ax.set_ylabel(label, fontsize=9)
-            if i == len(QUANTITIES) - 1:
-                ax.set_xlabel("fine-tuning epoch", fontsize=9)
+        if q == "gate":
+            ax.axhline(CONTENT_GATE, color="black", lw=0.8, ls=":")
+
+    layer_panels(axes, layers, QUANTITIES, draw)
     handles = [
         plt.Line2D([], [], color="gray", ls=styles[k % len(styles)], label=f"seed {s}")
         for k, s in enumerate(seeds)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import ConfigError
+from core.utils.errors import first_line
 from pipelines.ddp import PLACEMENTS
 from pipelines.sweep.driver import run_sweep, say, slurm_driver
 from pipelines.sweep.plan import SweepError
@@ -110,7 +111,7 @@ def follow(job: Any, spec: dict, poll_s: float = 5.0) -> int:
     try:
         result = head_result(job)  # a worker node lost mid-job leaves no result of its own
     except (submitit.core.utils.FailedJobError, submitit.core.utils.UncompletedJobError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         print(
             f"tcnn sweep: error: SLURM job {job.job_id} failed ({first}); see {job.paths.stderr}",
             file=sys.stderr,

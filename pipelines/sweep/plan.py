@@ -125,7 +125,8 @@ def planned(params: SweepParams, what: str) -> SweepParams:
 def pretrain_identity(params: SweepParams, manifest: dict[str, Any], device: str) -> dict[str, Any]:
     """The shared pretraining's identity: the pretrain stage's own (`stages.pretrain.identity`), for the
     network the stage builds from this config and the data ``manifest`` names."""
-    from stages import pretrain, pretraining
+    from stages import pretrain
+    from stages.harness import pretraining
 
     num_classes, in_chans = int(manifest["num_classes"]), int(manifest["image_shape"][-1])
     spec = pretraining.model_spec(params, num_classes, in_chans)

@@ -2,7 +2,7 @@
 
 A grid at a search's chosen values would train again, at the search's seed, the T-CNN its search trial already
 fine-tuned. What decides "the same run" is the finetune stage's own resume identity: the run hash its training
-loop checks before it resumes (`stages.fine_tuning.identity` over the params, the sha256 of the reparameterized
+loop checks before it resumes (`stages.harness.fine_tuning.identity` over the params, the sha256 of the reparameterized
 checkpoint it starts from, the device, the frozen names and how it executes), never a trial's name or values.
 
 - A trial that finished its finetune stage registers it: ``<storage>/finetune/<key>.json`` names its trial
@@ -33,9 +33,10 @@ INDEX = "finetune"  # <storage>/finetune/<key>.json
 
 def finetune_key(params: SweepParams, root: Path) -> str:
     """The key of the T-CNN fine-tuning ``params`` would train in ``root`` (from its reparam stage's output):
-    the stable hash of the identity the stage's training loop resumes under (`stages.fine_tuning.train`)."""
+    the stable hash of the identity the stage's training loop resumes under (`stages.harness.fine_tuning.train`)."""
     from core.utils.hashing import file_digest, stable_hash
-    from stages import fine_tuning, finetune
+    from stages import finetune
+    from stages.harness import fine_tuning
     from stages.harness import training as T
 
     src = finetune.source_path(root)

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from core.utils.errors import first_line
 from pipelines.sweep.plan import SweepError, trial_label
 
 TUNE_DIR = "tune"
@@ -55,7 +56,7 @@ def connect_ray(address: str, num_cpus: int | None, object_store_mb: int | None)
         else:
             ray.init(address=address, log_to_driver=False, logging_level="WARNING")
     except Exception as err:  # ConnectionError, ValueError, RuntimeError from Ray
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = first_line(err)
         raise SweepError(f"--address {address}: cannot connect to Ray ({first})") from None
     if getattr(term, "tcnn_stage_handler", False):  # ray.init set SIGTERM -> sys.exit: keep the driver's
         signal.signal(signal.SIGTERM, term)

@@ -6,5 +6,7 @@
 - `chain`: the stage graph and each stage's outputs, read from dvc.yaml;
 - `identity`: what a stage's result depends on (its key, shared by DVC and the sweep);
 - `training`: data loaders, checkpoint I/O, publishing outputs, data-parallel launch;
+- `pretraining`, `fine_tuning`: the training runs the pretrain stage composes, and the finetune and control
+  stages share; `t1_checkpoint`: the pretrained network at t1 that reparam and the control start from;
 - `parent_watch`: a stage started by DVC ends when DVC does.
 """

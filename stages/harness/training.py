@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,10 +24,11 @@ from core.config import Params
 from core.data import Datasets, load_datasets, make_loader
 from core.models.spec import pretraining_spec
 from core.training import distributed as D
-from core.training.checkpoint import CheckpointError, atomic_save, load
+from core.training.checkpoint import CheckpointError, atomic_save, load, model_from
 from core.training.history import csv_text, history_rows_flat
 from core.training.loop import evaluate, select_device
 from core.utils.atomic import atomic_write_json, atomic_write_text, remove_stale_temps
+from core.utils.errors import first_line
 from stages.harness.runner import EXIT_PREEMPTED, RANK_STATUS_ENV, STAGE_SIGNALS, StageError
 
 EVAL_BATCH = 500
@@ -93,7 +95,7 @@ def _load_datasets(params: Params, root: Path) -> Datasets:
             val_from=params.data.val_from,
         )
     except (OSError, ValueError, KeyError) as err:
-        msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        msg = first_line(err)
         raise StageError(f"data.dir: {params.data.dir}: {msg}") from None
 
 
@@ -218,23 +220,6 @@ def extra_state(spec: dict[str, Any], ds: Datasets, image_size: int | None) -> d
     }
 
 
-def carry(ckpt: dict[str, Any], state: dict[str, dict[str, Any]], moved: dict[str, str]) -> dict[str, Any]:
-    """What "continue" fine-tuning resumes from ([TCNN21] Table 3): a pretraining checkpoint's per-parameter
-    optimizer state (keyed by the fine-tuned network's parameter names), scheduler, step, RNG states."""
-    return {
-        "optimizer_state": state,
-        "param_groups": [
-            {k: v for k, v in g.items() if k != "params"} for g in ckpt["optimizer"]["param_groups"]
-        ],
-        "scheduler": ckpt["scheduler"],
-        "epoch": int(ckpt["epoch"]),
-        "global_step": int(ckpt["global_step"]),
-        "steps_per_epoch": int(ckpt.get("steps_per_epoch", 0)),
-        "rng": ckpt["rng"],
-        "moved": moved,
-    }
-
-
 def cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
 
@@ -243,6 +228,31 @@ def mean_rate(history: list[dict[str, Any]]) -> float | None:
     images = sum(r["images_per_s"] * r["train_time_s"] for r in history if r.get("train_time_s"))
     secs = sum(r["train_time_s"] for r in history if r.get("train_time_s"))
     return images / secs if secs > 0 else None
+
+
+def fit_metrics(
+    result: Any, test: dict[str, float], model: nn.Module, device: torch.device, t_wall: float, *,
+    last: dict[str, Any], trained: list[dict[str, Any]],
+) -> dict[str, Any]:  # fmt: skip
+    """The metrics.json fields of every training run (pretraining, fine-tuning and its control): the published
+    epoch's (``last``) train / validation loss and accuracy, the test split's, and the run's steps, size, world,
+    resumption and speed over the ``trained`` epochs' rows (``wall_s`` since ``t_wall``)."""
+    return {
+        "train_loss": last.get("train_loss"),
+        "train_acc": last.get("train_acc"),
+        "val_loss": last.get("val_loss"),
+        "val_acc": last.get("val_acc"),
+        "test_loss": test["loss"],
+        "test_acc": test["acc"],
+        "steps": result.global_step,
+        "params_count": sum(t.numel() for t in model.parameters()),
+        "device": device.type,
+        "workers": D.world().size,
+        "resumed": result.resumed_from is not None,
+        "images_per_s": mean_rate(trained),
+        "train_time_s": sum(r["train_time_s"] for r in trained),
+        "wall_s": time.perf_counter() - t_wall,
+    }
 
 
 def require_checkpoint(path: Path, what: str) -> None:
@@ -269,18 +279,27 @@ def load_checkpoint(path: Path, require: tuple[str, ...], what: str) -> dict[str
         raise StageError(f"{err} (the {what})") from None
 
 
-def check_cnn_checkpoint(ckpt: dict[str, Any], params: Params, path: Path) -> None:
+def rebuild(ckpt: dict[str, Any], path: Path) -> nn.Module:
+    """The model of a checkpoint a stage read from ``path`` (`core.training.checkpoint.model_from`: rebuilt
+    from its spec, weights loaded); StageError in one line when it cannot be."""
+    try:
+        return model_from(ckpt, path)
+    except CheckpointError as err:
+        raise StageError(str(err)) from None
+
+
+def check_cnn_checkpoint(ckpt: dict[str, Any], params: Params, path: Path) -> dict[str, Any]:
     """The pretrained CNN a stage reads (reparam's t1 checkpoint, evaluate's ``cnn-final.pt``) is the one these
     params make, not a file of another run put in its place: an import of the configured source (its sha256),
-    or a network of the spec the params pretrain (kind, arch, options, image size;
-    `core.models.spec.pretraining_spec`)."""
+    and a network of the spec the params pretrain (kind, arch, options, image size;
+    `core.models.spec.pretraining_spec`). Returns that spec: the params' own, checked with them by the config,
+    so its network builds without checking it again (`core.models.spec.network`)."""
     source = params.pretrain.source
     if params.imports_cnn:
-        held = ckpt.get("source") or {}
-        if source is not None and source.is_file and held.get("sha256") != source.sha256:
-            raise StageError(f"{path}: holds an import of sha256 {held.get('sha256')}, pretrain.source.sha256 is "
-                             f"{source.sha256} (rerun pretrain)")  # fmt: skip
-        return
+        imported = ckpt.get("source") or {}
+        if source is not None and source.is_file and imported.get("sha256") != source.sha256:
+            raise StageError(f"{path}: holds an import of sha256 {imported.get('sha256')}, pretrain.source.sha256 "
+                             f"is {source.sha256} (rerun pretrain)")  # fmt: skip
     held = ckpt.get("model_spec") or {}
     m = params.model
     want = pretraining_spec(m.record, m.arch, m.options, held.get("num_classes"), held.get("in_chans"),
@@ -291,6 +310,7 @@ def check_cnn_checkpoint(ckpt: dict[str, Any], params: Params, path: Path) -> No
             f"{path}: holds a {held.get('kind')}/{held.get('arch')} network, the params pretrain "
             f"{want['kind']}/{want['arch']} (it differs in {', '.join(differ)}; rerun pretrain)"
         )
+    return want
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

@@ -8,7 +8,6 @@ params, runs `core.training.loop.fit` and writes its outputs.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +18,9 @@ from core.data import Datasets
 from core.models.builders import builder_module, is_builder, load_builder
 from core.models.factory import set_stochastic_depth
 from core.models.spec import build_from_spec, pretraining_spec
-from core.training import distributed as D
 from core.training.loop import FitResult
 from core.training.optim import WarmupCosine, build_sgd, param_groups
+from core.utils.errors import first_line
 from stages.harness import training as T
 from stages.harness.identity import network_code as code_outside_deps
 from stages.harness.identity import stage_identity
@@ -127,7 +126,7 @@ def check_network(params: Params, root: Path = Path(".")) -> None:
                 torch.zeros(1, in_chans, size, size)
             )
     except Exception as err:  # whatever the builder or its forward raises: one line naming the config
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        first = first_line(err, 200)
         raise StageError(
             f"model: {m.kind}/{m.arch} with options {m.options} does not take this dataset's {in_chans}-channel "
             f"{size} px images ({type(err).__name__}: {first})"
@@ -179,26 +178,12 @@ def metrics(
 ) -> dict[str, Any]:
     """metrics.json of a trained CNN: the last epoch's train/val and the test loss and accuracy, the run's
     size, the epochs kept (``keep``), where and how fast it ran (``wall_s`` since ``t_wall``)."""
-    last = result.history[-1]
     return {
-        "train_loss": last["train_loss"],
-        "train_acc": last["train_acc"],
-        "val_loss": last.get("val_loss"),
-        "val_acc": last.get("val_acc"),
-        "test_loss": test["loss"],
-        "test_acc": test["acc"],
+        **T.fit_metrics(result, test, model, device, t_wall, last=result.history[-1], trained=result.history),
         "epochs": params.pretrain.epochs,
-        "steps": result.global_step,
         "train_images": int(len(ds.train_y)),
         "data_roles": ds.roles,
         "checkpoint_epochs": keep,
-        "params_count": sum(t.numel() for t in model.parameters()),
-        "device": device.type,
-        "workers": D.world().size,
-        "resumed": result.resumed_from is not None,
-        "images_per_s": T.mean_rate(result.history),
-        "train_time_s": sum(r["train_time_s"] for r in result.history),
-        "wall_s": time.perf_counter() - t_wall,
     }
 
 

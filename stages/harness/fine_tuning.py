@@ -19,8 +19,6 @@ import torch
 from core.config import Params
 from core.data import first_batch
 from core.models.factory import set_stochastic_depth
-from core.models.spec import build_from_spec
-from core.training import distributed as D
 from core.training import early_stop, recipes
 from core.training.checkpoint import restore_rng
 from core.training.history import summarize_gpsa
@@ -118,14 +116,12 @@ def control_disabled_reason(params: Params) -> str | None:
     return None
 
 
-def _build(ckpt: dict[str, Any], src: Path) -> torch.nn.Module:
-    try:
-        model = build_from_spec(ckpt["model_spec"])
-        model.load_state_dict(ckpt["model"])
-    except (ValueError, TypeError, KeyError, RuntimeError) as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise StageError(f"{src}: cannot rebuild the model from this checkpoint ({first})") from None
-    return model
+def preflight(params: Params, root: Path, start: Path, what: str) -> None:
+    """A fine-tuning run's check before any run opens (the T-CNN's and the control's): the checkpoint it
+    starts from (``start``, the ``what``) and the prepared data exist, the checkpoint cadence is readable."""
+    T.require_checkpoint(start, what)
+    T.require_dataset(params, root)
+    T.checkpoint_every_steps(params, NAME)
 
 
 @dataclass(frozen=True)
@@ -182,7 +178,7 @@ def train(
     t_wall = time.perf_counter()
     seed = derive_seed(params.seed, NAME)  # one stream for every variant (the control matches the T-CNN)
     seed_everything(seed)
-    model = _build(ckpt, src)
+    model = T.rebuild(ckpt, src)
     ds = T.datasets(params, root)
     device = T.training_device()
     freeze = sorted({*freeze, *params.finetune.freeze})
@@ -278,24 +274,11 @@ def _metrics(
         "mode": params.finetune.mode,
         "epochs_run": len(trained) if stopping else len(recipe.epochs),
         **recipe.info,
-        "train_loss": last.get("train_loss"),
-        "train_acc": last.get("train_acc"),
-        "val_loss": last.get("val_loss"),
-        "val_acc": last.get("val_acc"),
+        **T.fit_metrics(result, test, model, device, t_wall, last=last, trained=trained),
         "val_acc_start": result.history[0].get("val_acc"),
-        "test_loss": test["loss"],
-        "test_acc": test["acc"],
-        "steps": result.global_step,
         "image_size": size,
-        "params_count": sum(t.numel() for t in model.parameters()),
-        "device": device.type,
-        "workers": D.world().size,
-        "resumed": result.resumed_from is not None,
         "frozen_parameters": frozen,
         **summarize_gpsa(last.get("gpsa") or {}),
-        "images_per_s": T.mean_rate(trained),
-        "train_time_s": sum(r["train_time_s"] for r in trained),
-        "wall_s": time.perf_counter() - t_wall,
         **stopping,
     }
 
