@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "gated_attention.cpp"
 BUILD_ROOT = Path(__file__).resolve().parents[2] / "build" / "torch_extensions"
-#: Compiler flags per torch CPU capability: the vector width of the hand-written loops (the GEMMs and the
-#: softmax are ATen's own, dispatched at run time).
+#: Compiler flags per torch CPU capability: the vector width of the kernel's own GEMM and loops, and the ATen
+#: vector functions (its softmax) compiled for that capability.
 ARCH_FLAGS: dict[str, list[str]] = {
     "AVX512": [
         "-mavx512f",

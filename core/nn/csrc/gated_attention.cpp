@@ -103,18 +103,19 @@ void sgemm(int64_t M, int64_t K, int64_t N, const float* a, int64_t lda, int64_t
     }
 }
 
-// out = l r for 2-d tensors (any strides): the kernel above for float32, packing r into a contiguous buffer
-// when its rows are not; ATen's mm for other dtypes (float64: the gradient checks).
+// out = l r for 2-d tensors (any strides): the kernel above for float32, packing r into ``pack`` when its rows
+// are not contiguous (no pack: r's rows must be); ATen's mm for other dtypes (float64: the gradient checks).
 template <typename T>
-void matmul(at::Tensor& out, const at::Tensor& l, const at::Tensor& r, at::Tensor& pack) {
+void matmul(at::Tensor& out, const at::Tensor& l, const at::Tensor& r, at::Tensor* pack = nullptr) {
   if constexpr (std::is_same_v<T, float>) {
     TORCH_INTERNAL_ASSERT(out.stride(1) == 1, "gated_attention: output rows must be contiguous");
     const float* rp = r.const_data_ptr<float>();
     int64_t ldr = r.stride(0);
     if (r.stride(1) != 1) {
-      pack.copy_(r);
-      rp = pack.const_data_ptr<float>();
-      ldr = pack.stride(0);
+      TORCH_INTERNAL_ASSERT(pack != nullptr, "gated_attention: a strided right operand needs a pack buffer");
+      pack->copy_(r);
+      rp = pack->const_data_ptr<float>();
+      ldr = pack->stride(0);
     }
     sgemm(l.size(0), l.size(1), r.size(1), l.const_data_ptr<float>(), l.stride(0), l.stride(1), rp, ldr,
           out.data_ptr<float>(), out.stride(0));
@@ -240,7 +241,7 @@ at::Tensor forward(const at::Tensor& qt, const at::Tensor& kt, const at::Tensor&
         maps<scalar_t>(q, k, pos.const_data_ptr<scalar_t>(), g.const_data_ptr<scalar_t>(), scale, s, w.sc, w.p,
                        w.a);
         auto yn = y.select(0, n);
-        matmul<scalar_t>(yn, w.a.view({s.lq * s.nh, s.lk}), vt.select(0, n).t(), xpack);  // Y = A X
+        matmul<scalar_t>(yn, w.a.view({s.lq * s.nh, s.lk}), vt.select(0, n).t(), &xpack);  // Y = A X
       }
     });
   });
@@ -265,7 +266,7 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& qt, con
       at::AutoDispatchBelowADInplaceOrView below_autograd;
       Buffers w(vt, s);
       at::Tensor da = at::empty({s.lq * s.nh, s.lk}, opt), ds = at::empty({s.nh, s.lq, s.lk}, opt);
-      at::Tensor xpack = at::empty({s.c, s.lk}, opt), apack = at::empty({s.lq * s.nh, s.lk}, opt);
+      at::Tensor xpack = at::empty({s.c, s.lk}, opt);
       for (int64_t blk = b0; blk < b1; ++blk) {
         T* dpos_acc = dpos_blk.data_ptr<T>() + blk * map;
         T* dg_acc = dg_blk.data_ptr<T>() + blk * s.nh;
@@ -273,8 +274,8 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& qt, con
           auto q = qt.narrow(0, n * s.nh, s.nh), k = kt.narrow(0, n * s.nh, s.nh);
           maps<T>(q, k, pos.const_data_ptr<T>(), gp, scale, s, w.sc, w.p, w.a);
           auto dyn = dy.select(0, n), xn = vt.select(0, n), dvn = dvt.select(0, n);
-          matmul<T>(da, dyn, xn, xpack);                                    // dA = dY X^T  [Lq*heads, L]
-          matmul<T>(dvn, dyn.t(), w.a.view({s.lq * s.nh, s.lk}), apack);    // dX^T = dY^T A  [C, L]
+          matmul<T>(da, dyn, xn, &xpack);                                   // dA = dY X^T  [Lq*heads, L]
+          matmul<T>(dvn, dyn.t(), w.a.view({s.lq * s.nh, s.lk}));           // dX^T = dY^T A  [C, L]
           const T* pp = w.p.const_data_ptr<T>();
           const T* dap = da.const_data_ptr<T>();
           T* dsp = ds.data_ptr<T>();
