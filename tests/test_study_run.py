@@ -5,9 +5,11 @@ seeds' sequential rule (scipy's t quantiles; its coverage by simulation against 
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import re
+import shutil
 import statistics
 import subprocess
 from pathlib import Path
@@ -150,6 +152,11 @@ def test_a_refused_design_is_one_line_exit_2_and_nothing_written(tmp_path: Path)
     assert not (tmp_path / "out").exists() and not (tmp_path / "sweeps").exists()
 
 
+def _csv(path: Path) -> list[dict[str, str]]:
+    with open(path) as fh:
+        return list(csv.DictReader(fh))
+
+
 def _run(root: Path) -> subprocess.CompletedProcess:
     cmd = [
         TCNN,
@@ -240,6 +247,33 @@ def test_a_dry_run_chains_search_seeds_and_block_and_a_rerun_changes_nothing(tmp
     assert {p: p.stat().st_mtime_ns for p in done} == done
     assert json.loads((tmp_path / "out" / "study.json").read_text()) == rec
     assert (tmp_path / "R.md").read_text() == readme
+
+    # a fresh machine (issue 57): only what was committed survives, the project and the snapshot's trial records;
+    # run from another folder, the study replays every trial (no training, no checkpoint) to the same answer
+    snap = subprocess.run([TCNN, "study", "snapshot", "--sweeps", "sweeps", "--name", "st", "--out", "out"],
+                          cwd=tmp_path, env=sweep_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert snap.returncode == 0, snap.stderr
+    records = sorted((tmp_path / "out" / "trials").glob("st-*/*.json"))
+    assert [f"{p.parent.name}/{p.stem}" for p in records] == sorted(
+        f"{p.parents[2].name}/{p.parent.name}" for p in done
+    )
+    assert all(json.loads(p.read_text())["state"] == "finished" for p in records)
+    assert not any(".pt" in name for p in records for name in json.loads(p.read_text())["files"])
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(tmp_path, elsewhere, ignore=shutil.ignore_patterns("sweeps", "mlruns*", "elsewhere"))
+    fresh = _run(elsewhere)
+    assert fresh.returncode == 0, fresh.stdout[-3000:] + fresh.stderr[-3000:]
+    moved = json.loads((elsewhere / "out" / "study.json").read_text())
+    assert moved["search"]["choice"] == rec["search"]["choice"] and moved["answer"] == rec["answer"]
+    assert moved["attention"] == rec["attention"] and moved["state"] == rec["state"]
+    assert (elsewhere / "out" / "search.csv").read_text() == (tmp_path / "out" / "search.csv").read_text()
+    seeds = [_csv(d / "out" / "main.csv") for d in (tmp_path, elsewhere)]  # compute: this machine's sets too
+    assert [{k: v for k, v in r.items() if k != "compute_h"} for r in seeds[1]] == [
+        {k: v for k, v in r.items() if k != "compute_h"} for r in seeds[0]
+    ]
+    trials = list((elsewhere / "sweeps").glob("st-*/trials/*"))
+    assert len(trials) == len(done) and not list((elsewhere / "sweeps").glob("st-*/trials/*/**/*.pt"))
+    assert all("replay: " in (t / "trial.log").read_text() for t in trials)
 
 
 def test_the_resnet20_study_is_a_search_the_command_runs_and_its_dry_run_is_smoke_sized(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -781,6 +782,91 @@ def test_wall_s_counts_every_leg_of_the_driver(stopped_search: SimpleNamespace) 
     assert 0 < legs[0]["wall_s"] < stopped_search.first_leg_s  # the driver's time within its process's
     metrics = json.loads((stopped_search.sweep_dir / "metrics.json").read_text())
     assert metrics["legs"] == 2 and metrics["wall_s"] == pytest.approx(legs[0]["wall_s"] + legs[1]["wall_s"])
+
+
+@pytest.mark.slow
+def test_a_fresh_machine_replays_the_recorded_trials_and_asha_stops_the_same_ones(
+    stopped_search: SimpleNamespace, tmp_path: Path
+) -> None:
+    """Issue 57: the search's trials as records (pipelines.sweep.replay), the project copied elsewhere without its
+    sweeps or MLflow store (a fresh machine), `tcnn sweep --records`: the same rows (statuses, curves, the epoch
+    each stopped trial was stopped at), the same choice per arm, nothing trained."""
+    from pipelines.sweep import replay
+    from pipelines.sweep.arm_trial import config_params
+
+    records = tmp_path / "records"
+    written = replay.export(stopped_search.sweep_dir, records, config_params)
+    rows = pq.read_table(stopped_search.sweep_dir / "search.parquet").to_pylist()
+    states = {p.stem: json.loads(p.read_text())["state"] for p in written}
+    assert states == {r["trial"]: r["status"] for r in rows} and "stopped" in states.values()
+    assert replay.export(stopped_search.sweep_dir, records, config_params) == []  # unchanged: not rewritten
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(stopped_search.root, elsewhere, ignore=shutil.ignore_patterns("sweeps", "mlruns*"))
+    cmd = [
+        TCNN,
+        "sweep",
+        "--params",
+        "params.yaml",
+        "--num-cpus",
+        "2",
+        "--name",
+        "s",
+        "--records",
+        str(records),
+    ]
+    res = subprocess.run(cmd, cwd=elsewhere, env=sweep_env(), capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    again = pq.read_table(elsewhere / "sweeps" / "s" / "search.parquet").to_pylist()
+    keep = ("trial", "finetune.lr", "status", TIME_ATTR, METRIC, "test_acc", "epochs", "curve")
+    assert [{k: r[k] for k in keep} for r in again] == [{k: r[k] for k in keep} for r in rows]
+    chosen = [
+        json.loads((d / "chosen.json").read_text())
+        for d in (stopped_search.sweep_dir, elsewhere / "sweeps" / "s")
+    ]
+    assert {a: chosen[1][a]["trial"] for a in ARMS} == {a: chosen[0][a]["trial"] for a in ARMS}
+    trials = sorted((elsewhere / "sweeps" / "s" / "trials").iterdir())
+    assert len(trials) == len(rows) and not list((elsewhere / "sweeps" / "s" / "trials").glob("*/**/*.pt"))
+    assert all("replay: " in (t / "trial.log").read_text() for t in trials)
+
+
+@pytest.mark.slow
+def test_a_stopped_record_the_scheduler_does_not_stop_is_trained_from_a_clean_directory(
+    stopped_search: SimpleNamespace, tmp_path: Path
+) -> None:
+    """Outside Tune nothing stops a replay: a stopped trial's record is then not its outcome (its restored files
+    are removed and the trial trains), a finished one's is (done.json restored, its MLflow run id kept as the
+    recorded one's, none claimed on this machine); a record of other params is not replayed."""
+    from pipelines.sweep import replay
+    from pipelines.sweep.arm_trial import ArmTrial, config_params
+
+    records = tmp_path / "records"
+    replay.export(stopped_search.sweep_dir, records, config_params)
+    spec = json.loads((stopped_search.sweep_dir / "sweep.json").read_text())
+    spec |= {"sweep_dir": str(tmp_path / "s"), "records": str(records)}
+    by_state = {}
+    for p in sorted((records / "s").glob("*.json")):
+        rec = json.loads(p.read_text())
+        by_state.setdefault(rec["state"], rec)
+    for state, rec in by_state.items():
+        runner = ArmTrial(spec, rec["config"], report=False)
+        runner.root.mkdir(parents=True)
+        out = runner._replayed()
+        if state == "stopped":
+            assert out is None and sorted(x.name for x in runner.root.iterdir()) == []
+        else:
+            assert out["tid"] == rec["tid"] and out["mlflow_run_id"] is None
+            assert (
+                out["mlflow_run_id_recorded"]
+                == json.loads(rec["files"]["done.json"]["text"])["mlflow_run_id"]
+            )
+            assert json.loads((runner.root / "done.json").read_text()) == out
+    other = ArmTrial(
+        spec | {"name": "s"}, {**by_state["finished"]["config"], "finetune.lr": 0.5}, report=False
+    )
+    assert (
+        replay.lookup(other.spec, other.tid, replay.identity(spec, other.tid, other.config, other.params))
+        is None
+    )
 
 
 def _doc_recipe() -> str:

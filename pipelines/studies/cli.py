@@ -48,6 +48,10 @@ def add_parser(sub: Any) -> None:
     g.add_argument(
         "--force", action="store_true", help="go on when an arm chose among fewer than min_finished"
     )
+    g.add_argument(
+        "--records", type=Path, default=None,
+        help="trials recorded on another machine (tcnn study snapshot), replayed not trained (default OUT/trials)",
+    )  # fmt: skip
     g.add_argument("--dry-run", action="store_true", help="the same steps at smoke size on the CPU")
     g.add_argument("-S", "--set", action="append", default=[], metavar="KEY=VALUE", help="override a param")
     g.set_defaults(func=_main_run)
@@ -81,7 +85,9 @@ def _main_snapshot(args: argparse.Namespace) -> int:
     for phase, p in summary["phases"].items():
         print(f"study: {phase}: {p['trials_finished']} trial(s) finished of {p['trials_reported']} reported, "
               f"{p['compute_h']:.2f} h recorded")  # fmt: skip
-    print(f"study: wrote {args.out / 'progress.csv'} and {args.out / 'progress.json'}")
+    print(f"study: wrote {args.out / 'progress.csv'} and {args.out / 'progress.json'}; "
+          f"{len(summary['records_written'])} trial record(s) new or changed, {summary['trials_recorded']} in "
+          f"{args.out / 'trials'}")  # fmt: skip
     return 0
 
 
@@ -126,7 +132,8 @@ def _main_run(args: argparse.Namespace) -> int:
     def body() -> int:
         with driving_sweeps():
             rec = run(args.params, args.name, args.out, overrides=args.set, max_seeds=args.max_seeds,
-                      dry_run=args.dry_run, readme=args.readme, force=args.force)  # fmt: skip
+                      dry_run=args.dry_run, readme=args.readme, force=args.force,
+                      records=args.records)  # fmt: skip
         print(f"study: wrote {args.out / 'study.json'} and {args.out / 'study.md'}")
         for m in ("clean_accuracy", "mca", "mce"):
             r = rec["answer"][m]

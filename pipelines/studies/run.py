@@ -37,6 +37,8 @@ from pipelines.sweep.plan import SweepError
 from pipelines.sweep.selection import mean_of
 
 KEY = "finetune.lr"
+#: The trial records under a study's folder (`tcnn study snapshot`; replayed: pipelines.sweep.replay).
+RECORDS = "trials"
 STATE = "study.json"
 ARMS = ("tcnn", "control")
 MODELS = ("cnn", "control", "tcnn")  # the imported or pretrained CNN, its fine-tuned control, its T-CNN
@@ -169,9 +171,11 @@ def answer(per_seed: list[dict[str, Any]], unit: str) -> dict[str, Any]:
 
 def run(params_file: Path, name: str, out: Path, *, overrides: list[str] | None = None,
         max_seeds: int | None = None, dry_run: bool = False, readme: Path | None = None,
-        force: bool = False) -> dict[str, Any]:  # fmt: skip
+        force: bool = False, records: Path | None = None) -> dict[str, Any]:  # fmt: skip
     """Run (or continue) the study; returns the record written to ``out/study.json``. Where it writes
-    (``out``, ``readme``) is checked first, before the search (core.utils.output_paths)."""
+    (``out``, ``readme``) is checked first, before the search (core.utils.output_paths). ``records`` (default
+    ``out/trials``, where `tcnn study snapshot` writes them): trials recorded on another machine, replayed
+    instead of trained (pipelines.sweep.replay)."""
     from core.utils.output_paths import check_output_dir, check_output_file
     from pipelines.sweep.sweep_params import load_sweep_params
 
@@ -186,7 +190,10 @@ def run(params_file: Path, name: str, out: Path, *, overrides: list[str] | None 
         (DRY_RUN_SEEDS, DRY_RUN_SEEDS) if dry_run else (sequential.FIRST, max_seeds or sequential.CAP)
     )
     cap = max(first, cap)
-    search_dir = _sweep(params, f"{name}-search", params_file)
+    records = records if records is not None else out / RECORDS
+    if records.exists() and not records.is_dir():
+        raise StudyRunError(f"--records {records}: not a folder")
+    search_dir = _sweep(params, f"{name}-search", params_file, records)
     picked = choice(search_dir, params.sweep.search.min_finished, force=force or dry_run)
     lrs = {arm: picked[arm]["lr"] for arm in ARMS}
     record: dict[str, Any] = {"name": name, "params": str(params_file), "overrides": sets, "dry_run": dry_run,
@@ -210,7 +217,7 @@ def run(params_file: Path, name: str, out: Path, *, overrides: list[str] | None 
         if step["run"] == 0:
             break
         main_dir = _sweep(load_sweep_params(params_file, [*sets, *main_overrides(seed, lrs)]), f"{name}-seed{seed}",
-                          params_file)  # fmt: skip
+                          params_file, records)  # fmt: skip
         per_seed.append(seed_row(main_dir))
         attention += attention_rows(main_dir)
         record["main"]["seeds"].append({"seed": seed, "sweep": str(main_dir), **compute(main_dir)})
@@ -227,15 +234,17 @@ def run(params_file: Path, name: str, out: Path, *, overrides: list[str] | None 
     return record
 
 
-def _sweep(params: Any, name: str, params_file: Path) -> Path:
-    """One phase: the sweep ``name`` run here, or continued where it exists (its finished trials are kept);
-    a trial that failed fails the study."""
+def _sweep(params: Any, name: str, params_file: Path, records: Path) -> Path:
+    """One phase: the sweep ``name`` run here, or continued where it exists (its finished trials are kept), its
+    trials recorded under ``records`` replayed; a trial that failed fails the study."""
     from pipelines.sweep.cli import say
     from pipelines.sweep.driver import run_sweep
     from pipelines.sweep.spec import build_spec
 
     spec = build_spec(params, name=name, params_file=params_file)
-    say(f"study: phase {name}")
+    spec["records"] = str(records.resolve()) if (records / name).is_dir() else None
+    replays = f" (replaying the trials recorded in {records / name})" if spec["records"] else ""
+    say(f"study: phase {name}{replays}")
     res = run_sweep(spec, address="local", resume="auto")
     if res["failed"]:
         raise StudyRunError(f"sweep {name}: {res['failed']} trial(s) failed; see {res['sweep_dir']}")

@@ -11,6 +11,10 @@ search's own report, written when it finishes, says). ``DIR/progress.json`` adds
 compute recorded so far per phase (:func:`pipelines.studies.results.compute_hours`: finished training stages and
 other stages' recorded times; an epoch in flight is not counted). Read from Tune's per-trial ``params.json`` and
 ``result.json`` (one JSON line per report) and the trials' own files.
+
+``DIR/trials/<sweep>/<trial>.json``: each trial that finished, was refused or was stopped, as a record a fresh
+machine replays instead of training it again (pipelines.sweep.replay; ``tcnn study run --records``, by default
+``OUT/trials``). A trial in flight is not recorded.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from typing import Any
 
 from core.utils.atomic import atomic_write_json
 from pipelines.studies.results import StudyError, write_csv
+from pipelines.sweep import replay
+from pipelines.sweep.arm_trial import config_params
 
 COLUMNS = ["phase", "trial", "point", "arm", "finetune.lr", "epoch", "val_acc", "state", "test_acc"]
 
@@ -70,9 +76,10 @@ def trial_rows(phase: str, sweep_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def snapshot(sweeps: Path, name: str, out: Path) -> dict[str, Any]:
-    """progress.csv and progress.json in ``out`` for the study ``name`` whose sweeps are under ``sweeps``."""
-    from pipelines.studies.run import compute
+def snapshot(sweeps: Path, name: str, out: Path, *, records: bool = True) -> dict[str, Any]:
+    """progress.csv and progress.json in ``out`` for the study ``name`` whose sweeps are under ``sweeps``, and
+    (``records``) each finished, refused or stopped trial's record in ``out/trials`` (pipelines.sweep.replay)."""
+    from pipelines.studies.run import RECORDS, compute
 
     found = phases(sweeps, name)
     if not found:
@@ -86,6 +93,8 @@ def snapshot(sweeps: Path, name: str, out: Path) -> dict[str, Any]:
                                     **compute(d)}  # fmt: skip
     summary["compute_h"] = round(sum(p["compute_h"] for p in summary["phases"].values()), 2)
     out.mkdir(parents=True, exist_ok=True)
+    written = [p for _, d in found for p in replay.export(d, out / RECORDS, config_params)] if records else []
+    summary["trials_recorded"] = sum(1 for _ in (out / RECORDS).glob(f"{name}-*/*.json"))
     write_csv(out / "progress.csv", rows, COLUMNS)
     atomic_write_json(out / "progress.json", summary)
-    return summary
+    return {**summary, "records_written": written}

@@ -23,7 +23,7 @@ from typing import Any
 from core.utils.atomic import atomic_write_json
 from pipelines.ddp import node_name
 from pipelines.sweep import reuse
-from pipelines.sweep.plan import control_identity, plan_device, trial_label
+from pipelines.sweep.plan import control_identity, plan_device, trial_label, trial_params
 from pipelines.sweep.scheduling import ARM_KEY, METRIC, TIME_ATTR
 from pipelines.sweep.search import POINT_KEY
 from pipelines.sweep.shared import COMPLETE, ENSURE, link_pretraining, train_control
@@ -71,6 +71,11 @@ def arm_params(spec: dict[str, Any], values: dict[str, Any]) -> SweepParams:
     return validate_sweep_params(spec["trials"][base_tid(spec)]["params"]).with_overrides(values)
 
 
+def config_params(spec: dict[str, Any], tid: str, config: dict[str, Any]) -> SweepParams:
+    """The params of a trial from its Tune config: a search's arm trial (its point's values) or a grid trial."""
+    return arm_params(spec, point_values(config)) if POINT_KEY in config else trial_params(spec, tid)
+
+
 def control_key(spec: dict[str, Any], params: SweepParams) -> tuple[str, dict[str, Any]]:
     """A search point's matched control: the key and identity a grid's trial with these params would share
     (pipelines.sweep.plan.control_identity, on the search's pretraining): points that differ only in
@@ -111,6 +116,7 @@ class ArmTrial(TrialRunner):
         self.marks = self.root / ".sweep"
         self.nodes: list[str] = []
         self.current = "trial"
+        self.config = dict(config)
 
     def epoch_report(self, result: dict[str, Any]) -> dict[str, Any]:
         """An epoch's row with the scheduler's time attribute (``epoch``) and :data:`METRIC`; the last epoch's

@@ -155,6 +155,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    "values; sweep.search/scheduler removed, -S kept (e.g. -S 'sweep.grid.seed=[0,1,2]')")  # fmt: skip
     p.add_argument("--force", action="store_true",
                    help="with --from-search: use a choice made among fewer than sweep.search.min_finished trials")  # fmt: skip
+    p.add_argument("--records", type=Path, default=None, metavar="DIR",
+                   help="trials recorded on another machine (DIR/<sweep name>/<trial>.json, pipelines.sweep.replay):"
+                   " replayed to Tune, not trained again")  # fmt: skip
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray (default: all)")
     p.add_argument("--object-store-mb", type=int, default=None, help="Ray object store size per node")
     s = p.add_argument_group("SLURM")
@@ -260,6 +263,10 @@ def _sweep(args: argparse.Namespace) -> int:
 
         check_problem(search, spec)
         spec["from_search"] = record
+    if args.records is not None:
+        if not args.records.is_dir():
+            raise SweepError(f"--records {args.records}: no such folder")
+        spec["records"] = str(args.records.resolve())
     spec = reconcile(spec, args.resume)
     if args.slurm:
         return submit_slurm(spec, args)

@@ -155,6 +155,7 @@ def reconcile(spec: dict, resume: str) -> dict:
     merged = dict(saved)
     merged["tracking"] = {**spec["tracking"], "parent_run_id": saved.get("tracking", {}).get("parent_run_id")}
     merged["placement"] = spec.get("placement", "pack")  # where workers go does not change results
+    merged["records"] = spec.get("records")  # trials recorded elsewhere, replayed (pipelines.sweep.replay)
     # How the results are chosen and bracketed is the params' of this run (a larger max_rounds goes on).
     merged |= {
         "select": spec["select"],

@@ -45,8 +45,9 @@ from core.utils.atomic import atomic_write_json
 from core.utils.locks import locked
 from core.utils.machine import cpu_model
 from pipelines.ddp import node_name, run_stage, worker_nodes
-from pipelines.sweep import reuse
+from pipelines.sweep import replay, reuse
 from pipelines.sweep.plan import trial_label, trial_params
+from pipelines.sweep.replay import DONE, REFUSED, STATE
 from pipelines.sweep.shared import ENSURE, append_line, link_pretraining, published, runs_log
 from pipelines.sweep.sweep_params import SweepParams
 from stages.harness import chain
@@ -63,12 +64,9 @@ from stages.harness.chain import sweep_role, trains, trial_stages
 from stages.harness.runner import REFUSALS, Stopped
 from stages.tracking.names import NOTE_TAG
 
-STATE = "trial.json"
-#: Written when a stage refused the trial's inputs (stages.harness.runner.REFUSALS): {"tid", "refused": "<stage>:
-#: <one line>", "mlflow_run_id"}; the trial is not run again.
-REFUSED = "refused.json"
+# STATE: trial.json; REFUSED, written when a stage refused the trial's inputs (stages.harness.runner.REFUSALS):
+# {"tid", "refused": "<stage>: <one line>", "mlflow_run_id"}, the trial is not run again; DONE: done.json
 REFUSED_TAG = "tcnn.refused"
-DONE = "done.json"
 STAGE_LOG = "stages.jsonl"
 LOG = "trial.log"
 #: The headline numbers every trial reports last (also the summary table's columns): the DVC path's summary
@@ -295,6 +293,8 @@ class TrialRunner:
         self.marks = self.root / ".sweep"
         self.nodes: list[str] = []  # the node of every attempt, this one last
         self.current = "trial"  # the stage running now (named by a refusal)
+        # its Tune config (what a record must match: pipelines.sweep.replay)
+        self.config: dict[str, Any] = {"tid": tid}
 
     def stage(
         self,
@@ -343,7 +343,31 @@ class TrialRunner:
 
         torch.set_num_threads(max(1, threads))
         with locked(self.root, f"trial {self.tid}"), _output_to(self.root / LOG):
-            return self._run()
+            replayed = self._replayed()  # recorded on another machine (pipelines.sweep.replay)
+            return replayed if replayed is not None else self._run()
+
+    def _replayed(self) -> dict[str, Any] | None:
+        """The trial's outcome replayed from its record (pipelines.sweep.replay): its reports to Tune in their
+        order (a ``SystemExit`` when Tune stops it, as it did when recorded), its files restored; None when it
+        has a local state or no matching record, or when Tune did not stop a stopped one (it then trains)."""
+        if any((self.root / f).exists() for f in (DONE, REFUSED, STATE)):
+            return None
+        rec = replay.lookup(
+            self.spec, self.tid, replay.identity(self.spec, self.tid, self.config, self.params)
+        )
+        if rec is None:
+            return None
+        replay.restore(rec, self.root)
+        print(f"replay: {self.tid}: {len(rec['reports'])} report(s) recorded on {rec['recorded']['cpu']} "
+              f"({rec['state']})", flush=True)  # fmt: skip
+        report = Reporter(self.tid, None, self.report_enabled)
+        for row in rec["reports"]:
+            report(row)
+        if rec["state"] == "stopped":
+            print(f"replay: {self.tid}: not stopped where it was recorded; trained here", flush=True)
+            replay.clear(self.root)
+            return None
+        return read_json(self.root / (DONE if rec["state"] == "finished" else REFUSED))
 
     def _run(self) -> dict[str, Any]:
         state = read_json(self.root / STATE) or {}
@@ -606,7 +630,9 @@ def _stage_roots(root: Path) -> list[Path]:
 
 def tune_trainable(config: dict[str, Any], spec: dict[str, Any]) -> None:
     """The Ray Tune function trainable (config: {"tid": ...}); ``spec``: the sweep plan (tune.with_parameters)."""
-    TrialRunner(spec, config["tid"]).run()
+    runner = TrialRunner(spec, config["tid"])
+    runner.config = dict(config)
+    runner.run()
 
 
 def log(msg: str) -> None:
