@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipelines.studies.snapshot import COLUMNS, snapshot
+from pipelines.studies.snapshot import COLUMNS, progress_block, snapshot
 
 
 def _trial(sweep: Path, tid: str, config: dict, vals: list[float], *, done: dict | None = None) -> None:
@@ -47,7 +47,7 @@ def test_snapshot_rows_say_each_trials_last_epoch_and_state(tmp_path: Path) -> N
     lines = (tmp_path / "out" / "progress.csv").read_text().splitlines()
     assert lines[0].split(",") == COLUMNS
     assert lines[1:] == ["search,p000-tcnn,0,tcnn,0.001,1,0.6,finished,",
-                         "search,p001-tcnn,1,tcnn,0.0001,0,0.4,running or stopped,",
+                         "search,p001-tcnn,1,tcnn,0.0001,0,0.4,stopped or interrupted,",
                          "seed2,p000-control,0,control,0.002,0,0.7,finished,0.71"]  # fmt: skip
     assert {k: (v["trials_reported"], v["trials_finished"]) for k, v in summary["phases"].items()} == {
         "search": (2, 1),
@@ -55,6 +55,24 @@ def test_snapshot_rows_say_each_trials_last_epoch_and_state(tmp_path: Path) -> N
     }
     assert summary.pop("records_written") == [] and summary["trials_recorded"] == 0
     assert json.loads((tmp_path / "out" / "progress.json").read_text()) == summary
+    block = progress_block(tmp_path / "out")  # what the README shows of it
+    assert (
+        "- search: 1 trial(s) finished of 2 reported" in block
+        and "- seed2: 1 trial(s) finished of 1" in block
+    )
+    assert "| p000-tcnn | tcnn | 0.001 | 1 | 60.00% | finished |" in block
+    assert "| p001-tcnn | tcnn | 0.0001 | 0 | 40.00% | stopped or interrupted |" in block
+
+
+def test_the_readme_shows_the_committed_snapshot_of_the_running_study(monkeypatch) -> None:
+    """README.md's progress block is what `tcnn study snapshot --readme README.md` makes of the committed
+    pipelines/studies/cifar10_resnet20/progress.* (rewritten at each commit of the running study's rows)."""
+    root = Path(__file__).parents[1]
+    monkeypatch.chdir(root)
+    name = "cifar10-resnet20-progress"
+    text = (root / "README.md").read_text()
+    block = text.split(f"<!-- study:{name}:begin -->\n")[1].split(f"<!-- study:{name}:end -->")[0]
+    assert block == progress_block(Path("pipelines/studies/cifar10_resnet20"))
 
 
 def test_a_wrong_name_is_one_line_exit_2_and_writes_nothing(tmp_path: Path) -> None:

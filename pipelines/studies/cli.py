@@ -61,6 +61,8 @@ def add_parser(sub: Any) -> None:
         "--name", required=True, help="the study's name (its sweeps are NAME-search, NAME-seed<k>)"
     )
     s.add_argument("--out", type=Path, required=True, help="where progress.csv and progress.json go")
+    s.add_argument("--readme", type=Path, default=None,
+                   help="also write the progress lines into its <!-- study:NAME-progress:begin/end --> block")  # fmt: skip
     s.set_defaults(func=_main_snapshot)
 
 
@@ -75,16 +77,25 @@ def _main_export(args: argparse.Namespace) -> int:
 
 
 def _main_snapshot(args: argparse.Namespace) -> int:
+    from core.utils.output_paths import check_output_file
     from pipelines.studies.snapshot import snapshot
 
     try:
+        if args.readme is not None:
+            check_output_file(args.readme, "--readme")
         summary = snapshot(args.sweeps, args.name, args.out)
-    except (StudyError, OSError, ValueError) as err:
+    except (StudyError, OutputPathError, OSError, ValueError) as err:
         print(f"tcnn study: error: {err}", file=sys.stderr)
         return 2
     for phase, p in summary["phases"].items():
         print(f"study: {phase}: {p['trials_finished']} trial(s) finished of {p['trials_reported']} reported, "
               f"{p['compute_h']:.2f} h recorded")  # fmt: skip
+    if args.readme is not None:
+        from pipelines.studies.run import insert_block
+        from pipelines.studies.snapshot import progress_block
+
+        written = insert_block(args.readme, f"{args.name}-progress", progress_block(args.out))
+        print(f"study: wrote the progress block into {written}")
     print(f"study: wrote {args.out / 'progress.csv'} and {args.out / 'progress.json'}; "
           f"{len(summary['records_written'])} trial record(s) new or changed, {summary['trials_recorded']} in "
           f"{args.out / 'trials'}")  # fmt: skip

@@ -6,8 +6,9 @@ A study runs for many hours across sessions (issue 57); a lost machine must lose
 This reads, without touching the run, what its sweeps (``NAME-search``, ``NAME-seed<k>``) have recorded so far
 and writes ``DIR/progress.csv``: one row per trial that has reported, with its phase, point, arm, lr, the last
 ``epoch`` it reported (Tune's counter, as the search's own search.csv has it), its last validation accuracy, and its state: ``finished`` (its last stage wrote ``done.json``),
-``refused``, or ``running or stopped`` (the search's scheduler decides at its end which of these it was; the
-search's own report, written when it finishes, says). ``DIR/progress.json`` adds the trials finished and the
+``refused``, ``running`` (its trial holds its directory's lock now) or ``stopped or interrupted`` (the
+search's scheduler stopped it, or its process ended before it finished; the search's own report, written when
+it finishes, says which). ``DIR/progress.json`` adds the trials finished and the
 compute recorded so far per phase (:func:`pipelines.studies.results.compute_hours`: finished training stages and
 other stages' recorded times; an epoch in flight is not counted). Read from Tune's per-trial ``params.json`` and
 ``result.json`` (one JSON line per report) and the trials' own files.
@@ -68,7 +69,8 @@ def trial_rows(phase: str, sweep_dir: Path) -> list[dict[str, Any]]:
             int(r["epoch"]): r["val_acc"] for r in reports if r.get("epoch") is not None and "val_acc" in r
         }
         last = max(by_epoch) if by_epoch else None
-        state = "refused" if refused is not None else "finished" if done is not None else "running or stopped"
+        state = ("refused" if refused is not None else "finished" if done is not None
+                 else "running" if replay.in_flight(root) else "stopped or interrupted")  # fmt: skip
         rows.append({"phase": phase, "trial": tid, "point": config.get("point"), "arm": config.get("arm"),
                      "finetune.lr": config.get("finetune.lr"), "epoch": last,
                      "val_acc": None if last is None else by_epoch[last], "state": state,
@@ -98,3 +100,29 @@ def snapshot(sweeps: Path, name: str, out: Path, *, records: bool = True) -> dic
     write_csv(out / "progress.csv", rows, COLUMNS)
     atomic_write_json(out / "progress.json", summary)
     return {**summary, "records_written": written}
+
+
+def progress_block(out: Path) -> str:
+    """The README's progress lines of a running study, from the snapshot committed in ``out`` (progress.json,
+    progress.csv): per phase the trials finished, stopped or in flight and the compute recorded, and the
+    search's trials with their lr and last validation accuracy (the choice itself is the finished search's)."""
+    import csv
+
+    summary = json.loads((out / "progress.json").read_text())
+    with open(out / "progress.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    lines = [f"Progress of `{summary['name']}` (`tcnn study snapshot`; {out.as_posix()}/progress.csv, "
+             f"{summary.get('trials_recorded', 0)} trial record(s) in {out.as_posix()}/trials): "
+             f"{summary['compute_h']:.2f} h of compute recorded."]  # fmt: skip
+    for phase, p in summary["phases"].items():
+        lines.append(f"- {phase}: {p['trials_finished']} trial(s) finished of {p['trials_reported']} reported, "
+                     f"{p['compute_h']:.2f} h on {p.get('cpus') or 'unrecorded CPUs'}")  # fmt: skip
+    search = [r for r in rows if r["phase"] == "search"]
+    if search:
+        lines += ["", "| search trial | arm | lr (batch 1024) | last epoch | val acc | state |",
+                  "|---|---|---:|---:|---:|---|"]  # fmt: skip
+        for r in search:
+            acc = f"{100 * float(r['val_acc']):.2f}%" if r["val_acc"] else "-"
+            lines.append(f"| {r['trial']} | {r['arm']} | {float(r['finetune.lr']):.3g} | {r['epoch'] or '-'} | "
+                         f"{acc} | {r['state']} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
