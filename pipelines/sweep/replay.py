@@ -5,11 +5,12 @@ state, the trials' checkpoints) is then gone. What survives is what was committe
 that finished, was refused or was stopped by the scheduler (:func:`export`, run by ``tcnn study snapshot``).
 
 - A record holds the trial's Tune reports in order (without Tune's own keys), its small files (done.json,
-  trial.json, the stages' metrics, histories and tables; never checkpoints, partial state or logs; files behind
+  trial.json, the stages' metrics, histories and tables; never checkpoints, partial state or logs, and no file
+  over 1 MiB, such as the evaluate stage's per-image table, which ``left_out`` names with its size; files behind
   its links to shared stages are stored as the trial saw them), the identity it ran under and where it ran.
 - A trial whose record is found (:func:`lookup`: the same sweep, trial id, Tune config and params, paths under
   the sweep's working directory compared relative to it) and which has no local outcome replays it
-  (:func:`replay`): the same reports reach Tune in the same order, so a scheduler records the same results and,
+  (``TrialRunner._replayed`` in pipelines.sweep.trial): the same reports reach Tune in the same order, so a scheduler records the same results and,
   the trials running one at a time, stops what it stopped before; a finished or refused trial's files are
   restored and its outcome returned. A stopped record whose replay Tune does not stop (another order, another
   scheduler) is trained from scratch, its restored files removed first.
@@ -92,14 +93,19 @@ def reports(tune_trial: Path) -> list[dict[str, Any]]:
     return out
 
 
-def files(root: Path) -> dict[str, dict[str, str]]:
-    """The trial's small files by path under ``root`` (links to shared stages followed), text or base64."""
+def files(root: Path, left: dict[str, int] | None = None) -> dict[str, dict[str, str]]:
+    """The trial's small files by path under ``root`` (links to shared stages followed), text or base64; the
+    files over :data:`MAX_FILE` (such as the evaluate stage's per-image table) go to ``left`` with their size."""
     out: dict[str, dict[str, str]] = {}
     for dirpath, dirnames, names in os.walk(root, followlinks=True):
         dirnames[:] = sorted(d for d in dirnames if d not in SKIP_NAMES)
         for name in sorted(names):
             path = Path(dirpath) / name
-            if name in SKIP_NAMES or name.endswith(SKIP_SUFFIXES) or path.stat().st_size > MAX_FILE:
+            if name in SKIP_NAMES or name.endswith(SKIP_SUFFIXES):
+                continue
+            if path.stat().st_size > MAX_FILE:
+                if left is not None:
+                    left[str(path.relative_to(root))] = path.stat().st_size
                 continue
             data = path.read_bytes()
             rel = str(path.relative_to(root))
@@ -125,9 +131,11 @@ def record(sweep_dir: Path, tid: str, params_of: ParamsOf) -> dict[str, Any] | N
         return None
     config = json.loads((tune_trial / "params.json").read_text())
     state = "refused" if (root / REFUSED).is_file() else "finished" if (root / DONE).is_file() else "stopped"
+    left: dict[str, int] = {}
+    kept = files(root, left)
     return {"version": VERSION, "sweep": spec["name"], "tid": tid, "state": state, "config": config,
-            "identity": identity(spec, tid, config, params_of(spec, tid, config)), "reports": rows, "files": files(root),
-            "recorded": {"time": time.time(), "cpu": cpu_model()}}  # fmt: skip
+            "identity": identity(spec, tid, config, params_of(spec, tid, config)), "reports": rows, "files": kept,
+            "left_out": left, "recorded": {"time": time.time(), "cpu": cpu_model()}}  # fmt: skip
 
 
 def export(sweep_dir: Path, out: Path, params_of: ParamsOf) -> list[Path]:
