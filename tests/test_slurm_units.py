@@ -1,4 +1,4 @@
-"""pipelines/slurm.py pieces that need no cluster: port layout, Ray command lines, squeue parsing."""
+"""pipelines/slurm/ pieces that need no cluster: port layout, Ray command lines, squeue parsing."""
 
 from __future__ import annotations
 
@@ -11,18 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.slurm import (
-    RAY_SOCKET_LIMIT,
-    RayClusterConfig,
-    RayClusterJob,
-    RayPorts,
-    SlurmLaunchError,
-    SqueueFallbackWatcher,
-    _clear_previous_run,
-    gpu_count,
-    make_executor,
-    sbatch_options,
-)
+from pipelines.slurm.executor import SqueueFallbackWatcher, gpu_count, make_executor, sbatch_options
+from pipelines.slurm.ray_cluster import RayClusterConfig, RayClusterJob
+from pipelines.slurm.ray_node import RAY_SOCKET_LIMIT, SlurmLaunchError, _clear_previous_run
+from pipelines.slurm.ray_ports import RayPorts
 
 
 def test_port_layout_from_base() -> None:

@@ -21,7 +21,7 @@ What happens (the modules of pipelines/sweep/):
    (summary.py; the validation-chosen comparison: selection.py), parent metrics ``trials``,
    ``pretrain_runs`` (pretraining runs this sweep executed) and ``<kind>_clean_accuracy/_mca/_mce``.
 
-``--slurm`` submits the same driver into a SLURM allocation through pipelines.slurm.launch_ray_cluster (Ray
+``--slurm`` submits the same driver into a SLURM allocation through pipelines.slurm.ray_cluster.launch_ray_cluster (Ray
 head on the first node, workers on the others); a requeue restarts the driver, which resumes. A lost worker
 node costs only its running trials: SLURM keeps the job (``--no-kill``), Ray declares the node dead, Tune
 retries those trials on the remaining nodes (``sweep.max_failures``) and they resume from their stages'

@@ -35,7 +35,7 @@ def connect_ray(address: str, num_cpus: int | None, object_store_mb: int | None)
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if address != "local":
-        from pipelines.slurm import align_ray_auth
+        from pipelines.slurm.ray_node import align_ray_auth
 
         align_ray_auth()  # a cluster from `ray start` (sweep.sbatch) uses token auth when a token exists
     term = signal.getsignal(signal.SIGTERM)
