@@ -23,3 +23,21 @@ Only ``pipelines/`` and ``infra/`` know SLURM (DESIGN section 2). The pieces:
 
 ``infra/slurm/ray_cluster.sbatch`` is the plain-sbatch equivalent (srun instead of submitit).
 """
+
+import importlib
+from typing import Any
+
+#: What a SLURM job submitted before this package existed names by its old module path (submitit's job file
+#: pickles the job's callable and its config): looked up here on first use, so such a queued or requeued job
+#: still starts.
+_MOVED = {
+    "RayClusterJob": "pipelines.slurm.ray_cluster",
+    "RayClusterConfig": "pipelines.slurm.ray_cluster",
+    "RayPorts": "pipelines.slurm.ray_ports",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
