@@ -437,13 +437,14 @@ def _trial_roots(sweep_dir: Path, spec: dict[str, Any]) -> list[Path]:
 
 
 def _read_state(root: Path) -> dict[str, Any]:
-    from pipelines.sweep.trial import STATE, read_json
+    from pipelines.sweep.replay import STATE
+    from pipelines.sweep.trial_files import read_json
 
     return read_json(root / STATE) or {}
 
 
 def _stage_log(root: Path) -> list[dict[str, Any]]:
-    from pipelines.sweep.trial import STAGE_LOG
+    from pipelines.sweep.trial_files import STAGE_LOG
 
     path = root / STAGE_LOG
     if not path.is_file():

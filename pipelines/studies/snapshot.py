@@ -57,7 +57,8 @@ def _reports(trial: Path) -> list[dict[str, Any]]:
 
 def trial_rows(phase: str, sweep_dir: Path) -> list[dict[str, Any]]:
     """One row per Tune trial of a sweep that has its params: the last report of each epoch counts."""
-    from pipelines.sweep.trial import DONE, REFUSED, read_json
+    from pipelines.sweep.replay import DONE, REFUSED
+    from pipelines.sweep.trial_files import read_json
 
     rows = []
     for t in sorted((sweep_dir / "tune").glob("*/params.json")):

@@ -12,6 +12,8 @@ modules listed below it (.importlinter, contract ``sweep-layers``):
 - ``bracket``: growing the grid until every arm's validation-chosen value is interior (``sweep.select.bracket``).
 - ``selection``: hyperparameters chosen on validation data, the same way for both arms (``sweep.select``).
 - ``trial``: one trial, the Tune function trainable: the chain's stages in its directory, exactly once.
+- ``trial_tracking``, ``tune_report``, ``epoch_watch``, ``trial_metrics``: a trial's MLflow run, its reports to
+  Tune, the epochs it follows as they end, the numbers it reports; ``trial_files``: where its files are.
 - ``shared``: the work trials share: pretraining, matched controls, corrupted test sets.
 - ``plan``: grid expansion, per-trial params and shared-work keys (pure: no Ray, no MLflow).
 - ``tables``: the Parquet writer every table above uses.

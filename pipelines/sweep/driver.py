@@ -515,7 +515,7 @@ def _stop_of(err: BaseException) -> Stopped | None:
 
 def _close_stopped(tracker: Any) -> None:
     """A stopped driver ends its MLflow parent and every trial run still open under it as KILLED (a resume
-    reopens them: trial.open_run)."""
+    reopens them: trial_tracking.open_run)."""
     if tracker is None or not tracker.enabled or tracker.parent_run_id is None:
         return
     tracker.close_children(tracker.parent_run_id, "KILLED", reason="the sweep driver was stopped")

@@ -1,7 +1,7 @@
 """Ray and Ray Tune for the sweep driver: the connection to Ray (a light local Ray, or a cluster's) and the Tune
 experiment of each round (``tune.Tuner`` over the round's trial ids: its param_space, resources, run config,
 failure config and progress callback; ``Tuner.restore`` for a resumed round). The trial side of Tune (the
-function trainable, its reports and checkpoints) is pipelines/sweep/trial.py."""
+function trainable) is pipelines/sweep/trial.py, its reports and checkpoints pipelines/sweep/tune_report.py."""
 
 from __future__ import annotations
 
