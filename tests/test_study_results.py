@@ -286,7 +286,7 @@ def _export(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, dic
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipelines.sweep.driver import end_leg, wall_metrics
+    from pipelines.sweep.driver_legs import end_leg, wall_metrics
 
     monkeypatch.setattr("pipelines.sweep.selection.pair_metrics", lambda *a, **k: {})
     sweep, spec = _sweep(tmp)

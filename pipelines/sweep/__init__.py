@@ -3,6 +3,9 @@ modules listed below it (.importlinter, contract ``sweep-layers``):
 
 - ``cli``: the command line; runs the driver here or submits it to SLURM (pipelines.slurm) and follows the job.
 - ``driver``: one sweep from start to end: the MLflow parent run, the rounds of trials, the outputs at the end.
+- ``grid_outputs``, ``search_run``: the end of a grid (its tables, report and parent run), a search's run.
+- ``parent_run``, ``driver_lock``, ``driver_legs``, ``driver_lines``: the driver's MLflow parent run, its lock,
+  its wall time over legs, its printed lines.
 - ``spec``: the spec a driver and its trials run from (``sweep.json``), reconciled with a saved one on resume.
 - ``tuner``: Ray and Ray Tune on the driver's side: the connection, each round's Tuner (param_space,
   resources, run config) and its restore.

@@ -25,7 +25,8 @@ from typing import Any
 from core.config import ConfigError
 from core.utils.errors import first_line
 from pipelines.ddp import PLACEMENTS
-from pipelines.sweep.driver import run_sweep, say, slurm_driver
+from pipelines.sweep.driver import run_sweep, slurm_driver
+from pipelines.sweep.driver_lines import say
 from pipelines.sweep.plan import SweepError
 from pipelines.sweep.spec import SWEEP_JSON, build_spec, check_resources, reconcile
 from pipelines.sweep.sweep_params import load_sweep_params
