@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from core.utils.atomic import atomic_write_json
-from pipelines.studies.results import StudyError, write_csv
+from pipelines.studies.study_tables import StudyError, write_csv
 from pipelines.sweep import replay
 from pipelines.sweep.arm_trial import config_params
 
