@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.slurm import _tail
+from pipelines.slurm.ray_node import _tail
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "infra" / "slurm" / "local_cluster.sh"

@@ -13,7 +13,7 @@ import pytest
 import submitit
 from slurm_cluster import SlurmCluster, start_cluster
 
-from pipelines.slurm import make_executor, wait_result
+from pipelines.slurm.executor import make_executor, wait_result
 
 # The job processes cannot import this test module (tests/ is not on their path): ship its functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -55,7 +55,7 @@ def test_submitit_autoexecutor_runs_a_function(cluster: SlurmCluster, tmp_path: 
 @pytest.mark.slow
 def test_squeue_fallback_sees_a_cancelled_job(cluster: SlurmCluster, tmp_path: Path) -> None:
     """submitit alone polls sacct only, so a job that dies without a result looks UNKNOWN forever; the
-    executor of pipelines.slurm falls back to squeue and reports it."""
+    executor of pipelines.slurm.executor falls back to squeue and reports it."""
     executor = make_executor(
         tmp_path / "submitit", cpus_per_node=1, timeout_min=5, partition=cluster.partition
     )

@@ -35,7 +35,9 @@ from test_slurm_ray import OBJECT_STORE, _ray_processes, _resumable_driver
 from test_sweep import TCNN, make_project, sweep_env
 from test_sweep_ray import GRID, pretrain_epoch_lines, stage_counts
 
-from pipelines.slurm import RayClusterConfig, RayPorts, launch_ray_cluster, make_executor, wait_result
+from pipelines.slurm.executor import make_executor, wait_result
+from pipelines.slurm.ray_cluster import RayClusterConfig, launch_ray_cluster
+from pipelines.slurm.ray_ports import RayPorts
 from stages.tracking.store import store_client
 
 

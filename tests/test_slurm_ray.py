@@ -1,4 +1,4 @@
-"""Ray on SLURM: the submitit launcher of pipelines/slurm.py and the plain sbatch template, on the local cluster."""
+"""Ray on SLURM: the submitit launcher of pipelines/slurm/ and the plain sbatch template, on the local cluster."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ import cloudpickle
 import pytest
 from slurm_cluster import SlurmCluster, start_cluster
 
-from pipelines.slurm import RayClusterConfig, RayPorts, launch_ray_cluster, make_executor, wait_result
+from pipelines.slurm.executor import make_executor, wait_result
+from pipelines.slurm.ray_cluster import RayClusterConfig, launch_ray_cluster
+from pipelines.slurm.ray_ports import RayPorts
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

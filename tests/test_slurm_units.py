@@ -1,4 +1,4 @@
-"""pipelines/slurm.py pieces that need no cluster: port layout, Ray command lines, squeue parsing."""
+"""pipelines/slurm/ pieces that need no cluster: port layout, Ray command lines, squeue parsing."""
 
 from __future__ import annotations
 
@@ -11,18 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.slurm import (
-    RAY_SOCKET_LIMIT,
-    RayClusterConfig,
-    RayClusterJob,
-    RayPorts,
-    SlurmLaunchError,
-    SqueueFallbackWatcher,
-    _clear_previous_run,
-    gpu_count,
-    make_executor,
-    sbatch_options,
-)
+from pipelines.slurm.executor import SqueueFallbackWatcher, gpu_count, make_executor, sbatch_options
+from pipelines.slurm.ray_cluster import RayClusterConfig, RayClusterJob
+from pipelines.slurm.ray_node import RAY_SOCKET_LIMIT, SlurmLaunchError, _clear_previous_run
+from pipelines.slurm.ray_ports import RayPorts
 
 
 def test_port_layout_from_base() -> None:
@@ -164,3 +156,19 @@ def test_site_options_reach_the_sbatch_script(tmp_path: Path) -> None:
         sbatch_options(["time=5"])
     with pytest.raises(ValueError, match="KEY=VALUE"):
         sbatch_options(["account="])
+
+
+def test_a_job_submitted_before_the_package_still_unpickles() -> None:
+    """submitit's job file names the job's callable and its config by their old module path (before
+    pipelines/slurm/ was a package): pickle finds each under its old name, and it is the current object."""
+    import pickle
+
+    from pipelines.slurm import ray_cluster, ray_ports
+
+    old = {
+        b"pipelines.slurm\nRayClusterJob": ray_cluster.RayClusterJob,
+        b"pipelines.slurm\nRayClusterConfig": ray_cluster.RayClusterConfig,
+        b"pipelines.slurm\nRayPorts": ray_ports.RayPorts,
+    }
+    for ref, current in old.items():
+        assert pickle.loads(b"c" + ref + b"\n.") is current, ref

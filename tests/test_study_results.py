@@ -15,6 +15,8 @@ from scipy import stats
 
 from pipelines.studies import render as R
 from pipelines.studies import results as S
+from pipelines.studies import study_cost as C
+from pipelines.studies import study_tables as T
 
 REPO = Path(__file__).resolve().parents[1]
 COMMITTED = REPO / "pipelines" / "studies" / "cifar10_lr"
@@ -45,11 +47,11 @@ def _study(tmp: Path, diffs: tuple[float, ...] = (0.02, 0.025, 0.03)) -> Path:
             rows[-1]["tcnn_selected"], rows[-1]["control_selected"] = lr == 0.001, lr == 0.0001
         rows.append(_row("selected", seed, 0.001, 0.0001, 0.9, 0.85, d))
     tmp.mkdir(parents=True, exist_ok=True)
-    S.write_csv(tmp / "results.csv", rows, S._columns())
-    S.write_csv(tmp / "history.csv", [{"seed": s, "arm": a, "value": lr, "epoch": e, "val_accuracy": 0.8 + e / 100}
+    T.write_csv(tmp / "results.csv", rows, S._columns())
+    T.write_csv(tmp / "history.csv", [{"seed": s, "arm": a, "value": lr, "epoch": e, "val_accuracy": 0.8 + e / 100}
                                        for s in range(3) for a in ("tcnn", "control") for lr in LRS for e in range(3)],
                  ["seed", "arm", "value", "epoch", "val_accuracy"])  # fmt: skip
-    S.write_csv(tmp / "attention.csv", [{"seed": s, "epoch": e, "layer": "layer4.0.conv1", "head": h,
+    T.write_csv(tmp / "attention.csv", [{"seed": s, "epoch": e, "layer": "layer4.0.conv1", "head": h,
                                           "inv_alpha": 1.0, "gate": 0.73 - 0.35 * e * (h == 0), "nonlocality": 1.5}
                                          for s in range(3) for e in range(3) for h in range(9)],
                  ["seed", "epoch", "layer", "head", "inv_alpha", "gate", "nonlocality"])  # fmt: skip
@@ -59,7 +61,7 @@ def _study(tmp: Path, diffs: tuple[float, ...] = (0.02, 0.025, 0.03)) -> Path:
 
 
 def test_the_table_reselects_on_validation_and_recomputes_the_seed_interval(tmp_path: Path) -> None:
-    data = S.load(_study(tmp_path / "r"))
+    data = T.load(_study(tmp_path / "r"))
     assert R.reselect(data["rows"]) == {
         (s, a): lr for s in range(3) for a, lr in (("tcnn", 0.001), ("control", 0.0001))
     }
@@ -85,9 +87,9 @@ def test_a_selected_row_that_is_not_the_validation_argmax_is_refused(tmp_path: P
     for r in rows:
         if r["row"] == "selected" and r["seed"] == "1":
             r["tcnn_value"] = "0.01"  # the test-best choice, not the validation one
-    S.write_csv(d / "results.csv", rows, S._columns())
-    with pytest.raises(S.StudyError, match="seed 1: the tcnn row chose 0.01, the validation argmax is 0.001"):
-        R.selected(S.load(d)["rows"])
+    T.write_csv(d / "results.csv", rows, S._columns())
+    with pytest.raises(T.StudyError, match="seed 1: the tcnn row chose 0.01, the validation argmax is 0.001"):
+        R.selected(T.load(d)["rows"])
 
 
 def test_a_flipped_selection_flag_or_a_row_cut_short_is_one_line(tmp_path: Path) -> None:
@@ -97,15 +99,15 @@ def test_a_flipped_selection_flag_or_a_row_cut_short_is_one_line(tmp_path: Path)
     text = (d / "results.csv").read_text()
     rows = list(csv.DictReader(text.splitlines()))
     rows[1]["control_selected"] = "True"  # seed 0, lr 1e-3: not the control's validation argmax (1e-4)
-    S.write_csv(d / "results.csv", rows, S._columns())
-    with pytest.raises(S.StudyError, match=r"seed 0, control 0.001: control_selected is True, but the validation "
+    T.write_csv(d / "results.csv", rows, S._columns())
+    with pytest.raises(T.StudyError, match=r"seed 0, control 0.001: control_selected is True, but the validation "
                                            r"argmax is 0.0001"):  # fmt: skip
-        R.selected(S.load(d)["rows"])
+        R.selected(T.load(d)["rows"])
     (d / "results.csv").write_text(text[: len(text) // 2].rsplit(",", 3)[0] + "\n")
     with pytest.raises(
-        S.StudyError, match=r"results.csv: line \d+ has \d+ of \d+ fields \(cut short\?\)"
+        T.StudyError, match=r"results.csv: line \d+ has \d+ of \d+ fields \(cut short\?\)"
     ) as info:
-        S.load(d)
+        T.load(d)
     assert "\n" not in str(info.value)
 
 
@@ -141,7 +143,7 @@ def test_the_readme_table_is_generated_from_the_committed_study_results() -> Non
         return
     section, same = R.render(COMMITTED, REPO / "README.md", check=True)
     assert same, "README.md's study block differs from `tcnn study render pipelines/studies/cifar10_lr`"
-    rows = S.load(COMMITTED)["rows"]
+    rows = T.load(COMMITTED)["rows"]
     assert len({r["seed"] for r in rows}) >= 3
     assert len({r["tcnn_value"] for r in rows if r["row"] == "grid"}) >= 3
     for fig in S.FIGURES:
@@ -286,7 +288,7 @@ def _export(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, dic
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pipelines.sweep.driver import end_leg, wall_metrics
+    from pipelines.sweep.driver_legs import end_leg, wall_metrics
 
     monkeypatch.setattr("pipelines.sweep.selection.pair_metrics", lambda *a, **k: {})
     sweep, spec = _sweep(tmp)
@@ -334,7 +336,7 @@ def test_cost_csv_has_a_row_per_trial_and_stage_and_recomputes_compute_hours(
     from stages.harness import chain
 
     sweep, out, spec = _export(tmp_path, monkeypatch)
-    rows = S.load(out)["cost"]
+    rows = T.load(out)["cost"]
     stages = ["pretrain", "reparam", "finetune", "control", "corrupt", "evaluate", "cnn_evaluation"]
     assert [(r["trial"], r["stage"]) for r in rows] == [(t, s) for t in TRIALS for s in stages]
     roles = {s: chain.sweep_role(s) for s in stages[:-1]} | {"cnn_evaluation": "group"}
@@ -377,9 +379,9 @@ def test_cost_csv_has_a_row_per_trial_and_stage_and_recomputes_compute_hours(
         corrupt = by["corrupt"]
         assert (corrupt["wall_s"], corrupt["stage_wall_s"], corrupt["cpu"]) == (32.0, 30.5, "CPU D")
         assert corrupt["train_time_s"] is None
-    assert S.cost_hours(rows) == S.compute_hours(sweep, spec) == _hand_hours()
+    assert C.cost_hours(rows) == S.compute_hours(sweep, spec) == _hand_hours()
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["compute_h"] == S.cost_hours(rows)
+    assert meta["compute_h"] == C.cost_hours(rows)
     legs = [json.loads(line)["wall_s"] for line in (sweep / "legs.jsonl").read_text().splitlines()]
     assert len(legs) == meta["legs"] == 2 and meta["wall_s_all_legs"] == pytest.approx(sum(legs))
     assert meta["wall_s_all_legs"] == pytest.approx(150.0, abs=5.0)  # both legs, not the last one's 50 s
@@ -393,7 +395,7 @@ def test_the_readme_block_says_which_images_play_which_role_as_the_study_configu
     from core.robustness.suite import CORRUPTIONS, SEVERITIES
 
     raw = yaml.safe_load((COMMITTED.parent / "cifar10_lr.yaml").read_text())
-    assert "data_roles" not in S.load(COMMITTED)["meta"] and raw["data"].get("val_from", "train") == "train"
+    assert "data_roles" not in T.load(COMMITTED)["meta"] and raw["data"].get("val_from", "train") == "train"
     line = next(x for x in _readme_block("cifar10-lr").splitlines() if x.startswith("**Images**"))
     assert f"validation (each arm's lr): {raw['data']['val_size']:,} training images" in line
     assert "carved from the training split; test: the whole test split" in line
@@ -454,7 +456,7 @@ def test_export_records_the_trials_data_params_and_roles_and_refuses_trials_that
     )
     assert got["robustness"] == {"n_images": 100, "corruptions": ["fog"], "severities": [1]}
     (tmp_path / "trials" / "t1" / chain.metrics_file("finetune")).write_text(json.dumps({"data_roles": {}}))
-    with pytest.raises(S.StudyError, match="differ in data_roles"):
+    with pytest.raises(T.StudyError, match="differ in data_roles"):
         S.images(tmp_path, spec)
 
 

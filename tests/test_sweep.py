@@ -412,7 +412,8 @@ def test_a_stage_published_before_a_kill_is_not_trained_again(tmp_path: Path) ->
     the trial's done-mark: the next attempt records the published stage instead of training it again from
     scratch (there is no partial state left to resume from). While the work dir exists, it trains (resumes)."""
     from pipelines.sweep.spec import build_spec
-    from pipelines.sweep.trial import STAGE_LOG, TrialRunner
+    from pipelines.sweep.trial import TrialRunner
+    from pipelines.sweep.trial_files import STAGE_LOG
 
     path = make_project(tmp_path, {"reparam.alpha_init": [0.5]})
     spec = build_spec(load_sweep_params(path), name="s", params_file=path, cwd=tmp_path)

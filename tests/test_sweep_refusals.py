@@ -13,6 +13,7 @@ import pytest
 from test_sweep import make_project
 
 from pipelines.sweep import driver
+from pipelines.sweep.driver_lock import LOCK, driver_lock
 from pipelines.sweep.plan import SweepError
 from pipelines.sweep.spec import build_spec, check_resources
 from pipelines.sweep.sweep_params import load_sweep_params
@@ -124,7 +125,7 @@ def test_a_driver_ended_by_a_bug_closes_its_parent_failed_and_leaves_no_half_swe
 
     def bug(spec: dict, keys: list[str]) -> None:
         assert (Path(spec["sweep_dir"]) / "sweep.json").is_file() and (
-            Path(spec["sweep_dir"]) / driver.LOCK
+            Path(spec["sweep_dir"]) / LOCK
         ).exists()
         raise RuntimeError("an injected bug")
 
@@ -143,12 +144,12 @@ def test_a_driver_ended_by_a_bug_closes_its_parent_failed_and_leaves_no_half_swe
 
 
 def test_the_driver_lock_refuses_a_second_driver_and_is_removed_after(tmp_path: Path) -> None:
-    with driver.driver_lock(tmp_path / "s"):
-        assert (tmp_path / "s" / driver.LOCK).exists()
+    with driver_lock(tmp_path / "s"):
+        assert (tmp_path / "s" / LOCK).exists()
         with (
             pytest.raises(SweepError, match="another driver is running it"),
-            driver.driver_lock(tmp_path / "s"),
+            driver_lock(tmp_path / "s"),
         ):
             pass
-        assert (tmp_path / "s" / driver.LOCK).exists()  # the refused driver removed nothing
+        assert (tmp_path / "s" / LOCK).exists()  # the refused driver removed nothing
     assert list((tmp_path / "s").iterdir()) == []

@@ -380,7 +380,7 @@ def test_a_report_after_tune_ended_the_trial_raises_instead_of_passing_silently(
     flaky search test of issue 56). The trial's Reporter raises SystemExit instead, from then on."""
     from ray import tune
 
-    from pipelines.sweep.trial import Reporter
+    from pipelines.sweep.tune_report import Reporter
 
     with warnings.catch_warnings():  # Ray warns once per process that it was called outside a session
         warnings.simplefilter("ignore")
@@ -688,9 +688,9 @@ def test_a_stopped_holder_of_a_shared_control_leaves_it_to_the_trial_waiting_for
     import threading
 
     from pipelines.sweep.arm_trial import ArmTrial, arm_params, base_tid, control_key, shared_epochs
+    from pipelines.sweep.replay import DONE
     from pipelines.sweep.shared import ENSURE
     from pipelines.sweep.spec import build_spec
-    from pipelines.sweep.trial import DONE
 
     path = _search_project(tmp_path, {"reparam.alpha_init": {"choice": [0.5, 2.0]}}, epochs=4)
     spec = build_spec(load_sweep_params(path), name="s", params_file=path, cwd=tmp_path)

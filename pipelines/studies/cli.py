@@ -19,7 +19,8 @@ from typing import Any
 
 from core.utils.output_paths import OutputPathError
 from pipelines.studies.render import render
-from pipelines.studies.results import StudyError, export
+from pipelines.studies.results import export
+from pipelines.studies.study_tables import StudyError
 
 
 def add_parser(sub: Any) -> None:

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 
 from core.utils.atomic import atomic_write_text
-from pipelines.studies.results import ARMS, DIFF, ENDS, METRICS, StudyError, load
+from pipelines.studies.results import ARMS, DIFF, ENDS, METRICS
+from pipelines.studies.study_tables import StudyError, load
 
 
 def reselect(rows: list[dict[str, Any]]) -> dict[tuple[int, str], float]:

@@ -32,7 +32,7 @@ from typing import Any
 
 from core.utils.atomic import atomic_write_json, atomic_write_text
 from pipelines.studies import sequential
-from pipelines.studies.results import write_csv
+from pipelines.studies.study_tables import write_csv
 from pipelines.sweep.plan import SweepError
 from pipelines.sweep.selection import mean_of
 

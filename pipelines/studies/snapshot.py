@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from core.utils.atomic import atomic_write_json
-from pipelines.studies.results import StudyError, write_csv
+from pipelines.studies.study_tables import StudyError, write_csv
 from pipelines.sweep import replay
 from pipelines.sweep.arm_trial import config_params
 
@@ -57,7 +57,8 @@ def _reports(trial: Path) -> list[dict[str, Any]]:
 
 def trial_rows(phase: str, sweep_dir: Path) -> list[dict[str, Any]]:
     """One row per Tune trial of a sweep that has its params: the last report of each epoch counts."""
-    from pipelines.sweep.trial import DONE, REFUSED, read_json
+    from pipelines.sweep.replay import DONE, REFUSED
+    from pipelines.sweep.trial_files import read_json
 
     rows = []
     for t in sorted((sweep_dir / "tune").glob("*/params.json")):

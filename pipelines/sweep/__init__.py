@@ -3,6 +3,9 @@ modules listed below it (.importlinter, contract ``sweep-layers``):
 
 - ``cli``: the command line; runs the driver here or submits it to SLURM (pipelines.slurm) and follows the job.
 - ``driver``: one sweep from start to end: the MLflow parent run, the rounds of trials, the outputs at the end.
+- ``grid_outputs``, ``search_run``: the end of a grid (its tables, report and parent run), a search's run.
+- ``parent_run``, ``driver_lock``, ``driver_legs``, ``driver_lines``: the driver's MLflow parent run, its lock,
+  its wall time over legs, its printed lines.
 - ``spec``: the spec a driver and its trials run from (``sweep.json``), reconciled with a saved one on resume.
 - ``tuner``: Ray and Ray Tune on the driver's side: the connection, each round's Tuner (param_space,
   resources, run config) and its restore.
@@ -12,6 +15,8 @@ modules listed below it (.importlinter, contract ``sweep-layers``):
 - ``bracket``: growing the grid until every arm's validation-chosen value is interior (``sweep.select.bracket``).
 - ``selection``: hyperparameters chosen on validation data, the same way for both arms (``sweep.select``).
 - ``trial``: one trial, the Tune function trainable: the chain's stages in its directory, exactly once.
+- ``trial_tracking``, ``tune_report``, ``epoch_watch``, ``trial_metrics``: a trial's MLflow run, its reports to
+  Tune, the epochs it follows as they end, the numbers it reports; ``trial_files``: where its files are.
 - ``shared``: the work trials share: pretraining, matched controls, corrupted test sets.
 - ``plan``: grid expansion, per-trial params and shared-work keys (pure: no Ray, no MLflow).
 - ``tables``: the Parquet writer every table above uses.

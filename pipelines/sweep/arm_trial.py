@@ -23,29 +23,21 @@ from typing import Any
 from core.utils.atomic import atomic_write_json
 from pipelines.ddp import node_name
 from pipelines.sweep import reuse
+from pipelines.sweep.epoch_watch import EpochWatcher, shared_progress
 from pipelines.sweep.plan import control_identity, plan_device, trial_label, trial_params
+from pipelines.sweep.replay import DONE, REFUSED, STATE
 from pipelines.sweep.scheduling import ARM_KEY, METRIC, TIME_ATTR
 from pipelines.sweep.search import POINT_KEY
 from pipelines.sweep.shared import COMPLETE, ENSURE, link_pretraining, train_control
 from pipelines.sweep.sweep_params import SweepParams, validate_sweep_params
-from pipelines.sweep.trial import (
-    DONE,
-    NOTE_TAG,
-    REFUSED,
-    STATE,
-    EpochWatcher,
-    Reporter,
-    TrialRunner,
-    checkpoint_state,
-    close_run,
-    read_json,
-    shared_progress,
-    stopped,
-    trial_dir,
-)
+from pipelines.sweep.trial import TrialRunner
+from pipelines.sweep.trial_files import read_json, trial_dir
+from pipelines.sweep.trial_tracking import close_run, stopped
+from pipelines.sweep.tune_report import Reporter, checkpoint_state
 from stages.harness import chain
 from stages.harness.identity import key as identity_key
 from stages.harness.runner import REFUSALS
+from stages.tracking.names import NOTE_TAG
 
 #: The stages of each arm after the shared pretraining (the DVC path's functions).
 ARM_STAGES = {"tcnn": ("reparam", "finetune"), "control": ("control",)}

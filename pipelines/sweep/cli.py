@@ -7,7 +7,7 @@
                [--worker-placement pack|spread|...]
 
 The driver (pipelines/sweep/driver.py) runs here, or with ``--slurm`` inside a SLURM allocation that
-pipelines.slurm.launch_ray_cluster starts (:func:`submit_slurm`; :func:`follow` prints the job's progress).
+pipelines.slurm.ray_cluster.launch_ray_cluster starts (:func:`submit_slurm`; :func:`follow` prints the job's progress).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from typing import Any
 from core.config import ConfigError
 from core.utils.errors import first_line
 from pipelines.ddp import PLACEMENTS
-from pipelines.sweep.driver import run_sweep, say, slurm_driver
+from pipelines.sweep.driver import run_sweep, slurm_driver
+from pipelines.sweep.driver_lines import say
 from pipelines.sweep.plan import SweepError
 from pipelines.sweep.spec import SWEEP_JSON, build_spec, check_resources, reconcile
 from pipelines.sweep.sweep_params import load_sweep_params
@@ -36,14 +37,9 @@ from stages.harness.runner import EXIT_IOERR, Stopped, io_error_line, stop_on_si
 
 
 def submit_slurm(spec: dict, args: argparse.Namespace) -> int:
-    from pipelines.slurm import (
-        RayClusterConfig,
-        RayPorts,
-        gpu_count,
-        launch_ray_cluster,
-        make_executor,
-        sbatch_options,
-    )
+    from pipelines.slurm.executor import gpu_count, make_executor, sbatch_options
+    from pipelines.slurm.ray_cluster import RayClusterConfig, launch_ray_cluster
+    from pipelines.slurm.ray_ports import RayPorts
 
     if args.nodes < 1:
         raise SweepError(f"--nodes {args.nodes}: must be at least 1")
@@ -106,7 +102,7 @@ def follow(job: Any, spec: dict, poll_s: float = 5.0) -> int:
         if done:
             break
         time.sleep(poll_s)
-    from pipelines.slurm import head_result
+    from pipelines.slurm.executor import head_result
 
     try:
         result = head_result(job)  # a worker node lost mid-job leaves no result of its own

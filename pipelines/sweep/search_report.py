@@ -21,12 +21,13 @@ from typing import Any
 
 from core.utils.atomic import atomic_write_json, atomic_write_text
 from pipelines.sweep.arm_trial import ARM_STAGES, arm_params, arm_tid, base_tid, control_key, point_values
+from pipelines.sweep.replay import DONE, REFUSED, STATE
 from pipelines.sweep.scheduling import ARM_KEY, ARMS, METRIC, TIME_ATTR, candidates
 from pipelines.sweep.search import POINT_KEY, max_epochs
 from pipelines.sweep.selection import val_images
 from pipelines.sweep.settings import SearchConfig, scheduler_of, search_of
 from pipelines.sweep.tables import write_table
-from pipelines.sweep.trial import DONE, REFUSED, STATE, read_json, trial_dir
+from pipelines.sweep.trial_files import read_json, trial_dir
 
 STATUS_TAG, STOPPED_AT_TAG = "tcnn.status", "tcnn.stopped_at_epoch"
 #: What chosen.json says of each arm's choice beside its trial, values and val_acc (``tcnn sweep --from-search``

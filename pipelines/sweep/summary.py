@@ -29,7 +29,7 @@ from pipelines.sweep.bracket import round_of
 from pipelines.sweep.plan import SHORT
 from pipelines.sweep.selection import REPLICATES, mean_label, mean_of, units
 from pipelines.sweep.tables import write_table
-from pipelines.sweep.trial import HEADLINE
+from pipelines.sweep.trial_metrics import HEADLINE
 from stages.harness import chain
 
 METRIC_COLUMNS = HEADLINE  # the numbers every trial reports last
@@ -64,7 +64,7 @@ def summary_rows(spec: dict[str, Any], status: dict[str, str] | None = None) -> 
     for tid, t in spec["trials"].items():
         root = Path(spec["sweep_dir"]) / "trials" / tid
         done = _json(root / "done.json")
-        refused = _json(root / "refused.json") or {}  # pipelines.sweep.trial.REFUSED
+        refused = _json(root / "refused.json") or {}  # pipelines.sweep.replay.REFUSED
         eq = _json(root / chain.metrics_file("reparam")) or {}
         p = t["params"]
         row: dict[str, Any] = {"trial": tid}

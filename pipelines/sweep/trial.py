@@ -30,12 +30,9 @@ the stage's own partial state (``runs/.partial/``), as after any kill.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 import sys
-import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -46,231 +43,28 @@ from core.utils.locks import locked
 from core.utils.machine import cpu_model
 from pipelines.ddp import node_name, run_stage, worker_nodes
 from pipelines.sweep import replay, reuse
+from pipelines.sweep.epoch_watch import EpochWatcher, shared_progress
 from pipelines.sweep.plan import trial_label, trial_params
 from pipelines.sweep.replay import DONE, REFUSED, STATE
 from pipelines.sweep.shared import ENSURE, append_line, link_pretraining, published, runs_log
-from pipelines.sweep.sweep_params import SweepParams
-from stages.harness import chain
-from stages.harness.catalogue import (
-    SUMMARY_METRICS,
-    epoch_metrics,
-    headline_summary,
-    numeric_metrics,
-    parent_description,
-    stage_artifacts,
-    summary_metrics,
+from pipelines.sweep.trial_files import LOG, STAGE_LOG, read_json, trial_dir
+from pipelines.sweep.trial_metrics import headline, last_trial_stage, numeric, progress
+from pipelines.sweep.trial_tracking import (
+    REFUSED_TAG,
+    WORKER_NODES_TAG,
+    close_run,
+    logged_epochs,
+    open_run,
+    stopped,
+    trial_artifacts,
+    trial_description,
 )
+from pipelines.sweep.tune_report import Reporter, checkpoint_state
+from stages.harness import chain
+from stages.harness.catalogue import epoch_metrics, headline_summary, parent_description
 from stages.harness.chain import sweep_role, trains, trial_stages
-from stages.harness.runner import REFUSALS, Stopped
+from stages.harness.runner import REFUSALS
 from stages.tracking.names import NOTE_TAG
-
-# STATE: trial.json; REFUSED, written when a stage refused the trial's inputs (stages.harness.runner.REFUSALS):
-# {"tid", "refused": "<stage>: <one line>", "mlflow_run_id"}, the trial is not run again; DONE: done.json
-REFUSED_TAG = "tcnn.refused"
-STAGE_LOG = "stages.jsonl"
-LOG = "trial.log"
-#: The headline numbers every trial reports last (also the summary table's columns): the DVC path's summary
-#: metrics, under the same names (stages.harness.catalogue.SUMMARY_METRICS).
-HEADLINE = tuple(SUMMARY_METRICS)
-NODE_TAG = "tcnn.node"  # MLflow tags of a trial's run: the node of its current attempt, and of every attempt
-ATTEMPT_NODES_TAG = "tcnn.attempt_nodes"
-WORKER_NODES_TAG = "tcnn.worker_nodes"  # nodes its data-parallel stages (its own and shared) had ranks on
-
-
-def trial_dir(spec: dict[str, Any], tid: str) -> Path:
-    return Path(spec["sweep_dir"]) / "trials" / tid
-
-
-def read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-
-
-def numeric(obj: Any, prefix: str = "") -> dict[str, float]:
-    """A stage's returned metrics flattened to MLflow numbers (the DVC path's names: stages.harness.catalogue)."""
-    return {f"{prefix}{k}": v for k, v in numeric_metrics(obj).items()}
-
-
-def headline(root: Path) -> dict[str, float]:
-    """The trial's :data:`HEADLINE` numbers, read from its stage outputs as the DVC path reads them."""
-    return summary_metrics(root)
-
-
-# ------------------------------------------------------------------------------------------- tracking
-
-
-def trial_description(tid: str, params: SweepParams, overrides: dict[str, Any]) -> str:
-    """A trial run's description head (Markdown): the trial, dataset, model kind and arch, seed, its grid point;
-    both arms (the T-CNN and its matched control) run in it."""
-    point = trial_label(overrides) or "the base params"
-    return (f"trial {tid} · dataset {params.data.name} · {params.model.kind} ({params.model.arch}) · "
-            f"seed {params.seed} · {point} · both arms: the T-CNN and its matched control")  # fmt: skip
-
-
-def open_run(
-    spec: dict[str, Any],
-    tid: str,
-    params: SweepParams,
-    root: Path,
-    known_id: str | None,
-    nodes: list[str] | None = None,
-) -> Any:
-    """The trial's MLflow child run under the sweep's parent: reopened when the trial ran before.
-    ``nodes``: the node of every attempt so far, this one last (tags ``tcnn.node``, ``tcnn.attempt_nodes``)."""
-    from stages.tracking.tracker import Tracker, TrackingError
-
-    cfg = spec["tracking"]
-    tracker = Tracker(enabled=cfg["enabled"], uri=cfg["uri"], experiment=cfg["experiment"])
-    if not tracker.enabled:
-        return tracker
-    tracker.parent_run_id = cfg["parent_run_id"]
-    t = spec["trials"][tid]
-    tags = {
-        "tcnn.kind": "trial",
-        "tcnn.sweep": spec["name"],
-        "tcnn.trial": tid,
-        "tcnn.trial_dir": str(root),
-        "tcnn.pretrain_key": t["pretrain_key"],
-        **{f"grid.{k}": json.dumps(v) for k, v in t["overrides"].items()},
-        NOTE_TAG: trial_description(tid, params, t["overrides"]),
-    }
-    if nodes:
-        tags.update({NODE_TAG: nodes[-1], ATTEMPT_NODES_TAG: ",".join(nodes)})
-    if not known_id:  # a trial whose driver was stopped before its first Tune checkpoint: its run is KILLED
-        killed = tracker.find_child(tid, status="KILLED")
-        known_id = killed[0].info.run_id if killed else None
-    if known_id:
-        with contextlib.suppress(TrackingError):
-            tracker.start_child(tid, params=params, tags=tags, run_id=known_id)
-            return tracker
-    # start_child also resumes a RUNNING run of this trial (tag tcnn.stage = tid) left by a killed attempt.
-    tracker.start_child(tid, params=params, tags=tags, run_name=tid)
-    return tracker
-
-
-def stopped(err: BaseException) -> bool:
-    """Whether ``err`` ends the trial from outside (a stop signal, Ray ending the worker, a checkpointed
-    preemption) rather than a failure of its own: its run is then KILLED, not FAILED."""
-    return isinstance(err, KeyboardInterrupt | SystemExit | Stopped) or type(err).__name__ == "Preempted"
-
-
-def close_run(spec: dict[str, Any], run_id: str | None) -> None:
-    """Mark a finished trial's run FINISHED if a kill left it RUNNING (between done.json and the end call)."""
-    cfg = spec["tracking"]
-    if not cfg["enabled"] or not run_id:
-        return
-    from stages.tracking.tracker import Tracker
-
-    tracker = Tracker(enabled=True, uri=cfg["uri"], experiment=cfg["experiment"])
-    if tracker.client.get_run(run_id).info.status != "FINISHED":
-        tracker.client.set_terminated(run_id, status="FINISHED")
-
-
-# ------------------------------------------------------------------------------------------ reporting
-
-
-class Reporter:
-    """``tune.report`` with a checkpoint holding the run id (thread-safe: the epoch watcher reports too).
-
-    Once Tune has stopped the trial (a scheduler's STOP, the driver's stop), every later call raises
-    ``SystemExit``: Ray ends the thread blocked in the report that got the STOP with ``SystemExit`` and then shuts
-    the trial's session down, after which ``tune.report`` returns silently while the training thread, not yet
-    killed, goes on. Without this, an epoch trained after the stop would be logged to MLflow and a ``done.json``
-    written for a trial that Tune recorded as stopped at an earlier epoch (the flaky search test of issue 56)."""
-
-    def __init__(self, tid: str, run_id: str | None, enabled: bool = True) -> None:
-        self.tid = tid
-        self.run_id = run_id
-        self.enabled = enabled
-        self.halted = False
-        self._lock = threading.Lock()
-
-    def __call__(self, metrics: dict[str, Any]) -> None:
-        if not self.enabled:
-            return
-        from ray import tune
-
-        with self._lock, tempfile.TemporaryDirectory(prefix="tcnn-ckpt-") as d:
-            if self.halted or not _in_session():
-                self.halted = True
-                raise SystemExit(0)
-            state = {"tid": self.tid, "mlflow_run_id": self.run_id, **metrics}
-            (Path(d) / STATE).write_text(json.dumps(state, default=str))
-            try:
-                tune.report({"tid": self.tid, **metrics}, checkpoint=tune.Checkpoint.from_directory(d))
-            except SystemExit:
-                self.halted = True
-                raise
-
-
-def _in_session() -> bool:
-    """Whether this process still has its Tune trial session (Ray shuts it down when it stops the trial;
-    ``tune.report`` without one only warns and returns)."""
-    from ray.train._internal.session import get_session
-
-    return get_session() is not None
-
-
-def checkpoint_state() -> dict[str, Any]:
-    """The state in the Tune checkpoint this trial restarts from ({} when none)."""
-    try:
-        from ray import tune
-
-        ckpt = tune.get_checkpoint()
-    except Exception:  # not inside Tune
-        return {}
-    if ckpt is None:
-        return {}
-    with ckpt.as_directory() as d:
-        return read_json(Path(d) / STATE) or {}
-
-
-class EpochWatcher(threading.Thread):
-    """Follows the finetune stage's resume state (``runs/.partial/finetune/resume.pt``, rewritten at every
-    epoch end) and calls ``emit(row)`` for each new epoch row of its history."""
-
-    def __init__(self, resume_path: Path, emit: Callable[[dict[str, Any]], None], poll_s: float = 1.0):
-        super().__init__(daemon=True, name="tcnn-epoch-watcher")
-        self.path = resume_path
-        self.emit = emit
-        self.poll_s = poll_s
-        self.seen = 0
-        self._stop_event = threading.Event()
-        self._mtime: int | None = None
-
-    def poll(self) -> None:
-        try:
-            mtime = self.path.stat().st_mtime_ns
-        except FileNotFoundError:
-            return
-        if mtime == self._mtime:
-            return
-        self._mtime = mtime
-        import torch
-
-        try:
-            state = torch.load(self.path, map_location="cpu", weights_only=False)
-        except Exception:  # replaced while reading: the next poll sees the new file
-            self._mtime = None
-            return
-        self.rows(list(state.get("history") or []))
-
-    def rows(self, history: list[dict[str, Any]]) -> None:
-        for row in history[self.seen :]:
-            self.emit(row)
-        self.seen = max(self.seen, len(history))
-
-    def run(self) -> None:
-        while not self._stop_event.wait(self.poll_s):
-            with contextlib.suppress(Exception):
-                self.poll()
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join()
-
 
 # ---------------------------------------------------------------------------------------------- trial
 
@@ -558,35 +352,6 @@ class TrialRunner:
         return run
 
 
-@contextlib.contextmanager
-def shared_progress(directory: Path, stage: str, report: Reporter) -> Iterator[None]:
-    """While a trial runs (or waits for) a shared stage in ``directory`` (the pretraining, a grid's shared
-    control), each of its epochs is reported to Tune as ``<stage>_epoch`` with its losses and accuracies
-    under ``<stage>_`` names (not the names a scheduler acts on: those are the trial's own fine-tuning's)."""
-    keys = ("train_loss", "train_acc", "val_loss", "val_acc")
-
-    def emit(row: dict[str, Any]) -> None:
-        epoch = row.get("finetune_epoch", row.get("epoch"))
-        if isinstance(epoch, int | float):
-            values = {f"{stage}_{k}": float(row[k]) for k in keys if isinstance(row.get(k), int | float)}
-            report({"stage": stage, f"{stage}_epoch": int(epoch), **values})
-
-    watcher = EpochWatcher(directory / chain.partial_dir(stage) / "resume.pt", emit)
-    watcher.start()
-    try:
-        yield
-    finally:
-        watcher.stop()
-
-
-def logged_epochs(tracker: Any) -> set[int]:
-    """The fine-tuning epochs the trial's run has logged already (``epoch/finetune_epoch`` steps)."""
-    if not tracker.enabled or tracker.run_id is None:
-        return set()
-    history = tracker.client.get_metric_history(tracker.run_id, "epoch/finetune_epoch")
-    return {int(m.step) for m in history}
-
-
 def stage_options(spec: dict[str, Any], stage: str) -> dict[str, Any]:
     """What a trial's own stage is given besides its params and directory: with sharing on, evaluate reads
     (or makes) the pretrained CNN's evaluation in the sweep storage's shared store (stages.cnn_evaluation)."""
@@ -595,31 +360,6 @@ def stage_options(spec: dict[str, Any], stage: str) -> dict[str, Any]:
     from stages.cnn_evaluation import DIR
 
     return {"shared": str(Path(spec["storage"]) / DIR)}
-
-
-def progress(stage: str, metrics: dict[str, Any]) -> dict[str, float]:
-    """What a trial reports after a stage (the driver's progress line): its test accuracy or its equivalence
-    error, as ``<stage>_<name>``."""
-    return {f"{stage}_{k}": float(metrics[k]) for k in ("test_acc", "max_abs_logit_diff")
-            if isinstance(metrics.get(k), (int, float))}  # fmt: skip
-
-
-def last_trial_stage() -> str:
-    """The trial's last stage: its metrics are logged under their own names (the DVC path's evaluate run)."""
-    return trial_stages()[-1]
-
-
-def trial_artifacts(stages: tuple[str, ...], params: SweepParams, root: Path) -> list[tuple[Path, str]]:
-    """The files a trial logs on its run: what its stages log on the DVC path
-    (`stages.harness.catalogue.stage_artifacts`) but checkpoints, which stay in the trial's directory, each under its
-    folder relative to ``root`` (runs/finetune/metrics.json -> runs/finetune)."""
-    values = params.model_dump(mode="json")
-    out = []
-    for stage in stages:
-        for path, folder in stage_artifacts(stage, values, root):
-            if path.is_file() and not (folder or "").startswith("checkpoints"):
-                out.append((path, os.path.dirname(os.path.relpath(path, root))))
-    return out
 
 
 def _stage_roots(root: Path) -> list[Path]:

@@ -1,7 +1,7 @@
 """Ray and Ray Tune for the sweep driver: the connection to Ray (a light local Ray, or a cluster's) and the Tune
 experiment of each round (``tune.Tuner`` over the round's trial ids: its param_space, resources, run config,
 failure config and progress callback; ``Tuner.restore`` for a resumed round). The trial side of Tune (the
-function trainable, its reports and checkpoints) is pipelines/sweep/trial.py."""
+function trainable) is pipelines/sweep/trial.py, its reports and checkpoints pipelines/sweep/tune_report.py."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def connect_ray(address: str, num_cpus: int | None, object_store_mb: int | None)
         return False
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if address != "local":
-        from pipelines.slurm import align_ray_auth
+        from pipelines.slurm.ray_node import align_ray_auth
 
         align_ray_auth()  # a cluster from `ray start` (sweep.sbatch) uses token auth when a token exists
     term = signal.getsignal(signal.SIGTERM)
