@@ -199,7 +199,7 @@ def test_existing_sweep_needs_resume_and_same_params(
     path = make_project(tmp_path, {"reparam.epoch": [1, 2]})
     monkeypatch.chdir(tmp_path)
     (tmp_path / "sweeps" / "s").mkdir(parents=True)
-    from pipelines.sweep.spec import build_spec
+    from pipelines.sweep.sweep_spec import build_spec
 
     spec = build_spec(load_sweep_params(path), name="s", params_file=path)
     (tmp_path / "sweeps" / "s" / "sweep.json").write_text(json.dumps(spec))
@@ -246,7 +246,7 @@ def _ensure(spec: dict, key: str, trial: str, barrier: Any, log: str) -> None:
 def test_simultaneous_trials_pretrain_once(tmp_path: Path) -> None:
     """Two processes (as two trials started at the same moment) need the same pretraining: one trains, the
     other waits on the group's lock and reuses it. Counted by the pretrain stage's own epoch lines."""
-    from pipelines.sweep.spec import build_spec
+    from pipelines.sweep.sweep_spec import build_spec
 
     path = make_project(tmp_path, {"reparam.alpha_init": [0.5, 2.0]}, n_train=600)
     spec = build_spec(load_sweep_params(path), name="s", params_file=path, cwd=tmp_path)
@@ -400,7 +400,7 @@ def test_kind_table_uses_one_common_baseline(tmp_path: Path) -> None:
     assert [p.name for p in plots] == ["accuracy_by_kind.png"]
     assert kind_rows(spec, rows[:1]) == []  # one kind: no comparison
 
-    from pipelines.sweep.report import write_report
+    from pipelines.sweep.sweep_report import write_report
 
     page = write_report(spec, rows, krows, plots, tmp_path).read_text()
     assert "<td>convit</td>" in page and "<td>125.00</td>" in page and "pretrained CNN of t0" in page
@@ -411,7 +411,7 @@ def test_a_stage_published_before_a_kill_is_not_trained_again(tmp_path: Path) ->
     """A kill between a training stage's publication (outputs, metrics.json last, then its work dir removed) and
     the trial's done-mark: the next attempt records the published stage instead of training it again from
     scratch (there is no partial state left to resume from). While the work dir exists, it trains (resumes)."""
-    from pipelines.sweep.spec import build_spec
+    from pipelines.sweep.sweep_spec import build_spec
     from pipelines.sweep.trial import TrialRunner
     from pipelines.sweep.trial_files import STAGE_LOG
 

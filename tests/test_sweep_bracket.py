@@ -102,16 +102,16 @@ def test_unfinished_trials_do_not_choose_and_an_integer_grid_stays_integer() -> 
 
 
 def _spec(tmp_path: Path, grid: dict, select: dict) -> dict:
-    from pipelines.sweep.spec import build_spec
     from pipelines.sweep.sweep_params import load_sweep_params
+    from pipelines.sweep.sweep_spec import build_spec
 
     path = make_project(tmp_path, grid, sweep={"select": select})
     return build_spec(load_sweep_params(path), name="b", params_file=path, cwd=tmp_path)
 
 
 def test_extend_plans_only_the_new_values_and_keeps_every_trial(tmp_path: Path) -> None:
-    from pipelines.sweep.spec import SWEEP_JSON, reconcile
     from pipelines.sweep.summary import summary_rows
+    from pipelines.sweep.sweep_spec import SWEEP_JSON, reconcile
 
     grid = {"seed": [0, 1], KEY: [0.001, 0.01]}
     spec = _spec(tmp_path, grid, {"over": [KEY], "bracket": True})
@@ -186,7 +186,7 @@ def test_the_driver_grows_the_grid_until_every_choice_is_interior(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_rounds: int
 ) -> None:
     from pipelines.sweep import driver
-    from pipelines.sweep.spec import SWEEP_JSON, reconcile
+    from pipelines.sweep.sweep_spec import SWEEP_JSON, reconcile
 
     spec = _spec(tmp_path, {KEY: [1e-3, 1e-2]}, {"over": [KEY], "bracket": {"max_rounds": max_rounds}})
     calls: list[int] = []

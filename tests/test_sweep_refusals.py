@@ -15,8 +15,8 @@ from test_sweep import make_project
 from pipelines.sweep import driver
 from pipelines.sweep.driver_lock import LOCK, driver_lock
 from pipelines.sweep.plan import SweepError
-from pipelines.sweep.spec import build_spec, check_resources
 from pipelines.sweep.sweep_params import load_sweep_params
+from pipelines.sweep.sweep_spec import build_spec, check_resources
 from stages.tracking.store import store_client
 
 NODE = {"CPU": 4.0, "GPU": 1.0}

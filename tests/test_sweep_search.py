@@ -546,7 +546,7 @@ def test_a_search_points_control_is_the_grids_at_the_same_values(tmp_path: Path)
     (the grid planner's own key, pipelines.sweep.plan.make_plan): the reparam values do not change it, the lr
     does."""
     from pipelines.sweep.arm_trial import arm_params, control_key
-    from pipelines.sweep.spec import build_spec
+    from pipelines.sweep.sweep_spec import build_spec
 
     path = _search_project(tmp_path, {"finetune.lr": {"choice": [0.004, 0.01]},
                                       "reparam.alpha_init": {"choice": [0.5, 2.0]}})  # fmt: skip
@@ -690,7 +690,7 @@ def test_a_stopped_holder_of_a_shared_control_leaves_it_to_the_trial_waiting_for
     from pipelines.sweep.arm_trial import ArmTrial, arm_params, base_tid, control_key, shared_epochs
     from pipelines.sweep.replay import DONE
     from pipelines.sweep.shared import ENSURE
-    from pipelines.sweep.spec import build_spec
+    from pipelines.sweep.sweep_spec import build_spec
 
     path = _search_project(tmp_path, {"reparam.alpha_init": {"choice": [0.5, 2.0]}}, epochs=4)
     spec = build_spec(load_sweep_params(path), name="s", params_file=path, cwd=tmp_path)
@@ -1103,7 +1103,7 @@ def test_the_search_and_scheduler_reach_tune_as_the_typed_settings_they_were_val
     """sweep.json stores the settings as JSON; read back (pipelines.sweep.settings.search_of / scheduler_of)
     they are the params' own typed objects, and Tune's ASHA gets the scheduler's grace period and factor."""
     from pipelines.sweep.settings import scheduler_of, search_of, select_of
-    from pipelines.sweep.spec import build_spec
+    from pipelines.sweep.sweep_spec import build_spec
     from pipelines.sweep.tuner import scheduler
 
     path = _search_project(tmp_path, {"finetune.lr": {"loguniform": [1e-4, 1e-2]}}, epochs=3)

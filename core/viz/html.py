@@ -1,7 +1,7 @@
 """HTML pages from the templates in ``core/viz/templates`` (Jinja2), and the number formats they show.
 
 Both reports render through :func:`render`: the run report (``stages/report.py``, ``run_report.html``) and the
-sweep report (``pipelines/sweep/report.py``, ``sweep_report.html``). They share the page skeleton and the
+sweep report (``pipelines/sweep/sweep_report.py``, ``sweep_report.html``). They share the page skeleton and the
 stylesheet (``base.html``) and the table, image and notes macros (``macros.html``), so they look alike.
 
 Autoescaping is on: every value a template prints is HTML-escaped unless it is :class:`markupsafe.Markup`.

@@ -239,7 +239,7 @@ def _sweep(params: Any, name: str, params_file: Path, records: Path) -> Path:
     trials recorded under ``records`` replayed; a trial that failed fails the study."""
     from pipelines.sweep.cli import say
     from pipelines.sweep.driver import run_sweep
-    from pipelines.sweep.spec import build_spec
+    from pipelines.sweep.sweep_spec import build_spec
 
     spec = build_spec(params, name=name, params_file=params_file)
     spec["records"] = str(records.resolve()) if (records / name).is_dir() else None

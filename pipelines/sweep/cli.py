@@ -28,8 +28,8 @@ from pipelines.ddp import PLACEMENTS
 from pipelines.sweep.driver import run_sweep, slurm_driver
 from pipelines.sweep.driver_lines import say
 from pipelines.sweep.plan import SweepError
-from pipelines.sweep.spec import SWEEP_JSON, build_spec, check_resources, reconcile
 from pipelines.sweep.sweep_params import load_sweep_params
+from pipelines.sweep.sweep_spec import SWEEP_JSON, build_spec, check_resources, reconcile
 from pipelines.sweep.tuner import check_address, check_multinode_tracking
 from stages.harness.runner import EXIT_IOERR, Stopped, io_error_line, stop_on_signals
 

@@ -50,7 +50,7 @@ from pipelines.sweep.parent_run import close_failed, close_stopped, open_parent
 from pipelines.sweep.plan import SweepError
 from pipelines.sweep.search_run import run_search
 from pipelines.sweep.settings import search_of, select_of
-from pipelines.sweep.spec import SWEEP_JSON, check_resources, reconcile
+from pipelines.sweep.sweep_spec import SWEEP_JSON, check_resources, reconcile
 from pipelines.sweep.tuner import can_restore, check_multinode_tracking, connect_ray, make_tuner, tune_dir
 from stages.harness.runner import Stopped
 

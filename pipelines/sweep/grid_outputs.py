@@ -88,7 +88,7 @@ def finish(spec: dict, status: dict[str, str], tracker: Any, sweep_dir: Path, t0
 def _write_outputs(spec: dict, status: dict[str, str], sweep_dir: Path) -> _Outputs:
     """summary.parquet, the plots (a failed plot only warns: it must not cost the sweep its summary and
     parent run), the kind and seed tables, bracket.json, the selection and report.html in ``sweep_dir``."""
-    from pipelines.sweep import bracket, report, selection, summary, tables
+    from pipelines.sweep import bracket, selection, summary, sweep_report, tables
 
     rows = summary.summary_rows(spec, status)
     srows = summary.seed_rows(spec, rows)
@@ -109,8 +109,10 @@ def _write_outputs(spec: dict, status: dict[str, str], sweep_dir: Path) -> _Outp
     chosen_seeds = selection.over_seeds(chosen)
     if chosen:
         files += _write_selection(spec, rows, chosen, chosen_seeds, sweep_dir, notes)
-    picked = report.selected_table(chosen, chosen_seeds, select_of(spec).over, notes) if chosen else None
-    files.append(report.write_report(spec, rows, krows, plots, sweep_dir, srows, picked))
+    picked = (
+        sweep_report.selected_table(chosen, chosen_seeds, select_of(spec).over, notes) if chosen else None
+    )
+    files.append(sweep_report.write_report(spec, rows, krows, plots, sweep_dir, srows, picked))
     return _Outputs(rows, srows, krows, table, plots, files, bracketed, notes, chosen, chosen_seeds)
 
 

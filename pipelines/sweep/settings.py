@@ -163,7 +163,7 @@ class BracketPlan(Strict):
     max_rounds: int = Field(ge=1, le=10)
 
 
-# The sweep's spec (``sweep.json``, pipelines/sweep/spec.py) stores each setting as JSON, so a saved sweep resumes
+# The sweep's spec (``sweep.json``, pipelines/sweep/sweep_spec.py) stores each setting as JSON, so a saved sweep resumes
 # from its file; every reader takes it back as the typed setting through these.
 
 
