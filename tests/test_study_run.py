@@ -274,6 +274,12 @@ def test_a_dry_run_chains_search_seeds_and_block_and_a_rerun_changes_nothing(tmp
     trials = list((elsewhere / "sweeps").glob("st-*/trials/*"))
     assert len(trials) == len(done) and not list((elsewhere / "sweeps").glob("st-*/trials/*/**/*.pt"))
     assert all("replay: " in (t / "trial.log").read_text() for t in trials)
+    said = fresh.stdout + fresh.stderr  # each seed's corrupted sets: not built where no trial evaluates
+    assert (
+        said.count("every trial is recorded (--records)") == 2
+        and not (elsewhere / "sweeps" / "corrupt").exists()
+    )
+    assert (tmp_path / "sweeps" / "corrupt").is_dir()  # where the first run built them
 
 
 def test_the_resnet20_study_is_a_search_the_command_runs_and_its_dry_run_is_smoke_sized(

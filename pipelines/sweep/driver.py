@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from core.utils.atomic import atomic_write_json
+from pipelines.sweep import replay
 from pipelines.sweep.driver_legs import end_leg
 from pipelines.sweep.driver_lines import say
 from pipelines.sweep.driver_lock import LOCK, driver_lock
@@ -94,7 +95,10 @@ def run_sweep(
             t0 = time.monotonic()
             if spec.get("search") is not None:
                 return run_search(spec, tracker, sweep_dir, t0)
-            _ensure_corrupted(spec, list(spec["corrupt"]))
+            if replay.all_recorded(spec):  # replayed on another machine: no trial reads the sets
+                say("every trial is recorded (--records): replayed, the corrupted sets not built")
+            else:
+                _ensure_corrupted(spec, list(spec["corrupt"]))
             spec, status = _run_rounds(spec)
             atomic_write_json(sweep_dir / SWEEP_JSON, spec)  # with why bracketing stopped
             return finish(spec, status, tracker, sweep_dir, t0)

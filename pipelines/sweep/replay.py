@@ -211,3 +211,17 @@ def clear(root: Path) -> None:
             shutil.rmtree(child)
         else:
             child.unlink()
+
+
+def all_recorded(spec: dict[str, Any]) -> bool:
+    """Whether every trial of a grid sweep (Tune config ``{"tid": ...}``) has a finished record to replay: the
+    driver then builds no shared corrupted sets, which only trials that train and evaluate read."""
+    from pipelines.sweep.plan import trial_params
+
+    if not spec.get("records") or spec.get("search") is not None:
+        return False
+    for tid in spec["trials"]:
+        rec = lookup(spec, tid, identity(spec, tid, {"tid": tid}, trial_params(spec, tid)))
+        if rec is None or rec["state"] != "finished":
+            return False
+    return True
