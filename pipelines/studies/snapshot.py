@@ -112,8 +112,8 @@ def progress_block(out: Path) -> str:
     summary = json.loads((out / "progress.json").read_text())
     with open(out / "progress.csv") as fh:
         rows = list(csv.DictReader(fh))
-    lines = [f"Progress of `{summary['name']}` (`tcnn study snapshot`; {out.as_posix()}/progress.csv, "
-             f"{summary.get('trials_recorded', 0)} trial record(s) in {out.as_posix()}/trials): "
+    lines = [f"Progress of `{summary['name']}` (`tcnn study snapshot`; {out.name}/progress.csv, "
+             f"{summary.get('trials_recorded', 0)} trial record(s) in {out.name}/trials): "
              f"{summary['compute_h']:.2f} h of compute recorded."]  # fmt: skip
     for phase, p in summary["phases"].items():
         lines.append(f"- {phase}: {p['trials_finished']} trial(s) finished of {p['trials_reported']} reported, "
