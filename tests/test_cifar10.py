@@ -21,7 +21,7 @@ from PIL import Image
 
 import core.robustness.corruptions as C
 from core.data import DataError, import_dataset, load_split, read_manifest
-from core.robustness.metrics import PER_IMAGE_SCHEMA, TABLE_SCHEMA
+from core.robustness.eval_table import PER_IMAGE_SCHEMA, TABLE_SCHEMA
 
 REPO = Path(__file__).resolve().parents[1]
 STUDY = REPO / "pipelines" / "studies" / "cifar10_lr.yaml"
