@@ -177,9 +177,9 @@ def test_cifar_band_frost_draws_among_the_first_five_textures(monkeypatch) -> No
         drawn.append(idx)
         return real(idx, scale, gray)
 
-    from core.robustness import corruption_ops
+    from core.robustness import corruption_funcs
 
-    monkeypatch.setattr(corruption_ops, "_frost_texture", spy)
+    monkeypatch.setattr(corruption_funcs, "_frost_texture", spy)
     images = np.full((400, 32, 32, 3), 128, np.uint8)
     C.corrupt_batch(images, "frost", 2, seed=3, indices=np.arange(400))
     assert set(drawn) == {0, 1, 2, 3, 4}
