@@ -27,7 +27,7 @@ from core.config import SourceConfig
 from core.data import load_datasets, make_loader
 from core.models.conversion import to_tcnn
 from core.models.importing import import_cnn
-from core.training.loop import evaluate
+from core.training.model_eval import evaluate
 from core.training.optim import build_sgd
 from core.utils.hashing import file_digest
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from core.models.conversion import to_tcnn
 from core.models.factory import build
-from core.training.loop import select_device
+from core.training.environment import select_device
 from core.training.optim import build_sgd
 from core.training.precision import autocast
 

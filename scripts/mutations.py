@@ -112,7 +112,7 @@ MUTATIONS: tuple[Mutation, ...] = (
              "job.train_loader.batches(run.epoch, 0)",
              ("tests/test_train_checkpoint.py", "tests/test_resume_kill.py")),
     Mutation("M19", "resume", "a partial run of other params is resumed instead of started fresh",
-             "core/training/loop.py", 'if state.get("format") != STATE_FORMAT or state.get("run_hash") != run_hash:',
+             "core/training/resume_file.py", 'if state.get("format") != STATE_FORMAT or state.get("run_hash") != run_hash:',
              'if state.get("format") != STATE_FORMAT:',
              ("tests/test_train_checkpoint.py", "tests/test_resume_kill.py")),
     # ---- DVC: a change reruns what it must

@@ -117,7 +117,7 @@ def verified(
     files match their recorded sha256; (None, why) when it holds a damaged one; (None, None) when none."""
     import pyarrow.parquet as pq
 
-    from core.robustness.metrics import PER_IMAGE_SCHEMA, TABLE_SCHEMA
+    from core.robustness.eval_table import PER_IMAGE_SCHEMA, TABLE_SCHEMA
 
     path = directory / RECORD
     if not path.is_file():

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import Params
-from core.robustness.metrics import Baseline
+from core.robustness.baseline import Baseline
 from core.utils.atomic import atomic_write_json
 from stages.harness import chain
 from stages.harness import training as T

@@ -14,7 +14,7 @@ from typing import Any
 
 from core.config import Params, SourceConfig
 from core.models import importing
-from core.training.loop import deterministic
+from core.training.environment import deterministic
 from stages.harness import chain
 from stages.harness import training as T
 from stages.harness.identity import stage_identity

@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from core.config import Params
-from core.training.loop import TrainLoss, deterministic, fit, seed_everything
+from core.training.environment import deterministic, seed_everything
+from core.training.loop import fit
+from core.training.model_eval import TrainLoss
 from core.utils.hashing import stable_hash
 from stages.harness import chain, pretraining
 from stages.harness import training as T

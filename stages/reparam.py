@@ -41,7 +41,8 @@ from core.models.conversion import attention_modules, gpsa_modules, to_attention
 from core.models.kinds import Conversion
 from core.models.reparameterize import Reparameterized, reparameterize, state_kept_by_name
 from core.training.checkpoint import atomic_save
-from core.training.loop import evaluate, predict, seed_everything, select_device
+from core.training.environment import seed_everything, select_device
+from core.training.model_eval import evaluate, predict
 from core.training.optim import map_state_to_tcnn
 from core.utils.atomic import atomic_write_json
 from core.utils.hashing import derive_seed, file_digest

@@ -22,12 +22,13 @@ import pyarrow as pa
 
 from core.config import Params
 from core.data import DataError, read_manifest
-from core.data.splits import capped_test_positions, load_labels, load_test
+from core.data.shard_reader import load_labels
+from core.data.splits import capped_test_positions, load_test
 from core.robustness.bench import Bench, Suite, example_batch
-from core.robustness.metrics import array_batches, evaluate_model, predictions
+from core.robustness.evaluation import array_batches, evaluate_model, predictions
 from core.training.checkpoint import CheckpointError, load_model
+from core.training.environment import select_device
 from core.training.inference import inference_model
-from core.training.loop import select_device
 from stages import cnn_evaluation
 from stages.harness import chain
 from stages.harness import training as T

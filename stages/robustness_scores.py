@@ -15,9 +15,11 @@ from typing import Any
 import pyarrow as pa
 
 from core.config import Params
+from core.robustness.baseline import Baseline
 from core.robustness.headline import headline_rows, interval_text
 from core.robustness.intervals import CONFIDENCE
-from core.robustness.metrics import Baseline, bootstrap_metrics, comparisons, flat_metrics, summarize
+from core.robustness.metrics import flat_metrics, summarize
+from core.robustness.paired_bootstrap import bootstrap_metrics, comparisons
 from core.utils.atomic import atomic_write_json, atomic_write_parquet, atomic_write_text
 from core.utils.hashing import derive_seed
 from core.viz.plots import plot_gains

@@ -46,7 +46,7 @@ _HANDLED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal
 def _signal_handlers_restored():
     """Each test leaves pytest's process with the signal handlers it found. ray.init installs Ray's SIGTERM
     handler (sys.exit) in the calling process and ray.shutdown leaves it; a later test of the same xdist worker
-    whose training loop chains to the handler before its own (core.training.loop.StopSignals.chain) then ended
+    whose training loop chains to the handler before its own (core.training.stop_signals.StopSignals.chain) then ended
     in SystemExit(15) instead of Preempted."""
     before = {s: signal.getsignal(s) for s in _HANDLED}
     yield

@@ -1,7 +1,7 @@
 """The paired bootstrap pairs each corrupted image with its own clean original when ``data.limit`` caps the test
 split: a corrupted set indexes the uncapped split (or its test half), the clean rows of the capped split are
 numbered by position, and evaluate maps one onto the other (core.data.capped_test_positions,
-core.robustness.metrics.evaluate_model's ``clean_index``).
+core.robustness.evaluation.evaluate_model's ``clean_index``).
 
 The truth: a "corruption" that is the identity gives every corrupted image its original's pixels, so a model
 must be right or wrong on both alike; without the mapping the rows pair other images and disagree."""
@@ -16,7 +16,7 @@ import torch
 from core.data import capped_test_positions, half_split
 from core.data.splits import stratified_head
 from core.robustness.corruption_store import StoredSet
-from core.robustness.metrics import evaluate_model
+from core.robustness.evaluation import evaluate_model
 
 rng = np.random.default_rng(0)
 IMAGES = rng.integers(0, 256, size=(400, 8, 8, 1), dtype=np.uint8)

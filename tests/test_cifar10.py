@@ -21,7 +21,7 @@ from PIL import Image
 
 import core.robustness.corruptions as C
 from core.data import DataError, import_dataset, load_split, read_manifest
-from core.robustness.metrics import PER_IMAGE_SCHEMA, TABLE_SCHEMA
+from core.robustness.eval_table import PER_IMAGE_SCHEMA, TABLE_SCHEMA
 
 REPO = Path(__file__).resolve().parents[1]
 STUDY = REPO / "pipelines" / "studies" / "cifar10_lr.yaml"
@@ -177,9 +177,9 @@ def test_cifar_band_frost_draws_among_the_first_five_textures(monkeypatch) -> No
         drawn.append(idx)
         return real(idx, scale, gray)
 
-    from core.robustness import corruption_ops
+    from core.robustness import corruption_funcs
 
-    monkeypatch.setattr(corruption_ops, "_frost_texture", spy)
+    monkeypatch.setattr(corruption_funcs, "_frost_texture", spy)
     images = np.full((400, 32, 32, 3), 128, np.uint8)
     C.corrupt_batch(images, "frost", 2, seed=3, indices=np.arange(400))
     assert set(drawn) == {0, 1, 2, 3, 4}

@@ -157,7 +157,8 @@ def test_limit_caps_train_and_val_after_the_carve_and_the_fraction(labels: np.nd
 def test_load_test_caps_the_test_split_and_the_corrupted_sets_nest_in_it(tmp_path) -> None:
     from _train_helpers import write_dataset
 
-    from core.data.splits import load_split, load_test
+    from core.data.shard_reader import load_split
+    from core.data.splits import load_test
     from core.robustness.corruptions import select_indices
 
     d = write_dataset(tmp_path / "ds", n_train=60, n_test=90)

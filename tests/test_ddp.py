@@ -39,7 +39,7 @@ from _train_helpers import (
 )
 
 from core.data import BatchLoader
-from core.training.loop import RESUME_FILE
+from core.training.resume_file import RESUME_FILE
 
 MEAN, STD = [0.29], [0.35]
 STEPS_EPOCHS = 2

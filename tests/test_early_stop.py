@@ -13,8 +13,11 @@ from core.config import StopConfig, validate_params
 from core.training import early_stop as ES
 from core.training import loop
 from core.training.checkpoint import load
-from core.training.loop import RESUME_FILE, Preempted, TrainLoss, fit
+from core.training.loop import fit
+from core.training.model_eval import TrainLoss
 from core.training.optim import WarmupCosine, build_sgd
+from core.training.resume_file import RESUME_FILE
+from core.training.stop_signals import Preempted
 
 RULE = StopConfig(patience=2, min_delta_images=2)
 # validation correct counts per epoch label 1..6 (12 validation images): rise at 2 (+3), 3 is +1 (below the

@@ -18,7 +18,7 @@ from _train_helpers import TEST_DEVICE, tiny_params, write_dataset
 from core.config import validate_params
 from core.data import load_split, read_manifest
 from core.robustness import corruptions as C
-from core.robustness.metrics import correct_per_image
+from core.robustness.evaluation import correct_per_image
 from core.robustness.suite import BENCHMARK_CORRUPTIONS
 from core.training.checkpoint import load_model
 from stages import control, corrupt, evaluate, pretrain, robustness_bench

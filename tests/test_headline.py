@@ -18,7 +18,7 @@ import pyarrow as pa
 import pytest
 
 from core.config import validate_params
-from core.robustness.metrics import PER_IMAGE_SCHEMA, TABLE_SCHEMA
+from core.robustness.eval_table import PER_IMAGE_SCHEMA, TABLE_SCHEMA
 from core.robustness.suite import BENCHMARK_CORRUPTIONS
 
 ACC = {

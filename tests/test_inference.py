@@ -12,7 +12,7 @@ import torch.nn as nn
 from core.models.conversion import to_tcnn
 from core.models.factory import build
 from core.models.he_cifar import resnet20
-from core.nn.gpsa import gated_mix
+from core.nn.gated_mix import gated_mix
 from core.nn.gpsa_tcnn import TcnnGPSA
 from core.training import inference as inf
 

@@ -9,8 +9,11 @@ import pytest
 from scipy import stats
 
 from core.config import Params, plan_epochs, scaled_epochs
-from core.robustness import metrics as R
+from core.robustness.baseline import Baseline
+from core.robustness.eval_table import TABLE_SCHEMA, per_image_table, table_row
 from core.robustness.intervals import difference, percentile_interval, resample_counts, t_interval
+from core.robustness.metrics import flat_metrics, summarize
+from core.robustness.paired_bootstrap import _cells, bootstrap_metrics, comparisons
 
 B = 300
 
@@ -24,9 +27,9 @@ def _table(n: int, subset: np.ndarray, p: dict[str, tuple[float, float]], seed: 
         clean, noisy = rng.random(n) < pc, rng.random(len(subset)) < pn
         truth[model] = (clean, noisy)
         parts = [("clean", 0, np.arange(n), clean), ("gaussian_noise", 1, subset, noisy)]
-        per_image.append(R._per_image_table(model, parts))
-        rows = [R._row(model, c, s, int(k.sum()), len(k), True) for c, s, _, k in parts]
-        tables.append(pa.Table.from_pylist(rows, schema=R.TABLE_SCHEMA))
+        per_image.append(per_image_table(model, parts))
+        rows = [table_row(model, c, s, int(k.sum()), len(k), True) for c, s, _, k in parts]
+        tables.append(pa.Table.from_pylist(rows, schema=TABLE_SCHEMA))
     return pa.concat_tables(tables), pa.concat_tables(per_image), truth
 
 
@@ -45,10 +48,10 @@ def _numpy_reference(truth, subset, n, seed, replicates=B):
 
 
 def _compare(table, per_image, seed, replicates=B):
-    base = R.Baseline.from_table(table, model="a", name="a")
-    points = {m: R.flat_metrics(R.summarize(table, base, model=m)) for m in ("a", "b")}
-    samples = R.bootstrap_metrics(table, per_image, "a", replicates=replicates, seed=seed)
-    return R.comparisons(points, samples, [("a", "b")])["b-a"], points
+    base = Baseline.from_table(table, model="a", name="a")
+    points = {m: flat_metrics(summarize(table, base, model=m)) for m in ("a", "b")}
+    samples = bootstrap_metrics(table, per_image, "a", replicates=replicates, seed=seed)
+    return comparisons(points, samples, [("a", "b")])["b-a"], points
 
 
 def test_paired_bootstrap_equals_a_direct_numpy_reference() -> None:
@@ -84,14 +87,14 @@ def test_bootstrap_is_deterministic_per_seed_and_narrows_with_n() -> None:
 
 def test_at_unit_weights_the_bootstrap_statistic_is_the_point_summary() -> None:
     table, per_image, _ = _table(100, np.arange(0, 100, 5), {"a": (0.7, 0.5), "b": (0.9, 0.4)})
-    cells, n = R._cells(per_image)
+    cells, n = _cells(per_image)
     meaningful = {(r["corruption"], int(r["severity"])): r["meaningful"] for r in table.to_pylist()}
     rows = {m: c.rows(m, np.ones(n, np.int32), meaningful) for m, c in cells.items()}
-    base = R.Baseline.from_table(rows["a"], model="a", name="a")
-    point = R.Baseline.from_table(table, model="a", name="a")
+    base = Baseline.from_table(rows["a"], model="a", name="a")
+    point = Baseline.from_table(table, model="a", name="a")
     for m in ("a", "b"):
-        got = R.flat_metrics(R.summarize(rows[m], base, model=m))
-        want = R.flat_metrics(R.summarize(table, point, model=m))
+        got = flat_metrics(summarize(rows[m], base, model=m))
+        want = flat_metrics(summarize(table, point, model=m))
         assert got.keys() == want.keys() and all(got[k] == pytest.approx(want[k], abs=1e-12) for k in got)
 
 

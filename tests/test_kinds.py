@@ -23,7 +23,7 @@ from core.models.factory import build
 from core.models.kinds import ModelKind
 from core.reparam import gpsa_modules
 from core.training.checkpoint import load, load_model
-from core.training.loop import evaluate
+from core.training.model_eval import evaluate
 from stages import control, corrupt, finetune, pretrain, reparam
 from stages import evaluate as evaluate_stage
 from stages.harness import pretraining

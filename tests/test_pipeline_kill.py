@@ -16,7 +16,7 @@ import pytest
 from _pipeline_repo import FMNIST_DIR, children, dvc, env, make_repo, runs, wait_for
 from _train_helpers import assert_same_outputs
 
-from core.training.loop import RESUME_FILE
+from core.training.resume_file import RESUME_FILE
 
 pytestmark = [
     pytest.mark.slow,

@@ -21,9 +21,12 @@ from core.models import kinds
 from core.models.factory import build
 from core.reparam import to_tcnn
 from core.training.checkpoint import load
-from core.training.loop import RESUME_FILE, TIMING_KEYS, Preempted, TrainLoss, evaluate, fit
+from core.training.loop import TIMING_KEYS, fit
+from core.training.model_eval import TrainLoss, evaluate
 from core.training.optim import WarmupCosine, build_sgd
 from core.training.precision import PRECISIONS, autocast, grad_scaler, resolve
+from core.training.resume_file import RESUME_FILE
+from core.training.stop_signals import Preempted
 
 CPU = torch.device("cpu")
 ARCH = {"convit": "convit_fmnist", "cmhsa": "cmhsa_fmnist"}

@@ -14,7 +14,8 @@ import torch.nn as nn
 
 from core.data import BatchLoader
 from core.training import progress as P
-from core.training.loop import TrainLoss, fit
+from core.training.loop import fit
+from core.training.model_eval import TrainLoss
 from core.training.optim import WarmupCosine, build_sgd
 
 

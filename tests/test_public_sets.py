@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from core.robustness import metrics as R
 from core.robustness import public_sets as P
+from core.robustness.evaluation import count_correct
 
 
 def _jpeg(path: Path, value: int, size: int = 8) -> None:
@@ -135,7 +135,7 @@ def test_subset_evaluation_on_a_public_tree(tmp_path):
             m = x.mean(dim=(1, 2, 3))
             return torch.stack([m * 0 + 100, -m, m * 0, m, m * 0], dim=1)
 
-    correct, n = R.count_correct(Bright(), ds.batches(4), mean=[0.5] * 3, std=[0.5] * 3, class_subset=subset)
+    correct, n = count_correct(Bright(), ds.batches(4), mean=[0.5] * 3, std=[0.5] * 3, class_subset=subset)
     assert (correct, n) == (6, 6)
-    correct, _ = R.count_correct(Bright(), ds.batches(4), mean=[0.5] * 3, std=[0.5] * 3)
+    correct, _ = count_correct(Bright(), ds.batches(4), mean=[0.5] * 3, std=[0.5] * 3)
     assert correct == 0  # without the subset, class 0 (absent from ImageNet-R) takes every image

@@ -24,8 +24,11 @@ from core.data.importers import write_array_dataset
 from core.models.factory import build
 from core.models.spec import make_model_spec
 from core.reparam import gpsa_modules, to_tcnn
+from core.robustness.baseline import Baseline
 from core.robustness.corruptions import CORRUPTIONS, write_set
-from core.robustness.metrics import Baseline, comparisons, flat_metrics, summarize, table_from_errors
+from core.robustness.eval_table import table_from_errors
+from core.robustness.metrics import flat_metrics, summarize
+from core.robustness.paired_bootstrap import comparisons
 from core.training.checkpoint import atomic_save
 from core.utils.atomic import atomic_write_json
 from core.viz.plots import plot_gains

@@ -27,7 +27,8 @@ from _train_helpers import (
 )
 
 from core.training.checkpoint import load
-from core.training.loop import EXIT_PREEMPTED, RESUME_FILE
+from core.training.resume_file import RESUME_FILE
+from core.training.stop_signals import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.slow
 

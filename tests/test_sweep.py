@@ -363,7 +363,7 @@ def test_kind_table_uses_one_common_baseline(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from core.robustness.metrics import table_from_errors
+    from core.robustness.eval_table import table_from_errors
     from pipelines.sweep.summary import kind_rows, kinds_markdown, make_plots, write_kinds
 
     cnn_pre = {"gaussian_noise": [0.2, 0.4], "contrast": [0.1, 0.3]}  # severities 1, 2

@@ -437,7 +437,7 @@ def test_stage_run_failure_fails_child_and_parent_and_the_rerun_continues(
 def test_stage_run_preempted_is_killed(store: str, tmp_path: Path, chain_env: None) -> None:
     class Preempted(
         Exception
-    ):  # core.training.loop.Preempted: a stop signal, the stage resumes when run again
+    ):  # core.training.stop_signals.Preempted: a stop signal, the stage resumes when run again
         pass
 
     with pytest.raises(Preempted), stage_run(_chain_params(store), "finetune", root=tmp_path) as t:

@@ -14,8 +14,11 @@ import torch.nn as nn
 from core.config import AugmentConfig
 from core.data import BatchLoader
 from core.training.checkpoint import load
-from core.training.loop import RESUME_FILE, TIMING_KEYS, Preempted, TrainingError, TrainLoss, fit
+from core.training.loop import TIMING_KEYS, TrainingError, fit
+from core.training.model_eval import TrainLoss
 from core.training.optim import WarmupCosine, build_sgd
+from core.training.resume_file import RESUME_FILE
+from core.training.stop_signals import Preempted
 
 EPOCHS = 3
 
@@ -24,7 +27,7 @@ EPOCHS = 3
 def _default_stop_handlers():
     """These tests chain to the handler found before the loop's own (StopSignals.chain): each starts with the
     defaults, whatever an earlier test of the same xdist worker left (ray.init's SIGTERM handler exits)."""
-    from core.training.loop import STOP_SIGNALS
+    from core.training.stop_signals import STOP_SIGNALS
 
     before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     for s in STOP_SIGNALS:

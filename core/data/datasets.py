@@ -13,14 +13,8 @@ import numpy as np
 import torch
 
 from core.data.loader import BatchLoader, Mixing
-from core.data.splits import (
-    load_labels,
-    load_splits,
-    plan_splits,
-    read_manifest,
-    split_roles,
-    verify_split,
-)
+from core.data.shard_reader import load_labels, read_manifest, verify_split
+from core.data.splits import load_splits, plan_splits, split_roles
 from core.utils.hashing import stable_hash
 
 

@@ -21,8 +21,6 @@ anything is written (the output is assembled in a temp dir and renamed into plac
 
 from __future__ import annotations
 
-from core.utils.errors import first_line
-
 import hashlib
 import io
 import os
@@ -54,6 +52,7 @@ from core.data.shards import (
     check_output_dir,
 )
 from core.utils.atomic import atomic_write_json
+from core.utils.errors import first_line
 
 ARCHIVE_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 ORDERS = ("sorted", "interleaved")

@@ -20,8 +20,6 @@ published ones. CIFAR archives are compared with the official archive MD5 and th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import contextlib
 import gzip
 import hashlib
@@ -36,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from core.data.catalog import DATASETS
 from core.data.shards import (  # noqa: F401  (re-exported: the import path of the format's pieces before the split)
     FORMAT_VERSION,
     IMG_EXTENSIONS,
@@ -58,9 +57,7 @@ from core.data.shards import (  # noqa: F401  (re-exported: the import path of t
     write_array_dataset,
     write_array_split,
 )
-from core.data.catalog import DATASETS
 from core.utils.hashing import file_digest
-
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 # name: (published MD5 of name.gz, published MD5 of the decompressed file)

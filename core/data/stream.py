@@ -43,7 +43,7 @@ import pyarrow.parquet as pq
 import torch
 
 from core.data.loader import keyed_rng
-from core.data.splits import split_entry, read_manifest, verify_split
+from core.data.shard_reader import read_manifest, split_entry, verify_split
 
 _ORDER, _AUG = 10, 11  # generator streams (distinct from BatchLoader's)
 CROP_PCT = 0.875  # eval: resize the shorter side to size / 0.875, centre-crop size (timm's and DeiT's recipe)

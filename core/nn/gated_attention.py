@@ -19,7 +19,7 @@ Autograd's graph for the same expression (`core.nn.gpsa_tcnn.TcnnGPSA._forward_r
 [B, heads, Lq, L] maps about twice as often: a layout copy of dA before the softmax backward, the mix's two
 gradient products, a separate reduction for the positional gradient. Here each map pass is one fused op, the
 layouts match (A and dA are stored query-major, [B, Lq, heads, L]; P and dS head-major), and the flush of
-subnormal probabilities (`core.nn.gpsa._flush_tiny`) is, as in the reference, treated as the identity in
+subnormal probabilities (`core.nn.gated_mix._flush_tiny`) is, as in the reference, treated as the identity in
 backward. With autograd off, `gated_attention` runs the same aten ops without the autograd.Function, so a
 traced graph holds only aten ops (`core.training.inference` traces and freezes it).
 """
@@ -58,7 +58,7 @@ def _maps(
     p = torch.softmax(s, dim=-1)
     a = qt.new_empty(b, lq, nh, lk)
     torch.addcmul(pos, p.view(b, nh, lq, lk), g_con[:, None, None], out=a.permute(0, 2, 1, 3))
-    if a.device.type == "cpu":  # subnormal operands slow CPU matmuls: see core.nn.gpsa._flush_tiny
+    if a.device.type == "cpu":  # subnormal operands slow CPU matmuls: see core.nn.gated_mix._flush_tiny
         F.threshold_(a, torch.finfo(a.dtype).tiny ** 0.5, 0.0)
     return p, a
 

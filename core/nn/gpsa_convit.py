@@ -16,7 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from core.nn.gpsa import ALPHA_MIN, GPSA, gated_mix, softplus_inverse
+from core.nn.gated_mix import gated_mix
+from core.nn.gpsa import ALPHA_MIN, GPSA, softplus_inverse
 
 __all__ = ["ConvitGPSA"]
 

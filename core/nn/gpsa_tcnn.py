@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from core.nn.gated_attention import gated_attention
 from core.nn.gated_attention_cpp import available as cpp_available
 from core.nn.gated_attention_cpp import gated_attention_cpp
-from core.nn.gpsa import GPSA, gated_mix
+from core.nn.gated_mix import gated_mix
+from core.nn.gpsa import GPSA
 from core.nn.positional import STRIDE_MODES
 
 __all__ = ["TcnnGPSA"]

@@ -45,7 +45,7 @@ class Bench:
     clean_index: Any = None
 
     def options(self) -> dict[str, Any]:
-        """The options of core.robustness.metrics's evaluation functions."""
+        """The options of core.robustness.evaluation's functions."""
         return {"mean": self.norm["mean"], "std": self.norm["std"], "device": self.device,
                 "image_size": self.size}  # fmt: skip
 

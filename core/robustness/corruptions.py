@@ -59,16 +59,16 @@ against the package or scipy in tests/test_corruptions.py. Generating with ``wor
 call it under ``if __name__ == "__main__":`` in scripts.
 
 Layout (one job per module; this one re-exports their public names, the import path every caller uses):
-``corruption_tables`` (names, bands, constant tables), ``corruption_ops`` (the algorithms and the seeded entry
-points ``corrupt`` / ``corrupt_batch``), ``corruption_sets`` (whole sets over a process pool: ``iter_sets``)
+``corruption_tables`` (names, bands, constant tables), ``corruption_seeding`` (one generator per image),
+``corruption_filters`` (the image filters), ``corruption_funcs`` (the corruptions), ``corruption_ops`` (the seeded
+entry points ``corrupt`` / ``corrupt_batch``), ``corruption_sets`` (whole sets over a process pool: ``iter_sets``)
 and ``corruption_store`` (the Parquet store: ``write_set`` / ``read_set``, checksums, ``select_indices``).
 """
 
 from __future__ import annotations
 
-from core.robustness.corruption_ops import (
+from core.robustness.corruption_filters import (
     _clipped_zoom,
-    _Ctx,
     _frost_files,
     _frost_texture,
     _gaussian,
@@ -76,13 +76,10 @@ from core.robustness.corruption_ops import (
     _glass_shuffle,
     _motion_blur,
     _plasma_fractal,
-    _spatter,
-    corrupt,
-    corrupt_batch,
-    image_rng,
-    image_seed,
-    warm_up,
 )
+from core.robustness.corruption_funcs import _Ctx, _spatter
+from core.robustness.corruption_ops import corrupt, corrupt_batch, warm_up
+from core.robustness.corruption_seeding import image_rng, image_seed
 from core.robustness.corruption_sets import default_workers, iter_sets
 from core.robustness.corruption_store import (
     INDEX,

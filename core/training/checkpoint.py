@@ -3,7 +3,7 @@
 A *model checkpoint* is a dict holding at least ``{"model": state_dict, "model_spec": ...}`` (the spec:
 `core.models.spec`).
 
-Training checkpoints (core.training.loop) add optimizer, scheduler, grad-scaler and RNG states to the same dict, so
+Training checkpoints (core.training.loop, core.training.resume_file) add optimizer, scheduler, grad-scaler and RNG states to the same dict, so
 every checkpoint the project writes can be opened with :func:`load_model`.
 
 Files are written atomically (temp file in the same directory, fsync, ``os.replace``, fsync of the

@@ -6,7 +6,7 @@ numbers' meaning).
 GPSA layers ([TCNN21] Eq. 7) trace too: with autograd off their input-independent terms (the gated positional
 attention sigma(lambda_h) softmax(v_pos^h . r_ij) for the fixed map size, the folded W_out^h W_val) come from
 the layer's cache, so one eager call before tracing makes them constants of the graph, and the gated mix runs
-as plain aten ops (`core.nn.gpsa.gated_mix`). Sub-batches: in eval mode every image's logits are a function of
+as plain aten ops (`core.nn.gated_mix.gated_mix`). Sub-batches: in eval mode every image's logits are a function of
 that image alone (batch norm uses its running statistics), so the batch can be split anywhere; a few dozen
 images keep the activations and the [heads, L, L] attention maps in the CPU caches, which a batch of hundreds
 does not.

@@ -14,221 +14,44 @@ Epoch labels: data epoch `e` (0-based, what the loader sees) completes as epoch 
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import shutil
-import signal
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from core.training import distributed as D
 from core.training import early_stop as ES
 from core.training import progress as P
-from core.training.checkpoint import CheckpointError, atomic_save, capture_rng, load, restore_rng
+from core.training.checkpoint import atomic_save, capture_rng
+from core.training.environment import seed_everything
+from core.training.epoch_sums import (
+    accum_from_state,
+    accum_to_state,
+    epoch_line,
+    epoch_row,
+    new_accum,
+    reduced_accum,
+    zero_accum,
+)
+from core.training.model_eval import TrainLoss, evaluate, hard_labels, to_device
 from core.training.optim import WarmupCosine, optimizer_param_names, state_to_parameter_devices
 from core.training.precision import autocast, grad_scaler
+from core.training.resume_file import RESUME_FILE, STATE_FORMAT, restore_rank_rng, try_resume
+from core.training.stop_signals import Preempted, StopSignals, stop_signum
 
-RESUME_FILE = "resume.pt"
-STATE_FORMAT = "tcnn-train-state/1"
-EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: "try again later" -- the run resumes when started again
-STOP_SIGNALS = tuple(
-    s
-    for s in (getattr(signal, n, None) for n in ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2"))
-    if s is not None
-)
 TIMING_KEYS = ("images_per_s", "train_time_s", "wall_s")  # machine-dependent fields of histories/metrics
-
-
-class Preempted(Exception):
-    """A stop signal arrived; the state was checkpointed at a step boundary and the run can resume."""
-
-    def __init__(self, signum: int, checkpoint: Path, epoch: int, step: int) -> None:
-        self.signum, self.checkpoint, self.epoch, self.step = signum, checkpoint, epoch, step
-        try:
-            name = signal.Signals(signum).name
-        except ValueError:
-            name = f"signal {signum}"
-        super().__init__(
-            f"stopped by {name} at epoch {epoch + 1} step {step}; state saved to {checkpoint}; "
-            "run the same command again to resume"
-        )
 
 
 class TrainingError(RuntimeError):
     """Training cannot go on (loss became NaN/inf)."""
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Environment: device, quiet mode, determinism
-# ---------------------------------------------------------------------------------------------------------
-
-
-def select_device(name: str | None = None) -> torch.device:
-    """`name`, else env TCNN_DEVICE, else CUDA when available, else CPU."""
-    name = name or os.environ.get("TCNN_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-@contextlib.contextmanager
-def deterministic(device: torch.device) -> Iterator[None]:
-    """Deterministic kernels on CPU (bitwise resume); on CUDA keep the fast cuDNN autotuner instead."""
-    if device.type == "cpu":
-        before = torch.are_deterministic_algorithms_enabled()
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        try:
-            yield
-        finally:
-            torch.use_deterministic_algorithms(before)
-    else:
-        before = torch.backends.cudnn.benchmark
-        torch.backends.cudnn.benchmark = True
-        try:
-            yield
-        finally:
-            torch.backends.cudnn.benchmark = before
-
-
-def seed_everything(seed: int) -> None:
-    """Seed python's, numpy's and torch's global RNGs (model init, stochastic depth, dropout)."""
-    import random
-
-    import numpy as np
-
-    random.seed(seed)
-    np.random.seed(seed % (1 << 32))
-    torch.manual_seed(seed)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Model helpers
-# ---------------------------------------------------------------------------------------------------------
-
-
-class TrainLoss(nn.Module):
-    """Cross-entropy for hard labels (with optional label smoothing) or soft targets (mixup / cutmix)."""
-
-    def __init__(self, label_smoothing: float = 0.0) -> None:
-        super().__init__()
-        self.label_smoothing = label_smoothing
-
-    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        logits = logits.float()
-        if target.ndim == 2:
-            return torch.sum(-target * F.log_softmax(logits, dim=-1), dim=-1).mean()
-        return F.cross_entropy(logits, target, label_smoothing=self.label_smoothing)
-
-
-def _hard(target: torch.Tensor) -> torch.Tensor:
-    return target.argmax(dim=-1) if target.ndim == 2 else target
-
-
-def _to_device(x: torch.Tensor, device: torch.device, channels_last: bool) -> torch.Tensor:
-    x = x.to(device, non_blocking=True)
-    if channels_last and x.ndim == 4:
-        x = x.contiguous(memory_format=torch.channels_last)
-    return x
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-    *,
-    device: torch.device | None = None,
-    channels_last: bool = False,
-    precision: str = "auto",
-) -> dict[str, float]:
-    """Mean cross-entropy and top-1 accuracy of `model` (put in eval mode, restored after) over `batches`,
-    computed under `precision` (core.training.precision). Under data parallelism `batches` is this rank's
-    shard and the sums are added over ranks, so every rank returns the whole set's figures."""
-    device = device or next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    loss_sum, correct, n = 0.0, 0, 0
-    try:
-        for x, y in batches:
-            x = _to_device(x, device, channels_last)
-            y = _hard(y.to(device))
-            with autocast(device, precision):
-                logits = model(x)
-            loss_sum += float(F.cross_entropy(logits.float(), y, reduction="sum"))
-            correct += int((logits.argmax(-1) == y).sum())
-            n += int(y.numel())
-    finally:
-        model.train(was_training)
-    if D.world().parallel:
-        sums = D.all_sum(torch.tensor([loss_sum, correct, n], dtype=torch.float64))
-        loss_sum, correct, n = float(sums[0]), int(sums[1]), int(sums[2])
-    if n == 0:
-        return {"loss": float("nan"), "acc": float("nan"), "n": 0}
-    return {"loss": loss_sum / n, "acc": correct / n, "n": n}
-
-
-@torch.no_grad()
-def predict(model: nn.Module, x: torch.Tensor, *, device: torch.device | None = None) -> torch.Tensor:
-    """fp32 logits of `model` in eval mode (for equivalence checks)."""
-    device = device or next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    try:
-        return model(x.to(device)).float().cpu()
-    finally:
-        model.train(was_training)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Stop signals
-# ---------------------------------------------------------------------------------------------------------
-
-
-class StopSignals:
-    """Turn SIGTERM (SLURM time limit), SIGHUP, SIGUSR1 (SLURM --signal) and SIGUSR2 (submitit) into a flag read
-    at step boundaries. After the checkpoint is written, a handler that was installed before (e.g.
-    submitit's SIGUSR2 requeue handler) is called, then `Preempted` is raised. Outside the main thread
-    (some Ray workers) signals cannot be caught and this does nothing."""
-
-    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS) -> None:
-        self.signals = signals
-        self.received: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.received is None:
-            self.received = signum
-
-    def __enter__(self) -> StopSignals:
-        for s in self.signals:
-            with contextlib.suppress(ValueError, OSError):  # not the main thread: no signal handling
-                self._previous[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for s, prev in self._previous.items():
-            with contextlib.suppress(ValueError, OSError, TypeError):
-                signal.signal(s, prev if prev is not None else signal.SIG_DFL)
-        self._previous.clear()
-
-    def chain(self) -> None:
-        """Call the handler that was installed before ours for the received signal, if it was Python's."""
-        if self.received is None:
-            return
-        prev = self._previous.get(self.received)
-        # The stage process's own handler (stages.harness.runner.stop_on_signals) would only raise: Preempted says it.
-        if (
-            callable(prev)
-            and prev is not signal.default_int_handler
-            and not getattr(prev, "tcnn_stage_handler", False)
-        ):
-            prev(self.received, None)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -377,7 +200,7 @@ class _Run:
     epoch: int  # data epoch (0-based) in progress
     step: int  # steps done within it
     global_step: int
-    accum: dict[str, Any]  # the epoch's running sums (_new_accum)
+    accum: dict[str, Any]  # the epoch's running sums (new_accum)
     history: list[dict[str, Any]]
     saved: dict[int, Path]  # epoch label -> its ckpt-epoch-XXX.pt
     plateau: dict[str, Any] | None  # early stopping's rule state and best weights, when the rule is on
@@ -391,7 +214,7 @@ def _start(job: _Job, history_start: list[dict[str, Any]] | None) -> _Run:
     job.model.to(job.device)  # before loading optimizer state, which follows its parameters' device
     state_to_parameter_devices(job.optimizer)  # state loaded before the move (carried "continue" momentum)
     notes: list[str] = []
-    state = _try_resume(job.resume_path, job.run_hash, job.log, notes)
+    state = try_resume(job.resume_path, job.run_hash, job.log, notes)
     if len(set(D.gather(state is None))) > 1:  # every rank read the same file: they must agree
         raise TrainingError(f"{job.desc}: the ranks disagree on whether {job.resume_path} can be resumed")
     if state is not None:
@@ -407,10 +230,10 @@ def _resume(job: _Job, state: dict[str, Any], notes: list[str]) -> _Run:
     job.optimizer.load_state_dict(state["optimizer"])
     job.scheduler.load_state_dict(state["scheduler"])
     job.scaler.load_state_dict(state["scaler"])
-    _restore_rank_rng(state, world)
+    restore_rank_rng(state, world)
     epoch, step, global_step = state["epoch"], state["step"], state["global_step"]
     # the checkpoint holds the ranks' summed epoch accumulators: rank 0 carries them, the others add to 0
-    accum = _accum_from_state(state["accum"] if world.main else _zero_accum(state["accum"]), job.device)
+    accum = accum_from_state(state["accum"] if world.main else zero_accum(state["accum"]), job.device)
     history = list(state["history"])
     saved = {int(k): job.work_dir / v for k, v in state["epoch_checkpoints"].items()}
     plateau = state.get("early_stop") if job.early_stop is not None else None
@@ -435,7 +258,7 @@ def _fresh(job: _Job, history_start: list[dict[str, Any]] | None, notes: list[st
         seed_everything(torch.initial_seed() + 1_000_003 * world.rank)
     history = [dict(r) for r in history_start or []]
     plateau = {"rule": ES.new_state(), "best_model": None} if job.early_stop is not None else None
-    return _Run(job.epochs.start, 0, 0, _new_accum(job.device), history, {}, plateau, None, notes)
+    return _Run(job.epochs.start, 0, 0, new_accum(job.device), history, {}, plateau, None, notes)
 
 
 def _training_net(job: _Job) -> nn.Module:
@@ -474,7 +297,7 @@ def _snapshot(job: _Job, run: _Run, epoch: int, step: int) -> dict[str, Any]:
         "steps_per_epoch": job.spe,
         "rng": rng_ranks[0],
         **({"rng_ranks": rng_ranks} if job.world.parallel else {}),
-        "accum": _accum_to_state(_reduced(run.accum)),
+        "accum": accum_to_state(reduced_accum(run.accum)),
         "history": run.history,
         "epoch_checkpoints": {k: p.name for k, p in run.saved.items()},
         **({"early_stop": run.plateau} if run.plateau is not None else {}),
@@ -521,7 +344,7 @@ def _train_epoch(job: _Job, run: _Run, net: nn.Module, stop: StopSignals) -> Non
                 if bar is not None:
                     bar.close()
                 stop.chain()
-                raise Preempted(_signum(stop), job.resume_path, run.epoch, run.step)
+                raise Preempted(stop_signum(stop), job.resume_path, run.epoch, run.step)
     run.accum["time_s"] += time.perf_counter() - t_start
     if bar is not None:
         bar.close()
@@ -532,7 +355,7 @@ def _train_step(
 ) -> tuple[torch.Tensor, int]:
     """One optimizer step on the batch (x, y), then one scheduler step; adds the batch to the epoch sums.
     Returns the loss and the batch size."""
-    x = _to_device(x, job.device, job.channels_last)
+    x = to_device(x, job.device, job.channels_last)
     y = y.to(job.device, non_blocking=True)
     with autocast(job.device, job.precision):
         logits = net(x)
@@ -547,7 +370,7 @@ def _train_step(
     run.global_step += 1
     b = int(y.shape[0])
     run.accum["loss_sum"] += loss.detach().double() * b
-    run.accum["correct"] += (logits.detach().argmax(-1) == _hard(y)).sum()
+    run.accum["correct"] += (logits.detach().argmax(-1) == hard_labels(y)).sum()
     run.accum["images"] += b
     return loss, b
 
@@ -557,7 +380,7 @@ def _end_epoch(job: _Job, run: _Run, stop: StopSignals) -> None:
     early-stopping rule, the epoch checkpoint when kept, and `resume.pt` at the next epoch's start. A stop
     signal then raises `Preempted`, unless the run has nothing left to train."""
     label = run.epoch + 1
-    row = _epoch_row(label, run.global_step, _reduced(run.accum), job.scheduler)
+    row = epoch_row(label, run.global_step, reduced_accum(run.accum), job.scheduler)
     if not math.isfinite(row["train_loss"]):
         raise TrainingError(f"{job.desc}: training loss became {row['train_loss']} in epoch {label}")
     if job.val_loader is not None:
@@ -572,18 +395,18 @@ def _end_epoch(job: _Job, run: _Run, stop: StopSignals) -> None:
     if job.epoch_stats is not None:
         row.update(job.epoch_stats(job.model, label))
     run.history.append(row)
-    job.log(_epoch_line(job.desc, row, job.epochs.stop))
+    job.log(epoch_line(job.desc, row, job.epochs.stop))
     if run.plateau is not None:
         run.plateau = _plateau_step(run.plateau, job.model, label, val, job.early_stop, job.desc, job.log)
     run.epoch, run.step = run.epoch + 1, 0
-    run.accum = _new_accum(job.device)
+    run.accum = new_accum(job.device)
     if label in job.keep:
         _save_epoch_checkpoint(job, run, label)
     _save(job, _snapshot(job, run, run.epoch, 0), job.resume_path)
     more = run.epoch < job.epochs.stop and not _stopped(run.plateau)
     if D.any_rank(stop.received is not None, job.device) and more:
         stop.chain()
-        raise Preempted(_signum(stop), job.resume_path, run.epoch, 0)
+        raise Preempted(stop_signum(stop), job.resume_path, run.epoch, 0)
 
 
 def _stopped(plateau: dict[str, Any] | None) -> bool:
@@ -607,101 +430,8 @@ def _plateau_step(
     return {"rule": state, "best_model": best}
 
 
-def _try_resume(path: Path, run_hash: str, log: Callable[[str], None], notes: list[str]) -> dict | None:
-    if not path.exists():
-        return None
-    try:
-        state = load(path)
-    except CheckpointError as err:
-        msg = f"ignoring unreadable in-progress checkpoint ({err}); starting fresh"
-        log(msg)
-        notes.append(msg)
-        return None
-    if state.get("format") != STATE_FORMAT or state.get("run_hash") != run_hash:
-        msg = f"in-progress checkpoint {path} belongs to other params or inputs; starting fresh"
-        log(msg)
-        notes.append(msg)
-        return None
-    return state
-
-
 def _silent(msg: str) -> None:
     pass
-
-
-def _signum(stop: StopSignals) -> int:
-    """The signal that stopped this rank, or SIGTERM for a rank stopped because another one was signalled."""
-    return stop.received if stop.received is not None else int(signal.SIGTERM)
-
-
-def _restore_rank_rng(state: dict[str, Any], world: D.World) -> None:
-    """Each rank's own RNG states when the checkpoint comes from the same world size; otherwise rank 0
-    takes the saved (rank 0) states and the others re-seed from them and their rank (deterministic)."""
-    ranks = state.get("rng_ranks")
-    if ranks is not None and len(ranks) == world.size:
-        restore_rng(ranks[world.rank])
-        return
-    restore_rng(state["rng"])
-    if not world.main:
-        seed_everything(torch.initial_seed() + 1_000_003 * world.rank + int(state["global_step"]))
-
-
-def _reduced(a: dict[str, Any]) -> dict[str, Any]:
-    """The epoch accumulators summed over ranks (loss, correct, images); this rank's time and lr."""
-    if not D.world().parallel:
-        return a
-    counts = D.all_sum(torch.tensor([float(a["images"])], dtype=torch.float64, device=a["loss_sum"].device))
-    return {
-        **a,
-        "loss_sum": D.all_sum(a["loss_sum"]),
-        "correct": D.all_sum(a["correct"]),
-        "images": int(counts.item()),
-    }
-
-
-def _zero_accum(a: dict[str, Any]) -> dict[str, Any]:
-    return {**a, "loss_sum": torch.zeros_like(a["loss_sum"]), "correct": torch.zeros_like(a["correct"]),
-            "images": 0}  # fmt: skip
-
-
-def _new_accum(device: torch.device | None = None) -> dict[str, Any]:
-    return {
-        "loss_sum": torch.zeros((), dtype=torch.float64, device=device),
-        "correct": torch.zeros((), dtype=torch.int64, device=device),
-        "images": 0,
-        "time_s": 0.0,
-        "lr": float("nan"),
-    }
-
-
-def _accum_to_state(a: dict[str, Any]) -> dict[str, Any]:
-    return {**a, "loss_sum": a["loss_sum"].cpu(), "correct": a["correct"].cpu()}
-
-
-def _accum_from_state(a: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    return {**a, "loss_sum": a["loss_sum"].to(device), "correct": a["correct"].to(device)}
-
-
-def _epoch_row(label: int, global_step: int, a: dict[str, Any], scheduler: WarmupCosine) -> dict[str, Any]:
-    n = max(1, a["images"])
-    return {
-        "epoch": label,
-        "step": global_step,
-        "lr": a["lr"],  # lr of the epoch's last step (the schedule is per step)
-        "train_loss": float(a["loss_sum"]) / n,
-        "train_acc": int(a["correct"]) / n,
-        "images_per_s": a["images"] / a["time_s"] if a["time_s"] > 0 else float("nan"),
-        "train_time_s": a["time_s"],
-    }
-
-
-def _epoch_line(desc: str, row: dict[str, Any], total: int) -> str:
-    parts = [f"{desc} epoch {row['epoch']}/{total}", f"lr {row['lr']:.3g}", f"loss {row['train_loss']:.4f}"]
-    parts.append(f"acc {row['train_acc']:.4f}")
-    if "val_acc" in row:
-        parts.append(f"val_loss {row['val_loss']:.4f} val_acc {row['val_acc']:.4f}")
-    parts.append(f"{row['images_per_s']:.0f} img/s")
-    return " | ".join(parts)
 
 
 def _progress(job: _Job, run: _Run) -> Any:
@@ -734,18 +464,3 @@ def _bar_update(bar: Any, step: int, loss: torch.Tensor, n: int, t0: float, accu
         bar.set_postfix(
             loss=f"{float(loss.detach()):.3f}", img_s=f"{n / dt:.0f}" if dt > 0 else "-", refresh=False
         )
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Data plumbing shared by the training stages
-# ---------------------------------------------------------------------------------------------------------
-
-
-# ---------------------------------------------------------------------------------------------------------
-# GPSA dynamics ([TCNN21] Fig. 4): flat per-layer means of core.analysis.dissect.layer_stats (1/alpha, sigma(lambda), nonlocality)
-# ---------------------------------------------------------------------------------------------------------
-
-
-# ---------------------------------------------------------------------------------------------------------
-# History files (DVC plots: CSV with one row per epoch; JSON keeps nested per-head values)
-# ---------------------------------------------------------------------------------------------------------

@@ -100,9 +100,11 @@ def _models(table: pa.Table, keep: dict[str, str]) -> pa.Table:
 def pair_metrics(tcnn_dir: Path, control_dir: Path, *, replicates: int, seed: int) -> dict[str, Any]:
     """The T-CNN of one trial against the control of another (same seed: same pretrained CNN, same test and
     corrupted images): each model's metrics with its percentile interval and T-CNN - control with its paired
-    bootstrap interval (core.robustness.metrics.bootstrap_metrics; CE normalised by the pretrained CNN)."""
+    bootstrap interval (core.robustness.paired_bootstrap.bootstrap_metrics; CE normalised by the pretrained CNN)."""
+    from core.robustness.baseline import Baseline
     from core.robustness.intervals import difference, percentile_interval
-    from core.robustness.metrics import Baseline, bootstrap_metrics, flat_metrics, summarize
+    from core.robustness.metrics import flat_metrics, summarize
+    from core.robustness.paired_bootstrap import bootstrap_metrics
 
     keep_t = {"cnn": "cnn", "tcnn": "tcnn"}
     table = pa.concat_tables([_models(_read(tcnn_dir, "robustness.parquet"), keep_t),

@@ -256,7 +256,8 @@ def kind_rows(spec: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str
     kind, arch, grid label, clean accuracy, mCA, and mCE / relative mCE of the trial's final model against the
     pretrained CNN of the first finished ``kind=cnn`` trial (see the module docstring). Without a cnn trial,
     mCE columns are the trials' own (each against its own pretrained model) and ``baseline`` says so."""
-    from core.robustness.metrics import Baseline, summarize
+    from core.robustness.baseline import Baseline
+    from core.robustness.metrics import summarize
 
     done = _finished(rows)
     if len(_kinds(done)) < 2:

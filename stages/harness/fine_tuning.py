@@ -21,13 +21,10 @@ from core.data import first_batch
 from core.models.factory import set_stochastic_depth
 from core.training import early_stop, recipes
 from core.training.checkpoint import restore_rng
+from core.training.environment import deterministic, seed_everything
 from core.training.history import summarize_gpsa
-from core.training.loop import (
-    TrainLoss,
-    deterministic,
-    fit,
-    seed_everything,
-)
+from core.training.loop import fit
+from core.training.model_eval import TrainLoss
 from core.training.optim import freeze_parameters
 from core.utils.hashing import derive_seed, file_digest, stable_hash
 from stages.harness import chain

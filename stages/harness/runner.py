@@ -46,7 +46,9 @@ class StageError(RuntimeError):
 #: again -- one line and exit 2 on the DVC path, a trial that fails once (is never retried) on the Ray path.
 REFUSALS: tuple[type[Exception], ...] = (ConfigError, StageError, DataError)
 
-EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: stopped, run the same command again (core.training.loop)
+EXIT_PREEMPTED = (
+    75  # sysexits.h EX_TEMPFAIL: stopped, run the same command again (core.training.stop_signals)
+)
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: the shell's status for Ctrl-C
 EXIT_IOERR = 74  # sysexits.h EX_IOERR: a file or the tracking store could not be read or written
 RANK_STATUS_ENV = (
@@ -54,7 +56,7 @@ RANK_STATUS_ENV = (
 )
 #: Signals that stop a stage process wherever it is: SIGINT (Ctrl-C), SIGTERM (kill, SLURM's time limit),
 #: SIGHUP (the terminal went away), SIGUSR1/SIGUSR2 (SLURM --signal, submitit). Inside the training loop
-#: its own handler (core.training.loop.StopSignals) takes SIGTERM/SIGHUP/SIGUSR* first and checkpoints.
+#: its own handler (core.training.stop_signals.StopSignals) takes SIGTERM/SIGHUP/SIGUSR* first and checkpoints.
 STAGE_SIGNALS = tuple(
     getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2") if hasattr(signal, n)
 )
@@ -365,7 +367,9 @@ def _stage(
             if type(err).__name__ == "TrackingError":  # stages.tracking.store's; MLflow is not imported here
                 print(f"{name}: error: {err}", file=sys.stderr)
                 return 2
-            if type(err).__name__ == "Preempted":  # core.training.loop.Preempted: checkpointed, resumable
+            if (
+                type(err).__name__ == "Preempted"
+            ):  # core.training.stop_signals.Preempted: checkpointed, resumable
                 print(f"{name}: {err}", file=sys.stderr)
                 return EXIT_PREEMPTED
             if (line := io_error_line(err)) is None:

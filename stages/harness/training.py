@@ -25,8 +25,9 @@ from core.data import Datasets, load_datasets, make_loader
 from core.models.spec import pretraining_spec
 from core.training import distributed as D
 from core.training.checkpoint import CheckpointError, atomic_save, load, model_from
+from core.training.environment import select_device
 from core.training.history import csv_text, history_rows_flat
-from core.training.loop import evaluate, select_device
+from core.training.model_eval import evaluate
 from core.utils.atomic import atomic_write_json, atomic_write_text, remove_stale_temps
 from core.utils.errors import first_line
 from stages.harness.runner import EXIT_PREEMPTED, RANK_STATUS_ENV, STAGE_SIGNALS, StageError
@@ -168,7 +169,7 @@ def data_parallel(params: Params, name: str, argv: list[str]) -> Iterator[None]:
 
 
 def training_device() -> torch.device:
-    """The device a training stage runs on (core.training.loop.select_device; cuda:LOCAL_RANK per DDP rank)."""
+    """The device a training stage runs on (core.training.environment.select_device; cuda:LOCAL_RANK per DDP rank)."""
     return D.device_for_rank(select_device())
 
 
