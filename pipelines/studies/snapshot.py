@@ -42,19 +42,6 @@ def phases(sweeps: Path, name: str) -> list[tuple[str, Path]]:
     return [(ph, p) for ph, p in found if (p / "sweep.json").is_file()]
 
 
-def _reports(trial: Path) -> list[dict[str, Any]]:
-    path = trial / "result.json"
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:  # a line being written
-            continue
-    return rows
-
-
 def trial_rows(phase: str, sweep_dir: Path) -> list[dict[str, Any]]:
     """One row per Tune trial of a sweep that has its params: the last report of each epoch counts."""
     from pipelines.sweep.replay import DONE, REFUSED
@@ -62,7 +49,7 @@ def trial_rows(phase: str, sweep_dir: Path) -> list[dict[str, Any]]:
 
     rows = []
     for t in sorted((sweep_dir / "tune").glob("*/params.json")):
-        config, reports = json.loads(t.read_text()), _reports(t.parent)
+        config, reports = json.loads(t.read_text()), replay.reports(t.parent)
         tid = t.parent.name
         root = sweep_dir / "trials" / tid
         done, refused = read_json(root / DONE), read_json(root / REFUSED)

@@ -33,6 +33,8 @@ from typing import Any
 
 from core.utils.atomic import atomic_write_json, atomic_write_text
 from core.utils.hashing import stable_hash
+from core.utils.locks import LOCK
+from pipelines.sweep.trial_files import LOG
 
 VERSION = 1
 #: Tune's own keys of a reported result: not the trial's, added again when replayed.
@@ -40,7 +42,7 @@ TUNE_KEYS = frozenset({"training_iteration", "time_total_s", "episodes_total", "
                        "hostname", "pid", "time_this_iter_s", "timestamp", "date", "time_since_restore",
                        "timesteps_since_restore", "iterations_since_restore", "config", "checkpoint_dir_name",
                        "done", "trial_id", "should_checkpoint", "experiment_tag"})  # fmt: skip
-SKIP_NAMES = frozenset({".lock", "trial.log", ".partial"})
+SKIP_NAMES = frozenset({LOCK, LOG, ".partial"})  # the lock, the log, the stages' partial state
 SKIP_SUFFIXES = (".pt", ".pth", ".th", ".ckpt", ".safetensors", ".bin", ".onnx")
 MAX_FILE = 1 << 20
 #: A trial's files that say how far it is (pipelines.sweep.trial): its state (attempts, MLflow run id), written
@@ -68,7 +70,7 @@ def identity(spec: dict[str, Any], tid: str, config: dict[str, Any], params: Any
 
 def in_flight(root: Path) -> bool:
     """Whether a trial holds its directory's lock now (core.utils.locks.locked)."""
-    lock = root / ".lock"
+    lock = root / LOCK
     if not lock.exists():
         return False
     with open(lock, "a") as fh:
@@ -119,12 +121,11 @@ def files(root: Path, left: dict[str, int] | None = None) -> dict[str, dict[str,
 ParamsOf = Callable[[dict[str, Any], str, dict[str, Any]], Any]
 
 
-def record(sweep_dir: Path, tid: str, params_of: ParamsOf) -> dict[str, Any] | None:
+def record(spec: dict[str, Any], sweep_dir: Path, tid: str, params_of: ParamsOf) -> dict[str, Any] | None:
     """The record of one trial of the sweep in ``sweep_dir``; None while it runs or before it reported.
     ``params_of(spec, tid, config)``: the trial's params (pipelines.sweep.arm_trial.config_params)."""
     from core.utils.machine import cpu_model
 
-    spec = json.loads((sweep_dir / "sweep.json").read_text())
     tune_trial, root = sweep_dir / "tune" / tid, sweep_dir / "trials" / tid
     rows = reports(tune_trial)
     if not rows or in_flight(root):
@@ -141,10 +142,11 @@ def record(sweep_dir: Path, tid: str, params_of: ParamsOf) -> dict[str, Any] | N
 def export(sweep_dir: Path, out: Path, params_of: ParamsOf) -> list[Path]:
     """Write ``out/<sweep>/<tid>.json`` for every trial of ``sweep_dir`` that finished, was refused or stopped
     (an unchanged record is not rewritten); returns the records written."""
-    name = json.loads((sweep_dir / "sweep.json").read_text())["name"]
+    spec = json.loads((sweep_dir / "sweep.json").read_text())
+    name = spec["name"]
     written = []
     for tune_trial in sorted(p.parent for p in (sweep_dir / "tune").glob("*/params.json")):
-        rec = record(sweep_dir, tune_trial.name, params_of)
+        rec = record(spec, sweep_dir, tune_trial.name, params_of)
         if rec is None:
             continue
         path = out / name / f"{rec['tid']}.json"
