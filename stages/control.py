@@ -30,7 +30,7 @@ from core.utils.atomic import atomic_write_json, atomic_write_text
 from stages.harness import training as T
 from stages.harness.fine_tuning import CONTROL, control_checkpoint, control_disabled_reason, preflight, train
 from stages.harness.runner import stage_main
-from stages.harness.t1_checkpoint import load_source, source_label, source_path
+from stages.harness.t1_checkpoint import Wanted, load_source, source_label, source_path
 
 VARIANT = CONTROL
 NAME = CONTROL.name
@@ -43,7 +43,7 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     reason = disabled_reason(params)
     if reason is not None:
         return _disabled(root, reason)
-    source = load_source(params, root)
+    source = load_source(Wanted.of(params, root))
     ckpt = source.ckpt
     start = {"model": ckpt["model"], "model_spec": ckpt["model_spec"], "image_size": ckpt.get("image_size")}
     if source.trained:  # a training checkpoint: what "continue" fine-tuning resumes from

@@ -120,7 +120,7 @@ def check(params: Params, root: Path = Path(".")) -> None:
     for name, path in paths.items():  # each read whole: its checksum verified
         ckpt = T.load_checkpoint(path, ("model", "model_spec"), LABELS[name])
         if name == "cnn":  # scored as the CNN and the mCE baseline: the params' own CNN
-            T.check_cnn_checkpoint(ckpt, params, path)
+            T.check_cnn_checkpoint(ckpt, T.CnnWanted.of(params), path)
     pub = params.robustness.public
     if pub is None or pub.use != "replace":
         check_generated_sets(params, root)

@@ -74,8 +74,8 @@ def import_cnn(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     model, device = imported.model, T.training_device()
     channels_last = T.use_channels_last(device)
     model.to(device)
-    loaders = T.loaders(params, ds, batch_size=T.EVAL_BATCH, seed=params.cnn_seed, augment=None,
-                        size=params.data.image_size)  # fmt: skip
+    loaders = T.loaders(ds, batch_size=T.EVAL_BATCH, seed=params.cnn_seed, augment=None,
+                        size=params.data.image_size, num_workers=params.data.num_workers)  # fmt: skip
     with deterministic(device):
         val = T.evaluate_split(model, loaders.val, device, channels_last, params) if loaders.val else {}
         test = T.evaluate_split(model, loaders.test, device, channels_last, params)

@@ -35,10 +35,10 @@ from typing import Any
 import torch
 
 from core.analysis.equivalence import LARGE_INIT, PAPER_INIT, agreement, features_before
-from core.config import Params
+from core.config import Params, ReparamConfig
 from core.data import first_batch
 from core.models.conversion import attention_modules, gpsa_modules, to_attention
-from core.models.kinds import Conversion
+from core.models.kinds import Conversion, ModelKind
 from core.models.reparameterize import Reparameterized, reparameterize, state_kept_by_name
 from core.training.checkpoint import atomic_save
 from core.training.environment import seed_everything, select_device
@@ -49,10 +49,31 @@ from core.utils.hashing import derive_seed, file_digest
 from stages.harness import chain
 from stages.harness import training as T
 from stages.harness.runner import StageError, stage_main
-from stages.harness.t1_checkpoint import Pretrained, load_source, source_label, source_path
+from stages.harness.t1_checkpoint import Pretrained, Wanted, load_source
 
 NAME = "reparam"
 PROBE = 256  # images in the equivalence batch
+
+
+class Job:
+    """What the stage reads of ``params``, read once, at the top of :func:`run`, and handed on in narrow pieces,
+    so that no step below reads params again or looks the model kind up a second time: the t1 checkpoint it
+    converts (`Wanted`: where it is and the network it must be, model.kind's record among it), the reparam
+    section, the seed, the loaders' workers, and what the equivalence report says the run asked for."""
+
+    def __init__(self, params: Params, root: Path) -> None:
+        self.t1 = Wanted.of(params, root)
+        self.reparam = params.reparam
+        self.seed = params.seed
+        self.num_workers = params.data.num_workers
+        self.epoch = params.t1()  # reparam.epoch, or 0 for an imported CNN
+        self.imported = params.imports_cnn
+        self.normalization = T.input_normalization(params)
+
+    @property
+    def kind(self) -> ModelKind:
+        """model.kind's record (looked up once, by `Wanted.of`)."""
+        return self.t1.cnn.kind
 
 
 def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
@@ -61,14 +82,16 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
     report."""
     t_wall = time.perf_counter()
     root = Path(root)
-    source = load_source(params, root)  # read and checked once (its kind, spec, network code), CNN rebuilt
+    job = Job(params, root)
+    source = load_source(job.t1)  # read and checked once (its kind, spec, network code), CNN rebuilt
     ds = T.datasets(params, root)
     device = select_device()
-    seed_everything(derive_seed(params.seed, NAME))  # the new W_qry, W_key (and such) draw from this stream
-    made, state, moved, note = _convert(params, source)
+    seed_everything(derive_seed(job.seed, NAME))  # the new W_qry, W_key (and such) draw from this stream
+    made, state, moved, note = _convert(source, job.kind, job.reparam, job.t1.cnn.options)
     size = int(source.ckpt.get("image_size") or ds.image_size)
-    loaders = T.loaders(params, ds, batch_size=T.EVAL_BATCH, seed=params.seed, augment=None, size=size)
-    report = measure(params, source, made, loaders, device, moved)
+    loaders = T.loaders(ds, batch_size=T.EVAL_BATCH, seed=job.seed, augment=None, size=size,
+                        num_workers=job.num_workers)  # fmt: skip
+    report = measure(job, source, made, loaders, device, moved)
     if note:
         report["note"] = note
     report["wall_s"] = time.perf_counter() - t_wall
@@ -78,13 +101,14 @@ def run(params: Params, *, root: Path = Path(".")) -> dict[str, Any]:
 
 
 def _convert(
-    params: Params, source: Pretrained
+    source: Pretrained, kind: ModelKind, reparam: ReparamConfig, options: dict[str, Any]
 ) -> tuple[Reparameterized, dict[str, Any], dict[str, str], str | None]:
-    """The kind's network made from the CNN (`core.models.reparameterize`) and the optimizer state for
-    "continue" fine-tuning, keyed by its parameter names ([TCNN21] Table 3)."""
-    kind, state_in = params.model.record, source.optimizer_state()
+    """The network of ``kind`` made from the CNN (`core.models.reparameterize`, with the ``reparam`` section and
+    model.options) and the optimizer state for "continue" fine-tuning, keyed by its parameter names ([TCNN21]
+    Table 3)."""
+    state_in = source.optimizer_state()
     try:
-        made = reparameterize(source.model, source.spec, kind, params.reparam, params.model.options)
+        made = reparameterize(source.model, source.spec, kind, reparam, options)
     except ValueError as err:
         raise StageError(
             f"reparam: cannot convert {source.spec['arch']!r} to kind {kind.name!r} ({err})"
@@ -126,22 +150,31 @@ def _write(
 
 
 class Comparison:
-    """What the equivalence compares: the logits, or, when the import replaced the classifier (T-CNN and CNN
-    then share a new, untrained head), the features before it (`core.analysis.equivalence.features_before`)."""
+    """What the equivalence compares, on the probe batch: the logits, or, when the import replaced the classifier
+    (T-CNN and CNN then share a new, untrained head), the features before it
+    (`core.analysis.equivalence.features_before`). It holds the probe and the CNN's output on it, computed once,
+    so every network is held against the CNN in one call (:meth:`near`)."""
 
-    def __init__(self, imported: dict[str, Any] | None) -> None:
+    def __init__(self, imported: dict[str, Any] | None, cnn: torch.nn.Module, probe: torch.Tensor) -> None:
         replaced = bool(imported and imported.get("head_replaced"))
         self.head = imported["classifier"] if replaced and imported else None
         self.what = (
             f"features before the classifier {self.head!r} (replaced on import)" if self.head else "logits"
         )
+        self.probe = probe
+        self.cnn_out = self(cnn, probe)
 
     def __call__(self, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return features_before(model, x, self.head) if self.head else predict(model, x)
 
+    def near(self, model: torch.nn.Module) -> dict[str, Any]:
+        """How close ``model`` computes the CNN's function on the probe batch
+        (`core.analysis.equivalence.agreement`)."""
+        return agreement(self.cnn_out, self(model, self.probe))
+
 
 def measure(
-    params: Params, source: Pretrained, made: Reparameterized, loaders: T.Loaders, device: torch.device,
+    job: Job, source: Pretrained, made: Reparameterized, loaders: T.Loaders, device: torch.device,
     moved: dict[str, str],
 ) -> dict[str, Any]:  # fmt: skip
     """The equivalence report of ``made`` (the network converted from the t1 checkpoint's CNN, ``source``) in
@@ -151,36 +184,35 @@ def measure(
     probe = first_batch(loaders.val if loaders.val is not None else loaders.test, PROBE)
     cnn = source.model.to(device)
     made.model.to(device)
-    compare = Comparison(source.ckpt.get("source"))
-    logits_cnn = compare(cnn, probe)
-    report = _equivalence(params, source.ckpt, cnn, made, probe, logits_cnn, compare)
+    compare = Comparison(source.ckpt.get("source"), cnn, probe)
+    report = _equivalence(job, source.ckpt, cnn, made, compare)
     report["optimizer_state_renamed"] = {k: v for k, v in moved.items() if k != v}
     if made.conversion is not None:
-        report.update(_other_modes(params, cnn, made.conversion, probe, logits_cnn, loaders, device, compare))
+        report.update(_other_modes(cnn, made.conversion, loaders.test, device, compare))
     report.update(_accuracies(cnn, made.model, loaders, device))
     return report
 
 
 def _equivalence(
-    params: Params, ckpt: dict[str, Any], cnn: torch.nn.Module, made: Reparameterized, probe: torch.Tensor,
-    logits_cnn: torch.Tensor, compare: Comparison,
-) -> dict[str, Any]:  # fmt: skip
-    """How close the converted network computes the CNN's function on the probe batch ([TCNN21] Sec. 2)."""
-    tcnn, r = made.model, params.reparam
+    job: Job, ckpt: dict[str, Any], cnn: torch.nn.Module, made: Reparameterized, compare: Comparison
+) -> dict[str, Any]:
+    """How close the converted network computes the CNN's function on the probe batch ([TCNN21] Sec. 2), after
+    what the run asked for (``job``)."""
+    tcnn, r = made.model, job.reparam
     return {
-        "reparam_epoch": params.t1(),
-        "imported": params.imports_cnn,
+        "reparam_epoch": job.epoch,
+        "imported": job.imported,
         "source": ckpt.get("source"),
-        "normalization": T.input_normalization(params),
+        "normalization": job.normalization,
         "compared": compare.what,
         "alpha_init": r.alpha_init,
         "lambda_init": r.lambda_init,
         "stride_mode": r.stride_mode,
         "stages": list(r.stages),
-        "kind": params.model.kind,
+        "kind": job.kind.name,
         "converted": made.converted,
-        "probe_images": int(probe.shape[0]),
-        **agreement(logits_cnn, compare(tcnn, probe)),
+        "probe_images": int(compare.probe.shape[0]),
+        **compare.near(tcnn),
         "gpsa_layers": [name for name, _ in gpsa_modules(tcnn)],
         "attention_layers": [name for name, _ in attention_modules(tcnn)],
         "params_cnn": sum(p.numel() for p in cnn.parameters()),
@@ -189,37 +221,37 @@ def _equivalence(
 
 
 def _other_modes(
-    params: Params, cnn: torch.nn.Module, conversion: Conversion, probe: torch.Tensor, logits_cnn: torch.Tensor,
-    loaders: T.Loaders, device: torch.device, compare: Comparison,
-) -> dict[str, Any]:  # fmt: skip
-    """The same distance with the other stride mode and at the paper's and a large init (`_other_inits`)."""
-    other = "s1" if params.reparam.stride_mode == "exact" else "exact"
+    cnn: torch.nn.Module, conversion: Conversion, test: Any, device: torch.device, compare: Comparison
+) -> dict[str, Any]:
+    """The same distance with the other stride mode than ``conversion``'s (the one that made the network) and
+    at the paper's and a large init (`_other_inits`)."""
+    other = "s1" if conversion.stride_mode == "exact" else "exact"
     out: dict[str, Any] = {}
     try:
         alt = to_attention(cnn, conversion.replace(stride_mode=other)).to(device)
-        out[f"max_abs_logit_diff_{other}"] = agreement(logits_cnn, compare(alt, probe))["max_abs_logit_diff"]
+        out[f"max_abs_logit_diff_{other}"] = compare.near(alt)["max_abs_logit_diff"]
     except (ValueError, NotImplementedError) as err:
         out[f"max_abs_logit_diff_{other}"] = None
         out[f"{other}_error"] = str(err)
-    out["inits"] = _other_inits(cnn, params, conversion, probe, logits_cnn, loaders.test, device, compare)
+    out["inits"] = _other_inits(cnn, conversion, test, device, compare)
     return out
 
 
 def _other_inits(
-    cnn: torch.nn.Module, params: Params, conversion: Conversion, probe: torch.Tensor, logits_cnn: torch.Tensor,
-    test: Any, device: torch.device, compare: Comparison,
-) -> list[dict[str, Any]]:  # fmt: skip
+    cnn: torch.nn.Module, conversion: Conversion, test: Any, device: torch.device, compare: Comparison
+) -> list[dict[str, Any]]:
     """How far the converted network is from the CNN at the paper's init and at a large init, next to the
-    configured one: max |logit diff| and prediction agreement on the probe batch, and at the paper's init the
-    test accuracy right after reparameterization (what the paper's fine-tuning starts from)."""
-    configured = (params.reparam.alpha_init, params.reparam.lambda_init)
+    configured one (``conversion``'s, the reparam section's): max |logit diff| and prediction agreement on the
+    probe batch, and at the paper's init the test accuracy right after reparameterization (what the paper's
+    fine-tuning starts from)."""
+    configured = (conversion.alpha_init, conversion.lambda_init)
     rows = []
     for label, (a, lam) in (("paper", PAPER_INIT), ("large", LARGE_INIT)):
         if (a, lam) == configured:
             continue
         other = to_attention(cnn, conversion.replace(alpha_init=a, lambda_init=lam))
         other = other.to(device).eval()
-        near = agreement(logits_cnn, compare(other, probe))
+        near = compare.near(other)
         row = {"init": label, "alpha_init": a, "lambda_init": lam}
         row |= {k: near[k] for k in ("max_abs_logit_diff", "prediction_agreement")}
         if label == "paper" and test is not None:
@@ -251,9 +283,10 @@ def check(params: Params, root: Path = Path(".")) -> None:
     """Before any run opens: the pretraining checkpoint at t1 exists and is this run's (:func:`load_source`),
     and the params convert it (a ``reparam.stages`` pattern that matches no conv is refused here, not after
     the runs opened; :func:`run` reseeds before its own conversion)."""
-    T.require_checkpoint(source_path(params, root), source_label(params))
+    want = Wanted.of(params, root)
+    T.require_checkpoint(want.path, want.label)
     T.require_dataset(params, root)
-    _convert(params, load_source(params, root))
+    _convert(load_source(want), want.cnn.kind, params.reparam, want.cnn.options)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -202,11 +202,13 @@ def test_a_foreign_pretrained_cnn_is_refused_where_it_is_read(tmp_path: Path, da
         f"{cnn}: holds a cnn/resnet18 network, the params pretrain cnn/resnet10_cifar"
     )
     T.check_cnn_checkpoint(
-        {"model_spec": pretraining.model_spec(params, 10, 1)}, params, cnn
+        {"model_spec": pretraining.model_spec(params, 10, 1)}, T.CnnWanted.of(params), cnn
     )  # its own: no error
     with pytest.raises(StageError, match="differs in options"):
         opts = params.with_overrides({"model.options": {"drop_rate": 0.1}})
-        T.check_cnn_checkpoint({"model_spec": pretraining.model_spec(opts, 10, 1)}, params, cnn)
+        T.check_cnn_checkpoint(
+            {"model_spec": pretraining.model_spec(opts, 10, 1)}, T.CnnWanted.of(params), cnn
+        )
 
 
 def test_a_published_set_that_does_not_fit_is_refused_by_validate(

@@ -60,7 +60,12 @@ def test_streamed_imagefolder_trains_through_the_stages(tree: Path, tmp_path: Pa
         ds = T.datasets(params, root)
         assert ds.train_x is None and len(ds.train_y) == 72 and len(ds.val_y) == 12 and len(ds.test_y) == 24
         loaders = T.loaders(
-            params, ds, batch_size=12, seed=0, augment=params.augment_for("finetune"), size=32
+            ds,
+            batch_size=12,
+            seed=0,
+            augment=params.augment_for("finetune"),
+            size=32,
+            num_workers=params.data.num_workers,
         )
         assert isinstance(loaders.train, Mixing) and isinstance(loaders.test, StreamLoader)
         x, y = next(iter(loaders.train.batches(0)))

@@ -182,7 +182,8 @@ def train(
     frozen = _frozen(model, freeze, strict_freeze)
     r = _recipe(params, ckpt, src, seed)
     set_stochastic_depth(model, r.drop_path)
-    loaders = T.loaders(params, ds, batch_size=r.batch, seed=r.order_seed, augment=r.augment, size=r.size)
+    loaders = T.loaders(ds, batch_size=r.batch, seed=r.order_seed, augment=r.augment, size=r.size,
+                        num_workers=params.data.num_workers)  # fmt: skip
     spe = _steps(loaders, r.batch, ds, r.batch_key)
     try:
         recipe = (recipes.fresh(model, params.finetune, spe) if r.carry is None

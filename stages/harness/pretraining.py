@@ -138,12 +138,12 @@ def loaders(params: Params, ds: Datasets, augment: Any) -> tuple[T.Loaders, int]
     (a batch size above the training set: StageError)."""
     p = params.pretrain
     loaders = T.loaders(
-        params,
         ds,
         batch_size=p.batch_size,
         seed=params.cnn_seed,
         augment=augment,
         size=params.data.image_size,
+        num_workers=params.data.num_workers,
     )
     spe = len(loaders.train)
     if spe == 0:

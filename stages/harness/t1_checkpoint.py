@@ -3,8 +3,10 @@ Sec. 2: the CNN's checkpoint at epoch t1 = reparam.epoch; or the imported CNN, `
 what it must hold, and loading it checked against params (its kind, its spec or import digest) and against
 the network code it was pretrained with where DVC does not track it (`stages.harness.identity.network_code`).
 
-It is read and checked once, here (:func:`load_source`), and handed on as a `Pretrained`: the checked
-checkpoint with its network rebuilt, so no later step looks the kind up or validates the file again.
+What the params ask of it is read of them once (`Wanted.of`: its path, its keys, the network it must be, with
+model.kind's record looked up there); the file is read and checked once, here (:func:`load_source`), and handed
+on as a `Pretrained`: the checked checkpoint with its network rebuilt, so no later step looks the kind up or
+validates the file again.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from stages.harness import training as T
 from stages.harness.identity import stale_network_code
 from stages.harness.runner import StageError
 
-__all__ = ["Pretrained", "load_source", "required", "source_label", "source_path"]
+__all__ = ["Pretrained", "Wanted", "load_source", "required", "source_label", "source_path"]
 
 REQUIRED = ("model", "model_spec", "optimizer", "param_names", "scheduler", "rng", "epoch", "global_step")
 IMPORTED = ("model", "model_spec", "source")  # an imported CNN's checkpoint (stages.imported_cnn.import_cnn)
@@ -45,6 +47,22 @@ def source_label(params: Params) -> str:
     if params.imports_cnn:
         return "imported CNN written by the pretrain stage (pretrain.source)"
     return f"pretraining checkpoint at reparam.epoch={params.reparam.epoch}"
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """The t1 checkpoint the params ask for, read of them once (:meth:`of`): where it is (:func:`source_path`),
+    what a refusal calls it (:func:`source_label`), the keys it must hold (:func:`required`) and the network it
+    must be (`stages.harness.training.CnnWanted`)."""
+
+    path: Path
+    label: str
+    required: tuple[str, ...]
+    cnn: T.CnnWanted
+
+    @classmethod
+    def of(cls, params: Params, root: Path) -> Wanted:
+        return cls(source_path(params, root), source_label(params), required(params), T.CnnWanted.of(params))
 
 
 @dataclass(frozen=True)
@@ -92,23 +110,22 @@ class Pretrained:
         }
 
 
-def load_source(params: Params, root: Path) -> Pretrained:
-    """The t1 checkpoint, checked once to be what params ask for (an import of this source, or a training run
-    of this kind, spec and network code) and its network rebuilt: every later step takes it as it is."""
-    src = source_path(params, root)
-    ckpt = T.load_checkpoint(src, required(params), source_label(params))
+def load_source(want: Wanted) -> Pretrained:
+    """The t1 checkpoint, checked once to be what the params ask for (``want``: an import of this source, or a
+    training run of this kind, spec and network code) and its network rebuilt: every later step takes it as it
+    is."""
+    src, cnn = want.path, want.cnn
+    ckpt = T.load_checkpoint(src, want.required, want.label)
     held = ckpt.get("model_spec")
-    mismatch = (
-        params.model.record.source_mismatch(held) if isinstance(held, dict) and "kind" in held else None
-    )
+    mismatch = cnn.kind.source_mismatch(held) if isinstance(held, dict) and "kind" in held else None
     if mismatch is not None:  # the specific word for a checkpoint of another kind
         raise StageError(f"{src}: {mismatch} (rerun pretrain)")
-    spec = T.check_cnn_checkpoint(ckpt, params, src)  # the params' own spec, which the config checked
+    spec = T.check_cnn_checkpoint(ckpt, cnn, src)  # the params' own spec, which the config checked
     stale = stale_network_code(ckpt.get("network_code") or {})
     if stale:
         raise StageError(
             f"{src}: pretrained with another {stale[0]} (network code dvc.yaml does not list for this config: "
-            f"model.kind={params.model.kind!r}'s, or model.arch={params.model.arch!r}'s); rerun pretraining: "
+            f"model.kind={cnn.kind.name!r}'s, or model.arch={cnn.arch!r}'s); rerun pretraining: "
             "dvc repro -f pretrain"
         )
     try:

@@ -20,8 +20,9 @@ import torch
 import torch.nn as nn
 from pydantic import BaseModel
 
-from core.config import Params
+from core.config import Params, SourceConfig
 from core.data import Datasets, load_datasets, make_loader
+from core.models.kinds import ModelKind
 from core.models.spec import pretraining_spec
 from core.training import distributed as D
 from core.training.checkpoint import CheckpointError, atomic_save, load, model_from
@@ -108,10 +109,11 @@ class Loaders:
 
 
 def loaders(
-    params: Params, ds: Datasets, *, batch_size: int, seed: int, augment: Any, size: int | None
+    ds: Datasets, *, batch_size: int, seed: int, augment: Any, size: int | None, num_workers: int
 ) -> Loaders:
-    """Train/val/test loaders; under data parallelism each yields this rank's shard of every global batch."""
-    nw = params.data.num_workers
+    """Train/val/test loaders (``num_workers``: data.num_workers); under data parallelism each yields this rank's
+    shard of every global batch."""
+    nw = num_workers
     w = D.world()
     if batch_size % w.size:
         raise StageError(f"batch size {batch_size} is not divisible by the {w.size} data-parallel workers")
@@ -289,29 +291,47 @@ def rebuild(ckpt: dict[str, Any], path: Path) -> nn.Module:
         raise StageError(str(err)) from None
 
 
-def check_cnn_checkpoint(ckpt: dict[str, Any], params: Params, path: Path) -> dict[str, Any]:
-    """The pretrained CNN a stage reads (reparam's t1 checkpoint, evaluate's ``cnn-final.pt``) is the one these
-    params make, not a file of another run put in its place: an import of the configured source (its sha256),
-    and a network of the spec the params pretrain (kind, arch, options, image size;
+@dataclass(frozen=True)
+class CnnWanted:
+    """The pretrained network the params make, read of them once (:meth:`of`): what
+    :func:`check_cnn_checkpoint` holds a checkpoint to. ``kind`` is model.kind's record, looked up here and
+    nowhere after; ``source`` is pretrain.source (an imported CNN: its file's sha256), None for a CNN trained
+    here."""
+
+    kind: ModelKind
+    arch: str
+    options: dict[str, Any]
+    image_size: int
+    source: SourceConfig | None
+
+    @classmethod
+    def of(cls, params: Params) -> CnnWanted:
+        m = params.model
+        return cls(m.record, m.arch, m.options, params.data.image_size, params.pretrain.source)
+
+
+def check_cnn_checkpoint(ckpt: dict[str, Any], want: CnnWanted, path: Path) -> dict[str, Any]:
+    """The pretrained CNN a stage reads (reparam's t1 checkpoint, evaluate's ``cnn-final.pt``) is the one the
+    params make (``want``), not a file of another run put in its place: an import of the configured source (its
+    sha256), and a network of the spec the params pretrain (kind, arch, options, image size;
     `core.models.spec.pretraining_spec`). Returns that spec: the params' own, checked with them by the config,
     so its network builds without checking it again (`core.models.spec.network`)."""
-    source = params.pretrain.source
-    if params.imports_cnn:
+    source = want.source
+    if source is not None:
         imported = ckpt.get("source") or {}
-        if source is not None and source.is_file and imported.get("sha256") != source.sha256:
+        if source.is_file and imported.get("sha256") != source.sha256:
             raise StageError(f"{path}: holds an import of sha256 {imported.get('sha256')}, pretrain.source.sha256 "
                              f"is {source.sha256} (rerun pretrain)")  # fmt: skip
     held = ckpt.get("model_spec") or {}
-    m = params.model
-    want = pretraining_spec(m.record, m.arch, m.options, held.get("num_classes"), held.get("in_chans"),
-                            params.data.image_size)  # fmt: skip
-    differ = sorted(k for k in set(held) | set(want) if held.get(k) != want.get(k))
+    want_spec = pretraining_spec(want.kind, want.arch, want.options, held.get("num_classes"),
+                                 held.get("in_chans"), want.image_size)  # fmt: skip
+    differ = sorted(k for k in set(held) | set(want_spec) if held.get(k) != want_spec.get(k))
     if differ:
         raise StageError(
             f"{path}: holds a {held.get('kind')}/{held.get('arch')} network, the params pretrain "
-            f"{want['kind']}/{want['arch']} (it differs in {', '.join(differ)}; rerun pretrain)"
+            f"{want_spec['kind']}/{want_spec['arch']} (it differs in {', '.join(differ)}; rerun pretrain)"
         )
-    return want
+    return want_spec
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
