@@ -429,7 +429,9 @@ void backward_images(const at::Tensor& dy, const at::Tensor& qt, const at::Tenso
     for (int64_t blk = b0; blk < b1; ++blk) {
       T* dpos_acc = dpos_blk.data_ptr<T>() + blk * map;
       T* dg_acc = dg_blk.data_ptr<T>() + blk * s.nh;
-      for (int64_t n = blk * s.b / nblk; n < (blk + 1) * s.b / nblk; ++n) {
+      const int64_t first_n = blk * s.b / nblk;  // each block holds >= 1 image (nblk <= B): its first one
+      for (int64_t n = first_n; n < (blk + 1) * s.b / nblk; ++n) {  // writes the block's sums, the rest add
+        const bool first = n == first_n;
         const auto [kb, ksh, kld] = maps<T>(q, k, n, pp, gp, scale, s, w);
         const T* dyn = dyp + n * rows * s.c;
         const T* xb = vp + n * sv0;
@@ -448,7 +450,6 @@ void backward_images(const at::Tensor& dy, const at::Tensor& qt, const at::Tenso
           gemm<T>(s.c, rows, s.lk, dyn, 1, s.c, w.a.data(), s.lk, dvp + n * s.c * s.lk, s.lk);
         }
         const T* p = w.p.data();
-        for (int64_t e = 0; e < map; ++e) dpos_acc[e] += da[e];  // query-major, like A
         for (int64_t h = 0; h < s.nh; ++h) {
           const T gh = gp[h];
           T rsum = 0;
@@ -456,12 +457,17 @@ void backward_images(const at::Tensor& dy, const at::Tensor& qt, const at::Tenso
             const T* prow = p + (h * s.lq + i) * s.lk;
             const T* darow = da.data() + (i * s.nh + h) * s.lk;
             T* dsrow = ds + (h * s.lq + i) * s.lk;
+            T* dprow = dpos_acc + (i * s.nh + h) * s.lk;  // dPos += dA (query-major, like A), row in cache
+            if (first)
+              std::memcpy(dprow, darow, s.lk * sizeof(T));
+            else
+              for (int64_t j = 0; j < s.lk; ++j) dprow[j] += darow[j];
             const T r = dot(darow, prow, s.lk);
             rsum += r;
             const T gr = gh * r;
             for (int64_t j = 0; j < s.lk; ++j) dsrow[j] = (darow[j] * gh - gr) * prow[j];
           }
-          dg_acc[h] += rsum;
+          dg_acc[h] = first ? rsum : dg_acc[h] + rsum;
           // dQ^T = scale dS K^T [Lq, d] (rows of dS and K both contiguous along L: no transpose of dS),
           // dK = scale Q dS [d, L]: the finished sums scaled into the outputs, in their strides
           gemm_nt<T>(s.lq, s.d, s.lk, ds + h * s.lq * s.lk, s.lk, kb + h * ksh, kld, out.data(), s.d);
@@ -506,7 +512,7 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& qt, con
   const bool cl = vt.stride(1) == 1 && s.c > 1;
   at::Tensor dvt = cl ? at::empty({s.b, s.lk, s.c}, opt).transpose(1, 2) : at::empty({s.b, s.c, s.lk}, opt);
   const int64_t nblk = std::min(s.b, kBlocks), map = s.lq * s.nh * s.lk;
-  at::Tensor dpos_blk = at::zeros({nblk, map}, opt), dg_blk = at::zeros({nblk, s.nh}, opt);
+  at::Tensor dpos_blk = at::empty({nblk, map}, opt), dg_blk = at::empty({nblk, s.nh}, opt);  // all written
   AT_DISPATCH_FLOATING_TYPES(qt.scalar_type(), "gated_attention_backward", [&] {
     backward_images<scalar_t>(dy, qt, kt, vt, pos, g, static_cast<scalar_t>(scale), s, dqt, dkt, dvt, dpos_blk,
                               dg_blk, nblk);
