@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <optional>
 #include <tuple>
@@ -341,18 +342,42 @@ Dims check(const at::Tensor& qt, const at::Tensor& kt, const at::Tensor& vt, con
   return s;
 }
 
-// One task's buffers (allocated once per task, outside the image loop).
+// One task's buffers (allocated once per task, outside the image loop). The forward keeps one head's
+// probabilities at a time (a smaller working set), the backward all heads' (dS needs them) and dS itself.
 template <typename T>
 struct Work {
-  std::vector<T> kp, sc, p, a, xp;
-  Work(const Dims& s, int64_t xpack)
-      : kp(s.nh * s.d * s.lk), sc(s.nh * s.lq * s.lk), p(s.nh * s.lq * s.lk), a(s.lq * s.nh * s.lk), xp(xpack) {}
+  std::vector<T> kp, p, a, xp;
+  bool all_heads;
+  Work(const Dims& s, int64_t xpack, bool all_heads)
+      : kp(s.nh * s.d * s.lk), p((all_heads ? s.nh : 1) * s.lq * s.lk), a(s.lq * s.nh * s.lk), xp(xpack),
+        all_heads(all_heads) {}
 };
 
-// The maps of image n: w.p [heads, Lq, L] = softmax(scale Q^T K), w.a [Lq, heads, L] = g P + pos with the
-// probabilities <= sqrt(smallest normal) set to zero (core.nn.gpsa._flush_tiny). Returns K's rows for the
-// image, head h at (result + h * result_sh), row stride result_ld, columns contiguous (packed into w.kp when
-// k's columns are strided, e.g. a channels-last projection).
+// Prefetch into L2 the cache lines of the elements p[sum_k i_k * strides[k]], 0 <= i_k < sizes[k], when they
+// span at most 256 KiB (non-negative strides): the next image's operands while this one computes (the first
+// touch of a strided projection's rows otherwise stalls its pack).
+template <typename T>
+void prefetch(const T* p, std::initializer_list<std::pair<int64_t, int64_t>> dims) {
+  int64_t extent = 1;
+  for (const auto& [size, stride] : dims) {
+    if (stride < 0) return;
+    extent += (size - 1) * stride;
+  }
+  const int64_t bytes = extent * static_cast<int64_t>(sizeof(T));
+  if (bytes > (int64_t(256) << 10)) return;
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 2);
+}
+
+template <typename T>
+void prefetch_heads(const Heads<T>& t, int64_t n, const Dims& s, int64_t l) {
+  prefetch(t.p + n * t.sn, {{s.nh, t.sh}, {s.d, t.se}, {l, t.si}});
+}
+
+// The maps of image n ([TCNN21] Eq. 7): w.p [heads (or 1), Lq, L] = softmax(scale Q^T K), w.a [Lq, heads, L]
+// = g P + pos with the probabilities <= sqrt(smallest normal) set to zero (core.nn.gpsa._flush_tiny), head by
+// head. Returns K's rows for the image, head h at (result + h * result_sh), row stride result_ld, columns
+// contiguous (packed into w.kp when k's columns are strided, e.g. a channels-last projection).
 template <typename T>
 std::tuple<const T*, int64_t, int64_t> maps(const Heads<T>& q, const Heads<T>& k, int64_t n, const T* pos,
                                             const T* g, T scale, const Dims& s, Work<T>& w) {
@@ -366,14 +391,14 @@ std::tuple<const T*, int64_t, int64_t> maps(const Heads<T>& q, const Heads<T>& k
     kld = s.lk;
   }
   const T* qn = q.p + n * q.sn;
-  for (int64_t h = 0; h < s.nh; ++h)  // Q^T K: A(i, e) = Q[e, i]
-    gemm<T>(s.lq, s.d, s.lk, qn + h * q.sh, q.si, q.se, kb + h * ksh, kld, w.sc.data() + h * s.lq * s.lk, s.lk);
-  softmax_rows<T>(s.nh * s.lq, s.lk, w.sc.data(), scale, w.p.data());
   const T th = static_cast<T>(std::sqrt(static_cast<double>(std::numeric_limits<T>::min())));
   for (int64_t h = 0; h < s.nh; ++h) {
+    T* ph = w.p.data() + (w.all_heads ? h * s.lq * s.lk : 0);
+    gemm<T>(s.lq, s.d, s.lk, qn + h * q.sh, q.si, q.se, kb + h * ksh, kld, ph, s.lk);  // Q^T K: A(i,e) = Q[e,i]
+    softmax_rows<T>(s.lq, s.lk, ph, scale, ph);                                         // in place
     const T gh = g[h];
     for (int64_t i = 0; i < s.lq; ++i) {
-      const T* prow = w.p.data() + (h * s.lq + i) * s.lk;
+      const T* prow = ph + i * s.lk;
       const T* qrow = pos + (h * s.lq + i) * s.lk;
       T* arow = w.a.data() + (i * s.nh + h) * s.lk;
       for (int64_t j = 0; j < s.lk; ++j) {
@@ -394,8 +419,13 @@ void forward_images(const at::Tensor& qt, const at::Tensor& kt, const at::Tensor
   const bool xrows = sv1 == 1;  // X = vt[n]^T [L, C] has contiguous rows (a channels-last map)
   T* yp = y.data_ptr<T>();
   at::parallel_for(0, s.b, 1, [&](int64_t n0, int64_t n1) {
-    Work<T> w(s, xrows ? 0 : s.lk * s.c);
+    Work<T> w(s, xrows ? 0 : s.lk * s.c, false);
     for (int64_t n = n0; n < n1; ++n) {
+      if (n + 1 < n1) {
+        prefetch_heads(q, n + 1, s, s.lq);
+        prefetch_heads(k, n + 1, s, s.lk);
+        prefetch(vp + (n + 1) * sv0, {{s.c, sv1}, {s.lk, sv2}});
+      }
       maps<T>(q, k, n, pp, gp, scale, s, w);
       const T* xb = vp + n * sv0;
       int64_t ldx = sv2;
@@ -423,15 +453,20 @@ void backward_images(const at::Tensor& dy, const at::Tensor& qt, const at::Tenso
   const bool dx_cl = dvt.stride(1) == 1;  // dX in vt's channels-last layout (transposed on the way out)
   T* dvp = dvt.data_ptr<T>();
   at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) {
-    Work<T> w(s, xrows ? 0 : s.c * s.lk);
-    std::vector<T> da(map), out(s.d * std::max(s.lq, s.lk)), dxt(dx_cl ? s.c * s.lk : 0);
-    T* ds = w.sc.data();  // the scores are consumed by the softmax: their buffer holds dS
+    Work<T> w(s, xrows ? 0 : s.c * s.lk, true);
+    std::vector<T> da(map), dsb(s.nh * s.lq * s.lk), out(s.d * std::max(s.lq, s.lk)), dxt(dx_cl ? s.c * s.lk : 0);
+    T* ds = dsb.data();
     for (int64_t blk = b0; blk < b1; ++blk) {
       T* dpos_acc = dpos_blk.data_ptr<T>() + blk * map;
       T* dg_acc = dg_blk.data_ptr<T>() + blk * s.nh;
       const int64_t first_n = blk * s.b / nblk;  // each block holds >= 1 image (nblk <= B): its first one
       for (int64_t n = first_n; n < (blk + 1) * s.b / nblk; ++n) {  // writes the block's sums, the rest add
         const bool first = n == first_n;
+        if (n + 1 < s.b && n + 1 < b1 * s.b / nblk) {
+          prefetch_heads(q, n + 1, s, s.lq);
+          prefetch_heads(k, n + 1, s, s.lk);
+          prefetch(vp + (n + 1) * sv0, {{s.c, sv1}, {s.lk, sv2}});
+        }
         const auto [kb, ksh, kld] = maps<T>(q, k, n, pp, gp, scale, s, w);
         const T* dyn = dyp + n * rows * s.c;
         const T* xb = vp + n * sv0;
