@@ -752,8 +752,9 @@ def test_cpp_attention_gradcheck_thread_independent_and_fallback(monkeypatch: py
 
 def test_cpp_float32_products_equal_float64_at_every_tile_shape() -> None:
     """The C++ kernel's float32 products (its register-blocked GEMM: 64-column blocks, 16-column blocks, scalar
-    tails, 6-row tiles and leftover rows) against the same kernel in float64 (ATen's mm/baddbmm/softmax):
-    channels 83 = 64 + 16 + 3 and a 7 x 7 map (L = 49 = 3 x 16 + 1), forward and every gradient."""
+    tails, 6-row tiles and leftover rows of 1-5; its dot-product kernel for dQ^T: 3 x 4 tiles, leftover rows and
+    columns, vector tails) against the same kernel in float64 (plain loops): channels 83 = 64 + 16 + 3, d = 7 and
+    a 7 x 7 map (L = 49 = 3 x 16 + 1), forward and every gradient."""
     from core.nn.gated_attention_cpp import extension
 
     torch.manual_seed(36)
@@ -809,7 +810,9 @@ def test_cpp_attention_views_equal_python_kernel(layout: str, stride: int) -> No
         y = gated_attention_cpp(qs, both[:, :, d:], vt, pos, g_con, 0.4)
     got = [y.detach(), *torch.autograd.grad(y, leaves, dy)]
     ref_q = both[:, :, :d] if stride == 1 else qs
-    y_ref = gated_attention(ref_q.reshape(b * nh, d, lq), both[:, :, d:].reshape(b * nh, d, lk), vt, pos, g_con, 0.4)
+    y_ref = gated_attention(
+        ref_q.reshape(b * nh, d, lq), both[:, :, d:].reshape(b * nh, d, lk), vt, pos, g_con, 0.4
+    )
     want = [y_ref.detach(), *torch.autograd.grad(y_ref, leaves, dy)]
     for u, v in zip(got, want):
         torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-5 * max(1.0, v.abs().max().item()))
@@ -818,7 +821,10 @@ def test_cpp_attention_views_equal_python_kernel(layout: str, stride: int) -> No
     if stride == 1:
         args = [proj(2 * nh * d, 4, 3, torch.float64).requires_grad_()]
         args += [torch.randn(b, c, 4, 3, dtype=torch.float64).contiguous(memory_format=fmt).flatten(2)]
-        args += [0.5 * torch.rand(nh, 12, 12, dtype=torch.float64).softmax(-1), torch.rand(nh, dtype=torch.float64)]
+        args += [
+            0.5 * torch.rand(nh, 12, 12, dtype=torch.float64).softmax(-1),
+            torch.rand(nh, dtype=torch.float64),
+        ]
         args = [t.detach().requires_grad_() for t in args]
         assert torch.autograd.gradcheck(
             lambda *a: gated_attention_cpp_qk(*a, 0.7), args, eps=1e-6, atol=1e-7, fast_mode=True

@@ -204,7 +204,8 @@ class TcnnGPSA(GPSA):
         # [B, heads, d, L] views of the projections' outputs, NCHW or channels-last (no copy)
         qk_one = s == 1 and bqkv is None
         if qk_one:  # one GEMM for q and k: rows (head, q|k, d), one block per head
-            both = self._project(x, self._cached(("qk_rows",), self._qk_rows), None, 1).unflatten(1, (nh, 2 * dq))
+            both = self._project(x, self._cached(("qk_rows",), self._qk_rows), None, 1)
+            both = both.unflatten(1, (nh, 2 * dq))
             qt, kt = both[:, :, :dq], both[:, :, dq:]
         else:
             bq, bk = (None, None) if bqkv is None else (bqkv[:qk], bqkv[qk : 2 * qk])
