@@ -752,8 +752,9 @@ def test_cpp_attention_gradcheck_thread_independent_and_fallback(monkeypatch: py
 
 def test_cpp_float32_products_equal_float64_at_every_tile_shape() -> None:
     """The C++ kernel's float32 products (its register-blocked GEMM: 64-column blocks, 16-column blocks, scalar
-    tails, 6-row tiles and leftover rows) against the same kernel in float64 (ATen's mm/baddbmm/softmax):
-    channels 83 = 64 + 16 + 3 and a 7 x 7 map (L = 49 = 3 x 16 + 1), forward and every gradient."""
+    tails, 6-row tiles and leftover rows of 1-5; its dot-product kernel for dQ^T: 3 x 4 tiles, leftover rows and
+    columns, vector tails) against the same kernel in float64 (plain loops): channels 83 = 64 + 16 + 3, d = 7 and
+    a 7 x 7 map (L = 49 = 3 x 16 + 1), forward and every gradient."""
     from core.nn.gated_attention_cpp import extension
 
     torch.manual_seed(36)
@@ -772,6 +773,62 @@ def test_cpp_float32_products_equal_float64_at_every_tile_shape() -> None:
     g32 = ext.backward(dy.float(), *(t.float() for t in args), 0.4)
     for u, v in zip(g32, g64):
         torch.testing.assert_close(u.double(), v, rtol=1e-4, atol=1e-5 * v.abs().max().item())
+
+
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_cpp_attention_views_equal_python_kernel(layout: str, stride: int) -> None:
+    """The C++ kernel on [B, heads, d, L] views of a projection's output as the layer passes them (NCHW or
+    channels-last; at stride 1 q and k as one tensor, `gated_attention_cpp_qk`; at stride 2 the queries from
+    their own projection) equals the Python kernel (core.nn.gated_attention) on [B * heads, d, L] copies:
+    forward and every gradient to float32 precision, the projection's gradient in the projection's own
+    strides (no copy for autograd to make); float64 gradcheck of the one-tensor entry."""
+    from core.nn.gated_attention import gated_attention
+    from core.nn.gated_attention_cpp import gated_attention_cpp, gated_attention_cpp_qk
+
+    torch.manual_seed(37)
+    b, nh, d, c, hw = 3, 9, 5, 11, (6, 7)
+    lk = hw[0] * hw[1]
+    hq, wq = (hw[0] + 1) // 2, (hw[1] + 1) // 2
+    lq = lk if stride == 1 else hq * wq
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+
+    def proj(rows: int, h: int, w: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        t = torch.randn(b, rows, h, w, dtype=dtype).contiguous(memory_format=fmt)
+        return t.flatten(2).unflatten(1, (nh, rows // nh))
+
+    both = proj(2 * nh * d, *hw).requires_grad_()  # [B, heads, 2 d, L]: q rows then k rows per head
+    qs = proj(nh * d, hq, wq).requires_grad_() if stride == 2 else None
+    vt = torch.randn(b, c, *hw).contiguous(memory_format=fmt).flatten(2).requires_grad_()
+    pos = (0.5 * torch.rand(nh, lq, lk).softmax(-1)).requires_grad_()
+    g_con = torch.rand(nh).requires_grad_()
+    dy = torch.randn(b, lq * nh, c)
+    leaves = [t for t in (both, qs, vt, pos, g_con) if t is not None]
+    if stride == 1:
+        y = gated_attention_cpp_qk(both, vt, pos, g_con, 0.4)
+    else:
+        y = gated_attention_cpp(qs, both[:, :, d:], vt, pos, g_con, 0.4)
+    got = [y.detach(), *torch.autograd.grad(y, leaves, dy)]
+    ref_q = both[:, :, :d] if stride == 1 else qs
+    y_ref = gated_attention(
+        ref_q.reshape(b * nh, d, lq), both[:, :, d:].reshape(b * nh, d, lk), vt, pos, g_con, 0.4
+    )
+    want = [y_ref.detach(), *torch.autograd.grad(y_ref, leaves, dy)]
+    for u, v in zip(got, want):
+        torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-5 * max(1.0, v.abs().max().item()))
+    assert got[1 if stride == 1 else 2].stride() == (both if stride == 1 else qs).stride()
+    assert got[-3].stride() == vt.stride()
+    if stride == 1:
+        args = [proj(2 * nh * d, 4, 3, torch.float64).requires_grad_()]
+        args += [torch.randn(b, c, 4, 3, dtype=torch.float64).contiguous(memory_format=fmt).flatten(2)]
+        args += [
+            0.5 * torch.rand(nh, 12, 12, dtype=torch.float64).softmax(-1),
+            torch.rand(nh, dtype=torch.float64),
+        ]
+        args = [t.detach().requires_grad_() for t in args]
+        assert torch.autograd.gradcheck(
+            lambda *a: gated_attention_cpp_qk(*a, 0.7), args, eps=1e-6, atol=1e-7, fast_mode=True
+        )
 
 
 def _cpp_call(*a: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch
 
 from core.utils.errors import first_line
 
-__all__ = ["available", "extension", "gated_attention_cpp"]
+__all__ = ["available", "extension", "gated_attention_cpp", "gated_attention_cpp_qk"]
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,8 @@ def available() -> bool:
 
 
 class _CppGatedAttention(torch.autograd.Function):
-    """Y = (g softmax(scale Q^T K) + Pos) X through the C++ kernel; backward recomputes the maps per image."""
+    """Y = (g softmax(scale Q^T K) + Pos) X through the C++ kernel; backward recomputes the maps per image and
+    returns the gradients of qt, kt in their own strides (``torch.empty_like``)."""
 
     @staticmethod
     def forward(
@@ -139,12 +140,51 @@ class _CppGatedAttention(torch.autograd.Function):
         return dq, dk, dv, dpos, dg, None
 
 
+class _CppGatedAttentionQK(torch.autograd.Function):
+    """The same for q and k in one tensor ``qk`` [B, heads, 2 d, L] (rows (q | k, d) per head, any strides: one
+    projection's output): its gradient comes back as one tensor in ``qk``'s own strides, so neither a copy of
+    ``qk`` into the [B * heads, d, L] layout nor the zero-fill and add of two slices' gradients happens."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, qk: torch.Tensor, vt: torch.Tensor, pos: torch.Tensor, g_con: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        ctx.save_for_backward(qk, vt, pos, g_con)
+        ctx.scale = scale
+        d = qk.shape[2] // 2
+        return extension().forward(qk[:, :, :d], qk[:, :, d:], vt, pos, g_con, scale)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        qk, vt, pos, g = ctx.saved_tensors
+        d = qk.shape[2] // 2
+        dqk = torch.empty_like(qk)
+        _, _, dv, dpos, dg = extension().backward(
+            dy.contiguous(), qk[:, :, :d], qk[:, :, d:], vt, pos, g, ctx.scale, dqk[:, :, :d], dqk[:, :, d:]
+        )
+        return dqk, dv, dpos, dg, None
+
+
 def gated_attention_cpp(
     qt: torch.Tensor, kt: torch.Tensor, vt: torch.Tensor, pos: torch.Tensor, g_con: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """`core.nn.gated_attention.gated_attention` (same arguments and result) through the C++ kernel; CPU, float32
-    or float64, and `available()` must hold."""
+    or float64, and `available()` must hold. qt, kt may also come as [B, heads, d, L] (any strides: e.g. views
+    of a channels-last projection, no copy); their gradients come in their own strides."""
     pos, g_con = pos.contiguous(), g_con.contiguous()
     if not torch.is_grad_enabled():
         return extension().forward(qt, kt, vt, pos, g_con, scale)
     return _CppGatedAttention.apply(qt, kt, vt, pos, g_con, scale)
+
+
+def gated_attention_cpp_qk(
+    qk: torch.Tensor, vt: torch.Tensor, pos: torch.Tensor, g_con: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`gated_attention_cpp` with q and k as the two halves of one tensor ``qk`` [B, heads, 2 d, L] (q^T rows
+    then k^T rows per head, any strides; Lq = L): the layout of the T-CNN's one q|k projection
+    (`core.nn.gpsa_tcnn.TcnnGPSA._qk_rows`), taken as it comes, its gradient one tensor in its own strides."""
+    pos, g_con = pos.contiguous(), g_con.contiguous()
+    if not torch.is_grad_enabled():
+        d = qk.shape[2] // 2
+        return extension().forward(qk[:, :, :d], qk[:, :, d:], vt, pos, g_con, scale)
+    return _CppGatedAttentionQK.apply(qk, vt, pos, g_con, scale)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from core.nn.gated_attention import gated_attention
 from core.nn.gated_attention_cpp import available as cpp_available
-from core.nn.gated_attention_cpp import gated_attention_cpp
+from core.nn.gated_attention_cpp import gated_attention_cpp, gated_attention_cpp_qk
 from core.nn.gated_mix import gated_mix
 from core.nn.gpsa import GPSA
 from core.nn.positional import STRIDE_MODES
@@ -168,8 +168,9 @@ class TcnnGPSA(GPSA):
         """Dense path: out_i = sum_h sum_j A^h_ij V_j W_out^h + b ([TCNN21] Eq. 5), conv-shaped GEMMs.
 
         Works on the NCHW map as it comes (no token copy of the input):
-        1. q^T, k^T [B * heads, d, L] straight from the [B, C, L] view of x: a 1x1-conv-shaped GEMM per image
-           (queries only at the output positions for an exact stride);
+        1. q^T, k^T [B, heads, d, L] straight from the [B, C, L] view of x: a 1x1-conv-shaped GEMM per image
+           (queries only at the output positions for an exact stride), as views of the projections' outputs
+           (NCHW or channels-last; the C++ kernel reads them as they are, q and k as one tensor at stride 1);
         2. A^h = (1 - sigma(lambda_h)) softmax(q k^T / sqrt(d)) + sigma(lambda_h) P^h, stored [B, Lq, heads, L]
            (the batch-shared P^h comes from the cache);
         3. Y = A X: batched matmuls [B, Lq * heads, L] @ [B, L, C] reading x's NCHW view transposed. Steps 2-3
@@ -200,27 +201,33 @@ class TcnnGPSA(GPSA):
         xs = x.flatten(2)  # [B, C, L]: a view for NCHW and channels_last inputs
         qk = nh * dq
         wqkv, bqkv = self.qkv_weight, self.qkv_bias
-        # views below for NCHW inputs; reshape copies where a channels_last input made conv2d's output CL
-        if s == 1 and bqkv is None:  # one GEMM for q and k: rows (head, q|k, d), one block per head
+        # [B, heads, d, L] views of the projections' outputs, NCHW or channels-last (no copy)
+        qk_one = s == 1 and bqkv is None
+        if qk_one:  # one GEMM for q and k: rows (head, q|k, d), one block per head
             both = self._project(x, self._cached(("qk_rows",), self._qk_rows), None, 1)
-            both = both.reshape(b * nh, 2 * dq, lk)
-            qt, kt = both[:, :dq], both[:, dq:]
+            both = both.unflatten(1, (nh, 2 * dq))
+            qt, kt = both[:, :, :dq], both[:, :, dq:]
         else:
             bq, bk = (None, None) if bqkv is None else (bqkv[:qk], bqkv[qk : 2 * qk])
-            qt = self._project(x, wqkv[:qk], bq, s).reshape(b * nh, dq, lq)
-            kt = self._project(x, wqkv[qk : 2 * qk], bk, 1).reshape(b * nh, dq, lk)
+            qt = self._project(x, wqkv[:qk], bq, s).unflatten(1, (nh, dq))
+            kt = self._project(x, wqkv[qk : 2 * qk], bk, 1).unflatten(1, (nh, dq))
         if fold:
             vt = xs
         else:
             vt = self._project(x, wqkv[2 * qk :], None if bqkv is None else bqkv[2 * qk :], 1)
-        if self._cpp_ok(qt, kt, vt) or self._fused_ok(qt, kt, vt):
+        cpp = self._cpp_ok(qt, kt, vt)
+        if cpp or self._fused_ok(qt, kt, vt):
             act = qt.dtype
             g_con = self._gates(act)[1]
             pos = self._gated_positional(h, w, act)
-            attend = gated_attention_cpp if self._cpp_ok(qt, kt, vt) else gated_attention
-            y = attend(qt, kt, vt, pos, g_con, dq**-0.5)  # [B, Lq * heads, C]
-        else:
-            y = self._attend_reference(qt, kt, vt, h, w)
+            if cpp and qk_one:  # q and k as the one projection output, its gradient one tensor in its strides
+                y = gated_attention_cpp_qk(both, vt, pos, g_con, dq**-0.5)  # [B, Lq * heads, C]
+            elif cpp:
+                y = gated_attention_cpp(qt, kt, vt, pos, g_con, dq**-0.5)
+            else:
+                y = gated_attention(qt.flatten(0, 1), kt.flatten(0, 1), vt, pos, g_con, dq**-0.5)
+        else:  # [B * heads, d, L]: views for NCHW inputs, copies for channels-last ones
+            y = self._attend_reference(qt.flatten(0, 1), kt.flatten(0, 1), vt, h, w)
         w2 = self._cached(("w2", fold), lambda: self._out_weight(fold))
         if self.conv_output:  # the same GEMM as a 1x1 convolution over the channels-last view of Y (oneDNN)
             out = F.conv2d(y.view(b, hq, wq, nh * c).permute(0, 3, 1, 2), w2[:, :, None, None], self.bias)
