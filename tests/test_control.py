@@ -42,8 +42,8 @@ def _record_loaders(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     calls: list[dict[str, Any]] = []
     real = T.loaders
 
-    def spy(params: Any, ds: Any, **kw: Any) -> T.Loaders:
-        out = real(params, ds, **kw)
+    def spy(ds: Any, **kw: Any) -> T.Loaders:
+        out = real(ds, **kw)
         x, y = out.train.batch(0, 0)
         calls.append({**kw, "augment": kw["augment"].model_dump(), "first_x": x, "first_y": y,
                       "order": out.train.order(1).copy(), "steps": len(out.train)})  # fmt: skip
@@ -74,7 +74,7 @@ def test_only_the_reparameterization_differs(tmp_path, data_dir, monkeypatch, ar
     m_c = control.run(params, root=tmp_path)
     assert m_c["enabled"] is True and len(calls) == 2
     a, b = calls
-    for key in ("batch_size", "seed", "augment", "size", "steps"):
+    for key in ("batch_size", "seed", "augment", "size", "steps", "num_workers"):
         assert a[key] == b[key], key
     assert torch.equal(a["first_x"], b["first_x"]) and torch.equal(a["first_y"], b["first_y"])
     assert (a["order"] == b["order"]).all()  # the same data order in later epochs too
