@@ -88,7 +88,8 @@ def test_inference_model_picks_the_fastest_matching_form(monkeypatch: pytest.Mon
 
     def slow(m: nn.Module) -> object:
         def f(z: torch.Tensor) -> torch.Tensor:
-            time.sleep(0.5)  # far above a loaded machine's jitter on the 6-image call (0.05 s lost to it once)
+            # 0.5 s: far above a loaded machine's jitter on the 6-image call (it beat 0.05 s once)
+            time.sleep(0.5)
             return m(z)
 
         return f
