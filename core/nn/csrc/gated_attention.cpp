@@ -29,6 +29,7 @@
 #include <optional>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -374,6 +375,25 @@ void prefetch_heads(const Heads<T>& t, int64_t n, const Dims& s, int64_t l) {
   prefetch(t.p + n * t.sn, {{s.nh, t.sh}, {s.d, t.se}, {l, t.si}});
 }
 
+// The next image's q, k and x (vn: its [C, L] map, strides sv1, sv2) into L2 while this one computes.
+template <typename T>
+void prefetch_image(const Heads<T>& q, const Heads<T>& k, const T* vn, int64_t sv1, int64_t sv2, int64_t n,
+                    const Dims& s) {
+  prefetch_heads(q, n, s, s.lq);
+  prefetch_heads(k, n, s, s.lk);
+  prefetch(vn, {{s.c, sv1}, {s.lk, sv2}});
+}
+
+// A [R, C] operand (row stride rs, column stride cs) with contiguous rows, as `gemm`'s right operand needs:
+// itself when cs == 1, else packed into buf; returns its rows and their stride.
+template <typename T>
+std::pair<const T*, int64_t> contiguous_rows(int64_t R, int64_t C, const T* src, int64_t rs, int64_t cs,
+                                             std::vector<T>& buf) {
+  if (cs == 1) return {src, rs};
+  pack(R, C, src, rs, cs, buf.data(), C);
+  return {buf.data(), C};
+}
+
 // The maps of image n ([TCNN21] Eq. 7): w.p [heads (or 1), Lq, L] = softmax(scale Q^T K), w.a [Lq, heads, L]
 // = g P + pos with the probabilities <= sqrt(smallest normal) set to zero (core.nn.gpsa._flush_tiny), head by
 // head. Returns K's rows for the image, head h at (result + h * result_sh), row stride result_ld, columns
@@ -421,19 +441,9 @@ void forward_images(const at::Tensor& qt, const at::Tensor& kt, const at::Tensor
   at::parallel_for(0, s.b, 1, [&](int64_t n0, int64_t n1) {
     Work<T> w(s, xrows ? 0 : s.lk * s.c, false);
     for (int64_t n = n0; n < n1; ++n) {
-      if (n + 1 < n1) {
-        prefetch_heads(q, n + 1, s, s.lq);
-        prefetch_heads(k, n + 1, s, s.lk);
-        prefetch(vp + (n + 1) * sv0, {{s.c, sv1}, {s.lk, sv2}});
-      }
+      if (n + 1 < n1) prefetch_image(q, k, vp + (n + 1) * sv0, sv1, sv2, n + 1, s);
       maps<T>(q, k, n, pp, gp, scale, s, w);
-      const T* xb = vp + n * sv0;
-      int64_t ldx = sv2;
-      if (!xrows) {
-        pack(s.lk, s.c, xb, sv2, sv1, w.xp.data(), s.c);
-        xb = w.xp.data();
-        ldx = s.c;
-      }
+      const auto [xb, ldx] = contiguous_rows(s.lk, s.c, vp + n * sv0, sv2, sv1, w.xp);  // X = vt[n]^T [L, C]
       gemm<T>(s.lq * s.nh, s.lk, s.c, w.a.data(), s.lk, 1, xb, ldx, yp + n * s.lq * s.nh * s.c, s.c);  // Y = A X
     }
   });
@@ -462,20 +472,10 @@ void backward_images(const at::Tensor& dy, const at::Tensor& qt, const at::Tenso
       const int64_t first_n = blk * s.b / nblk;  // each block holds >= 1 image (nblk <= B): its first one
       for (int64_t n = first_n; n < (blk + 1) * s.b / nblk; ++n) {  // writes the block's sums, the rest add
         const bool first = n == first_n;
-        if (n + 1 < s.b && n + 1 < b1 * s.b / nblk) {
-          prefetch_heads(q, n + 1, s, s.lq);
-          prefetch_heads(k, n + 1, s, s.lk);
-          prefetch(vp + (n + 1) * sv0, {{s.c, sv1}, {s.lk, sv2}});
-        }
+        if (n + 1 < s.b && n + 1 < b1 * s.b / nblk) prefetch_image(q, k, vp + (n + 1) * sv0, sv1, sv2, n + 1, s);
         const auto [kb, ksh, kld] = maps<T>(q, k, n, pp, gp, scale, s, w);
         const T* dyn = dyp + n * rows * s.c;
-        const T* xb = vp + n * sv0;
-        int64_t ldx = sv1;
-        if (!xrows) {
-          pack(s.c, s.lk, xb, sv1, sv2, w.xp.data(), s.lk);
-          xb = w.xp.data();
-          ldx = s.lk;
-        }
+        const auto [xb, ldx] = contiguous_rows(s.c, s.lk, vp + n * sv0, sv1, sv2, w.xp);  // X = vt[n] [C, L]
         gemm<T>(rows, s.c, s.lk, dyn, s.c, 1, xb, ldx, da.data(), s.lk);  // dA = dY X^T  [Lq*heads, L]
         // dX^T = dY^T A  [C, L] (A's rows streamed: A is too large for L1), into vt's layout
         if (dx_cl) {
