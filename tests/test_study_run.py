@@ -21,6 +21,7 @@ from test_sweep import TCNN, make_project, sweep_env
 
 from pipelines.studies import run as study
 from pipelines.studies import sequential
+from pipelines.studies.snapshot import progress_block
 
 SEARCH = {"space": {"finetune.lr": {"loguniform": [0.001, 0.1]}}, "algorithm": "random", "num_samples": 2,
           "seed": 0, "min_finished": 2}  # fmt: skip
@@ -250,9 +251,21 @@ def test_a_dry_run_chains_search_seeds_and_block_and_a_rerun_changes_nothing(tmp
 
     # a fresh machine (issue 57): only what was committed survives, the project and the snapshot's trial records;
     # run from another folder, the study replays every trial (no training, no checkpoint) to the same answer
-    snap = subprocess.run([TCNN, "study", "snapshot", "--sweeps", "sweeps", "--name", "st", "--out", "out"],
+    snap = subprocess.run([TCNN, "study", "snapshot", "--sweeps", "sweeps", "--name", "st", "--out", "out",
+                           "--readme", "P.md", "--docs", "D.md"],
                           cwd=tmp_path, env=sweep_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
     assert snap.returncode == 0, snap.stderr
+    for page, table in (
+        ("P.md", False),
+        ("D.md", True),
+    ):  # the progress blocks: the README's lines, docs' table
+        block = progress_block(tmp_path / "out", table=table)
+        assert (
+            tmp_path / page
+        ).read_text() == f"<!-- study:st-progress:begin -->\n{block}<!-- study:st-progress:end -->\n"
+    assert (
+        "| p000-tcnn |" in (tmp_path / "D.md").read_text() and "| p0" not in (tmp_path / "P.md").read_text()
+    )
     records = sorted((tmp_path / "out" / "trials").glob("st-*/*.json"))
     assert [f"{p.parent.name}/{p.stem}" for p in records] == sorted(
         f"{p.parents[2].name}/{p.parent.name}" for p in done

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pipelines.studies.snapshot import COLUMNS, progress_block, snapshot
 
 
@@ -62,17 +64,23 @@ def test_snapshot_rows_say_each_trials_last_epoch_and_state(tmp_path: Path) -> N
     )
     assert "| p000-tcnn | tcnn | 0.001 | 1 | 60.00% | finished |" in block
     assert "| p001-tcnn | tcnn | 0.0001 | 0 | 40.00% | stopped or interrupted |" in block
+    short = progress_block(tmp_path / "out", table=False)  # the README's: the lines, not the table
+    assert short == block.split("\n\n| search trial")[0] + "\n" and "| p000-tcnn" not in short
 
 
-def test_the_readme_shows_the_committed_snapshot_of_the_running_study(monkeypatch) -> None:
+@pytest.mark.parametrize("page, table", [("README.md", False), ("docs/studies.md", True)])
+def test_the_docs_show_the_committed_snapshot_of_the_running_study(
+    monkeypatch, page: str, table: bool
+) -> None:
     """README.md's progress block is what `tcnn study snapshot --readme README.md` makes of the committed
-    pipelines/studies/cifar10_resnet20/progress.* (rewritten at each commit of the running study's rows)."""
+    pipelines/studies/cifar10_resnet20/progress.* (rewritten at each commit of the running study's rows),
+    docs/studies.md's what `--docs docs/studies.md` makes (the same lines and the search's trials)."""
     root = Path(__file__).parents[1]
     monkeypatch.chdir(root)
     name = "cifar10-resnet20-progress"
-    text = (root / "README.md").read_text()
+    text = (root / page).read_text()
     block = text.split(f"<!-- study:{name}:begin -->\n")[1].split(f"<!-- study:{name}:end -->")[0]
-    assert block == progress_block(Path("pipelines/studies/cifar10_resnet20"))
+    assert block == progress_block(Path("pipelines/studies/cifar10_resnet20"), table=table)
 
 
 def test_a_wrong_name_is_one_line_exit_2_and_writes_nothing(tmp_path: Path) -> None:

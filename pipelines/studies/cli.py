@@ -3,7 +3,7 @@
     tcnn study export SWEEP_DIR OUT_DIR      # results.csv, history.csv, attention.csv, cost.csv, meta.json
     tcnn study render OUT_DIR [--readme README.md] [--check]
     tcnn study run PARAMS --name NAME --out DIR [--readme README.md] [--max-seeds N] [--force] [--dry-run] [-S k=v]
-    tcnn study snapshot --sweeps SWEEPS_DIR --name NAME --out DIR   # a running study's rows so far
+    tcnn study snapshot --sweeps SWEEPS_DIR --name NAME --out DIR [--readme README.md] [--docs docs/studies.md]
 
 Each verb is one function: :func:`pipelines.studies.results.export`, :func:`pipelines.studies.render.render`,
 :func:`pipelines.studies.run.run` (search, sequential main seeds, export; resumable),
@@ -64,6 +64,8 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--out", type=Path, required=True, help="where progress.csv and progress.json go")
     s.add_argument("--readme", type=Path, default=None,
                    help="also write the progress lines into its <!-- study:NAME-progress:begin/end --> block")  # fmt: skip
+    s.add_argument("--docs", type=Path, default=None,
+                   help="also write the progress lines and the search's trials into its NAME-progress block")  # fmt: skip
     s.set_defaults(func=_main_snapshot)
 
 
@@ -82,8 +84,9 @@ def _main_snapshot(args: argparse.Namespace) -> int:
     from pipelines.studies.snapshot import snapshot
 
     try:
-        if args.readme is not None:
-            check_output_file(args.readme, "--readme")
+        for path, flag in ((args.readme, "--readme"), (args.docs, "--docs")):
+            if path is not None:
+                check_output_file(path, flag)
         summary = snapshot(args.sweeps, args.name, args.out)
     except (StudyError, OutputPathError, OSError, ValueError) as err:
         print(f"tcnn study: error: {err}", file=sys.stderr)
@@ -91,12 +94,13 @@ def _main_snapshot(args: argparse.Namespace) -> int:
     for phase, p in summary["phases"].items():
         print(f"study: {phase}: {p['trials_finished']} trial(s) finished of {p['trials_reported']} reported, "
               f"{p['compute_h']:.2f} h recorded")  # fmt: skip
-    if args.readme is not None:
-        from pipelines.studies.run import insert_block
-        from pipelines.studies.snapshot import progress_block
+    from pipelines.studies.run import insert_block
+    from pipelines.studies.snapshot import progress_block
 
-        written = insert_block(args.readme, f"{args.name}-progress", progress_block(args.out))
-        print(f"study: wrote the progress block into {written}")
+    for path, table in ((args.readme, False), (args.docs, True)):
+        if path is not None:
+            written = insert_block(path, f"{args.name}-progress", progress_block(args.out, table=table))
+            print(f"study: wrote the progress block into {written}")
     print(f"study: wrote {args.out / 'progress.csv'} and {args.out / 'progress.json'}; "
           f"{len(summary['records_written'])} trial record(s) new or changed, {summary['trials_recorded']} in "
           f"{args.out / 'trials'}")  # fmt: skip

@@ -90,10 +90,11 @@ def snapshot(sweeps: Path, name: str, out: Path, *, records: bool = True) -> dic
     return {**summary, "records_written": written}
 
 
-def progress_block(out: Path) -> str:
-    """The README's progress lines of a running study, from the snapshot committed in ``out`` (progress.json,
-    progress.csv): per phase the trials finished, stopped or in flight and the compute recorded, and the
-    search's trials with their lr and last validation accuracy (the choice itself is the finished search's)."""
+def progress_block(out: Path, *, table: bool = True) -> str:
+    """The progress lines of a running study, from the snapshot committed in ``out`` (progress.json,
+    progress.csv): per phase the trials finished, stopped or in flight and the compute recorded, and
+    (``table``) the search's trials with their lr and last validation accuracy (the choice itself is the
+    finished search's). The README shows the lines, docs/studies.md the lines and the table."""
     import csv
 
     summary = json.loads((out / "progress.json").read_text())
@@ -106,7 +107,7 @@ def progress_block(out: Path) -> str:
         lines.append(f"- {phase}: {p['trials_finished']} trial(s) finished of {p['trials_reported']} reported, "
                      f"{p['compute_h']:.2f} h on {p.get('cpus') or 'unrecorded CPUs'}")  # fmt: skip
     search = [r for r in rows if r["phase"] == "search"]
-    if search:
+    if search and table:
         lines += ["", "| search trial | arm | lr (batch 1024) | last epoch | val acc | state |",
                   "|---|---|---:|---:|---:|---|"]  # fmt: skip
         for r in search:
