@@ -2,6 +2,7 @@
 the reference GPSA path against the fused one, next to the ratio the arithmetic allows.
 
     .venv/bin/python benchmarks/gpsa_resnet20.py [--rounds 5] [--steps 2] [--threads 2] [--eval-batch 500]
+    .venv/bin/python benchmarks/gpsa_resnet20.py --profile   # where each training step goes (torch.profiler)
 
 The networks are `trial_cost_resnet20.networks()` (the released ResNet-20 and its T-CNN: layer3's six 3x3
 convs on 8x8 maps -> TcnnGPSA, exact stride, alpha = lambda = 1), in the fine-tuning stage's layout
@@ -115,6 +116,41 @@ def show(title: str, wall: dict, cpu: dict, images: int) -> None:
               f"| {rc[k][0]:.3f} ({rc[k][1]:.2f}-{rc[k][2]:.2f}) |")  # fmt: skip
 
 
+def profile(
+    models: dict[str, torch.nn.Module], x: torch.Tensor, y: torch.Tensor, steps: int, top: int = 12
+) -> None:
+    """Where each network's training step goes: torch.profiler's self CPU time per op over ``steps`` AdamW steps
+    (after one warm-up step), the ``top`` ops and their share of the step (--profile)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for name, model in models.items():
+        m = copy.deepcopy(model).train().to(memory_format=torch.channels_last)
+        opt = build_adamw(m, lr=1.25e-4, gate_lr=0.0125, weight_decay=0.05)
+
+        def step(m: torch.nn.Module = m, opt: torch.optim.Optimizer = opt) -> None:
+            loss = F.cross_entropy(m(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+        step()
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step()
+        ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        total = sum(e.self_cpu_time_total for e in ops)
+        print(
+            f"\nprofile, {name}: {total / 1e3 / steps:.0f} ms of self CPU time per step (all threads' ops), top {top}"
+        )
+        print("| op | ms per step | share |")
+        print("|---|---:|---:|")
+        for e in ops[:top]:
+            print(
+                f"| {e.key} | {e.self_cpu_time_total / 1e3 / steps:.1f} | {100 * e.self_cpu_time_total / total:.1f}% |"
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -123,6 +159,8 @@ def main() -> None:
     ap.add_argument("--eval-batch", type=int, default=500)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--weights", type=Path, default=WEIGHTS)
+    ap.add_argument("--profile", action="store_true",
+                    help="only where the CNN's and the default T-CNN's training steps go (torch.profiler)")  # fmt: skip
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -146,6 +184,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.batch, 3, 32, 32, generator=g).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (args.batch,), generator=g)
+    if args.profile:
+        return profile({k: nets[k] for k in ("CNN", "T-CNN C++, conv output")}, x, y, max(args.steps, 3))
     train = {k: copy.deepcopy(m).train().to(memory_format=torch.channels_last) for k, m in nets.items()}
     opts = {k: build_adamw(m, lr=1.25e-4, gate_lr=0.0125, weight_decay=0.05) for k, m in train.items()}
 
