@@ -3,9 +3,12 @@ slurmd in its own network namespace with its own address and hostname), real Ray
 the nodes' network), `tcnn sweep --slurm --nodes 2`:
 
 - the cluster itself: separate nodes that reach each other (and a 3-node one started and stopped);
-- a 4-trial sweep whose trials run on both nodes, through a requeue of the whole job (`scontrol requeue`) and
+- a 4-trial sweep whose trials run on both nodes, through a requeue of the whole job (the time-limit warning,
+  USR2, as SLURM sends it before the limit: submitit's handler on the head task runs `scontrol requeue`) and
   then the loss of the worker node (everything on it SIGKILLed): every trial once in summary.parquet and in
-  MLflow, nothing left RUNNING, the interrupted trials resumed from their last fine-tuning checkpoint;
+  MLflow, nothing left RUNNING, the trials finished before the requeue not run again, the interrupted ones
+  resumed from their last fine-tuning checkpoint (the suite's one requeued sweep: test_sweep_slurm.py runs a
+  search through SLURM without one);
 - a `workers_per_trial: 2` trial whose Ray Train workers sit on different nodes (strict_spread), equal to the
   same trial trained by 2 workers on one node;
 - ray_cluster.sbatch on two nodes, and a lost head node (the job is requeued by its worker task and resumes).
@@ -336,17 +339,20 @@ def test_sweep_on_two_nodes_through_a_requeue_and_a_lost_worker_node(
     project(tmp_path, GRID, tracking, finetune={"epochs": 4, "checkpoint_every_steps": 4})
     sweep = Sweep(cluster, tmp_path, "mn", "--nodes", "2", "--cpus-per-node", "1")
     killed = requeued_in = None
-    down_seen = False
+    down_seen, done_before, stages_before = False, set(), {}
     try:
         job = sweep.wait_for("job id", lambda: sweep.job_id, timeout=120)
-        # 1. the whole job is requeued while a trial is fine-tuning (a checkpoint written): a fresh Ray cluster
-        #    on both nodes, the driver resumes the sweep, the trial its fine-tuning
+        # 1. the time-limit warning (USR2) while a trial is fine-tuning (a checkpoint written): submitit requeues
+        #    the whole job, a fresh Ray cluster on both nodes, the driver resumes the sweep, the trial its
+        #    fine-tuning; a trial that had finished is not run again
         requeued_in = sweep.wait_for(
             "a trial mid-fine-tuning",
             lambda: [tid for tid, t in sweep.trials().items() if t["checkpoint"] and not t["done"]],
         )
         restart = time.time()
-        cluster.run("scontrol", "requeue", job)
+        done_before = {tid for tid, t in sweep.trials().items() if t["done"]}
+        stages_before = {tid: stage_counts(sweep.dir / "trials" / tid) for tid in done_before}
+        cluster.run("scancel", job, "--signal", "USR2")
         cluster.release_requeued(job, log_dir=sweep.dir / "slurm")
 
         # 2. the worker node dies while one of its trials fine-tunes (a checkpoint written in this run), after
@@ -364,7 +370,13 @@ def test_sweep_on_two_nodes_through_a_requeue_and_a_lost_worker_node(
         res = cluster.script("kill-node", "node2")
         assert res.returncode == 0, res.stderr
         rc = sweep.finish()
-        down_seen = cluster.node_states().get("node2", "").startswith("down")
+        # SLURM marks the node DOWN SlurmdTimeout (20 s) after it stops answering; the sweep, its lost trial
+        # resumed on node1, may end before that
+        deadline = time.monotonic() + 120
+        while not (down_seen := cluster.node_states().get("node2", "").startswith("down")):
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(1.0)
     except BaseException:
         sweep.cancel()
         raise
@@ -376,6 +388,7 @@ def test_sweep_on_two_nodes_through_a_requeue_and_a_lost_worker_node(
     assert revived.returncode == 0, revived.stderr
     log = sweep.log
     assert rc == 0, log[-4000:]
+    assert "results: " in log and "summary.parquet" in log
     assert down_seen, cluster.node_states()
     assert cluster.job_field(job, "Restarts") == "1"
     logs = sorted(p.name for p in (sweep.dir / "slurm" / "ray-logs").iterdir())
@@ -394,6 +407,8 @@ def test_sweep_on_two_nodes_through_a_requeue_and_a_lost_worker_node(
         )
         counts = stage_counts(sweep.dir / "trials" / tid)
         assert counts.get("reparam") == counts.get("finetune") == counts.get("evaluate") == 1, (tid, counts)
+        if tid in done_before:  # finished before the requeue: not run again
+            assert counts == stages_before[tid] and state["attempts"] == 1, (tid, state)
     # shared pretraining once, each shared control once; the interrupted trials resumed from their last
     # checkpoint, not from scratch
     assert pretrain_epoch_lines(sweep.dir) == 1
