@@ -68,6 +68,21 @@ def test_snapshot_rows_say_each_trials_last_epoch_and_state(tmp_path: Path) -> N
     assert short == block.split("\n\n| search trial")[0] + "\n" and "| p000-tcnn" not in short
 
 
+def test_the_readmes_lines_keep_their_number_as_main_seeds_come(tmp_path: Path) -> None:
+    """The README's block (issue 57's README has a line budget): the search's line and one line summing the main
+    seeds (trials, hours, CPUs), however many; docs/studies.md's block keeps a line per seed."""
+    phases = {"search": {"trials_reported": 12, "trials_finished": 6, "compute_h": 6.71, "cpus": "AMD EPYC"},
+              "seed1": {"trials_reported": 1, "trials_finished": 1, "compute_h": 0.63, "cpus": "AMD EPYC"},
+              "seed2": {"trials_reported": 1, "trials_finished": 1, "compute_h": 0.5, "cpus": "Intel Xeon"},
+              "seed3": {"trials_reported": 1, "trials_finished": 0, "compute_h": 0.1, "cpus": "AMD EPYC"}}  # fmt: skip
+    (tmp_path / "progress.json").write_text(json.dumps({"name": "st", "phases": phases, "compute_h": 7.94}))
+    (tmp_path / "progress.csv").write_text(",".join(COLUMNS) + "\n")
+    lines = progress_block(tmp_path, table=False).splitlines()
+    assert lines[1:] == ["- search: 6 trial(s) finished of 12 reported, 6.71 h on AMD EPYC",
+                         "- main seeds (seed1-seed3): 2 trial(s) finished of 3 reported, 1.23 h on AMD EPYC, Intel Xeon"]  # fmt: skip
+    assert len(progress_block(tmp_path).splitlines()) == 1 + 4
+
+
 @pytest.mark.parametrize("page, table", [("README.md", False), ("docs/studies.md", True)])
 def test_the_docs_show_the_committed_snapshot_of_the_running_study(
     monkeypatch, page: str, table: bool

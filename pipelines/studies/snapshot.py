@@ -94,7 +94,8 @@ def progress_block(out: Path, *, table: bool = True) -> str:
     """The progress lines of a running study, from the snapshot committed in ``out`` (progress.json,
     progress.csv): per phase the trials finished, stopped or in flight and the compute recorded, and
     (``table``) the search's trials with their lr and last validation accuracy (the choice itself is the
-    finished search's). The README shows the lines, docs/studies.md the lines and the table."""
+    finished search's). The README shows the lines, the main seeds in one (its length stays fixed as seeds
+    come), docs/studies.md a line per phase and the table."""
     import csv
 
     summary = json.loads((out / "progress.json").read_text())
@@ -103,7 +104,16 @@ def progress_block(out: Path, *, table: bool = True) -> str:
     lines = [f"Progress of `{summary['name']}` (`tcnn study snapshot`; {out.name}/progress.csv, "
              f"{summary.get('trials_recorded', 0)} trial record(s) in {out.name}/trials): "
              f"{summary['compute_h']:.2f} h of compute recorded."]  # fmt: skip
-    for phase, p in summary["phases"].items():
+    phases = summary["phases"].items()
+    seeds = [(k, p) for k, p in phases if k != "search"]
+    if not table and len(seeds) > 1:  # the README's: one line for the main seeds, whatever their number
+        cpus = sorted({p.get("cpus") or "unrecorded CPUs" for _, p in seeds})
+        phases = [(k, p) for k, p in phases if k == "search"] + [
+            (f"main seeds ({seeds[0][0]}-{seeds[-1][0]})",
+             {"trials_finished": sum(p["trials_finished"] for _, p in seeds),
+              "trials_reported": sum(p["trials_reported"] for _, p in seeds),
+              "compute_h": sum(p["compute_h"] for _, p in seeds), "cpus": ", ".join(cpus)})]  # fmt: skip
+    for phase, p in phases:
         lines.append(f"- {phase}: {p['trials_finished']} trial(s) finished of {p['trials_reported']} reported, "
                      f"{p['compute_h']:.2f} h on {p.get('cpus') or 'unrecorded CPUs'}")  # fmt: skip
     search = [r for r in rows if r["phase"] == "search"]
