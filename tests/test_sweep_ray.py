@@ -267,11 +267,11 @@ def test_a_stopped_driver_ends_its_trials_and_closes_its_runs(
     """A stop signal to `tcnn sweep` mid-trial: the conventional status and one line, the parent and the trial
     runs KILLED (none left RUNNING), no Ray worker left behind; --auto-resume then finishes every trial in
     the same runs."""
-    # two trials; 20 fine-tuning epochs, so a trial whose first epoch is reported has most of them ahead (the
-    # whole tiny sweep of 2 epochs took under 2 s on an idle AVX-512 EPYC: a stop sent 2 s after a trial
-    # started found it finished)
+    # two trials; 10 fine-tuning epochs per arm, so a trial whose first epoch is reported has 9 of its own and
+    # its control's 10 ahead (the whole tiny sweep of 2 epochs took under 2 s on an idle AVX-512 EPYC: a stop
+    # sent 2 s after a trial started found it finished; 20 epochs cost the resume ~55 s more on the AVX2 EPYC)
     make_project(
-        tmp_path, {"reparam.alpha_init": [0.5, 2.0]}, finetune={"epochs": 20, "checkpoint_every_steps": 2}
+        tmp_path, {"reparam.alpha_init": [0.5, 2.0]}, finetune={"epochs": 10, "checkpoint_every_steps": 2}
     )
     log = tmp_path / "driver1.log"
     fine_tuning = lambda: "finetune epoch 1 val_acc" in log.read_text()  # noqa: E731
