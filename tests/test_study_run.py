@@ -20,7 +20,7 @@ from scipy import stats
 from test_sweep import TCNN, make_project, sweep_env
 
 from pipelines.studies import run as study
-from pipelines.studies import sequential
+from pipelines.studies import sequential, study_block
 from pipelines.studies.snapshot import progress_block
 
 SEARCH = {"space": {"finetune.lr": {"loguniform": [0.001, 0.1]}}, "algorithm": "random", "num_samples": 2,
@@ -108,7 +108,7 @@ def test_the_sentence_claims_a_difference_only_where_the_interval_excludes_zero(
            "high": high, "half_width": (high - low) / 2, "resolved": (high - low) / 2 <= 0.005,
            "sign": "above" if low > 0 else "below" if high < 0 else "spans", "lower_is_better": lower_better,
            "sized": not lower_better}  # fmt: skip
-    text = study.sentence(res, "seeds of one CNN")
+    text = study_block.sentence(res, "seeds of one CNN")
     assert words in text and f"[{100 * low:+.2f}, {100 * high:+.2f}]" in text
     assert ("within" in text) == (not lower_better and (high - low) / 2 <= 0.005)
 
@@ -116,8 +116,8 @@ def test_the_sentence_claims_a_difference_only_where_the_interval_excludes_zero(
 def test_the_block_replaces_its_own_markers_only(tmp_path: Path) -> None:
     readme = tmp_path / "R.md"
     readme.write_text("# head\n<!-- study:a:begin -->\nold\n<!-- study:a:end -->\ntail\n")
-    study.insert_block(readme, "a", "new\n")
-    study.insert_block(readme, "b", "other\n")
+    study_block.insert_block(readme, "a", "new\n")
+    study_block.insert_block(readme, "b", "other\n")
     assert readme.read_text() == (
         "# head\n<!-- study:a:begin -->\nnew\n<!-- study:a:end -->\ntail\n"
         "<!-- study:b:begin -->\nother\n<!-- study:b:end -->\n"
@@ -229,7 +229,7 @@ def test_a_dry_run_chains_search_seeds_and_block_and_a_rerun_changes_nothing(tmp
         got = rec["answer"][metric]
         cells = " | ".join(f"{100 * got['means'][m]:.2f}" for m in ("cnn", "control", "tcnn"))
         assert f"| {got['name']} | {cells} | {100 * got['mean']:+.2f} |" in block
-        assert study.sentence(got, rec["answer"]["unit"]) in block
+        assert study_block.sentence(got, rec["answer"]["unit"]) in block
     assert f"T-CNN: lr {lrs['tcnn']:.3g}" in block and "among 2 trials that trained every epoch" in block
     assert "1 corruptions x 1 severities (gaussian_noise; severities 1), up to 32 test images" in block
     assert len((tmp_path / "out" / "search.csv").read_text().splitlines()) == 1 + len(rows)

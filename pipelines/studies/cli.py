@@ -94,8 +94,8 @@ def _main_snapshot(args: argparse.Namespace) -> int:
     for phase, p in summary["phases"].items():
         print(f"study: {phase}: {p['trials_finished']} trial(s) finished of {p['trials_reported']} reported, "
               f"{p['compute_h']:.2f} h recorded")  # fmt: skip
-    from pipelines.studies.run import insert_block
     from pipelines.studies.snapshot import progress_block
+    from pipelines.studies.study_block import insert_block
 
     for path, table in ((args.readme, False), (args.docs, True)):
         if path is not None:
@@ -108,7 +108,8 @@ def _main_snapshot(args: argparse.Namespace) -> int:
 
 
 def _main_render(args: argparse.Namespace) -> int:
-    from pipelines.studies.run import STATE, StudyRunError, render_block
+    from pipelines.studies.run import STATE, StudyRunError
+    from pipelines.studies.study_block import render_block
 
     try:
         if (args.results / STATE).is_file():  # a `tcnn study run` output: its block from study.json

@@ -26,25 +26,24 @@ set, a 2-point search, 2 main seeds) on the CPU: it checks the chain, it answers
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 from core.utils.atomic import atomic_write_json, atomic_write_text
 from pipelines.studies import sequential
+from pipelines.studies.study_block import (  # the study's facts, shared with its block
+    ARMS,
+    KEY,
+    MODELS,
+    RECORDS,
+    REPORTED,
+    SIZED,
+    STATE,
+    StudyRunError,
+)
 from pipelines.studies.study_tables import write_csv
-from pipelines.sweep.plan import SweepError
 from pipelines.sweep.selection import mean_of
 
-KEY = "finetune.lr"
-#: The trial records under a study's folder (`tcnn study snapshot`; replayed: pipelines.sweep.replay).
-RECORDS = "trials"
-STATE = "study.json"
-ARMS = ("tcnn", "control")
-MODELS = ("cnn", "control", "tcnn")  # the imported or pretrained CNN, its fine-tuned control, its T-CNN
-#: The differences sized and reported: summary.parquet's per-arm columns (fractions) and their names.
-SIZED = (("clean_accuracy", "clean accuracy"), ("mca", "mCA"))
-REPORTED = (*SIZED, ("mce", "mCE"))  # mCE: reported with its interval, not sized
 #: --dry-run: the smoke size (data.limit caps each split; a capped run answers nothing).
 DRY_RUN = [
     "data.limit={train: 256, val: 128, test: 128}",
@@ -59,10 +58,6 @@ DRY_RUN = [
     "sweep.scheduler=null",
 ]
 DRY_RUN_SEEDS = 2
-
-
-class StudyRunError(SweepError):
-    """A study that cannot run as asked: one line, exit 2."""
 
 
 def check_search(params: Any) -> None:
@@ -292,13 +287,14 @@ def write(out: Path, record: dict[str, Any], searched: list[dict[str, Any]], per
     """study.json, search.csv, main.csv, attention.csv (+ attention.png) and study.md in ``out``; the block in
     ``readme`` when given."""
     from core.viz.study_plots import plot_head_gates
+    from pipelines.studies.study_block import block, insert_block
 
     out.mkdir(parents=True, exist_ok=True)
-    text = markdown(record)
     files = [atomic_write_json(out / STATE, record), write_csv(out / "search.csv", searched, _columns(searched)),
              write_csv(out / "main.csv", per_seed, _columns(per_seed)),
-             write_csv(out / "attention.csv", attention, _columns(attention)),
-             atomic_write_text(out / "study.md", text)]  # fmt: skip
+             write_csv(out / "attention.csv", attention, _columns(attention))]  # fmt: skip
+    text = block(out, record)  # after search.csv: the block reads it back
+    files.append(atomic_write_text(out / "study.md", text))
     if attention:
         plot_head_gates(attention, out / "attention.png", title=record["name"])
         files.append(out / "attention.png")
@@ -309,114 +305,3 @@ def write(out: Path, record: dict[str, Any], searched: list[dict[str, Any]], per
 
 def _columns(rows: list[dict[str, Any]]) -> list[str]:
     return list(rows[0]) if rows else ["seed"]
-
-
-def _pp(v: float | None, sign: bool = True) -> str:
-    return (
-        "n/a"
-        if v is None or (isinstance(v, float) and math.isnan(v))
-        else f"{100 * v:{'+' if sign else ''}.2f}"
-    )
-
-
-def sentence(res: dict[str, Any], unit: str) -> str:
-    """What the interval says, in words (a difference is claimed only where the interval excludes 0; for mCE,
-    lower is better)."""
-    ci = f"{_pp(res['mean'])} pp, 95% CI [{_pp(res['low'])}, {_pp(res['high'])}] over {unit}"
-    if res["sign"] == "spans":
-        claim = f"no difference resolved ({ci})"
-    else:
-        better = (res["sign"] == "above") != bool(res.get("lower_is_better"))
-        where = "above" if res["sign"] == "above" else "below"
-        claim = f"the T-CNN is {where} its control, {'better' if better else 'worse'} ({ci})"
-    width = "within" if res["resolved"] else "wider than"
-    asked = f", {width} the +-0.5 pp asked" if res.get("sized", True) else " (not sized)"
-    return f"{res['name']}: {claim}; half-width {100 * res['half_width']:.2f} pp{asked}."
-
-
-def _choice_line(label: str, c: dict[str, Any]) -> str:
-    ru = c.get("runner_up")
-    runner = ("no runner-up" if not ru else f"runner-up {ru.get('trial')} at {100 * float(ru['val_acc']):.2f}%"
-              + ("" if c.get("margin_images") is None else f", {c['margin_images']:g} validation images behind")
-              + (": a tie, broken by the rule in docs/sweeps.md" if c.get("tie") else ""))  # fmt: skip
-    return (f"   - {label}: lr {c['lr']:.3g} (validation {100 * c['val_accuracy']:.2f}%, among "
-            f"{c['candidates']} trials that trained every epoch; {runner})")  # fmt: skip
-
-
-def markdown(rec: dict[str, Any]) -> str:
-    """The study's block: the search's choice per arm, the seeds rule, the answer with its sentences."""
-    se, rule, ans = rec["search"], rec["rule"], rec.get("answer")
-    kind, (lo, hi) = next(iter(se["space"].items()))
-    lines = [f"**{rec['name']}** (`tcnn study run {rec['params']}`" + (", a dry run at smoke size: it checks "
-             "the chain and answers nothing)." if rec["dry_run"] else f"; {rec.get('state', '')}).")]  # fmt: skip
-    lines += ["", f"1. The lr of each arm: a search on seed {se['seed']} over {KEY} ~ {kind}[{lo:g}, {hi:g}] (at "
-              f"batch 1024), {se['points']} points run by both arms, early stopping within each arm, chosen on "
-              "validation images only (no test or corrupted image is read):"]  # fmt: skip
-    lines += [
-        _choice_line(label, se["choice"][arm]) for arm, label in (("tcnn", "T-CNN"), ("control", "control"))
-    ]
-    last = rule.get("last", {})
-    lines += [f"2. Seeds: fresh seeds after the search's, the first {rule['first']}, then one at a time until "
-              f"Student's 95% half-width of T-CNN - control is at most {rule['target_pp']:g} pp on clean accuracy "
-              f"and mCA, or {rule['cap']} seeds (the rule's simulated coverage: docs/studies.md). "
-              f"Run: {[s['seed'] for s in rec['main']['seeds']]}"
-              + (f"; stopped on {last['reason']}." if last.get("run") == 0 else "; going on.")]  # fmt: skip
-    comp = se.get("compute") or {}
-    seeds_h = sum(s.get("compute_h") or 0.0 for s in rec["main"]["seeds"])
-    cpus = sorted(
-        {c for part in (comp, *rec["main"]["seeds"]) for c in (part.get("cpus") or "").split("; ") if c}
-    )
-    lines.append(f"   Compute, as the trials' records say: search {comp.get('compute_h', 0.0):.1f} h, main seeds "
-                 f"{seeds_h:.1f} h; CPU: {', '.join(cpus) or 'not recorded'}.")  # fmt: skip
-    if not ans:
-        return "\n".join([*lines, "", "   No answer yet: fewer than 2 main seeds have finished."]) + "\n"
-    lines += ["", f"3. The answer over {ans['unit']} (means over the main seeds, %; the CNN as imported):", "",
-              "   | | CNN | control | T-CNN | T-CNN - control (pp) | 95% CI (pp) | half-width (pp) |",
-              "   |---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for m, _ in REPORTED:
-        r = ans[m]
-        models = " | ".join(_pp(r["means"][a], sign=False) for a in MODELS)
-        lines.append(f"   | {r['name']} | {models} | {_pp(r['mean'])} | [{_pp(r['low'])}, {_pp(r['high'])}] "
-                     f"| {_pp(r['half_width'], sign=False)} |")  # fmt: skip
-    sets = rec["answer_sets"]
-    lines += ["", f"   mCA is the mean accuracy over {len(sets['corruptions'])} corruptions x "
-              f"{len(sets['severities'])} severities ({', '.join(sets['corruptions'])}; severities "
-              f"{', '.join(map(str, sets['severities']))}), up to {sets['n_images']} test images per set; "
-              "a difference of 1 pp is 1 pp of that mean accuracy.", ""]  # fmt: skip
-    lines += [f"   - {sentence(ans[m], ans['unit'])}" for m, _ in REPORTED]
-    att = rec.get("attention") or {}
-    if att.get("span_end") is not None:
-        lines += ["", f"4. Attention: {att['sentence']} The heads' mean span 1/alpha went from "
-                  f"{att['span_start']:.3f} (epoch {att['epochs'][0]}) to {att['span_end']:.3f} (epoch "
-                  f"{att['epochs'][1]}) (attention.csv, attention.png)."]  # fmt: skip
-    return "\n".join(lines) + "\n"
-
-
-def insert_block(readme: Path, name: str, text: str) -> Path:
-    """Replace (or append) the block between ``<!-- study:NAME:begin -->`` and its end marker."""
-    from pipelines.studies.render import with_block
-
-    old = readme.read_text() if readme.is_file() else ""
-    new = with_block(old, name, text)
-    if new is None:
-        sep = "\n" if old and not old.endswith("\n") else ""
-        new = f"{old}{sep}<!-- study:{name}:begin -->\n{text}<!-- study:{name}:end -->\n"
-    return atomic_write_text(readme, new)
-
-
-def render_block(out: Path, readme: Path | None, *, check: bool = False) -> tuple[str, bool]:
-    """The block of a study run, again, from its committed ``out/study.json`` (``tcnn study render OUT``):
-    returns (block, whether ``readme`` already held it); without ``check`` the README is rewritten."""
-    rec = json.loads((out / STATE).read_text())
-    text = markdown(rec)
-    if readme is None:
-        return text, True
-    from pipelines.studies.render import with_block
-
-    old = readme.read_text()
-    new = with_block(old, rec["name"], text)
-    if new is None:
-        raise StudyRunError(f"{readme}: no <!-- study:{rec['name']}:begin --> ... end --> block")
-    if not check and new != old:
-        atomic_write_text(readme, new)
-    return text, new == old
