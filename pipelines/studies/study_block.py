@@ -203,7 +203,8 @@ def insert_block(readme: Path, name: str, text: str) -> Path:
 
 def render_block(out: Path, readme: Path | None, *, check: bool = False) -> tuple[str, bool]:
     """The block of a study run, again, from its committed ``out/study.json`` (``tcnn study render OUT``):
-    returns (block, whether ``readme`` already held it); without ``check`` the README is rewritten."""
+    returns (block, whether ``readme`` and ``out/study.md`` already held it); without ``check`` both are
+    rewritten."""
     rec = json.loads((out / STATE).read_text())
     text = block(out, rec)
     if readme is None:
@@ -214,6 +215,10 @@ def render_block(out: Path, readme: Path | None, *, check: bool = False) -> tupl
     new = with_block(old, rec["name"], text)
     if new is None:
         raise StudyRunError(f"{readme}: no <!-- study:{rec['name']}:begin --> ... end --> block")
+    md = out / "study.md"
+    same = new == old and md.is_file() and md.read_text() == text
     if not check and new != old:
         atomic_write_text(readme, new)
-    return text, new == old
+    if not check and not same:
+        atomic_write_text(md, text)
+    return text, same
