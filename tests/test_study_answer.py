@@ -159,6 +159,11 @@ def test_the_lr_choice_shows_its_candidates_and_where_they_sit() -> None:
         line = next(x for x in block.splitlines() if x.startswith(f"   - {label}: lr "))
         assert line.startswith(f"   - {label}: lr {float(best['finetune.lr']):.3g} (validation "
                                f"{100 * float(best['val_acc']):.2f}%, among {len(done)} trials")  # fmt: skip
+        ran = block.split(line, 1)[1].splitlines()[1]
+        assert ran.startswith("     - every point it ran") and ran.count("%") == len(mine)
+        for r in mine:
+            stopped = "" if r["status"] == "finished" else f" (stopped after epoch {r['epoch']})"
+            assert f"{float(r['finetune.lr']):.3g}: {100 * float(r['val_acc']):.2f}%{stopped}" in ran
         top = float(best["finetune.lr"]) == max(float(r["finetune.lr"]) for r in mine)
         assert ("the largest lr the search ran" in line) == top
         if "the search's choices sit at the top of the lrs it ran" in re.sub(r"\s+", " ", _readme_text()):

@@ -64,6 +64,12 @@ def _edge(search: dict[str, Any], arm: str) -> str:
     return f"; the {which} lr the search ran, so the best may lie {side} it (no point ran in {span})"
 
 
+def _ran(search: dict[str, Any], arm: str) -> str:
+    """Every point the arm's search ran (lr at batch 1024: validation accuracy), on a line of its own."""
+    ran = (search.get("ran") or {}).get(arm)
+    return f"\n     - every point it ran (lr: validation accuracy at its last epoch): {ran}" if ran else ""
+
+
 def _choice_line(label: str, c: dict[str, Any]) -> str:
     ru = c.get("runner_up")
     runner = ("no runner-up" if not ru else f"runner-up {ru.get('trial')} at {100 * float(ru['val_acc']):.2f}%"
@@ -112,7 +118,7 @@ def markdown(rec: dict[str, Any], evidence: dict[str, Any] | None = None) -> str
               f"batch 1024), {se['points']} points run by both arms, early stopping within each arm, chosen on "
               "validation images only (no test or corrupted image is read):"]  # fmt: skip
     lines += [
-        _choice_line(label, se["choice"][arm]) + _edge(se, arm)
+        _choice_line(label, se["choice"][arm]) + _edge(se, arm) + _ran(se, arm)
         for arm, label in (("tcnn", "T-CNN"), ("control", "control"))
     ]
     last = rule.get("last", {})
@@ -174,12 +180,33 @@ def edges(search_csv: Path, search: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+def candidates(search_csv: Path) -> dict[str, str]:
+    """Per arm, every point the search ran, by lr: its validation accuracy at its last epoch, and where early
+    stopping ended it (search.csv)."""
+    import csv
+
+    if not search_csv.is_file():
+        return {}
+    with open(search_csv) as fh:
+        rows = sorted(csv.DictReader(fh), key=lambda r: float(r[KEY]))
+    out = {}
+    for arm in ARMS:
+        out[arm] = ", ".join(
+            f"{float(r[KEY]):.3g}: {100 * float(r['val_acc']):.2f}%"
+            + ("" if r["status"] == "finished" else f" (stopped after epoch {r['epoch']})")
+            for r in rows
+            if r["arm"] == arm and r["val_acc"] not in ("", None)
+        )
+    return out
+
+
 def block(out: Path, rec: dict[str, Any]) -> str:
     """The study's block (:func:`markdown`), with what the main seeds' trial records in ``out/trials`` add once
     the answer stands and every main seed's record is there (`tcnn study snapshot` puts them there)."""
     from pipelines.studies.seed_records import evidence
 
-    rec = {**rec, "search": {**rec["search"], "edges": edges(out / "search.csv", rec["search"])}}
+    found_search = {"edges": edges(out / "search.csv", rec["search"]), "ran": candidates(out / "search.csv")}
+    rec = {**rec, "search": {**rec["search"], **found_search}}
     seeds = [s["seed"] for s in rec["main"]["seeds"]]
     found = evidence(out / RECORDS, rec["name"], seeds) if rec.get("answer") and not rec["dry_run"] else None
     text = markdown(rec, found)
