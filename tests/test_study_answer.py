@@ -10,6 +10,7 @@ import csv
 import io
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -187,3 +188,29 @@ def test_edges_says_above_below_or_nothing(tmp_path: Path) -> None:
     )
     assert edges(tmp_path / "t.csv", search) == {}
     assert edges(tmp_path / "missing.csv", search) == {}
+
+
+@pytest.mark.parametrize("fault", ["a file missing", "not JSON"])
+def test_a_damaged_trial_record_is_one_line_exit_2_and_nothing_written(tmp_path: Path, fault: str) -> None:
+    """`tcnn study render` of a study whose main seed's committed record lost a file (or is cut short) says so
+    in one line before writing anything: the README and study.md stay as they were."""
+    out = tmp_path / "cifar10_resnet20"
+    shutil.copytree(OUT, out)
+    (path,) = sorted((out / "trials" / f"{NAME}-seed3").glob("*.json"))
+    if fault == "not JSON":
+        path.write_text(path.read_text()[:1000])
+    else:
+        rec = json.loads(path.read_text())
+        del rec["files"]["results/per_image.parquet"]
+        path.write_text(json.dumps(rec))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n<!-- study:{NAME}:begin -->\nold\n<!-- study:{NAME}:end -->\n")
+    before = {p: p.read_bytes() for p in (readme, out / "study.md")}
+    r = subprocess.run([sys.executable, "-m", "pipelines.cli", "study", "render", str(out), "--readme", str(readme)],
+                       capture_output=True, text=True, cwd=REPO)  # fmt: skip
+    assert r.returncode == 2 and r.stdout == ""
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("tcnn study: error: ") and (
+        "results/per_image.parquet" in line if fault == "a file missing" else "not a trial record" in line
+    ), line
+    assert {p: p.read_bytes() for p in before} == before

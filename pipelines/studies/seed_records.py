@@ -24,6 +24,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipelines.studies.study_tables import StudyError
+
 #: Bootstrap replicates and seed of the interval over test images (the evaluate stage's count, robustness.bootstrap).
 REPLICATES = 1000
 BOOTSTRAP_SEED = 0
@@ -37,12 +39,22 @@ def load(trials: Path, name: str, seeds: list[int]) -> dict[int, dict[str, dict[
     out = {}
     for seed in seeds:
         folder = trials / f"{name}-seed{seed}"
-        found = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
+        found = [_record(p) for p in sorted(folder.glob("*.json"))] if folder.is_dir() else []
         finished = [r["files"] for r in found if r.get("state") == "finished"]
         if len(finished) != 1:
             return None
         out[seed] = finished[0]
     return out
+
+
+def _record(path: Path) -> dict[str, Any]:
+    try:
+        rec = json.loads(path.read_text())
+    except ValueError as err:
+        raise StudyError(f"{path}: not a trial record ({err})") from None
+    if not isinstance(rec, dict) or not isinstance(rec.get("files"), dict):
+        raise StudyError(f"{path}: not a trial record (no files)")
+    return rec
 
 
 def _json(files: dict[str, dict[str, str]], rel: str) -> Any:
@@ -149,9 +161,12 @@ def evidence(trials: Path, name: str, seeds: list[int]) -> dict[str, Any] | None
     records = load(trials, name, seeds)
     if records is None:
         return None
-    return {
-        "seeds": seeds,
-        "roles": roles(records),
-        "recovery": recovery(records),
-        "images": over_images(records),
-    }
+    try:
+        return {"seeds": seeds, "roles": roles(records), "recovery": recovery(records),
+                "images": over_images(records)}  # fmt: skip
+    except (KeyError, IndexError, TypeError, ValueError, pa.ArrowException) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        what = f"no {err}" if isinstance(err, KeyError) else first
+        raise StudyError(
+            f"{trials}/{name}-seed*: a main seed's trial record cannot give the block ({what})"
+        ) from None
