@@ -62,7 +62,10 @@ def _json(files: dict[str, dict[str, str]], rel: str) -> Any:
 
 
 def _parquet(files: dict[str, dict[str, str]], rel: str) -> pa.Table:
-    return pq.read_table(io.BytesIO(base64.b64decode(files[rel]["base64"])))
+    """A recorded parquet file, read from memory on this thread: Arrow's thread pool, used on an in-memory
+    source, can abort the process at exit (SIGABRT, "terminate called without an active exception"; 3-5 runs
+    in 48 on this project's 2-core machines under load, none with use_threads=False; apache/arrow#34314)."""
+    return pq.read_table(io.BytesIO(base64.b64decode(files[rel]["base64"])), use_threads=False)
 
 
 def _val_curve(files: dict[str, dict[str, str]], stage: str) -> list[float]:
