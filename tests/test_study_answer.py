@@ -189,6 +189,8 @@ def test_the_lr_choice_shows_its_candidates_and_where_they_sit() -> None:
         assert ("the largest lr the search ran" in line) == top
         if "the search's choices sit at the top of the lrs it ran" in re.sub(r"\s+", " ", _readme_text()):
             assert top
+    if "the heads' gates moved towards positional attention" in re.sub(r"\s+", " ", _readme_text()):
+        assert ", towards positional attention (attention.csv" in block
 
 
 def _readme_text() -> str:
