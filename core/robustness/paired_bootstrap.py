@@ -91,6 +91,19 @@ def _cells(per_image: pa.Table) -> tuple[dict[str, _ModelCells], int]:
     return out, n_clean
 
 
+def _meaningful(table: pa.Table) -> dict[tuple[str, int], bool]:
+    return {(r["corruption"], int(r["severity"])): bool(r["meaningful"]) for r in table.to_pylist()}
+
+
+def evaluation_rows(table: pa.Table, per_image: pa.Table) -> list[dict]:
+    """Every model's evaluation rows (model, corruption, severity, error, meaningful) of ``per_image`` with each
+    test image counted once: the point :func:`bootstrap_metrics` resamples. ``per_image``'s ``correct`` may be
+    fractional (e.g. averaged over runs that saw the same images); ``table`` supplies the meaningful flags."""
+    cells, n = _cells(per_image)
+    meaningful, ones = _meaningful(table), np.ones(n, dtype=np.int64)
+    return [row for model, c in cells.items() for row in c.rows(model, ones, meaningful)]
+
+
 def bootstrap_metrics(
     table: pa.Table,
     per_image: pa.Table,
@@ -108,7 +121,7 @@ def bootstrap_metrics(
     the meaningful flags. At all-ones counts the replicate equals :func:`summarize` of ``table``."""
 
     cells, n = _cells(per_image)
-    meaningful = {(r["corruption"], int(r["severity"])): bool(r["meaningful"]) for r in table.to_pylist()}
+    meaningful = _meaningful(table)
     if isinstance(baseline, str) and baseline not in cells:
         raise ValueError(f"bootstrap_metrics: baseline model {baseline!r} not in the per-image table")
 

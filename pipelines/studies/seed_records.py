@@ -128,28 +128,17 @@ def averaged_per_image(records: dict[int, dict[str, dict[str, str]]]) -> pa.Tabl
     return pa.table({**cols[0], "correct": correct})
 
 
-def _rows(per_image: pa.Table, meaningful: dict[tuple[str, int], bool]) -> list[dict[str, Any]]:
-    """Evaluation rows (model, corruption, severity, error, meaningful) of the averaged per-image table."""
-    grouped = per_image.group_by(["model", "corruption", "severity"], use_threads=False).aggregate(
-        [("correct", "mean")]
-    )
-    return [{"model": r["model"], "corruption": r["corruption"], "severity": int(r["severity"]),
-             "error": 1.0 - r["correct_mean"], "meaningful": meaningful.get((r["corruption"], int(r["severity"])), True)}
-            for r in grouped.to_pylist()]  # fmt: skip
-
-
 def over_images(records: dict[int, dict[str, dict[str, str]]]) -> dict[str, dict[str, float]]:
     """T-CNN - control of the seeds' averaged predictions ({metric: {"diff", "low", "high"}}) with its paired
     bootstrap 95% interval over test images (one draw for every model and set, the CE baseline redrawn with
     it): core.robustness.paired_bootstrap as the evaluate stage runs it on one seed."""
     from core.robustness.baseline import Baseline
     from core.robustness.metrics import flat_metrics, summarize
-    from core.robustness.paired_bootstrap import bootstrap_metrics, comparisons
+    from core.robustness.paired_bootstrap import bootstrap_metrics, comparisons, evaluation_rows
 
     per_image = averaged_per_image(records)
     table = _parquet(next(iter(records.values())), "results/robustness.parquet")
-    meaningful = {(r["corruption"], int(r["severity"])): bool(r["meaningful"]) for r in table.to_pylist()}
-    rows = _rows(per_image, meaningful)
+    rows = evaluation_rows(table, per_image)
     base = Baseline.from_table(pa.Table.from_pylist(rows), model=BASELINE, name=BASELINE)
     points = {m: flat_metrics(summarize(rows, base, model=m)) for m in ("cnn", "control", "tcnn")}
     samples = bootstrap_metrics(table, per_image, BASELINE, replicates=REPLICATES, seed=BOOTSTRAP_SEED)
@@ -165,8 +154,7 @@ def evidence(trials: Path, name: str, seeds: list[int]) -> dict[str, Any] | None
     if records is None:
         return None
     try:
-        return {"seeds": seeds, "roles": roles(records), "recovery": recovery(records),
-                "images": over_images(records)}  # fmt: skip
+        return {"roles": roles(records), "recovery": recovery(records), "images": over_images(records)}
     except (KeyError, IndexError, TypeError, ValueError, pa.ArrowException) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         what = f"no {err}" if isinstance(err, KeyError) else first
