@@ -46,11 +46,12 @@ echo "setup: .venv <- uv.lock (uv sync --locked)"
 UV_PYTHON_DOWNLOADS=never "$UV" sync --locked --extra dev --python "$PY" --quiet
 # `dvc plots show`'s page with the Vega libraries inlined (from the locked wheel): it draws offline.
 .venv/bin/python scripts/dvc_plots_page.py
-# The GPSA's C++ attention (core/nn/csrc), compiled once into build/ (git-ignored); on failure the layers use
+# The GPSA's C++ attention (core/nn/csrc), compiled once into the user's cache (~/.cache/tcnn/torch_extensions,
+# shared by every checkout and DVC experiment workspace: the build is named by its content); on failure the layers use
 # the Python path and the log says so once. About a minute of one core.
-echo "setup: building the GPSA C++ attention into build/torch_extensions"
 t0=$(date +%s)
-if .venv/bin/python -c 'import sys; from core.nn.gated_attention_cpp import available; sys.exit(not available())'; then
+if .venv/bin/python -c 'import sys; from core.nn.gated_attention_cpp import available, build_root
+print(f"setup: the GPSA C++ attention (built once into {build_root()})", flush=True); sys.exit(not available())'; then
   echo "setup: GPSA C++ attention ready ($(( $(date +%s) - t0 )) s)"
 else
   echo "setup: the GPSA C++ attention did not build; the Python path is used (core/nn/gated_attention_cpp.py)" >&2

@@ -750,6 +750,39 @@ def test_cpp_attention_gradcheck_thread_independent_and_fallback(monkeypatch: py
     torch.testing.assert_close(layer(x), _reference_copy(layer)(x), rtol=0, atol=0)
 
 
+def test_every_copy_of_the_code_loads_the_one_build(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C++ attention's build is named by its content (source, flags, torch, Python ABI) and kept in the user's
+    cache, so a copy of the code (a DVC experiment's temporary workspace, a worktree, a test's repository) loads
+    the built library instead of compiling its own (42 s of a core each); TCNN_EXTENSIONS_DIR and XDG_CACHE_HOME
+    move the cache."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from core.nn.gated_attention_cpp import available, build_root
+
+    assert available()
+    built = {p: p.stat().st_mtime_ns for p in build_root().glob("*/*.so")}
+    shutil.copytree(Path(__file__).parents[1] / "core", tmp_path / "core",
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    code = ("import sys; from core.nn import gated_attention_cpp as g; "
+            "print(g.__file__, g.build_root()); sys.exit(not g.available())")  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    module, root = res.stdout.split()
+    assert Path(module).is_relative_to(tmp_path) and Path(root) == build_root()
+    assert {p: p.stat().st_mtime_ns for p in build_root().glob("*/*.so")} == built  # loaded, nothing built
+    assert not (tmp_path / "build").exists()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert build_root() == tmp_path / "xdg" / "tcnn" / "torch_extensions"
+    monkeypatch.setenv("TCNN_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    assert build_root() == tmp_path / "ext"
+
+
 def test_cpp_float32_products_equal_float64_at_every_tile_shape() -> None:
     """The C++ kernel's float32 products (its register-blocked GEMM: 64-column blocks, 16-column blocks, scalar
     tails, 6-row tiles and leftover rows of 1-5; its dot-product kernel for dQ^T: 3 x 4 tiles, leftover rows and

@@ -6,9 +6,12 @@ scores, softmax, gated mix and flush, A.X and, in backward, the maps recomputed 
 The batch sums of the backward (positional attention, gate) are reduced per fixed block of images in a fixed
 order, so results do not depend on the thread count.
 
-The extension is compiled by ``torch.utils.cpp_extension.load`` (g++, ninja) into ``build/torch_extensions``
-under the checkout (git-ignored; ``scripts/setup.sh`` builds it), one build per CPU capability (AVX-512, AVX2 or
-baseline flags), source and torch version; once built it is imported directly. When the build or the load fails, `extension` says so once in the log and returns None, and
+The extension is compiled by ``torch.utils.cpp_extension.load`` (g++, ninja) into the user's cache,
+``$XDG_CACHE_HOME/tcnn/torch_extensions`` (``~/.cache/...``; ``TCNN_EXTENSIONS_DIR`` overrides it;
+``scripts/setup.sh`` builds it), one build per CPU capability (AVX-512, AVX2 or baseline flags), source and torch
+version, named by a hash of them; once built it is imported directly. The name is the content, so every copy of
+the code shares one build: a worktree, a DVC experiment's temporary workspace (``dvc exp run --queue``/``--temp``)
+and a fresh clone on the same machine load it, where a directory under each checkout built it again in each. When the build or the load fails, `extension` says so once in the log and returns None, and
 `core.nn.gpsa_tcnn.TcnnGPSA` takes its Python path.
 """
 
@@ -18,6 +21,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -32,7 +36,17 @@ __all__ = ["available", "extension", "gated_attention_cpp", "gated_attention_cpp
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "gated_attention.cpp"
-BUILD_ROOT = Path(__file__).resolve().parents[2] / "build" / "torch_extensions"
+
+
+def build_root() -> Path:
+    """Where the builds live: ``TCNN_EXTENSIONS_DIR``, else ``$XDG_CACHE_HOME/tcnn/torch_extensions``, else
+    ``~/.cache/tcnn/torch_extensions`` (shared by every checkout: the build's name is its content)."""
+    if override := os.environ.get("TCNN_EXTENSIONS_DIR"):
+        return Path(override)
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "tcnn" / "torch_extensions"
+
+
 #: Compiler flags per torch CPU capability: the vector width of the kernel's own GEMM and loops, and the ATen
 #: vector functions (its softmax) compiled for that capability.
 ARCH_FLAGS: dict[str, list[str]] = {
@@ -78,14 +92,15 @@ def extension() -> ModuleType | None:
 
 
 def _load() -> ModuleType:
-    """Import the built library when it exists (named by a hash of the source, the flags and torch's version:
-    no build lock taken, so a process killed at start-up leaves none behind), else build it
+    """Import the built library when it exists (named by a hash of the source, the flags, torch's version and the
+    Python ABI: no build lock taken, so a process killed at start-up leaves none behind), else build it
     (``torch.utils.cpp_extension.load``, which serialises concurrent builds with a lock file)."""
     cap = torch.backends.cpu.get_cpu_capability()
     cflags = ["-O3", "-fopenmp", *ARCH_FLAGS.get(cap, [])]
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((cflags, torch.__version__)).encode()).hexdigest()[:12]
+    abi = (cflags, torch.__version__, sys.implementation.cache_tag)  # a cache any venv on the machine reads
+    key = hashlib.sha256(SOURCE.read_bytes() + repr(abi).encode()).hexdigest()[:12]
     name = f"tcnn_gated_attention_{cap.lower()}_{key}"
-    build = BUILD_ROOT / name
+    build = build_root() / name
     lib = build / f"{name}.so"
     if not lib.is_file():
         quiet = logging.getLogger("torch.utils.cpp_extension")  # its CUDA_HOME warning: not our concern
