@@ -43,6 +43,24 @@ def _finished(repo: Path) -> set[str]:
     return {ref.rsplit("/", 1)[-1] for ref in refs} & set(EXPERIMENTS)
 
 
+#: `dvc queue status` reading a worker's half-written message on DVC's filesystem broker (the race of
+#: treeverse/dvc-task#73, below): the tasks' table is printed whole, then the workers' part fails with
+#: "unexpected error - Expecting value" and exit 255 (seen once in a fresh-clone run, both experiments done).
+BROKER_RACE = "Expecting value: line 1 column 1 (char 0)"
+
+
+def _queue_status(repo: Path) -> str | None:
+    """`dvc queue status`'s tasks table. When the workers' part hit the broker race, the table it printed before
+    (None without one: asked again at the next poll); any other failure raises with its output."""
+    out = dvc(repo, "queue", "status", check=False)
+    if out.returncode != 0 and BROKER_RACE in out.stderr:
+        return out.stdout if out.stdout.lstrip().startswith("Task") else None
+    assert out.returncode == 0, (
+        f"dvc queue status exited {out.returncode}\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
+    )
+    return out.stdout
+
+
 def _wait_for_queue(repo: Path, timeout: float, status_every_s: float = 30) -> str:
     """Wait until nothing is queued or running; returns `dvc queue status`'s last output. Between the status
     calls (each a DVC process: about a CPU-second, which every 3 s took 40% of a core from the experiments it
@@ -51,8 +69,8 @@ def _wait_for_queue(repo: Path, timeout: float, status_every_s: float = 30) -> s
     status = ""
     while True:
         if _finished(repo) == set(EXPERIMENTS) or time.monotonic() - last >= status_every_s:
-            status, last = dvc(repo, "queue", "status").stdout, time.monotonic()
-            if not any(word in status for word in ("Queued", "Running")):
+            status, last = _queue_status(repo), time.monotonic()
+            if status is not None and not any(word in status for word in ("Queued", "Running")):
                 return status
         assert time.monotonic() - t0 < timeout, f"queue still busy after {timeout:.0f}s:\n{status}"
         time.sleep(2)
