@@ -17,15 +17,38 @@ need_pkg dataset-fashion-mnist
 need_pkg g++; need_pkg ninja-build; need_pkg python3-dev
 # iproute2: the network namespaces of the multi-node test cluster (infra/slurm/local_cluster.sh)
 if [ "$want_test" = 1 ]; then need_pkg slurm-wlm; need_pkg munge; need_pkg chromium; need_pkg iproute2; fi
+# The Debian packages install in the background while uv builds .venv (both mostly wait on downloads and disk;
+# on a fresh machine that is about a minute less): waited for, and their failure reported, before anything
+# below needs them (the C++ build needs g++).
+apt_pid=""
+apt_log=$(mktemp)
+# nothing outlives this script: an early exit (a failed uv sync) still waits for apt-get
+trap 'if [ -n "$apt_pid" ]; then wait "$apt_pid" || true; fi; rm -f "$apt_log"' EXIT
+apt_t0=$(date +%s)
 if [ "${#apt_missing[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] || [ -n "$SUDO" ]; then
     echo "setup: installing Debian packages: ${apt_missing[*]}"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${apt_missing[@]}" >/dev/null
+    (
+      $SUDO apt-get update -qq &&
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${apt_missing[@]}"
+    ) >"$apt_log" 2>&1 </dev/null &
+    apt_pid=$!
   else
     echo "setup: cannot install ${apt_missing[*]} (not root, no sudo); the stages that need them will say so" >&2
   fi
 fi
+wait_apt() {
+  [ -n "$apt_pid" ] || return 0
+  local rc=0
+  wait "$apt_pid" || rc=$?
+  apt_pid=""
+  if [ "$rc" != 0 ]; then
+    grep -v '^debconf\|^$' "$apt_log" >&2 || true
+    echo "setup: installing ${apt_missing[*]} failed (apt-get exit $rc)" >&2
+    exit "$rc"
+  fi
+  echo "setup: Debian packages installed ($(( $(date +%s) - apt_t0 )) s from the start)"
+}
 
 PY=${PYTHON:-python3}
 # uv installs the locked environment (uv.lock). Its release is pinned once, in pyproject.toml's
@@ -44,6 +67,8 @@ fi
 # "Updating the lock"); packages the lock does not name are removed. A no-op when .venv already matches.
 echo "setup: .venv <- uv.lock (uv sync --locked)"
 UV_PYTHON_DOWNLOADS=never "$UV" sync --locked --extra dev --python "$PY" --quiet
+echo "setup: .venv ready ($(( $(date +%s) - apt_t0 )) s from the start)"
+wait_apt
 # `dvc plots show`'s page with the Vega libraries inlined (from the locked wheel): it draws offline.
 .venv/bin/python scripts/dvc_plots_page.py
 # The GPSA's C++ attention (core/nn/csrc), compiled once into the user's cache (~/.cache/tcnn/torch_extensions,

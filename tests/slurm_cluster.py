@@ -86,6 +86,20 @@ class SlurmCluster:
                 return item.split("=", 1)[1]
         return None
 
+    def diagnose(self, job_id: str, log_dir: Path | None = None, lines: int = 30) -> str:
+        """What a failed multi-node test needs to say about ``job_id``: node states, the job's state and nodes,
+        its steps, slurmctld's log lines about it and the tails of its submitit logs."""
+        fields = [self.job_field(job_id, k) for k in ("JobState", "NodeList", "Restarts")]
+        steps = self.run(
+            "squeue", "-h", "-s", "-j", str(job_id), "-o", "%i %N %M", check=False
+        ).stdout.strip()
+        log = Path(dict(self.script_env).get("TCNN_SLURM_DIR", "/tmp/tcnn-slurm")) / "log" / "slurmctld.log"
+        ctld = [line for line in _tail(log, 4000).splitlines() if str(job_id) in line][-lines:]
+        return (
+            f"states {self.node_states()}; job [state, nodes, restarts] {fields}; steps: {steps or 'none'}"
+            f"\n--- slurmctld.log on job {job_id}\n" + "\n".join(ctld) + _log_tails(log_dir, job_id, lines)
+        )
+
     def release_requeued(self, job_id: str, timeout: float = 150, log_dir: Path | None = None) -> None:
         """SLURM holds a requeued job for ~2 minutes (Reason=BeginTime); make it eligible now (tests only).
 

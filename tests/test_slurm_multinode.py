@@ -305,11 +305,8 @@ def test_lost_head_node_requeues_the_job_which_resumes(
         # typically 37 s; once, with the cores shared by two other pytest runs, more than 240 s (issue 45 note)
         deadline = time.monotonic() + 480
         while int(cluster.job_field(job.job_id, "Restarts") or 0) < 1:
-            if time.monotonic() >= deadline:  # what the worker task saw: the job's state and nodes, its log
-                err = tmp_path / "submitit" / f"{job.job_id}_1_log.err"
-                pytest.fail(f"not requeued; states {cluster.node_states()}; job "
-                            f"{[cluster.job_field(job.job_id, k) for k in ('JobState', 'NodeList')]}; worker "
-                            f"log: {err.read_text()[-2000:] if err.is_file() else 'none'}")  # fmt: skip
+            if time.monotonic() >= deadline:  # what SLURM and the worker task saw: job, steps, logs
+                pytest.fail("not requeued; " + cluster.diagnose(job.job_id, tmp_path / "submitit"))
             time.sleep(1.0)
         requeued_after = time.monotonic() - lost_at
         assert cluster.script("start").returncode == 0  # node1 comes back

@@ -282,12 +282,13 @@ class RayClusterJob(submitit.helpers.Checkpointable):
         """
         host, port = info["address"].rsplit(":", 1)
         next_check = time.monotonic() + self.config.head_check_s
+        said: set[str] = set()  # what the head-loss watch said already (each line once in the log)
         while not done.exists():
             gone = proc.poll() is not None
             if gone or time.monotonic() >= next_check:
                 next_check = time.monotonic() + self.config.head_check_s
                 if not done.exists() and not _answers(host, int(port)):
-                    if requeue_if_head_lost(info.get("head_node"), done):
+                    if requeue_if_head_lost(info.get("head_node"), done, said=said):
                         return
                 elif gone and not done.exists():
                     raise SlurmLaunchError(failure)

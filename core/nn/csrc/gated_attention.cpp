@@ -15,7 +15,9 @@
 // L (any strides: e.g. the q and k rows of one projection output), vt [B, C, L] (any strides), pos [heads, Lq, L],
 // g [heads]; Y [B, Lq*heads, C] with rows (query, head). The gradients of qt, kt are written into given tensors
 // (any strides; e.g. the two halves of one projection's gradient), dX in vt's layout (channels-last or not).
-#include <torch/extension.h>
+// ATen and the Python binding only, not <torch/extension.h> (the whole C++ frontend): a third less build time.
+#include <ATen/ATen.h>
+#include <torch/python.h>
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
