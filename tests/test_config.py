@@ -391,6 +391,23 @@ def test_validate_a_directory_is_one_line(tmp_path: Path) -> None:
     assert proc.stderr.strip() == f"tcnn validate: error: {tmp_path}: is a directory, not a params file"
 
 
+def test_the_command_line_loads_no_science_until_a_command_runs() -> None:
+    """`tcnn --help`, and a refusal of a missing params file, answer from the parser and the configuration
+    alone: building the whole parser (every subcommand) in a fresh interpreter loads neither torch, timm, Ray
+    nor MLflow (each `tcnn` process paid torch's import, about 2 s, before it could say anything)."""
+    probe = (
+        "import sys; from pipelines.cli import build_parser\n"
+        "build_parser().format_help()\n"
+        "print(sorted(m for m in ('torch', 'timm', 'ray', 'mlflow', 'scipy') if m in sys.modules))"
+    )
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    res = subprocess.run([sys.executable, "-m", "pipelines.cli", "sweep", "--params", "missing.yaml"],
+                         capture_output=True, text=True, env=env)  # fmt: skip
+    assert res.returncode == 2 and "missing.yaml" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
 def test_the_name_registries_load_no_science() -> None:
     """The configuration checks every registry's names (datasets, kinds, stride modes, corruptions,
     published benchmarks, precisions) from modules that load neither torch, numpy, PIL nor timm, in a fresh

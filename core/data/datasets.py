@@ -13,9 +13,8 @@ import numpy as np
 import torch
 
 from core.data.loader import BatchLoader, Mixing
-from core.data.shard_reader import load_labels, read_manifest, verify_split
+from core.data.shard_reader import load_labels, manifest_fingerprint, read_manifest, verify_split
 from core.data.splits import load_splits, plan_splits, split_roles
-from core.utils.hashing import stable_hash
 
 
 @dataclass
@@ -78,12 +77,6 @@ def load_datasets(
         val_split=s.plan.val_split,
         roles=s.roles,
     )
-
-
-def manifest_fingerprint(manifest: dict[str, Any]) -> str:
-    """The prepared dataset's content identity: the hash of its manifest (which lists every shard's sha256),
-    leaving out where it was imported from."""
-    return stable_hash({k: v for k, v in manifest.items() if k != "source"})
 
 
 def _streamed(

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from core.data.importers import FORMAT_VERSION, MANIFEST, DataError
-from core.utils.hashing import file_digest
+from core.utils.hashing import file_digest, stable_hash
 
 
 def read_manifest(data_dir: str | Path) -> dict[str, Any]:
@@ -38,6 +38,12 @@ def read_manifest(data_dir: str | Path) -> dict[str, Any]:
             f"{path}: format_version {version!r}, this code reads {FORMAT_VERSION}; re-run prepare"
         )
     return manifest
+
+
+def manifest_fingerprint(manifest: dict[str, Any]) -> str:
+    """The prepared dataset's content identity: the hash of its manifest (which lists every shard's sha256),
+    leaving out where it was imported from."""
+    return stable_hash({k: v for k, v in manifest.items() if k != "source"})
 
 
 def split_entry(manifest: dict[str, Any], split: str, data_dir: Path) -> dict[str, Any]:

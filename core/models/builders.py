@@ -17,12 +17,12 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import torch
-import torch.nn as nn
+from typing import TYPE_CHECKING, Any
 
 from core.utils.module_files import local_files
+
+if TYPE_CHECKING:  # torch loads where a network is built or changed, not where a name is checked (the CLI)
+    import torch.nn as nn
 
 __all__ = [
     "PROJECT_PACKAGES",
@@ -128,6 +128,8 @@ def build_external(arch: str, num_classes: int | None = None, in_chans: int | No
     """The network of the builder ``arch``, with a ``num_classes``-way classifier when given (passed to the
     builder when it takes ``num_classes``, else its classifier replaced) and checked to take ``in_chans``
     input channels. One-line ValueErrors."""
+    import torch.nn as nn
+
     fn = load_builder(arch)
     kwargs = {"num_classes": num_classes} if num_classes is not None and _takes(fn, "num_classes") else {}
     try:
@@ -148,6 +150,8 @@ def build_external(arch: str, num_classes: int | None = None, in_chans: int | No
 def classifier(model: nn.Module) -> tuple[str, nn.Linear]:
     """(name, module) of the network's classifier: the module timm's ``pretrained_cfg["classifier"]`` names,
     else the last ``nn.Linear``; a ValueError when there is none."""
+    import torch.nn as nn
+
     cfg = getattr(model, "pretrained_cfg", None) or {}
     name = cfg.get("classifier") if isinstance(cfg, dict) else None
     if isinstance(name, str):
@@ -166,6 +170,9 @@ def classifier(model: nn.Module) -> tuple[str, nn.Linear]:
 def set_num_classes(model: nn.Module, num_classes: int, seed: int | None = None) -> bool:
     """Give ``model`` a ``num_classes``-way classifier in place (a new ``nn.Linear`` on the same features,
     torch's default init drawn from ``seed`` when given); False when it has that many already."""
+    import torch
+    import torch.nn as nn
+
     name, head = classifier(model)
     if head.out_features == num_classes:
         return False
