@@ -387,8 +387,17 @@ kill_node() {
   pids=$(ip netns pids "$ns" 2>/dev/null || true)
   [ -n "$pids" ] || die "kill-node: nothing runs on $node"
   log "killing $node: $(wc -w <<<"$pids") process(es)"
-  # shellcheck disable=SC2086
-  kill -KILL $pids 2>/dev/null || true
+  # Until nothing is left: a process forked between the listing and the kill (a job step, a Ray worker) would
+  # outlive a single pass, which a dead node's processes do not.
+  local pass=0
+  while [ -n "$pids" ] && [ "$pass" -lt 50 ]; do
+    # shellcheck disable=SC2086
+    kill -KILL $pids 2>/dev/null || true
+    sleep 0.1
+    pids=$(ip netns pids "$ns" 2>/dev/null || true)
+    pass=$((pass + 1))
+  done
+  [ -z "$pids" ] || die "kill-node: processes $(tr '\n' ' ' <<<"$pids")on $node outlived 50 SIGKILLs"
 }
 
 exec_on() {
