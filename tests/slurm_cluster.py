@@ -93,7 +93,7 @@ class SlurmCluster:
         steps = self.run(
             "squeue", "-h", "-s", "-j", str(job_id), "-o", "%i %N %M", check=False
         ).stdout.strip()
-        log = Path(dict(self.script_env).get("TCNN_SLURM_DIR", "/tmp/tcnn-slurm")) / "log" / "slurmctld.log"
+        log = Path(self.settings.get("TCNN_SLURM_DIR", str(STATE_DIR))) / "log" / "slurmctld.log"
         ctld = [line for line in _tail(log, 4000).splitlines() if str(job_id) in line][-lines:]
         return (
             f"states {self.node_states()}; job [state, nodes, restarts] {fields}; steps: {steps or 'none'}"

@@ -4,6 +4,7 @@ and nothing written."""
 from __future__ import annotations
 
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -391,18 +392,22 @@ def test_validate_a_directory_is_one_line(tmp_path: Path) -> None:
     assert proc.stderr.strip() == f"tcnn validate: error: {tmp_path}: is a directory, not a params file"
 
 
+def _loaded_in_fresh_interpreter(probe: str, heavy: tuple[str, ...]) -> list[str]:
+    """Which of the ``heavy`` modules a fresh interpreter holds after running ``probe`` (the repository on its
+    path); the probe failing fails the test."""
+    code = f"{probe}\nimport json, sys\nprint(json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)))"
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def test_the_command_line_loads_no_science_until_a_command_runs() -> None:
     """`tcnn --help`, and a refusal of a missing params file, answer from the parser and the configuration
     alone: building the whole parser (every subcommand) in a fresh interpreter loads neither torch, timm, Ray
     nor MLflow (each `tcnn` process paid torch's import, about 2 s, before it could say anything)."""
-    probe = (
-        "import sys; from pipelines.cli import build_parser\n"
-        "build_parser().format_help()\n"
-        "print(sorted(m for m in ('torch', 'timm', 'ray', 'mlflow', 'scipy') if m in sys.modules))"
-    )
+    probe = "from pipelines.cli import build_parser\nbuild_parser().format_help()"
+    assert _loaded_in_fresh_interpreter(probe, ("torch", "timm", "ray", "mlflow", "scipy")) == []
     env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True)
-    assert out.stdout.strip() == "[]", out.stdout
     res = subprocess.run([sys.executable, "-m", "pipelines.cli", "sweep", "--params", "missing.yaml"],
                          capture_output=True, text=True, env=env)  # fmt: skip
     assert res.returncode == 2 and "missing.yaml" in res.stderr and len(res.stderr.strip().splitlines()) == 1
@@ -413,14 +418,11 @@ def test_the_name_registries_load_no_science() -> None:
     published benchmarks, precisions) from modules that load neither torch, numpy, PIL nor timm, in a fresh
     interpreter; and the names are the ones the science modules use."""
     probe = (
-        "import sys; from core.config import allowed, rules\n"
+        "from core.config import allowed, rules\n"
         "names = {r: allowed(r) for r in rules.name_questions()}\n"
-        "assert len(names) == 6, names\n"
-        "print(sorted(m for m in ('torch', 'numpy', 'PIL', 'timm', 'scipy', 'pyarrow') if m in sys.modules))"
+        "assert len(names) == 6, names"
     )
-    env = {**os.environ, "PYTHONPATH": repo_pythonpath()}
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, check=True)
-    assert out.stdout.strip() == "[]", out.stdout
+    assert _loaded_in_fresh_interpreter(probe, ("torch", "numpy", "PIL", "timm", "scipy", "pyarrow")) == []
     import torch
 
     from core.config import allowed
